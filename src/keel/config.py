@@ -1,0 +1,137 @@
+"""The model's configuration: one frozen dataclass, validated before any tensor exists."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from keel.schemes import SCHEMES, Keel
+
+FFN_TYPES = ("swiglu", "gelu")
+NORM_TYPES = ("rmsnorm", "layernorm")
+DEEPNORM_BETAS = ("deepnet", "paper")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only causal LM. Depth is counted in blocks (one attention + one FFN sub-layer);
+    the paper's L is `n_sublayers = 2 * n_blocks`.
+
+    Scheme-specific fields default to None ("the scheme's default") and are rejected when set for a
+    scheme that does not read them.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 256
+    n_blocks: int = 8
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: as many as n_heads (plain multi-head attention)
+    d_ffn: int | None = None  # None: 3 * d_model (the paper's Table 8)
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    ffn: str = "swiglu"
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    scheme: str = "keel"
+    # keel
+    alpha: float | str | None = None  # "L" (default), "sqrtL" or a number > 0
+    first_layer: str | None = None  # "v2" (default), "v1" or "none"
+    # mix_ln
+    mix_ln_fraction: float | None = None  # share of blocks that are Post-LN; default 0.25
+    # deepnorm
+    deepnorm_beta: str | None = None  # "deepnet" (default) or "paper"
+
+    def __post_init__(self):
+        _validate(self)
+
+    @property
+    def n_sublayers(self) -> int:
+        """The paper's L: attention and FFN sub-layers counted separately."""
+        return 2 * self.n_blocks
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        return 3 * self.d_model if self.d_ffn is None else self.d_ffn
+
+    def scheme_kwargs(self) -> dict:
+        """The scheme-specific fields the chosen scheme reads, for its constructor."""
+        return {name: getattr(self, name) for name in SCHEMES[self.scheme].options}
+
+
+def _fail(field: str, problem: str, allowed: str) -> None:
+    raise ValueError(f"ModelConfig.{field}: {problem}; allowed: {allowed}")
+
+
+def _validate(c: ModelConfig) -> None:
+    for name in ("vocab_size", "d_model", "n_blocks", "n_heads", "max_seq_len"):
+        value = getattr(c, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            _fail(name, f"got {value!r}", "an integer >= 1")
+    for name in ("n_kv_heads", "d_ffn"):
+        value = getattr(c, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            _fail(name, f"got {value!r}", "an integer >= 1, or None for the default")
+    if c.d_model % c.n_heads:
+        _fail("d_model", f"{c.d_model} is not divisible by n_heads={c.n_heads}", "a multiple of n_heads")
+    if c.n_heads % c.kv_heads:
+        _fail("n_kv_heads", f"n_heads={c.n_heads} is not a multiple of n_kv_heads={c.kv_heads}",
+              "a divisor of n_heads")
+    if c.head_dim % 2:
+        _fail("d_model", f"head dimension d_model/n_heads={c.head_dim} is odd (RoPE rotates pairs)",
+              "d_model/n_heads even")
+    for name in ("rope_theta", "norm_eps", "init_std"):
+        value = getattr(c, name)
+        if not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+            _fail(name, f"got {value!r}", "a finite number > 0")
+    if not isinstance(c.dropout, (int, float)) or not 0 <= c.dropout < 1:
+        _fail("dropout", f"got {c.dropout!r}", "a number in [0, 1)")
+    if c.ffn not in FFN_TYPES:
+        _fail("ffn", f"unknown FFN type {c.ffn!r}", ", ".join(FFN_TYPES))
+    if c.norm not in NORM_TYPES:
+        _fail("norm", f"unknown norm {c.norm!r}", ", ".join(NORM_TYPES))
+    if c.scheme not in SCHEMES:
+        _fail("scheme", f"unknown scheme {c.scheme!r}", ", ".join(SCHEMES))
+
+    scheme_fields = {"alpha", "first_layer", "mix_ln_fraction", "deepnorm_beta"}
+    for name in sorted(scheme_fields - set(SCHEMES[c.scheme].options)):
+        if getattr(c, name) is not None:
+            users = [s for s, cls in SCHEMES.items() if name in cls.options]
+            _fail(name, f"is set but scheme {c.scheme!r} does not use it", f"only with scheme {users[0]!r}")
+    if c.alpha is not None:
+        _validate_alpha(c.alpha)
+    if c.first_layer is not None and c.first_layer not in Keel.first_layer_rules:
+        _fail("first_layer", f"got {c.first_layer!r}", ", ".join(Keel.first_layer_rules))
+    if c.mix_ln_fraction is not None and not (
+        isinstance(c.mix_ln_fraction, (int, float)) and 0 <= c.mix_ln_fraction <= 1
+    ):
+        _fail("mix_ln_fraction", f"got {c.mix_ln_fraction!r}", "a number in [0, 1]")
+    if c.deepnorm_beta is not None and c.deepnorm_beta not in DEEPNORM_BETAS:
+        _fail("deepnorm_beta", f"got {c.deepnorm_beta!r}", ", ".join(DEEPNORM_BETAS))
+
+
+def _validate_alpha(alpha) -> None:
+    allowed = '"L", "sqrtL", or a number > 0'
+    if alpha in Keel.alpha_modes:
+        return
+    if isinstance(alpha, bool):
+        _fail("alpha", f"got {alpha!r}", allowed)
+    try:
+        value = float(alpha)
+    except (TypeError, ValueError):
+        _fail("alpha", f"got {alpha!r}", allowed)
+    if not (value > 0 and math.isfinite(value)):
+        _fail("alpha", f"got {alpha!r}", allowed)
+
+
+CONFIG_FIELDS = tuple(f.name for f in fields(ModelConfig))

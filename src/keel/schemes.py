@@ -1,0 +1,233 @@
+"""Residual/normalisation schemes: where the norms sit and how each sub-layer's sum is formed.
+
+Every scheme is a specialisation of one general sub-layer update,
+
+    x' = norm_out(alpha * x + norm_branch(F(norm_in(x))))
+
+where F is the attention or FFN branch and each norm may be absent. A scheme decides, per sub-layer,
+which norms exist and what alpha is (a `SublayerSpec`); `Residual` is the one module that carries the
+update out. Users pick a scheme by its string name and never combine norms by hand, so an invalid
+placement cannot be expressed. Sub-layers are indexed 0..L-1 in order (attn, ffn, attn, ffn, ...),
+L = n_sublayers = 2 * n_blocks, the paper's L.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import nn
+
+from keel.numerics import upcast
+
+Kind = Literal["attn", "ffn"]
+
+
+@dataclass(frozen=True)
+class SublayerSpec:
+    """Which norms one sub-layer has and its shortcut gain alpha."""
+
+    norm_in: bool
+    norm_out: bool
+    alpha: float = 1.0
+    norm_branch: bool = False
+
+
+PRE = SublayerSpec(norm_in=True, norm_out=False)
+POST = SublayerSpec(norm_in=False, norm_out=True)
+
+
+class Residual(nn.Module):
+    """`x' = norm_out(alpha * x + norm_branch(F(norm_in(x))))`, absent norms skipped.
+
+    The sum is always formed in (at least) float32, whatever autocast or the weights' dtype do: see
+    `keel.numerics.stream_dtype` for why.
+    """
+
+    def __init__(self, spec: SublayerSpec, make_norm: Callable[[], nn.Module], dropout: float = 0.0):
+        super().__init__()
+        self.alpha = float(spec.alpha)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
+        self.norm_in = make_norm() if spec.norm_in else None
+        self.norm_branch = make_norm() if spec.norm_branch else None
+        self.norm_out = make_norm() if spec.norm_out else None
+
+    def forward(self, x: torch.Tensor, branch: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+        x = upcast(x)
+        h = branch(x if self.norm_in is None else self.norm_in(x), *args)
+        if self.norm_branch is not None:
+            h = self.norm_branch(h)
+        if self.dropout is not None:
+            h = self.dropout(h)
+        y = self.alpha * x + h.to(x.dtype)
+        return y if self.norm_out is None else self.norm_out(y)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha:g}"
+
+
+class Scheme:
+    """Base class. Subclasses state their equation and source in their docstring."""
+
+    name: ClassVar[str]
+    # config fields (beyond the shared ones) that this scheme reads; any other scheme rejects them
+    options: ClassVar[tuple[str, ...]] = ()
+    # whether the model applies a norm between the last sub-layer and the LM head
+    final_norm: ClassVar[bool]
+    # whether attention normalises Q, K and V after projection (HybridNorm)
+    qkv_norm: ClassVar[bool] = False
+
+    def __init__(self, n_sublayers: int):
+        self.n_sublayers = n_sublayers
+
+    def spec(self, index: int, kind: Kind) -> SublayerSpec:
+        raise NotImplementedError
+
+    def init_gain(self, index: int, kind: Kind, param: str) -> float:
+        """Factor applied to a branch weight after the N(0, std^2) init (1 = unchanged)."""
+        return 1.0
+
+
+class PreLN(Scheme):
+    """Pre-LN (paper Eq. 6; GPT-2/LLaMA): `x' = x + F(LN(x))`, with a final norm before the head."""
+
+    name = "pre_ln"
+    final_norm = True
+
+    def spec(self, index, kind):
+        return PRE
+
+
+class PostLN(Scheme):
+    """Post-LN (paper Eq. 3; Vaswani et al. 2017): `x' = LN(x + F(x))`. The last LN is the final norm."""
+
+    name = "post_ln"
+    final_norm = False
+
+    def spec(self, index, kind):
+        return POST
+
+
+class DeepNorm(Scheme):
+    """DeepNorm (paper Eq. 5; Wang et al. 2022, "DeepNet"): `x' = LN(a*x + F(x))`.
+
+    Decoder-only constants from DeepNet's Table 1 with M = n_blocks decoder layers:
+    a = (2M)^(1/4) = L^(1/4), and the FFN weights, the value projection and the output projection are
+    initialised with gain b = (8M)^(-1/4) = (4L)^(-1/4); query and key keep gain 1.
+    `deepnorm_beta="paper"` uses the constant the Keel paper quotes instead, b = L^(-1/4), which is
+    sqrt(2) larger than DeepNet's (the two agree on a). DeepNet applies b to a Xavier init; here it
+    scales the project's N(0, 0.02^2) init, as the Keel paper describes.
+    """
+
+    name = "deepnorm"
+    options = ("deepnorm_beta",)
+    final_norm = False
+    scaled = ("wv.weight", "wo.weight")  # attention projections DeepNet scales; all FFN weights too
+
+    def __init__(self, n_sublayers: int, deepnorm_beta: str | None = None):
+        super().__init__(n_sublayers)
+        self.a = n_sublayers**0.25
+        self.b = (4 * n_sublayers) ** -0.25 if deepnorm_beta in (None, "deepnet") else n_sublayers**-0.25
+
+    def spec(self, index, kind):
+        return SublayerSpec(norm_in=False, norm_out=True, alpha=self.a)
+
+    def init_gain(self, index, kind, param):
+        return self.b if kind == "ffn" or param in self.scaled else 1.0
+
+
+class MixLN(Scheme):
+    """Mix-LN (Li et al. 2024): Post-LN `LN(x + F(x))` in the first floor(fraction * n_blocks) blocks,
+    Pre-LN `x + F(LN(x))` above them, with a final norm. The split is counted in blocks, as Mix-LN's
+    own paper counts layers, so a block's attention and FFN always share a scheme (default 25%).
+    """
+
+    name = "mix_ln"
+    options = ("mix_ln_fraction",)
+    final_norm = True
+
+    def __init__(self, n_sublayers: int, mix_ln_fraction: float | None = None):
+        super().__init__(n_sublayers)
+        fraction = 0.25 if mix_ln_fraction is None else mix_ln_fraction
+        self.n_post_blocks = math.floor(fraction * (n_sublayers // 2))
+
+    def spec(self, index, kind):
+        return POST if index // 2 < self.n_post_blocks else PRE
+
+
+class PeriLN(Scheme):
+    """Peri-LN (Kim et al. 2025; the "sandwich" norm of Gemma 2/3, OLMo 2):
+    `x' = x + LN_out(F(LN_in(x)))`, with a final norm before the head.
+    """
+
+    name = "peri_ln"
+    final_norm = True
+
+    def spec(self, index, kind):
+        return SublayerSpec(norm_in=True, norm_out=False, norm_branch=True)
+
+
+class HybridNorm(Scheme):
+    """HybridNorm (Zhuo et al. 2025): QKV-normalised attention with no input norm,
+    `y = x + Attn_QKVNorm(x)`, then a Post-Norm FFN, `x' = LN(y + FFN(y))`.
+
+    Q, K and V are each RMS/Layer-normalised over their full projected width (OLMo 2's QK-norm
+    placement, on which HybridNorm's code builds). The last FFN's LN is the final norm. The paper's
+    HybridNorm* variant (Pre-Norm first block) is not implemented.
+    """
+
+    name = "hybrid_norm"
+    final_norm = False
+    qkv_norm = True
+
+    def spec(self, index, kind):
+        return SublayerSpec(norm_in=False, norm_out=False) if kind == "attn" else POST
+
+
+class Keel(Scheme):
+    """Keel (paper Eq. 16): `x' = LN_out(alpha*x + F(LN_in(x)))`, alpha a fixed scalar.
+
+    alpha: "L" (default, the total number of sub-layers), "sqrtL", or a positive number.
+    first_layer ("input layer initialisation"):
+      - "v2" (default, arXiv v2): sub-layer 0 is `x + Attn(LN_in(x))` (no alpha, no LN_out);
+        sub-layer 1 is `LN_out(x + FFN(LN_in(x)))` (no alpha); every later sub-layer is full Keel.
+      - "v1" (arXiv v1): sub-layers 0 and 1 are plain Pre-LN `x + F(LN_in(x))`.
+      - "none": every sub-layer is full Keel.
+    No final norm: the stack already ends in LN_out.
+    """
+
+    name = "keel"
+    options = ("alpha", "first_layer")
+    final_norm = False
+    alpha_modes = ("L", "sqrtL")
+    first_layer_rules = ("v2", "v1", "none")
+
+    def __init__(self, n_sublayers: int, alpha: float | str | None = None, first_layer: str | None = None):
+        super().__init__(n_sublayers)
+        self.alpha = resolve_alpha("L" if alpha is None else alpha, n_sublayers)
+        self.first_layer = first_layer or "v2"
+
+    def spec(self, index, kind):
+        keel = SublayerSpec(norm_in=True, norm_out=True, alpha=self.alpha)
+        if self.first_layer == "v2" and index < 2:
+            return SublayerSpec(norm_in=True, norm_out=index == 1)
+        if self.first_layer == "v1" and index < 2:
+            return PRE
+        return keel
+
+
+def resolve_alpha(alpha: float | str, n_sublayers: int) -> float:
+    """Turn an alpha setting ("L", "sqrtL" or a number, also as a string) into a number."""
+    if alpha == "L":
+        return float(n_sublayers)
+    if alpha == "sqrtL":
+        return math.sqrt(n_sublayers)
+    return float(alpha)
+
+
+SCHEMES: dict[str, type[Scheme]] = {
+    cls.name: cls for cls in (Keel, PreLN, PostLN, DeepNorm, MixLN, PeriLN, HybridNorm)
+}

@@ -1,0 +1,27 @@
+"""The `keel` command as a user types it."""
+
+import subprocess
+import sys
+
+from keel.cli import main
+
+
+def test_summary_reports_blocks_and_sublayers(capsys):
+    assert main(["summary", "--preset", "tiny", "n_blocks=3", "scheme=keel", "alpha=sqrtL"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks: 3   sub-layers (the paper's L): 6" in out
+    assert "alpha=2.44949" in out
+
+
+def test_bad_override_names_the_field(capsys):
+    assert main(["summary", "scheme=pre_ln", "alpha=4"]) == 2
+    err = capsys.readouterr().err
+    assert "ModelConfig.alpha" in err and err.count("\n") == 1
+    assert main(["summary", "n_layers=4"]) == 2
+    assert "n_layers" in capsys.readouterr().err
+
+
+def test_console_script_runs():
+    out = subprocess.run([sys.executable, "-m", "keel.cli", "summary", "--preset", "tiny"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "parameters:" in out
