@@ -37,7 +37,7 @@ class ModelConfig:
     init_std: float = 0.02
     scheme: str = "keel"
     # keel
-    alpha: float | str | None = None  # "L" (default), "sqrtL" or a number > 0
+    alpha: int | float | str | None = None  # "L" (default), "sqrtL" or a number > 0
     first_layer: str | None = None  # "v2" (default), "v1" or "none"
     # mix_ln
     mix_ln_fraction: float | None = None  # share of blocks that are Post-LN; default 0.25

@@ -1,0 +1,163 @@
+"""Tokenizers: raw UTF-8 bytes, or a byte-level BPE from Hugging Face `tokenizers`, trained and cached per corpus.
+
+Every tokenizer has `vocab_size`, `eos_id` (None when it has none), `name` (an identity string that
+cache keys are built from), `encode`, `decode`, `encode_batch` (bulk, to numpy) and `save(directory)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>")
+DEFAULT_BPE_VOCAB = 4096
+SPEC_HELP = "'bytes', 'bpe', 'bpe:<vocab_size>' or a path to a tokenizer.json"
+
+
+class DataError(ValueError):
+    """Data or tokenizer input that cannot be used; the one-line message names the file or field.
+
+    Defined here because `keel.data` imports this module; it is re-exported as `keel.data.DataError`."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: 256 ids, no training, nothing unknown."""
+
+    vocab_size = 256
+    eos_id = None
+    name = "bytes"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def encode_to_array(self, text: str) -> np.ndarray:
+        """The bytes of `text` as a uint8 array, without a Python int per byte."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode_to_array(t) for t in texts]
+
+    def save(self, directory) -> None:
+        """Record in `directory` that this run used raw bytes, so a run directory is self-contained."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = {"tokenizer_class": "ByteTokenizer", "keel_tokenizer": "bytes", "vocab_size": self.vocab_size}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers.Tokenizer` read from a tokenizer.json file."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            raise DataError(f"{self.path}: no such tokenizer file; data.tokenizer must be {SPEC_HELP}") from None
+        except OSError as err:
+            raise DataError(f"{self.path}: cannot read tokenizer file ({err.strerror})") from None
+        try:
+            self._tok = Tokenizer.from_str(raw.decode("utf-8"))
+        except Exception as err:  # tokenizers raises a bare Exception for malformed JSON
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise DataError(f"{self.path}: not a valid tokenizer.json ({first})") from None
+        self.vocab_size = self._tok.get_vocab_size()
+        self.eos_id = next((i for i in map(self._tok.token_to_id, EOS_CANDIDATES) if i is not None), None)
+        self.name = "hf-" + hashlib.sha256(raw).hexdigest()[:16]
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(list(ids))
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        # encode_batch_fast runs in parallel in Rust and skips the character offsets we never use
+        return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch_fast(texts)]
+
+    def save(self, directory) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self.path, directory / "tokenizer.json")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out_path) -> HFTokenizer:
+    """Train a byte-level BPE on `texts`, write it to `out_path` atomically and return it loaded.
+
+    Byte-level means every string round-trips: decode(encode(s)) == s, with no unknown token."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 1:
+        raise DataError(f"data.tokenizer: BPE vocab_size {vocab_size} is too small; allowed: >= {len(alphabet) + 1} "
+                        "(256 bytes + <|endoftext|>)")
+    tok = Tokenizer(models.BPE())
+    # no prefix space: it would make decode(encode(s)) start with a space that s did not have
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_CANDIDATES[0]],
+                                  initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
+    try:
+        tok.save(str(tmp))
+        os.replace(tmp, out_path)  # a reader sees the old file or the whole new one, never half of it
+    finally:
+        tmp.unlink(missing_ok=True)
+    return HFTokenizer(out_path)
+
+
+def load_tokenizer(spec: str, cache_dir, corpus=None):
+    """The tokenizer named by `spec` (DataConfig.tokenizer).
+
+    "bytes": ByteTokenizer. "bpe" or "bpe:<vocab_size>": a byte-level BPE trained on the train split of
+    `corpus` (a `keel.data.Corpus`) and cached under `cache_dir/tokenizers/` by the corpus fingerprint,
+    so a second call with unchanged data loads it instead of retraining. Anything else: the path of a
+    tokenizer.json, or of a directory holding one.
+    """
+    if spec == "bytes":
+        return ByteTokenizer()
+    if spec == "bpe" or spec.startswith("bpe:"):
+        vocab_size = _bpe_vocab(spec)
+        if corpus is None:
+            raise DataError(f"data.tokenizer: {spec!r} trains on the corpus, but no corpus was given")
+        path = Path(cache_dir) / "tokenizers" / f"{corpus.fingerprint[:16]}-bpe{vocab_size}" / "tokenizer.json"
+        if path.is_file():
+            return HFTokenizer(path)
+        return train_bpe(corpus.documents("train"), vocab_size, path)
+    path = Path(spec).expanduser()
+    return HFTokenizer(path / "tokenizer.json" if path.is_dir() else path)
+
+
+def load_saved_tokenizer(directory):
+    """The tokenizer a run saved with `save(directory)`."""
+    directory = Path(directory)
+    if (directory / "tokenizer.json").is_file():
+        return HFTokenizer(directory / "tokenizer.json")
+    config = directory / "tokenizer_config.json"
+    try:
+        kind = json.loads(config.read_text()).get("keel_tokenizer")
+    except (OSError, ValueError, AttributeError):
+        kind = None
+    if kind == "bytes":
+        return ByteTokenizer()
+    raise DataError(f"{directory}: no saved tokenizer (tokenizer.json, or tokenizer_config.json naming 'bytes')")
+
+
+def _bpe_vocab(spec: str) -> int:
+    if spec == "bpe":
+        return DEFAULT_BPE_VOCAB
+    try:
+        return int(spec.removeprefix("bpe:"))
+    except ValueError:
+        raise DataError(f"data.tokenizer: {spec!r} has no integer vocabulary size; allowed: {SPEC_HELP}") from None

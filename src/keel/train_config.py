@@ -1,0 +1,187 @@
+"""Training configuration: dataclasses for model / data / optimiser / run, merged by OmegaConf.
+
+Precedence: preset < YAML file < dotted `key=value` overrides. OmegaConf checks every key and type
+against the dataclasses; `ModelConfig` then validates values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from keel.config import ModelConfig
+from keel.data import DataConfig
+from keel.presets import cpu_demo, tiny
+
+SCHEDULES = ("cosine", "wsd", "constant")
+GUARD_POLICIES = ("stop", "rollback")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with the paper's recipe: (0.9, 0.95), weight decay 0.01, clip 1.0, warm-up then cosine."""
+
+    lr: float = 3e-3  # peak learning rate
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    decay_norms_and_embeddings: bool = False  # the default decays only weight matrices
+    grad_clip: float = 1.0  # 0 disables clipping
+    schedule: str = "cosine"  # cosine | wsd (warm-up, stable, decay) | constant (after warm-up)
+    warmup_steps: int = 2500
+    min_lr: float = 1e-7  # the floor the decay ends at
+    decay_fraction: float = 0.2  # wsd: the share of steps spent in the final linear decay
+
+
+@dataclass
+class GuardConfig:
+    """Divergence detection, checked every step before the optimiser step is taken."""
+
+    policy: str = "stop"  # stop | rollback
+    spike_factor: float = 3.0  # a spike is a loss above spike_factor x the running median ...
+    spike_window: int = 50  # ... of the last spike_window losses ...
+    spike_min_history: int = 20  # ... once at least this many are known; 0 disables spike checks
+    max_rollbacks: int = 3  # rollback: at most this many, then stop
+    rollback_lr_factor: float = 1.0  # rollback: multiply the learning rate by this each time
+
+
+@dataclass
+class RunConfig:
+    steps: int = 1000
+    batch_size: int = 16  # sequences per micro-batch (per process)
+    grad_accum: int = 1  # micro-batches per optimiser step
+    seq_len: int = 256
+    seed: int = 0
+    device: str = "auto"  # auto: cuda if available, else cpu
+    dtype: str = "auto"  # auto: bf16 autocast on cuda, float32 on cpu
+    compile: bool = False
+    out_dir: str = "runs"
+    name: str = ""  # empty: <scheme>-<n_sublayers>L-<timestamp>
+    log_every: int = 10
+    eval_every: int = 100  # 0 disables periodic validation
+    eval_batches: int = 20
+    ckpt_every: int = 200  # 0: only at the end
+    keep_checkpoints: int = 3
+    progress: bool = True
+    deterministic: bool = False  # torch.use_deterministic_algorithms
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=cpu_demo)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    resume: str = ""  # a run directory to continue
+
+
+def _cpu_demo_train() -> TrainConfig:
+    """The README's main job: a 32-sub-layer Keel on the standard library's source, ~5 min on 2 cores."""
+    return TrainConfig(
+        model=cpu_demo(max_seq_len=128),
+        optim=OptimConfig(lr=2e-3, warmup_steps=30),
+        run=RunConfig(steps=300, batch_size=16, seq_len=128, eval_every=100, eval_batches=10, ckpt_every=100),
+    )
+
+
+def _tiny_train() -> TrainConfig:
+    """For tests: seconds on a CPU."""
+    return TrainConfig(
+        model=tiny(max_seq_len=32),
+        optim=OptimConfig(lr=3e-3, warmup_steps=5),
+        run=RunConfig(steps=20, batch_size=4, seq_len=32, log_every=1, eval_every=10, eval_batches=2,
+                      ckpt_every=10, progress=False),
+    )
+
+
+TRAIN_PRESETS = {"cpu-demo": _cpu_demo_train, "tiny": _tiny_train}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the field or file."""
+
+
+def load_config(overrides: list[str] = (), config_file: str | None = None, preset: str = "cpu-demo") -> TrainConfig:
+    """Build a TrainConfig from a preset, an optional YAML file and dotted overrides."""
+    if preset not in TRAIN_PRESETS:
+        raise ConfigError(f"--preset: unknown preset {preset!r}; allowed: {', '.join(TRAIN_PRESETS)}")
+    layers = [OmegaConf.structured(TRAIN_PRESETS[preset]())]
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file {path}: not found")
+        try:
+            layers.append(OmegaConf.load(path))
+        except Exception as err:
+            raise ConfigError(f"config file {path}: not valid YAML ({err})") from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. model.n_blocks=8")
+    layers.append(OmegaConf.from_dotlist(list(overrides)))
+    return to_config(layers)
+
+
+def to_config(layers) -> TrainConfig:
+    try:
+        merged = OmegaConf.merge(*layers)
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None)
+        first = str(err).splitlines()[0]
+        raise ConfigError(f"{key}: {first}" if key else first) from None
+    validate(config)
+    return config
+
+
+def validate(c: TrainConfig) -> None:
+    def fail(name, got, allowed):
+        raise ConfigError(f"{name}: got {got!r}; allowed: {allowed}")
+
+    for name in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_batches", "keep_checkpoints"):
+        if getattr(c.run, name) < 1:
+            fail(f"run.{name}", getattr(c.run, name), "an integer >= 1")
+    for name in ("eval_every", "ckpt_every"):
+        if getattr(c.run, name) < 0:
+            fail(f"run.{name}", getattr(c.run, name), "an integer >= 0 (0 disables)")
+    if c.run.seq_len > c.model.max_seq_len:
+        fail("run.seq_len", c.run.seq_len, f"<= model.max_seq_len ({c.model.max_seq_len})")
+    if c.run.device not in DEVICES:
+        fail("run.device", c.run.device, ", ".join(DEVICES))
+    if c.run.dtype not in DTYPES:
+        fail("run.dtype", c.run.dtype, ", ".join(DTYPES))
+    if c.optim.schedule not in SCHEDULES:
+        fail("optim.schedule", c.optim.schedule, ", ".join(SCHEDULES))
+    if not c.optim.lr > 0:
+        fail("optim.lr", c.optim.lr, "a number > 0")
+    if not 0 <= c.optim.min_lr <= c.optim.lr:
+        fail("optim.min_lr", c.optim.min_lr, "between 0 and optim.lr")
+    if c.optim.warmup_steps < 0:
+        fail("optim.warmup_steps", c.optim.warmup_steps, "an integer >= 0")
+    if not 0 <= c.optim.decay_fraction <= 1:
+        fail("optim.decay_fraction", c.optim.decay_fraction, "a number in [0, 1]")
+    if c.optim.grad_clip < 0:
+        fail("optim.grad_clip", c.optim.grad_clip, "a number >= 0 (0 disables)")
+    if c.guard.policy not in GUARD_POLICIES:
+        fail("guard.policy", c.guard.policy, ", ".join(GUARD_POLICIES))
+    if not c.guard.spike_factor > 1:
+        fail("guard.spike_factor", c.guard.spike_factor, "a number > 1")
+    if not 0 < c.guard.rollback_lr_factor <= 1:
+        fail("guard.rollback_lr_factor", c.guard.rollback_lr_factor, "a number in (0, 1]")
+
+
+def to_yaml(config: TrainConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def load_run_config(run_dir: Path) -> TrainConfig:
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir}: not a Keel run directory (no config.yaml)")
+    return to_config([OmegaConf.structured(TrainConfig()), OmegaConf.load(path)])

@@ -1,0 +1,299 @@
+"""The training loop: one run directory, resumable, with divergence handling.
+
+Run directory layout:
+  config.yaml      the resolved TrainConfig
+  run.json         provenance: versions, git commit, machine, seed, data fingerprint, tokenizer
+  tokenizer/       the tokenizer, so the run is self-contained
+  metrics.jsonl    one JSON object per logged step, evaluation and event
+  checkpoints/     see keel.checkpoint
+  summary.json     written at the end (also after divergence or interruption)
+  diverged.json    the diagnostic, when a run stops on divergence
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from keel import __version__, checkpoint
+from keel.counting import count_params, flops_per_token
+from keel.data import WindowSampler, prepare
+from keel.evaluate import bytes_per_token, evaluate
+from keel.guard import DivergenceGuard
+from keel.model import TransformerLM
+from keel.optim import build_optimizer, lr_at
+from keel.train_config import ConfigError, TrainConfig, to_yaml
+
+DIVERGED_EXIT = 3
+INTERRUPTED_EXIT = 130
+
+# dense bf16 peak FLOP/s by GPU name fragment, for MFU
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "4090": 165e12}
+
+
+class Diverged(Exception):
+    pass
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device: 'cuda' requested but no CUDA device is available; allowed: auto, cpu")
+    return torch.device(name)
+
+
+def autocast_for(device: torch.device, dtype: str):
+    """bf16 autocast on GPU by default, float32 on CPU; the residual stream stays float32 regardless."""
+    use_bf16 = dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda")
+    if not use_bf16:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(config: TrainConfig, device: torch.device) -> dict:
+    return {
+        "keel_version": __version__, "git_commit": git_commit(), "torch_version": torch.__version__,
+        "python": platform.python_version(), "platform": platform.platform(), "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count(), "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "seed": config.run.seed, "command": sys.argv, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+class Trainer:
+    """Trains `config` into its run directory. `callbacks` are called as `cb(trainer, step)` before
+    each step (tests use them to inject faults)."""
+
+    def __init__(self, config: TrainConfig, run_dir: Path, callbacks=()):
+        self.config, self.run_dir, self.callbacks = config, Path(run_dir), list(callbacks)
+        c = config
+        try:  # before any work, so an unwritable place fails at once
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"run.out_dir: cannot create run directory {self.run_dir}: {err.strerror}") from None
+        self.device = resolve_device(c.run.device)
+        self.autocast = autocast_for(self.device, c.run.dtype)
+        if c.run.deterministic:
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(c.run.seed)
+
+        self.data = prepare(c.data)
+        tok = self.data.tokenizer
+        if tok.vocab_size > c.model.vocab_size:
+            raise ConfigError(f"model.vocab_size: {c.model.vocab_size} is smaller than tokenizer {tok.name!r}'s "
+                              f"vocabulary ({tok.vocab_size}); set model.vocab_size>={tok.vocab_size}")
+        self.model = TransformerLM(c.model).to(self.device)
+        self.forward = torch.compile(self.model) if c.run.compile else self.model
+        self.optimizer = build_optimizer(self.model, c.optim)
+        self.sampler = WindowSampler(self.data.train, c.run.seq_len, c.run.batch_size, seed=c.run.seed)
+        self.guard = DivergenceGuard(c.guard)
+        self.token_bytes = bytes_per_token(tok)
+        self.flops_per_token = flops_per_token(c.model, c.run.seq_len)
+        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+        self.peak_flops = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
+        # state that checkpoints carry besides weights and optimiser
+        self.step, self.draws, self.lr_scale, self.rollbacks = 0, 0, 1.0, 0
+        self.skip_draws: set[int] = set()
+        self.tokens_per_step = c.run.batch_size * c.run.grad_accum * c.run.seq_len
+
+    # ---- state ------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        state = {"optimizer": self.optimizer.state_dict(), "sampler": self.sampler.state_dict(),
+                 "torch_rng": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        meta = {"draws": self.draws, "lr_scale": self.lr_scale, "rollbacks": self.rollbacks,
+                "skip_draws": sorted(self.skip_draws), "guard": self.guard.state_dict()}
+        return checkpoint.save(self.run_dir, self.step, self.model, state, meta, self.config.run.keep_checkpoints)
+
+    def load_checkpoint(self, path: Path) -> None:
+        state, meta = checkpoint.load(path, self.model)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        torch.set_rng_state(state["torch_rng"])
+        if "cuda_rng" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        self.step, self.draws = meta["step"], meta["draws"]
+        self.lr_scale, self.rollbacks = meta["lr_scale"], meta["rollbacks"]
+        self.skip_draws = set(meta["skip_draws"])
+        self.guard.load_state_dict(meta["guard"])
+
+    # ---- logging ----------------------------------------------------------------------------
+    def log(self, record: dict) -> None:
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def truncate_log(self, step: int) -> None:
+        """Drop records past `step`, so a resumed run's log reads as if it was never interrupted."""
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            keep = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
+            path.write_text("".join(line + "\n" for line in keep))
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def next_batch(self):
+        while self.draws in self.skip_draws:  # batches a rollback decided to skip
+            self.sampler.next_batch()
+            self.draws += 1
+        x, y = self.sampler.next_batch()
+        self.draws += 1
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def train_step(self) -> tuple[float, float, float, int]:
+        c = self.config
+        lr = lr_at(self.step, c.run.steps, c.optim) * self.lr_scale
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        first_draw = self.draws
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(c.run.grad_accum):
+            x, y = self.next_batch()
+            with self.autocast():
+                _, loss = self.forward(x, y)
+            (loss / c.run.grad_accum).backward()
+            loss_sum += loss.detach()
+        clip = c.optim.grad_clip if c.optim.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()
+        return loss_sum.item() / c.run.grad_accum, grad_norm, lr, first_draw
+
+    def run(self, resume_from: Path | None = None) -> dict:
+        c = self.config
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
+            self.truncate_log(self.step)
+            print(f"keel: resuming {self.run_dir} from step {self.step} ({resume_from.name})")
+        else:
+            (self.run_dir / "config.yaml").write_text(to_yaml(c))
+            info = provenance(c, self.device) | {"data": self.data.corpus_info, "tokenizer": self.data.tokenizer.name}
+            (self.run_dir / "run.json").write_text(json.dumps(info, indent=1, default=str))
+            self.data.tokenizer.save(self.run_dir / "tokenizer")
+            if c.guard.policy == "rollback":
+                self.save_checkpoint()  # something to roll back to before the first periodic checkpoint
+        n_params = count_params(c.model)
+        print(f"keel: {c.model.scheme} model, {c.model.n_blocks} blocks = {c.model.n_sublayers} sub-layers, "
+              f"{n_params:,} parameters, {c.run.steps} steps of {self.tokens_per_step:,} tokens on {self.device}")
+
+        start_wall, start_step = time.time(), self.step
+        summary = {"diverged": False, "divergence_reason": None, "interrupted": False}
+        train_loss, val = float("nan"), {}
+        bar = tqdm(total=c.run.steps, initial=self.step, disable=not c.run.progress, dynamic_ncols=True,
+                   desc="train", file=sys.stdout)
+        previous_handler = signal.signal(signal.SIGTERM, _raise_interrupt)
+        boundary = (self.sampler.state_dict(), self.draws, torch.get_rng_state())
+        try:
+            t_last, step_last = time.time(), self.step
+            while self.step < c.run.steps:
+                boundary = (self.sampler.state_dict(), self.draws, torch.get_rng_state())
+                for callback in self.callbacks:
+                    callback(self, self.step)
+                train_loss, grad_norm, lr, first_draw = self.train_step()
+                reason = self.guard.check(train_loss, grad_norm)
+                if reason is not None:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self.handle_divergence(reason, train_loss, grad_norm, lr, first_draw)
+                    continue
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step += 1
+                bar.update(1)
+                if self.step % c.run.log_every == 0 or self.step == c.run.steps:
+                    now = time.time()
+                    tps = (self.step - step_last) * self.tokens_per_step / max(now - t_last, 1e-9)
+                    t_last, step_last = now, self.step
+                    record = {"step": self.step, "loss": train_loss, "lr": lr, "grad_norm": grad_norm,
+                              "tokens": self.step * self.tokens_per_step, "tokens_per_s": tps}
+                    postfix = {"loss": f"{train_loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tps:,.0f}"}
+                    if self.peak_flops:
+                        record["mfu"] = tps * self.flops_per_token / self.peak_flops
+                        postfix["mfu"] = f"{record['mfu']:.1%}"
+                    self.log(record)
+                    bar.set_postfix(postfix)
+                last = self.step == c.run.steps
+                if c.run.eval_every and (self.step % c.run.eval_every == 0 or last):
+                    val = self.evaluate()
+                    self.log({"step": self.step, **val})
+                    bar.write(f"step {self.step}: val_loss {val['val_loss']:.4f}")
+                if last or (c.run.ckpt_every and self.step % c.run.ckpt_every == 0):
+                    self.save_checkpoint()
+        except Diverged as err:
+            summary |= {"diverged": True, "divergence_reason": str(err)}
+        except KeyboardInterrupt:
+            summary["interrupted"] = True
+            # rewind what a half-done step drew, so the checkpoint sits exactly on a step boundary
+            sampler_state, self.draws, rng = boundary
+            self.sampler.load_state_dict(sampler_state)
+            torch.set_rng_state(rng)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.save_checkpoint()
+            bar.write(f"keel: interrupted at step {self.step}; checkpoint saved; continue with: "
+                      f"keel train resume={self.run_dir}")
+        finally:
+            signal.signal(signal.SIGTERM, previous_handler)
+            bar.close()
+        wall = time.time() - start_wall
+        summary |= {
+            "run_dir": str(self.run_dir), "steps": self.step, "tokens": self.step * self.tokens_per_step,
+            "final_train_loss": train_loss, "final_val_loss": val.get("val_loss"),
+            "final_val_bits_per_byte": val.get("val_bits_per_byte"),
+            "tokens_per_second": (self.step - start_step) * self.tokens_per_step / max(wall, 1e-9),
+            "n_params": count_params(c.model), "n_sublayers": c.model.n_sublayers, "n_blocks": c.model.n_blocks,
+            "scheme": c.model.scheme, "rollbacks": self.rollbacks, "wall_seconds": wall,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    def evaluate(self) -> dict:
+        c = self.config
+        return evaluate(self.forward, self.data.val, c.run.seq_len, c.run.batch_size, c.run.eval_batches,
+                        self.device, self.autocast, self.token_bytes)
+
+    def handle_divergence(self, reason: str, loss: float, grad_norm: float, lr: float, first_draw: int) -> None:
+        """Stop (raise Diverged) or roll back to the last good checkpoint, skipping this step's batches."""
+        c, step = self.config.guard, self.step + 1
+        self.log({"step": self.step, "event": "divergence", "at_step": step, "reason": reason, "loss": loss,
+                  "grad_norm": grad_norm, "lr": lr})
+        if c.policy == "rollback" and self.rollbacks < c.max_rollbacks:
+            bad = set(range(first_draw, self.draws))
+            good = checkpoint.latest_valid(self.run_dir)
+            rollbacks, skip = self.rollbacks + 1, self.skip_draws | bad
+            lr_scale = self.lr_scale * c.rollback_lr_factor
+            self.load_checkpoint(good)
+            self.rollbacks, self.skip_draws, self.lr_scale = rollbacks, skip, lr_scale
+            self.log({"step": self.step, "event": "rollback", "reason": reason, "to_step": self.step,
+                      "skipped_draws": sorted(bad), "lr_scale": lr_scale})
+            print(f"keel: step {step}: {reason}; rolled back to step {self.step} "
+                  f"({rollbacks}/{c.max_rollbacks}), skipping its batches", file=sys.stderr)
+            return
+        if c.policy == "rollback":
+            reason = f"{reason} (after {self.rollbacks} rollbacks)"
+        good = checkpoint.list_checkpoints(self.run_dir)
+        diagnostic = {"step": step, "reason": reason, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                      "recent_losses": list(self.guard.history)[-20:],
+                      "last_good_checkpoint": str(good[-1]) if good else None}
+        (self.run_dir / "diverged.json").write_text(json.dumps(diagnostic, indent=1))
+        raise Diverged(f"diverged at step {step}: {reason}")
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt

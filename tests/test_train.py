@@ -1,0 +1,253 @@
+"""`keel train` end to end on tiny models: pulse, resume, checkpoints, divergence, bad input."""
+
+import inspect
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from keel import checkpoint
+from keel.cli import main
+from keel.train_config import load_config
+from keel.trainer import DIVERGED_EXIT, Trainer
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """About 150 KB of real text: the source of a few standard-library modules."""
+    import argparse
+    import json as json_module
+    import pathlib
+
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n\n".join(inspect.getsource(m) for m in (argparse, json_module.decoder, pathlib)))
+    return path
+
+
+@pytest.fixture
+def args(corpus, tmp_path):
+    def make(*extra, name="run"):
+        return [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"run.out_dir={tmp_path / 'runs'}",
+                f"run.name={name}", *extra]
+    return make
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in records if "loss" in r and "event" not in r]
+
+
+def trainer_for(args, *extra, name="run", callbacks=()):
+    config = load_config(args(*extra, name=name), preset="tiny")
+    return Trainer(config, Path(config.run.out_dir) / config.run.name, callbacks)
+
+
+class Killed(Exception):
+    """Stands for the process dying: nothing is saved on the way out."""
+
+
+def test_pulse_the_real_entry_point_trains_and_the_loss_falls(args, tmp_path):
+    keel = shutil.which("keel", path=os.path.dirname(sys.executable)) or shutil.which("keel")
+    cmd = [keel] if keel else [sys.executable, "-m", "keel.cli"]
+    out = subprocess.run([*cmd, "train", "--preset", "tiny", *args("run.steps=60", "optim.lr=1e-2")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    run_dir = tmp_path / "runs" / "run"
+    curve = [loss for _, loss in losses(run_dir)]
+    assert len(curve) == 60
+    assert sum(curve[-10:]) / 10 < sum(curve[:10]) / 10 - 0.5, curve
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("steps", "tokens", "final_train_loss", "final_val_loss", "tokens_per_second", "n_params",
+                "n_sublayers", "diverged", "divergence_reason", "wall_seconds"):
+        assert key in summary
+    assert summary["steps"] == 60 and summary["tokens"] == 60 * 4 * 32 and summary["diverged"] is False
+    assert summary["n_sublayers"] == 4 and summary["final_val_loss"] < math.log(256)
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["seed"] == 0 and run["keel_version"] and run["data"]["fingerprint"]
+    assert "model:" in (run_dir / "config.yaml").read_text()
+    assert f"run: {run_dir}" in out.stdout
+
+
+def test_resume_after_a_kill_reproduces_the_uninterrupted_losses(args):
+    trainer_for(args, "run.ckpt_every=5", name="straight").run()
+
+    def kill(trainer, step):
+        if step == 13:
+            raise Killed
+
+    killed = trainer_for(args, "run.ckpt_every=5", name="killed", callbacks=[kill])
+    with pytest.raises(Killed):
+        killed.run()
+    assert [p.name for p in checkpoint.list_checkpoints(killed.run_dir)][-1] == "step_00000010"
+    assert main(["train", f"resume={killed.run_dir}", "run.progress=false"]) == 0
+    straight = losses(killed.run_dir.parent / "straight")
+    assert [s for s, _ in straight] == list(range(1, 21))
+    assert losses(killed.run_dir) == straight  # every logged loss, bit for bit
+
+
+def test_interrupt_saves_a_checkpoint_on_the_step_boundary(args):
+    uninterrupted = trainer_for(args, name="straight").run()
+
+    def interrupt(trainer, step):
+        if step == 7:
+            raise KeyboardInterrupt
+
+    first = trainer_for(args, name="interrupted", callbacks=[interrupt]).run()
+    assert first["interrupted"] and first["steps"] == 7
+    run_dir = Path(first["run_dir"])
+    assert checkpoint.latest_valid(run_dir).name == "step_00000007"
+    assert main(["train", f"resume={run_dir}"]) == 0
+    assert losses(run_dir) == losses(run_dir.parent / "straight")
+    assert json.loads((run_dir / "summary.json").read_text())["final_train_loss"] == uninterrupted["final_train_loss"]
+
+
+def test_damaged_checkpoint_is_rejected_and_the_previous_good_one_used(args, tmp_path, capsys):
+    trainer_for(args, "run.ckpt_every=5", "run.keep_checkpoints=3").run()
+    run_dir = tmp_path / "runs" / "run"
+    ckpts = checkpoint.list_checkpoints(run_dir)
+    assert [p.name for p in ckpts] == ["step_00000010", "step_00000015", "step_00000020"]
+    newest = ckpts[-1] / "model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    newest.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match="checksum"):
+        checkpoint.load(ckpts[-1], torch.nn.Linear(1, 1))
+    (ckpts[-2] / "state.pt").write_bytes((ckpts[-2] / "state.pt").read_bytes()[:100])  # truncated
+    assert main(["train", f"resume={run_dir}", "run.steps=25"]) == 0
+    err = capsys.readouterr().err
+    assert "step_00000020 is damaged" in err and "step_00000015 is damaged" in err
+    assert losses(run_dir)[10][0] == 11  # resumed from step 10: the log kept steps 1..10 and went on
+    assert checkpoint.latest_valid(run_dir).name == "step_00000025"
+
+
+def nan_at(step_to_break, times=1):
+    state = {"left": times}
+
+    def inject(trainer, step):
+        if step == step_to_break and state["left"] > 0:
+            state["left"] -= 1
+            with torch.no_grad():
+                trainer.model.lm_head.weight[0, 0] = float("nan")
+    return inject
+
+
+def test_injected_nan_stops_the_run_with_a_diagnostic(args):
+    trainer = trainer_for(args, "run.ckpt_every=5", callbacks=[nan_at(8)])
+    summary = trainer.run()
+    assert summary["diverged"] and "non-finite loss" in summary["divergence_reason"]
+    assert summary["steps"] == 8  # the bad step was not taken
+    diagnostic = json.loads((trainer.run_dir / "diverged.json").read_text())
+    assert diagnostic["step"] == 9 and diagnostic["last_good_checkpoint"].endswith("step_00000005")
+    assert checkpoint.verify(checkpoint.latest_valid(trainer.run_dir)) is None
+    assert json.loads((trainer.run_dir / "summary.json").read_text())["diverged"] is True
+
+
+def test_diverged_run_exits_with_its_own_code(args, monkeypatch, capsys):
+    original = Trainer.__init__
+
+    def with_nan(self, config, run_dir, callbacks=()):
+        original(self, config, run_dir, [nan_at(3)])
+    monkeypatch.setattr(Trainer, "__init__", with_nan)
+    assert main(["train", "--preset", "tiny", *args()]) == DIVERGED_EXIT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "diverged at step 4: non-finite loss" in err[0]
+
+
+def test_rollback_reloads_the_last_good_checkpoint_and_skips_the_batch(args):
+    trainer = trainer_for(args, "guard.policy=rollback", "guard.rollback_lr_factor=0.5", "run.ckpt_every=5",
+                          callbacks=[nan_at(8)])
+    summary = trainer.run()
+    assert not summary["diverged"] and summary["steps"] == 20 and summary["rollbacks"] == 1
+    events = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    rollback = next(e for e in events if e.get("event") == "rollback")
+    assert rollback["to_step"] == 5 and rollback["skipped_draws"] == [8] and rollback["lr_scale"] == 0.5
+    assert math.isfinite(summary["final_train_loss"])
+
+
+def test_rollback_gives_up_after_max_rollbacks(args):
+    trainer = trainer_for(args, "guard.policy=rollback", "guard.max_rollbacks=2", "run.ckpt_every=5",
+                          callbacks=[nan_at(8, times=99)])
+    summary = trainer.run()
+    assert summary["diverged"] and summary["rollbacks"] == 2
+    assert "(after 2 rollbacks)" in summary["divergence_reason"]
+
+
+def test_eval_and_generate_work_on_the_run_directory(args, tmp_path, capsys):
+    assert main(["train", "--preset", "tiny", *args()]) == 0
+    run_dir = tmp_path / "runs" / "run"
+    capsys.readouterr()
+    assert main(["eval", str(run_dir)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["val_bits_per_byte"] == pytest.approx(result["val_loss"] / math.log(2))  # bytes: 1 token = 1 byte
+    assert result["val_ppl"] == pytest.approx(math.exp(result["val_loss"]))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert result["val_loss"] == pytest.approx(summary["final_val_loss"], rel=1e-5)
+    assert main(["generate", str(run_dir), "--prompt", "def parse", "--max-new-tokens", "20"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("def parse") and len(text.rstrip("\n")) >= len("def parse") + 5
+
+
+BAD_INPUT = [
+    (lambda tmp: [f"data.source={tmp / 'missing.txt'}"], "missing.txt"),
+    (lambda tmp: [f"data.source={_write(tmp / 'empty.txt', b'')}"], "empty.txt"),
+    (lambda tmp: [f"data.source={_write(tmp / 'blob.bin', bytes(range(256)) * 50)}"], "blob.bin"),
+    (lambda tmp: ["model.n_blocks=0"], "n_blocks"),
+    (lambda tmp: ["model.alpha=-1"], "alpha"),
+    (lambda tmp: ["run.steps=0"], "run.steps"),
+    (lambda tmp: ["optim.schedule=linear"], "optim.schedule"),
+    (lambda tmp: ["model.n_layers=4"], "n_layers"),
+    (lambda tmp: ["run.seq_len=4096"], "run.seq_len"),
+    (lambda tmp: [f"run.out_dir={_write(tmp / 'afile', b'x')}"], "afile"),
+]
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("make,needle", BAD_INPUT, ids=[b[1] for b in BAD_INPUT])
+def test_bad_input_is_one_clear_line_and_nonzero(make, needle, args, tmp_path, capsys):
+    code = main(["train", "--preset", "tiny", *args(), *make(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+
+
+def test_tokenizer_larger_than_the_model_is_named(args, capsys):
+    code = main(["train", "--preset", "tiny", *args(), "data.tokenizer=bpe:300"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model.vocab_size" in err
+
+
+def test_resume_refuses_a_changed_model_and_an_existing_run_is_not_overwritten(args, tmp_path, capsys):
+    assert main(["train", "--preset", "tiny", *args()]) == 0
+    run_dir = tmp_path / "runs" / "run"
+    before = {p: p.stat().st_mtime_ns for p in checkpoint.list_checkpoints(run_dir)}
+    capsys.readouterr()
+    assert main(["train", f"resume={run_dir}", "model.n_blocks=3"]) == 2
+    assert "model.n_blocks" in capsys.readouterr().err
+    assert main(["train", "--preset", "tiny", *args()]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in checkpoint.list_checkpoints(run_dir)} == before
+
+
+def test_full_disk_while_checkpointing_leaves_earlier_checkpoints_intact(args, monkeypatch, capsys):
+    trainer = trainer_for(args, "run.ckpt_every=5")
+    real_save = torch.save
+
+    def failing_save(obj, f, *a, **k):
+        if trainer.step >= 10:
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f, *a, **k)
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(checkpoint.CheckpointError, match="step_00000010.*No space left"):
+        trainer.run()
+    assert [p.name for p in checkpoint.list_checkpoints(trainer.run_dir)] == ["step_00000005"]
+    assert checkpoint.verify(checkpoint.list_checkpoints(trainer.run_dir)[0]) is None
+    assert not list((trainer.run_dir / "checkpoints").glob(".tmp-*"))
