@@ -1,0 +1,377 @@
+"""Corpora and their train/val split.
+
+A corpus is the documents of one source: the standard library's own source ("stdlib"), a text file, a
+directory of text files, a JSONL or Parquet file, or a Hugging Face dataset ("hf:<path or name>").
+A document is in validation when the hash of its identity (its relative path, or its record index)
+falls below `val_fraction`, so the split does not move when other documents are added or removed.
+A single text file is one document; its last `val_fraction` (cut at a line end) is validation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import stat
+import sysconfig
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from keel.tokenizer import DataError
+
+FORMAT = "keel-tokens-1"  # part of every cache key: change it when the shard layout or the split rule changes
+SPLITS = ("train", "val")
+TEXT_SUFFIXES = frozenset(".txt .text .md .markdown .rst .py .pyi .tex .c .h .cc .cpp .hpp .rs .go .java .js .ts "
+                          ".html .css .sh .toml .yaml .yml .ini .cfg .csv .tsv .xml".split())
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from, how it is split and tokenised, and where the tokens are cached."""
+
+    source: str = "stdlib"  # "stdlib" | a text file | a directory | .jsonl | .parquet | "hf:<path or name>"
+    text_field: str = "text"  # the text key/column of JSONL, Parquet and Hugging Face records
+    hf_split: str = "train"  # the split of a Hugging Face dataset to read
+    tokenizer: str = "bytes"  # "bytes" | "bpe" | "bpe:<vocab_size>" | a path to a tokenizer.json
+    val_fraction: float = 0.02  # share of documents held out for validation
+    cache_dir: str = ""  # empty: $KEEL_CACHE if set, else ~/.cache/keel
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    return Path(cfg.cache_dir or os.environ.get("KEEL_CACHE") or "~/.cache/keel").expanduser()
+
+
+# ---- corpora ---------------------------------------------------------------------------------------
+
+class Corpus:
+    """The documents of one source, split deterministically into "train" and "val".
+
+    `documents(split)` yields a split's documents in a fixed order, leaving out empty and all-whitespace
+    ones; `fingerprint` is a SHA-256 that changes when the data, the source or the split does;
+    `describe()` is what a run records."""
+
+    kind = ""
+
+    def __init__(self, cfg: DataConfig):
+        self.spec, self.val_fraction, self.text_field = cfg.source, cfg.val_fraction, cfg.text_field
+
+    def documents(self, split: str) -> Iterator[str]:
+        if split not in SPLITS:
+            raise ValueError(f"split must be 'train' or 'val', not {split!r}")
+        val = _val_keys(self.keys(), self.val_fraction)
+        for _, text in self.records(lambda key: (key in val) == (split == "val")):
+            if _has_text(text):
+                yield text
+
+    @cached_property
+    def fingerprint(self) -> str:
+        state = [FORMAT, self.spec, self.val_fraction, *self.state()]
+        return hashlib.sha256(json.dumps(state).encode()).hexdigest()
+
+    def describe(self) -> dict:
+        return {"source": self.spec, "kind": self.kind, **self.size(), "fingerprint": self.fingerprint}
+
+    # each source defines these
+    def keys(self) -> Iterable:
+        """The identity of every document, in order."""
+        raise NotImplementedError
+
+    def records(self, want: Callable) -> Iterator[tuple[object, str | None]]:
+        """(identity, text) of each document whose identity `want` accepts."""
+        raise NotImplementedError
+
+    def state(self) -> list:
+        """What the fingerprint hashes besides the source spec."""
+        raise NotImplementedError
+
+    def size(self) -> dict:
+        raise NotImplementedError
+
+
+class _Files(Corpus):
+    """Every text file under a directory, one document each, found in sorted order; files that are not
+    UTF-8 text are skipped and listed in `describe()`."""
+
+    def __init__(self, cfg: DataConfig, root: Path, suffixes, prune=(), kind="directory"):
+        super().__init__(cfg)
+        self.root, self.kind, self.skipped = root, kind, set()
+        self.files = _walk(root, suffixes, prune)  # [(relative path, size, mtime_ns)]
+        if not self.files:
+            raise DataError(f"{root}: no text files (suffixes {', '.join(sorted(suffixes))}) in this directory")
+
+    def keys(self):
+        return [rel for rel, _, _ in self.files]
+
+    def records(self, want):
+        for rel in self.keys():
+            if want(rel):
+                text = _read_text(self.root / rel)
+                if text is None:
+                    self.skipped.add(rel)
+                yield rel, text
+
+    def state(self):
+        return [str(self.root.resolve()), self.files]
+
+    def size(self):
+        return {"root": str(self.root), "files": len(self.files), "bytes": sum(s for _, s, _ in self.files),
+                "skipped_files": len(self.skipped), "skipped": sorted(self.skipped)[:20]}
+
+
+class _OneFile(Corpus):
+    """A source in one file; its fingerprint is the file's path, size and modification time."""
+
+    def __init__(self, cfg: DataConfig, path: Path):
+        super().__init__(cfg)
+        self.path, self.stat = path, _readable(path)
+
+    def state(self):
+        return [str(self.path.resolve()), self.stat.st_size, self.stat.st_mtime_ns]
+
+    def size(self):
+        return {"files": 1, "bytes": self.stat.st_size}
+
+
+class _TextFile(_OneFile):
+    kind = "text"
+
+    def documents(self, split: str) -> Iterator[str]:
+        text = _read_text(self.path)
+        if text is None:
+            raise DataError(f"{self.path}: not a UTF-8 text file (binary data or another encoding)")
+        target = int(len(text) * (1 - self.val_fraction))
+        end = text.find("\n", target)
+        cut = target if end == -1 or self.val_fraction == 0 else end + 1
+        part = text[:cut] if split == "train" else text[cut:]
+        if _has_text(part):
+            yield part
+
+
+class _Records(_OneFile):
+    """Records in one file; a document is a record's `text_field`, its identity the record's index."""
+
+    count: int
+
+    def keys(self):
+        return range(self.count)
+
+    def state(self):
+        return [*super().state(), self.text_field]
+
+    def size(self):
+        return {**super().size(), "records": self.count}
+
+
+class _Jsonl(_Records):
+    """One JSON object per line; blank lines are not records."""
+
+    kind = "jsonl"
+
+    @cached_property
+    def count(self) -> int:
+        with open(self.path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+
+    def records(self, want):
+        index = 0
+        with open(self.path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                if want(index):
+                    where = f"{self.path}:{lineno}"
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        raise DataError(f"{where}: not valid JSON") from None
+                    if not isinstance(record, dict) or self.text_field not in record:
+                        raise DataError(f"{where}: no field {self.text_field!r} (data.text_field)")
+                    yield index, _as_text(record[self.text_field], where, self.text_field)
+                index += 1
+
+
+class _Parquet(_Records):
+    kind = "parquet"
+
+    def __init__(self, cfg: DataConfig, path: Path):
+        super().__init__(cfg, path)
+        pq = _optional("pyarrow.parquet", "pyarrow", cfg.source)
+        try:
+            self.file = pq.ParquetFile(path)
+        except Exception as err:  # pyarrow raises ArrowInvalid and friends
+            raise DataError(f"{path}: not a readable Parquet file ({_first_line(err)})") from None
+        columns = self.file.schema_arrow.names
+        if self.text_field not in columns:
+            raise DataError(f"{path}: no column {self.text_field!r} (data.text_field); columns: {', '.join(columns)}")
+
+    @cached_property
+    def count(self) -> int:
+        return self.file.metadata.num_rows
+
+    def records(self, want):
+        index = 0
+        for batch in self.file.iter_batches(columns=[self.text_field], batch_size=1024):
+            for value in batch.column(0).to_pylist():
+                if want(index):
+                    yield index, _as_text(value, f"{self.path} row {index}", self.text_field)
+                index += 1
+
+
+class _HFDataset(Corpus):
+    """A Hugging Face dataset: saved with `save_to_disk` when the path exists, else loaded by name
+    (which needs the network)."""
+
+    kind = "hf"
+
+    def __init__(self, cfg: DataConfig):
+        super().__init__(cfg)
+        datasets = _optional("datasets", "datasets", cfg.source)
+        name, local = cfg.source.removeprefix("hf:"), Path(cfg.source.removeprefix("hf:")).expanduser()
+        try:
+            if local.exists():
+                ds = datasets.load_from_disk(str(local))
+            else:
+                ds = datasets.load_dataset(name, split=cfg.hf_split)
+        except Exception as err:  # many error types, from the file system to the network
+            raise DataError(f"{cfg.source}: cannot load the dataset ({_first_line(err)})") from None
+        if isinstance(ds, datasets.DatasetDict):
+            if cfg.hf_split not in ds:
+                raise DataError(f"data.hf_split: {cfg.hf_split!r} is not a split of {cfg.source}; "
+                                f"splits: {', '.join(ds)}")
+            ds = ds[cfg.hf_split]
+        if self.text_field not in ds.column_names:
+            raise DataError(f"{cfg.source}: no column {self.text_field!r} (data.text_field); "
+                            f"columns: {', '.join(ds.column_names)}")
+        # the dataset's own fingerprint follows its content and every transform applied to it
+        self.id = getattr(ds, "_fingerprint", None) or f"{name}:{len(ds)}"
+        self.split, self.ds = cfg.hf_split, ds.select_columns([self.text_field])
+
+    def keys(self):
+        return range(len(self.ds))
+
+    def records(self, want):
+        index = 0
+        for batch in self.ds.iter(batch_size=1024):
+            for value in batch[self.text_field]:
+                if want(index):
+                    yield index, _as_text(value, f"{self.spec} record {index}", self.text_field)
+                index += 1
+
+    def state(self):
+        return [self.id, self.split, self.text_field]
+
+    def size(self):
+        return {"records": len(self.ds)}
+
+
+def build_corpus(cfg: DataConfig) -> Corpus:
+    """The Corpus that `cfg.source` names."""
+    if not 0 <= cfg.val_fraction < 1:
+        raise DataError(f"data.val_fraction: got {cfg.val_fraction!r}; allowed: a number in [0, 1)")
+    if cfg.source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return _Files(cfg, root, {".py"}, prune={"site-packages", "dist-packages", "__pycache__"}, kind="stdlib")
+    if cfg.source.startswith("hf:"):
+        return _HFDataset(cfg)
+    path = Path(cfg.source).expanduser()
+    if path.is_dir():
+        return _Files(cfg, path, TEXT_SUFFIXES)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or directory (data.source)")
+    reader = {".parquet": _Parquet, **dict.fromkeys(JSONL_SUFFIXES, _Jsonl)}.get(path.suffix.lower(), _TextFile)
+    return reader(cfg, path)
+
+
+def _unit_hash(key) -> float:
+    """A document identity mapped to [0, 1): the first 8 bytes of SHA-256(str(key)) over 2**64."""
+    return int.from_bytes(hashlib.sha256(str(key).encode()).digest()[:8], "big") / 2**64
+
+
+def _val_keys(keys: Iterable, fraction: float) -> set:
+    """Identities whose hash is below `fraction`. With two or more documents each split gets at least
+    one (the lowest hash goes to val, the highest to train), so a small corpus can still be validated on."""
+    if fraction <= 0:
+        return set()
+    val, n, lowest, highest = set(), 0, (2.0, None), (-1.0, None)
+    for key in keys:
+        h, n = _unit_hash(key), n + 1
+        if h < fraction:
+            val.add(key)
+        if h < lowest[0]:
+            lowest = (h, key)
+        if h > highest[0]:
+            highest = (h, key)
+    if n >= 2 and not val:
+        val.add(lowest[1])
+    elif n >= 2 and len(val) == n:
+        val.discard(highest[1])
+    return val
+
+
+def _walk(root: Path, suffixes, prune) -> list[tuple[str, int, int]]:
+    def fail(err: OSError):
+        raise DataError(f"{err.filename}: cannot read directory ({err.strerror})")
+
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root, onerror=fail):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in prune)
+        for name in sorted(filenames):
+            if name.startswith(".") or Path(name).suffix.lower() not in suffixes:
+                continue
+            path = Path(dirpath, name)
+            try:
+                st = path.stat()
+            except OSError:  # a dangling symlink
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found.append((path.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns))
+    return found
+
+
+def _readable(path: Path) -> os.stat_result:
+    try:
+        with path.open("rb"):
+            return path.stat()
+    except OSError as err:
+        raise DataError(f"{path}: cannot read ({err.strerror})") from None
+
+
+def _read_text(path: Path) -> str | None:
+    """The file's text, or None when it is not UTF-8 text (undecodable or containing NUL bytes)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise DataError(f"{path}: cannot read ({err.strerror})") from None
+    if b"\0" in raw:
+        return None
+    try:
+        return raw.decode("utf-8-sig")  # -sig: a byte-order mark is not part of the text
+    except UnicodeDecodeError:
+        return None
+
+
+def _has_text(text: str | None) -> bool:
+    """False for None, "" and whitespace only: such documents are left out."""
+    return bool(text) and not text.isspace()
+
+
+def _as_text(value, where: str, field: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise DataError(f"{where}: field {field!r} is {type(value).__name__}, not text (data.text_field)")
+    return value
+
+
+def _optional(module: str, package: str, source: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(f"data.source {source!r} needs the optional package {package!r}: "
+                        "pip install 'keel-lm[data]'") from None
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
