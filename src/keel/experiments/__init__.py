@@ -1,0 +1,13 @@
+"""The paper's experiments as commands: `keel experiment <name> [--quick] [key=value ...]`."""
+
+from keel.experiments import gradflow, maxlr, redundancy, scaling
+
+# name -> (config class, run function); each run writes results.json, PNG plots and report.md
+EXPERIMENTS = {
+    "gradflow": (gradflow.GradflowConfig, gradflow.run),
+    "max-lr": (maxlr.MaxLRConfig, maxlr.run),
+    "depth": (scaling.DepthConfig, scaling.run_depth),
+    "lr-sweep": (scaling.LRSweepConfig, scaling.run_lr_sweep),
+    "deep-vs-wide": (scaling.DeepWideConfig, scaling.run_deep_vs_wide),
+    "redundancy": (redundancy.RedundancyConfig, redundancy.run),
+}
