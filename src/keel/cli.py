@@ -1,4 +1,5 @@
-"""The `keel` command: train, eval, generate, summary, tokenizer."""
+"""The `keel` command: train, eval, generate, summary, tokenizer, experiment, and the Hugging Face
+bridges (export-hf, import-hf, lm-eval)."""
 
 from __future__ import annotations
 
@@ -177,7 +178,7 @@ def cmd_generate(args) -> int:
         raise ValueError("--prompt: empty after tokenisation; give at least one character")
     generator = torch.Generator().manual_seed(args.seed)
     out = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                   generator=generator, eos_id=tokenizer.eos_id)
+                   generator=generator, eos_id=tokenizer.eos_id, use_cache=not args.no_cache)
     print(tokenizer.decode(out[0].tolist()))
     return 0
 
@@ -191,6 +192,74 @@ def cmd_tokenizer(args) -> int:
     tok = train_bpe(corpus.documents("train"), args.vocab_size, Path(args.out))
     print(f"trained a byte-level BPE with {tok.vocab_size} tokens on {corpus.fingerprint[:12]}: {args.out}")
     return 0
+
+
+def _needs(extra: str, module: str) -> None:
+    """Fail with the install line of the extra that provides `module` unless it imports."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise ValueError(f"this command needs {module.split('.')[0]}: pip install -e \".[{extra}]\"") from None
+
+
+def cmd_export_hf(args) -> int:
+    _needs("hf", "transformers")
+    from keel.hf.export import export_run
+
+    out = export_run(args.run_dir, args.out_dir, args.checkpoint)
+    print(f"exported {args.run_dir} to {out} (load with AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
+def cmd_import_hf(args) -> int:
+    from keel.hf.import_hf import import_llama
+
+    run_dir = import_llama(args.hf_dir, args.out_run_dir, args.data)
+    print(f"imported {args.hf_dir} as a pre_ln run: {run_dir}")
+    return 0
+
+
+def cmd_lm_eval(args) -> int:
+    import torch
+
+    _needs("eval", "transformers")
+    _needs("eval", "lm_eval")
+    from keel.hf.harness import run_lm_eval
+
+    tasks = [t for t in args.tasks.split(",") if t]
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    results, out = run_lm_eval(args.path, tasks, args.include_path, device, args.batch_size, args.num_fewshot,
+                               args.limit, args.checkpoint)
+    print(json.dumps(results["results"], indent=1, default=str))
+    print(f"results: {out}")
+    return 0
+
+
+def add_hf_commands(sub) -> None:
+    p = sub.add_parser("export-hf", help="write a run's checkpoint as a Hugging Face transformers model directory")
+    p.add_argument("run_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--checkpoint", help="a checkpoint directory (default: the run's newest intact one)")
+    p.set_defaults(func=cmd_export_hf)
+
+    p = sub.add_parser("import-hf", help="convert a Llama transformers checkpoint into a pre_ln run directory")
+    p.add_argument("hf_dir", help="a directory with config.json, model.safetensors and tokenizer.json")
+    p.add_argument("out_run_dir")
+    p.add_argument("--data", default="stdlib", help="data.source that `keel eval` of the new run reads")
+    p.set_defaults(func=cmd_import_hf)
+
+    p = sub.add_parser("lm-eval", help="run lm-evaluation-harness tasks on a run or transformers directory")
+    p.add_argument("path", help="a run directory or a transformers model directory (e.g. from export-hf)")
+    p.add_argument("--tasks", required=True, help="comma-separated task names, e.g. hellaswag,arc_easy")
+    p.add_argument("--include-path", help="a directory of your own task YAML files")
+    p.add_argument("--num-fewshot", type=int)
+    p.add_argument("--limit", type=float, help="examples per task (a fraction if < 1)")
+    p.add_argument("--batch-size", type=int, default=1, help="rows per batch (default 1; rows are never padded)")
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, cuda:1, ...")
+    p.add_argument("--checkpoint", help="for a run directory: a checkpoint directory (default: newest intact)")
+    p.set_defaults(func=cmd_lm_eval)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole context each step (no KV cache)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("summary", help="print a model's shape, counts and sub-layer layout")
@@ -235,11 +305,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="tokenizer.json")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="DataConfig fields, e.g. source=corpus.txt")
     p.set_defaults(func=cmd_tokenizer)
+
+    add_hf_commands(sub)
+    from keel.experiments.cli import register as add_experiment_command
+
+    add_experiment_command(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # key=value overrides may come before or after options (`keel experiment depth --quick steps=9`):
+    # argparse stops collecting a positional list at the first option, so gather the rest here
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any("=" not in e or e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
     except ValueError as err:  # ConfigError, DataError, CheckpointError: one line naming the field or file

@@ -1,8 +1,10 @@
-"""Sampling text from a model: temperature, top-k and nucleus (top-p) sampling."""
+"""Sampling text from a model: temperature, top-k and nucleus (top-p) sampling, with a KV cache."""
 
 from __future__ import annotations
 
 import torch
+
+from keel.layers import KVCache
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -21,15 +23,25 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 
 @torch.no_grad()
 def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, generator: torch.Generator | None = None, eos_id: int | None = None) -> torch.Tensor:
+             top_p: float = 1.0, generator: torch.Generator | None = None, eos_id: int | None = None,
+             use_cache: bool = True) -> torch.Tensor:
     """Extend `idx` (B, T) by up to `max_new_tokens` tokens; temperature 0 is greedy decoding.
 
-    Recomputes the whole (cropped) context each step: simple and exact, O(T^2) per token.
+    With `use_cache` each step feeds only the newest token and reuses the keys and values of the others
+    (a `KVCache`); without it, each step recomputes the whole context, O(T^2) per token. Both give the
+    same tokens. Once the sequence outgrows `max_seq_len` the context is its last `max_seq_len` tokens,
+    and since every one of them then moves to a new RoPE position, the cache is rebuilt at each step.
     """
     model.eval()
+    max_len = model.config.max_seq_len
+    cache = KVCache() if use_cache else None
     for _ in range(max_new_tokens):
-        context = idx[:, -model.config.max_seq_len:]
-        logits, _ = model(context)
+        context = idx[:, -max_len:]
+        if cache is not None:
+            if idx.size(1) > max_len:  # the window slid: every cached position is stale
+                cache = KVCache()
+            context = context[:, cache.get_seq_length():]  # the tokens the cache does not hold yet
+        logits, _ = model(context, cache=cache)
         logits = logits[:, -1, :].float()
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)

@@ -66,11 +66,38 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
-class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE, through PyTorch's fused SDPA kernel."""
+class KVCache:
+    """The keys and values of every position seen so far, per attention layer, for incremental decoding.
 
-    def __init__(self, config: ModelConfig, qkv_norm: bool = False):
+    It has the `update(k, v, layer)` and `get_seq_length()` methods of `transformers`' `DynamicCache`,
+    so the Hugging Face wrapper hands that cache to the model unchanged.
+    """
+
+    def __init__(self):
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.layers[layer][0].shape[-2] if layer < len(self.layers) else 0
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append (B, KV, T, hd) keys and values for `layer`; return all of that layer's, (B, KV, S, hd)."""
+        if layer == len(self.layers):
+            self.layers.append((k, v))
+        else:
+            past_k, past_v = self.layers[layer]
+            self.layers[layer] = (torch.cat((past_k, k), dim=-2), torch.cat((past_v, v), dim=-2))
+        return self.layers[layer]
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with RoPE, through PyTorch's fused SDPA kernel.
+
+    `layer` is this attention's index in the stack, its slot in a KV cache.
+    """
+
+    def __init__(self, config: ModelConfig, qkv_norm: bool = False, layer: int = 0):
         super().__init__()
+        self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.dropout = config.dropout
@@ -85,7 +112,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = self.v_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        """`cos`/`sin` start at the position of x's first token; `cache` (a KVCache) holds the earlier ones."""
         B, T, _ = x.shape
         x = x.to(self.wq.weight.dtype)  # the stream is float32; compute in the weights' dtype
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (B, T, H*hd), (B, T, KV*hd) x2
@@ -95,8 +123,14 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         q, k = apply_rope(q, cos[:T], sin[:T]), apply_rope(k, cos[:T], sin[:T])
+        mask = None
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer)  # (B, KV, S, hd): S - T cached positions, then these T
+            S = k.shape[-2]
+            # SDPA's is_causal aligns the mask top-left, wrong when S > T: query i sees keys <= S - T + i
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T) if S > T else None
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )  # (B, H, T, hd)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))

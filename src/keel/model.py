@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from keel.config import ModelConfig
-from keel.layers import Attention, make_ffn, make_norm, rope_tables
+from keel.layers import Attention, KVCache, make_ffn, make_norm, rope_tables
 from keel.numerics import upcast
 from keel.schemes import SCHEMES, Residual, Scheme
 
@@ -40,22 +40,24 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, scheme: Scheme, index: int):
         super().__init__()
         norm = partial(make_norm, config)
-        self.attn = Attention(config, qkv_norm=scheme.qkv_norm)
+        self.attn = Attention(config, qkv_norm=scheme.qkv_norm, layer=index)
         self.ffn = make_ffn(config)
         self.attn_res = Residual(scheme.spec(2 * index, "attn"), norm, config.dropout)
         self.ffn_res = Residual(scheme.spec(2 * index + 1, "ffn"), norm, config.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = self.attn_res(x, self.attn, cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None):
+        x = self.attn_res(x, self.attn, cos, sin, cache)
         return self.ffn_res(x, self.ffn)
 
 
 class TransformerLM(nn.Module):
     """A causal language model whose residual/normalisation scheme is `config.scheme`.
 
-    `forward(idx, targets=None)` takes token ids (B, T) and returns `(logits, loss)`; loss is the
-    mean next-token cross-entropy when `targets` (B, T) is given (positions set to -100 are ignored),
-    else None. The residual stream is float32 throughout, also under autocast.
+    `forward(idx, targets=None, cache=None)` takes token ids (B, T) and returns `(logits, loss)`; loss is
+    the mean next-token cross-entropy when `targets` (B, T) is given (positions set to -100 are ignored),
+    else None. With a `KVCache` (or a `transformers` DynamicCache), `idx` continues the sequence the cache
+    holds: its keys and values are reused and `idx`'s are appended. The residual stream is float32
+    throughout, also under autocast.
     """
 
     def __init__(self, config: ModelConfig):
@@ -98,13 +100,15 @@ class TransformerLM(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
         B, T = idx.shape
-        if T > self.config.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds ModelConfig.max_seq_len={self.config.max_seq_len}")
+        start = 0 if cache is None else cache.get_seq_length()  # position of idx's first token
+        if start + T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {start + T} exceeds ModelConfig.max_seq_len={self.config.max_seq_len}")
         x = upcast(self.embed(idx))  # (B, T, d): the stream is float32 from here to the head
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, hd) each
         for block in self.blocks:
-            x = block(x, self.rope_cos, self.rope_sin)
+            x = block(x, cos, sin, cache)
         x = self.final_norm(x)
         logits = self.lm_head(x.to(self.lm_head.weight.dtype))  # (B, T, V)
         if targets is None:

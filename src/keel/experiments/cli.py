@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shlex
-import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -40,8 +39,9 @@ def cmd_experiment(args) -> int:
     cfg = build(args.name, args.quick, args.overrides)
     out = Path(args.out or f"results/{args.name}{'-quick' if args.quick else ''}")
     out.mkdir(parents=True, exist_ok=True)
-    command = "keel " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("keel") else \
-        " ".join(["keel experiment", args.name] + (["--quick"] if args.quick else []) + list(args.overrides))
+    command = " ".join(["keel experiment", args.name] + (["--quick"] if args.quick else [])
+                       + ([f"--out {shlex.quote(args.out)}"] if args.out else [])
+                       + [shlex.quote(o) for o in args.overrides])
     EXPERIMENTS[args.name][1](cfg, out, command)
     print(f"wrote {out}/results.json, {out}/report.md and plots")
     print((out / "report.md").read_text())

@@ -1,0 +1,67 @@
+"""`keel lm-eval`: lm-evaluation-harness on a run directory or a `transformers` model directory.
+
+A run directory is exported to a temporary `transformers` directory first, so the harness always sees
+the model the way `lm_eval --model hf --model_args pretrained=<export dir>` does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from pathlib import Path
+
+from keel.hf.export import ExportError, export_run
+
+
+def _evaluate(hf_dir: Path, tasks: list[str], include_path: str | None, device: str, batch_size: int,
+              num_fewshot: int | None, limit: float | None) -> dict:
+    try:
+        from lm_eval import simple_evaluate
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise ExportError("keel lm-eval needs lm-evaluation-harness: pip install -e \".[eval]\"") from None
+
+    import keel  # noqa: F401  (registers KeelForCausalLM with the Auto classes HFLM uses)
+
+    task_manager = None
+    if include_path:  # indexing the harness's own thousands of task files takes ~20 s: skip it if we can
+        task_manager = TaskManager(include_path=include_path, include_defaults=False)
+        if not all(task_manager.match_tasks([t]) for t in tasks):
+            task_manager = None
+    task_manager = task_manager or TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if not task_manager.match_tasks([t])]
+    if unknown:
+        where = f" (also looked in {include_path})" if include_path else " (add --include-path DIR for your own)"
+        raise ExportError(f"--tasks: unknown task {unknown[0]!r}{where}")
+    # the harness prefixes empty contexts with BOS or EOS; a byte-level tokenizer has neither, so it gets
+    # byte 0 (NUL), the one choice that keeps every id a plain byte
+    tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text()) \
+        if (hf_dir / "tokenizer_config.json").is_file() else {}
+    has_special = any(tokenizer_config.get(k) for k in ("bos_token", "eos_token"))
+    lm = HFLM(pretrained=str(hf_dir), backend="causal", device=device, batch_size=batch_size, dtype="float32",
+              prefix_token_id=None if has_special else 0)
+    return simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, num_fewshot=num_fewshot,
+                           limit=limit, log_samples=False)
+
+
+def run_lm_eval(path, tasks: list[str], include_path: str | None = None, device: str = "cpu", batch_size: int = 1,
+                num_fewshot: int | None = None, limit: float | None = None, checkpoint: str | None = None,
+                output: str | None = None) -> tuple[dict, Path]:
+    """Evaluate `path` on `tasks`; write the harness's results JSON (default: into `path`); return both."""
+    path = Path(path)
+    if (path / "config.yaml").is_file():
+        with tempfile.TemporaryDirectory(prefix="keel-export-") as tmp:
+            results = _evaluate(export_run(path, Path(tmp) / "hf", checkpoint), tasks, include_path, device,
+                                batch_size, num_fewshot, limit)
+    elif (path / "config.json").is_file():
+        results = _evaluate(path, tasks, include_path, device, batch_size, num_fewshot, limit)
+    else:
+        raise ExportError(f"{path}: neither a Keel run directory (config.yaml) nor a transformers model "
+                          "directory (config.json)")
+    results.pop("samples", None)
+    name = re.sub(r"[^\w.-]+", "_", "+".join(tasks))[:100]
+    out = Path(output) if output else path / f"lm_eval-{name}.json"
+    out.write_text(json.dumps(results, indent=1, default=str))
+    return results, out

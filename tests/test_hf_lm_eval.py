@@ -1,0 +1,75 @@
+"""`keel lm-eval` end to end on a local multiple-choice task: the harness's accuracy equals the one
+computed here from the project's own model, choice by choice."""
+
+import json
+
+import pytest
+import torch
+
+from keel.cli import load_run, main
+from keel.tokenizer import ByteTokenizer
+
+pytest.importorskip("transformers")
+pytest.importorskip("lm_eval")
+
+from test_hf import make_run  # noqa: E402
+
+QUESTIONS = [
+    ("def add(a, b):", ["return a + b", "import os", "while True", "pass  # no"]),
+    ("for i in", ["range(10):", "42", "None", "]["]),
+    ("import", ["sys", "(((", "12345", "= =", ]),
+    ("class Point", ["(object):", ";;", "0x", "else"]),
+    ("print(", ["'hello')", "}}", "\\n", "#"]),
+    ("x = [1, 2,", ["3]", "def", "{", "import"]),
+    ("if x is", ["None:", "7", "((", "return"]),
+    ("while", [" True:", "0.5", "->", "@"]),
+]
+
+
+def log_likelihood(model, context: str, continuation: str) -> float:
+    ctx, cont = ByteTokenizer().encode(context), ByteTokenizer().encode(continuation)
+    ids = torch.tensor([ctx + cont])
+    with torch.no_grad():
+        logp = model(ids[:, :-1])[0].log_softmax(-1)[0]  # (T-1, V): position t predicts token t+1
+    return sum(logp[len(ctx) - 1 + i, tok].item() for i, tok in enumerate(cont))
+
+
+def test_lm_eval_on_a_local_task_matches_our_own_scoring(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    answers = [i % 4 for i in range(len(QUESTIONS))]  # the right choice moved around, so acc is not trivial
+    rows = [{"question": q, "choices": c[-a:] + c[:-a] if a else c, "answer": a}
+            for (q, c), a in zip(QUESTIONS, answers)]
+    (tasks / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tasks / "tiny_mc.yaml").write_text(f"""task: keel_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {tasks / 'data.jsonl'}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+""")
+    make_run(tmp_path / "run")
+    _, model, _, _ = load_run(tmp_path / "run")
+    model.eval()
+    # the harness scores " " + choice after the question (its default target delimiter) and picks the best
+    picks = [max(range(4), key=lambda j: log_likelihood(model, r["question"], " " + r["choices"][j])) for r in rows]
+    expected = sum(p == r["answer"] for p, r in zip(picks, rows)) / len(rows)
+
+    capsys.readouterr()
+    assert main(["lm-eval", str(tmp_path / "run"), "--tasks", "keel_tiny_mc", "--include-path", str(tasks),
+                 "--device", "cpu"]) == 0
+    written = json.loads((tmp_path / "run" / "lm_eval-keel_tiny_mc.json").read_text())
+    acc = written["results"]["keel_tiny_mc"]["acc,none"]
+    print(f"lm-eval acc {acc} (own scoring {expected}, picks {picks})")
+    assert acc == pytest.approx(expected, abs=1e-12)
+    assert len(set(picks)) > 1  # the model is not indifferent, so matching picks mean matching scores
+    assert "results: " in capsys.readouterr().out
