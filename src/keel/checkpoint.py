@@ -8,6 +8,13 @@ A checkpoint is a directory `checkpoints/step_XXXXXXXX/` holding
   manifest.json       SHA-256 of each file above, written last
 It is built under a temporary name, every file fsync'ed, then renamed into place, so a crash leaves
 either the complete checkpoint or none; a checkpoint whose manifest does not match is skipped.
+
+Runs under torchrun write sharded checkpoints instead (`save_sharded`): the same directory, but the
+weights and optimiser state are a `torch.distributed.checkpoint` (DCP) save, `.metadata` plus one
+`__<rank>_0.distcp` file per rank, in place of model.safetensors and the optimiser in state.pt. DCP
+reshards on load, so a checkpoint written by N ranks loads on M ranks, or in a single process
+(`load`, `load_sharded`), and `export_safetensors` turns one into a single safetensors file. The
+manifest then lists every file, and the same temporary-directory-then-rename rule holds.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -24,6 +32,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 FILES = ("model.safetensors", "state.pt", "meta.json")
+DCP_METADATA = ".metadata"  # the file DCP writes last; its presence marks a sharded checkpoint
 
 
 class CheckpointError(ValueError):
@@ -52,30 +61,78 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 def save(run_dir: Path, step: int, model: nn.Module, state: dict, meta: dict, keep: int) -> Path:
     """Write checkpoint `step` atomically and keep only the newest `keep` checkpoints."""
-    root = checkpoint_dir(run_dir)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
+    root, tmp, final = _paths(run_dir, step, f"-{os.getpid()}")
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        _fresh(tmp)
         save_model(model, str(tmp / "model.safetensors"))
         torch.save(state, tmp / "state.pt")
         (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
-        manifest = {name: _sha256(tmp / name) for name in FILES}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        for name in (*FILES, "manifest.json"):
-            _fsync(tmp / name)
-        if final.exists():  # the same step written again (e.g. after a rollback): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync(root)
+        _commit(tmp, final, FILES)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"cannot write checkpoint {final}: {err.strerror or err}") from None
+    _prune(run_dir, keep)
+    return final
+
+
+def _paths(run_dir: Path, step: int, suffix: str) -> tuple[Path, Path, Path]:
+    root = checkpoint_dir(run_dir)
+    return root, root / f".tmp-step_{step:08d}{suffix}", root / f"step_{step:08d}"
+
+
+def _fresh(tmp: Path) -> None:
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+
+
+def _commit(tmp: Path, final: Path, names) -> None:
+    """Checksum `names` in `tmp` into its manifest, fsync everything, then rename `tmp` to `final`."""
+    manifest = {name: _sha256(tmp / name) for name in names}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    for name in (*names, "manifest.json"):
+        _fsync(tmp / name)
+    if final.exists():  # the same step written again (e.g. after a rollback): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync(final.parent)
+
+
+def _prune(run_dir: Path, keep: int) -> None:
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def save_sharded(run_dir: Path, step: int, model: nn.Module, optimizer, state: dict, meta: dict, keep: int,
+                 main: bool) -> Path:
+    """Collective: every rank calls this. Model and optimiser go through DCP (each rank writes its own
+    shards); rank 0 (`main`) adds `state` and `meta`, the manifest, and renames the directory into place.
+    The temporary name carries no pid, so that every rank writes into the same one."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root, tmp, final = _paths(run_dir, step, "-sharded")
+    if main:
+        _fresh(tmp)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
+    if main:
+        try:
+            torch.save(state, tmp / "state.pt")
+            (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
+            _commit(tmp, final, sorted(p.name for p in tmp.iterdir()))
+        except OSError as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"cannot write checkpoint {final}: {err.strerror or err}") from None
+        _prune(run_dir, keep)
+    dist.barrier()
     return final
+
+
+def is_sharded(path: Path) -> bool:
+    return (Path(path) / DCP_METADATA).is_file()
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -92,7 +149,7 @@ def verify(path: Path) -> str | None:
         manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError):
         return "manifest.json missing or unreadable"
-    for name in FILES:
+    for name in (manifest if DCP_METADATA in manifest else FILES):
         if not (path / name).is_file():
             return f"{name} missing"
         if manifest.get(name) != _sha256(path / name):
@@ -115,6 +172,8 @@ def load(path: Path, model: nn.Module) -> tuple[dict, dict]:
     problem = verify(path)
     if problem:
         raise CheckpointError(f"checkpoint {path}: {problem}")
+    if is_sharded(path):
+        return load_sharded(path, model)
     try:
         missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
     except RuntimeError as err:  # shape mismatch
@@ -126,3 +185,45 @@ def load(path: Path, model: nn.Module) -> tuple[dict, dict]:
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     meta = json.loads((path / "meta.json").read_text())
     return state, meta
+
+
+def load_sharded(path: Path, model: nn.Module, optimizer=None) -> tuple[dict, dict]:
+    """Load a DCP checkpoint into `model` (and `optimizer`), whatever the number of ranks now: sharded
+    (FSDP2) under torchrun, or a plain model in a single process. Returns (state, meta) as `load` does;
+    with a process group, every rank must call it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
+        try:
+            if optimizer is None:
+                model_sd = get_model_state_dict(model)
+                dcp.load({"model": model_sd}, checkpoint_id=str(path))
+                set_model_state_dict(model, model_sd)
+            else:
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+                both = {"model": model_sd, "optimizer": optim_sd}
+                dcp.load(both, checkpoint_id=str(path))
+                set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as err:  # missing keys, shapes that do not fit
+            detail = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+            raise CheckpointError(f"checkpoint {path}: weights do not fit the model ({detail})") from None
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    meta = json.loads((path / "meta.json").read_text())
+    return state, meta
+
+
+def export_safetensors(path: Path, model: nn.Module, out: Path) -> Path:
+    """Write checkpoint `path` (sharded or not) as one safetensors file at `out`, via `model` (a plain,
+    unsharded model of the run's config, which it loads)."""
+    load(Path(path), model)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(out))
+    return out

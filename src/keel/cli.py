@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from keel.presets import PRESETS, preset
 
 # fields a resumed run may change; anything else must match the run's config
 RESUMABLE = {"resume", "run.steps", "run.progress", "run.log_every", "run.eval_every", "run.eval_batches",
+             "run.ac_every", "run.fsdp_group",
              "run.ckpt_every", "run.keep_checkpoints", "run.device", "run.compile", "run.out_dir", "run.name"}
 
 
@@ -127,8 +129,9 @@ def cmd_train(args) -> int:
         return DIVERGED_EXIT
     if summary["interrupted"]:
         return INTERRUPTED_EXIT
-    print(json.dumps(summary, indent=1))
-    print(f"run: {run_dir}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+        print(json.dumps(summary, indent=1))
+        print(f"run: {run_dir}")
     return 0
 
 
@@ -310,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     from keel.experiments.cli import register as add_experiment_command
 
     add_experiment_command(sub)
+    from keel.bench import register as add_bench_command
+
+    add_bench_command(sub)
     return parser
 
 

@@ -59,8 +59,10 @@ class RunConfig:
     seq_len: int = 256
     seed: int = 0
     device: str = "auto"  # auto: cuda if available, else cpu
-    dtype: str = "auto"  # auto: bf16 autocast on cuda, float32 on cpu
-    compile: bool = False
+    dtype: str = "auto"  # auto: bf16 on cuda (autocast; under torchrun FSDP2 bf16 weights), float32 on cpu
+    compile: bool = False  # torch.compile each block (regional; keel.parallel)
+    ac_every: int = 0  # activation checkpointing: 0 none, 1 every block, k every k-th block
+    fsdp_group: int = 1  # under torchrun: blocks per FSDP2 unit (one all-gather each)
     out_dir: str = "runs"
     name: str = ""  # empty: <scheme>-<n_sublayers>L-<timestamp>
     log_every: int = 10
@@ -147,7 +149,9 @@ def validate(c: TrainConfig) -> None:
     for name in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_batches", "keep_checkpoints"):
         if getattr(c.run, name) < 1:
             fail(f"run.{name}", getattr(c.run, name), "an integer >= 1")
-    for name in ("eval_every", "ckpt_every"):
+    if c.run.fsdp_group < 1:
+        fail("run.fsdp_group", c.run.fsdp_group, "an integer >= 1")
+    for name in ("eval_every", "ckpt_every", "ac_every"):
         if getattr(c.run, name) < 0:
             fail(f"run.{name}", getattr(c.run, name), "an integer >= 0 (0 disables)")
     if c.run.seq_len > c.model.max_seq_len:

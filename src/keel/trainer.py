@@ -8,6 +8,10 @@ Run directory layout:
   checkpoints/     see keel.checkpoint
   summary.json     written at the end (also after divergence or interruption)
   diverged.json    the diagnostic, when a run stops on divergence
+
+Under torchrun every rank runs this loop on its share of each global batch (keel.data.WindowSampler),
+the model sharded with FSDP2 (keel.parallel); losses are averaged over ranks, so every rank takes the
+same decisions, and only rank 0 writes files, prints and shows progress.
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from keel import __version__, checkpoint
+from keel import __version__, checkpoint, distributed
 from keel.counting import count_params, flops_per_token
 from keel.data import WindowSampler, prepare
 from keel.evaluate import bytes_per_token, evaluate
 from keel.guard import DivergenceGuard
+from keel.memory import estimate_memory, format_bytes
 from keel.model import TransformerLM
 from keel.optim import build_optimizer, lr_at
+from keel.parallel import parallelize
 from keel.train_config import ConfigError, TrainConfig, to_yaml
 
 DIVERGED_EXIT = 3
@@ -54,10 +60,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def use_bf16(device: torch.device, dtype: str) -> bool:
+    return dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda")
+
+
 def autocast_for(device: torch.device, dtype: str):
     """bf16 autocast on GPU by default, float32 on CPU; the residual stream stays float32 regardless."""
-    use_bf16 = dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda")
-    if not use_bf16:
+    if not use_bf16(device, dtype):
         return contextlib.nullcontext
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
@@ -88,34 +97,53 @@ class Trainer:
     def __init__(self, config: TrainConfig, run_dir: Path, callbacks=()):
         self.config, self.run_dir, self.callbacks = config, Path(run_dir), list(callbacks)
         c = config
+        self.device = resolve_device(c.run.device)
+        # joining the group is a rendezvous: no rank writes anything before every rank got this far
+        self.world = distributed.init(self.device.type)
+        if self.device.type == "cuda" and self.world.distributed:
+            self.device = torch.device("cuda", self.world.local_rank)
+        # ranks may have named an unnamed run by slightly different clocks: rank 0's name wins
+        self.run_dir = Path(distributed.broadcast_object(str(self.run_dir), self.world))
         try:  # before any work, so an unwritable place fails at once
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise ConfigError(f"run.out_dir: cannot create run directory {self.run_dir}: {err.strerror}") from None
-        self.device = resolve_device(c.run.device)
-        self.autocast = autocast_for(self.device, c.run.dtype)
+        # under FSDP2, bf16 comes from its mixed-precision policy (bf16 weights) instead of autocast
+        self.fsdp = self.world.distributed
+        bf16 = use_bf16(self.device, c.run.dtype)
+        self.autocast = contextlib.nullcontext if self.fsdp else autocast_for(self.device, c.run.dtype)
         if c.run.deterministic:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(c.run.seed)
 
+        if not self.world.main:  # rank 0 tokenises into the cache first; the others then read it
+            distributed.barrier(self.world)
         self.data = prepare(c.data)
+        if self.world.main:
+            distributed.barrier(self.world)
         tok = self.data.tokenizer
         if tok.vocab_size > c.model.vocab_size:
             raise ConfigError(f"model.vocab_size: {c.model.vocab_size} is smaller than tokenizer {tok.name!r}'s "
                               f"vocabulary ({tok.vocab_size}); set model.vocab_size>={tok.vocab_size}")
         self.model = TransformerLM(c.model).to(self.device)
-        self.forward = torch.compile(self.model) if c.run.compile else self.model
+        parallelize(self.model, ac_every=c.run.ac_every, compile=c.run.compile, fsdp=self.fsdp,
+                    device_type=self.device.type, param_dtype=torch.bfloat16 if bf16 and self.fsdp else None,
+                    fsdp_group=c.run.fsdp_group)
+        self.forward = self.model
         self.optimizer = build_optimizer(self.model, c.optim)
-        self.sampler = WindowSampler(self.data.train, c.run.seq_len, c.run.batch_size, seed=c.run.seed)
+        self.sampler = WindowSampler(self.data.train, c.run.seq_len, c.run.batch_size, seed=c.run.seed,
+                                     rank=self.world.rank, world_size=self.world.size)
         self.guard = DivergenceGuard(c.guard)
         self.token_bytes = bytes_per_token(tok)
         self.flops_per_token = flops_per_token(c.model, c.run.seq_len)
         gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
-        self.peak_flops = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
+        peak = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
+        self.peak_flops = peak * self.world.size if peak else None  # of all ranks' devices together
         # state that checkpoints carry besides weights and optimiser
         self.step, self.draws, self.lr_scale, self.rollbacks = 0, 0, 1.0, 0
         self.skip_draws: set[int] = set()
-        self.tokens_per_step = c.run.batch_size * c.run.grad_accum * c.run.seq_len
+        self.global_batch = c.run.batch_size * self.world.size  # sequences per micro-batch, all ranks
+        self.tokens_per_step = self.global_batch * c.run.grad_accum * c.run.seq_len
 
     # ---- state ------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
@@ -124,12 +152,26 @@ class Trainer:
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         meta = {"draws": self.draws, "lr_scale": self.lr_scale, "rollbacks": self.rollbacks,
-                "skip_draws": sorted(self.skip_draws), "guard": self.guard.state_dict()}
-        return checkpoint.save(self.run_dir, self.step, self.model, state, meta, self.config.run.keep_checkpoints)
+                "skip_draws": sorted(self.skip_draws), "guard": self.guard.state_dict(),
+                "world_size": self.world.size, "global_batch": self.global_batch}
+        keep = self.config.run.keep_checkpoints
+        if self.world.distributed:
+            del state["optimizer"]  # DCP writes it, sharded, with the weights
+            return checkpoint.save_sharded(self.run_dir, self.step, self.model, self.optimizer, state, meta, keep,
+                                           main=self.world.main)
+        return checkpoint.save(self.run_dir, self.step, self.model, state, meta, keep)
 
     def load_checkpoint(self, path: Path) -> None:
-        state, meta = checkpoint.load(path, self.model)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if checkpoint.is_sharded(path):
+            state, meta = checkpoint.load_sharded(path, self.model, self.optimizer)
+        else:
+            state, meta = checkpoint.load(path, self.model)
+            self.optimizer.load_state_dict(state["optimizer"])
+        saved_batch = meta.get("global_batch", self.global_batch)
+        if saved_batch != self.global_batch:
+            raise ConfigError(f"resume: run.batch_size x processes = {self.global_batch} sequences, but the checkpoint "
+                              f"was written with {saved_batch} ({meta.get('world_size')} processes); keep the global "
+                              "batch when changing the number of processes")
         self.sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(state["torch_rng"])
         if "cuda_rng" in state and self.device.type == "cuda":
@@ -141,13 +183,15 @@ class Trainer:
 
     # ---- logging ----------------------------------------------------------------------------
     def log(self, record: dict) -> None:
+        if not self.world.main:
+            return
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
 
     def truncate_log(self, step: int) -> None:
         """Drop records past `step`, so a resumed run's log reads as if it was never interrupted."""
         path = self.run_dir / "metrics.jsonl"
-        if path.exists():
+        if path.exists() and self.world.main:
             keep = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
             path.write_text("".join(line + "\n" for line in keep))
 
@@ -174,30 +218,38 @@ class Trainer:
             (loss / c.run.grad_accum).backward()
             loss_sum += loss.detach()
         clip = c.optim.grad_clip if c.optim.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip).item()
-        return loss_sum.item() / c.run.grad_accum, grad_norm, lr, first_draw
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the norm over all shards
+            grad_norm = grad_norm.full_tensor()
+        # the mean over ranks is the global batch's loss (equal local batches), the same on every rank
+        loss = distributed.mean(loss_sum, self.world).item() / c.run.grad_accum
+        return loss, grad_norm.item(), lr, first_draw
 
     def run(self, resume_from: Path | None = None) -> dict:
         c = self.config
         if resume_from is not None:
             self.load_checkpoint(resume_from)
             self.truncate_log(self.step)
-            print(f"keel: resuming {self.run_dir} from step {self.step} ({resume_from.name})")
-        else:
+            self.say(f"keel: resuming {self.run_dir} from step {self.step} ({resume_from.name})")
+        elif self.world.main:
             (self.run_dir / "config.yaml").write_text(to_yaml(c))
-            info = provenance(c, self.device) | {"data": self.data.corpus_info, "tokenizer": self.data.tokenizer.name}
+            info = provenance(c, self.device) | {"data": self.data.corpus_info, "tokenizer": self.data.tokenizer.name,
+                                                 "world_size": self.world.size, "fsdp": self.fsdp}
             (self.run_dir / "run.json").write_text(json.dumps(info, indent=1, default=str))
             self.data.tokenizer.save(self.run_dir / "tokenizer")
-            if c.guard.policy == "rollback":
+        if resume_from is None and c.guard.policy == "rollback":
                 self.save_checkpoint()  # something to roll back to before the first periodic checkpoint
         n_params = count_params(c.model)
-        print(f"keel: {c.model.scheme} model, {c.model.n_blocks} blocks = {c.model.n_sublayers} sub-layers, "
-              f"{n_params:,} parameters, {c.run.steps} steps of {self.tokens_per_step:,} tokens on {self.device}")
+        on = f"{self.world.size} x {self.device.type} (FSDP2)" if self.fsdp else str(self.device)
+        self.say(f"keel: {c.model.scheme} model, {c.model.n_blocks} blocks = {c.model.n_sublayers} sub-layers, "
+                 f"{n_params:,} parameters, {c.run.steps} steps of {self.tokens_per_step:,} tokens on {on}")
+        self.say(f"keel: memory per process: {self.memory_line()}")
 
         start_wall, start_step = time.time(), self.step
         summary = {"diverged": False, "divergence_reason": None, "interrupted": False}
         train_loss, val = float("nan"), {}
-        bar = tqdm(total=c.run.steps, initial=self.step, disable=not c.run.progress, dynamic_ncols=True,
+        bar = tqdm(total=c.run.steps, initial=self.step, disable=not (c.run.progress and self.world.main),
+                   dynamic_ncols=True,
                    desc="train", file=sys.stdout)
         previous_handler = signal.signal(signal.SIGTERM, _raise_interrupt)
         boundary = (self.sampler.state_dict(), self.draws, torch.get_rng_state())
@@ -233,7 +285,8 @@ class Trainer:
                 if c.run.eval_every and (self.step % c.run.eval_every == 0 or last):
                     val = self.evaluate()
                     self.log({"step": self.step, **val})
-                    bar.write(f"step {self.step}: val_loss {val['val_loss']:.4f}")
+                    if self.world.main:
+                        bar.write(f"step {self.step}: val_loss {val['val_loss']:.4f}")
                 if last or (c.run.ckpt_every and self.step % c.run.ckpt_every == 0):
                     self.save_checkpoint()
         except Diverged as err:
@@ -246,8 +299,8 @@ class Trainer:
             torch.set_rng_state(rng)
             self.optimizer.zero_grad(set_to_none=True)
             self.save_checkpoint()
-            bar.write(f"keel: interrupted at step {self.step}; checkpoint saved; continue with: "
-                      f"keel train resume={self.run_dir}")
+            self.say(f"keel: interrupted at step {self.step}; checkpoint saved; continue with: "
+                     f"keel train resume={self.run_dir}")
         finally:
             signal.signal(signal.SIGTERM, previous_handler)
             bar.close()
@@ -259,9 +312,26 @@ class Trainer:
             "tokens_per_second": (self.step - start_step) * self.tokens_per_step / max(wall, 1e-9),
             "n_params": count_params(c.model), "n_sublayers": c.model.n_sublayers, "n_blocks": c.model.n_blocks,
             "scheme": c.model.scheme, "rollbacks": self.rollbacks, "wall_seconds": wall,
+            "world_size": self.world.size,
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if self.world.main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        distributed.close(self.world)
         return summary
+
+    def say(self, message: str, file=None) -> None:
+        """Print once (rank 0), without breaking the progress bar."""
+        if self.world.main:
+            tqdm.write(message, file=file or sys.stdout)
+
+    def memory_line(self) -> str:
+        c = self.config
+        m = estimate_memory(c.model, c.run.batch_size, c.run.seq_len, ac_every=c.run.ac_every,
+                            world_size=self.world.size,
+                            param_bytes=2 if self.fsdp and use_bf16(self.device, c.run.dtype) else 4,
+                            fsdp_group=c.run.fsdp_group if self.fsdp else 0)
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in m.items() if k != "total")
+        return f"{format_bytes(m['total'])} ({parts})"
 
     def evaluate(self) -> dict:
         c = self.config
@@ -282,12 +352,14 @@ class Trainer:
             self.rollbacks, self.skip_draws, self.lr_scale = rollbacks, skip, lr_scale
             self.log({"step": self.step, "event": "rollback", "reason": reason, "to_step": self.step,
                       "skipped_draws": sorted(bad), "lr_scale": lr_scale})
-            print(f"keel: step {step}: {reason}; rolled back to step {self.step} "
-                  f"({rollbacks}/{c.max_rollbacks}), skipping its batches", file=sys.stderr)
+            self.say(f"keel: step {step}: {reason}; rolled back to step {self.step} "
+                     f"({rollbacks}/{c.max_rollbacks}), skipping its batches", file=sys.stderr)
             return
         if c.policy == "rollback":
             reason = f"{reason} (after {self.rollbacks} rollbacks)"
         good = checkpoint.list_checkpoints(self.run_dir)
+        if not self.world.main:
+            raise Diverged(f"diverged at step {step}: {reason}")
         diagnostic = {"step": step, "reason": reason, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                       "recent_losses": list(self.guard.history)[-20:],
                       "last_good_checkpoint": str(good[-1]) if good else None}

@@ -1,0 +1,216 @@
+"""Two processes on CPU (gloo) against one: FSDP2 gradients, sharded checkpoints, torchrun training and resume."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from keel import checkpoint
+from keel.config import ModelConfig
+from keel.model import TransformerLM
+from keel.optim import build_optimizer
+from keel.parallel import parallelize
+from keel.train_config import OptimConfig, load_config
+from keel.trainer import Trainer
+
+CONFIG = ModelConfig(n_blocks=4, d_model=32, n_heads=2, max_seq_len=16)
+OPTIM = OptimConfig(lr=1e-2, warmup_steps=0)
+GLOBAL_BATCH = 4
+TIMEOUT = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.max_seq_len + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def clean(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    """One rank: an FSDP2 (+ activation checkpointing) step on its half of the global batch, a sharded
+    checkpoint, and a bf16 forward whose residual stream is recorded."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = parallelize(TransformerLM(CONFIG), ac_every=1, fsdp=True, fsdp_group=2)
+        x, y = global_batch()
+        mine = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+        _, loss = model(x[mine], y[mine])
+        loss.backward()
+        dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG)
+        grads = {clean(n): p.grad.full_tensor() for n, p in model.named_parameters()}
+        optimizer = build_optimizer(model, OPTIM)
+        optimizer.step()
+        weights = {clean(n): p.full_tensor() for n, p in model.named_parameters()}
+        checkpoint.save_sharded(Path(out) / "run", 1, model, optimizer, {"marker": torch.tensor(7)}, {"draws": 1},
+                                keep=2, main=rank == 0)
+
+        torch.manual_seed(0)
+        bf16 = parallelize(TransformerLM(CONFIG), fsdp=True, param_dtype=torch.bfloat16)
+        stream, branch = [], []
+        for block in bf16.blocks:
+            block.register_forward_hook(lambda m, args, output: stream.append((args[0].dtype, output.dtype)))
+            block.attn.register_forward_hook(lambda m, args, output: branch.append((m.wq.weight.dtype, output.dtype)))
+        _, bf16_loss = bf16(x[mine], y[mine])
+        if rank == 0:
+            torch.save({"loss": loss.detach(), "grads": grads, "weights": weights, "stream": stream,
+                        "bf16_loss": bf16_loss.detach(), "branch": branch},
+                       Path(out) / "rank0.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_ranks")
+    context = mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, join=False, start_method="spawn")
+    try:
+        while not context.join(timeout=TIMEOUT):
+            pass
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+    return out, torch.load(out / "rank0.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """The same step in one process, on the whole global batch, without FSDP or checkpointing."""
+    torch.manual_seed(0)
+    model = TransformerLM(CONFIG)
+    x, y = global_batch()
+    _, loss = model(x, y)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    optimizer = build_optimizer(model, OPTIM)
+    optimizer.step()
+    return loss.detach(), grads, model, optimizer
+
+
+def test_fsdp_on_two_ranks_gives_the_loss_and_gradients_of_one_process(two_ranks, one_process):
+    _, got = two_ranks
+    loss, grads, _, _ = one_process
+    torch.testing.assert_close(got["loss"], loss, rtol=1e-6, atol=1e-6)
+    assert got["grads"].keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_sharded_checkpoint_from_two_ranks_loads_in_one_process(two_ranks, one_process, tmp_path):
+    out, got = two_ranks
+    _, _, reference, reference_optimizer = one_process
+    path = checkpoint.latest_valid(out / "run")
+    assert checkpoint.is_sharded(path) and checkpoint.verify(path) is None
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json",
+                                                      "meta.json", "state.pt"]
+    model = TransformerLM(CONFIG)
+    optimizer = build_optimizer(model, OPTIM)
+    state, meta = checkpoint.load_sharded(path, model, optimizer)
+    assert state["marker"].item() == 7 and meta == {"step": 1, "draws": 1}
+    for name, p in model.named_parameters():
+        assert torch.equal(p, got["weights"][name]), name  # exactly what the two ranks held
+        torch.testing.assert_close(p, dict(reference.named_parameters())[name], rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(optimizer.state[p]["exp_avg"], reference_optimizer.state[q]["exp_avg"],
+                                   rtol=1e-4, atol=1e-8)
+    exported = checkpoint.export_safetensors(path, TransformerLM(CONFIG), tmp_path / "model.safetensors")
+    from safetensors.torch import load_file
+    flat = load_file(exported)
+    assert flat.keys() == got["weights"].keys()
+    assert all(torch.equal(flat[n], w) for n, w in got["weights"].items())
+
+
+def test_a_damaged_shard_is_caught_by_the_manifest(two_ranks, tmp_path):
+    out, _ = two_ranks
+    path = shutil.copytree(checkpoint.latest_valid(out / "run"), tmp_path / "step_00000001")
+    shard = path / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert checkpoint.verify(path) == "__1_0.distcp does not match its checksum"
+
+
+def test_bf16_fsdp_keeps_the_residual_stream_float32(two_ranks):
+    _, got = two_ranks
+    # the branches compute with the all-gathered bf16 weights ...
+    assert got["branch"] and all(d == (torch.bfloat16, torch.bfloat16) for d in got["branch"])
+    # ... while every block takes and returns a float32 stream (FSDP2 would cast it by default)
+    assert got["stream"] and all(d == (torch.float32, torch.float32) for d in got["stream"])
+    assert abs(got["bf16_loss"].item() - got["loss"].item()) < 0.05
+
+
+# ---- `keel train` under torchrun --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    import argparse
+    import inspect
+
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(inspect.getsource(argparse))
+    return path
+
+
+def torchrun(tmp_path: Path, corpus: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+           "-m", "keel.cli", "train", "--preset", "tiny", *common(tmp_path, corpus), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def common(tmp_path: Path, corpus: Path) -> list[str]:
+    return [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"run.out_dir={tmp_path / 'runs'}",
+            "run.batch_size=2", "run.steps=8", "run.ckpt_every=4", "run.eval_every=0", "run.ac_every=2"]
+
+
+def losses(run_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r and "event" not in r]
+
+
+def test_torchrun_trains_resumes_and_matches_one_process(tmp_path, corpus):
+    runs = tmp_path / "runs"
+    out = torchrun(tmp_path, corpus, "run.name=straight")
+    assert out.stdout.count("memory per process") == 1  # rank 0 alone prints
+    straight = losses(runs / "straight")
+    assert len(straight) == 8
+    # a run stopped after its step-4 checkpoint, resumed under torchrun: the same losses, bit for bit
+    part = shutil.copytree(runs / "straight", runs / "part")
+    shutil.rmtree(part / "checkpoints" / "step_00000008")
+    torchrun(tmp_path, corpus, f"resume={part}")
+    assert losses(part) == straight
+    summary = json.loads((runs / "straight" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["tokens"] == 8 * 4 * 32
+    assert checkpoint.is_sharded(checkpoint.latest_valid(runs / "straight"))
+
+    # one process on the same global batch (2 x 2 = 4 sequences), from scratch and resumed from the
+    # two-rank checkpoint at step 4
+    config = load_config([*common(tmp_path, corpus), "run.batch_size=4", "run.name=single"], preset="tiny")
+    Trainer(config, runs / "single").run()
+    assert losses(runs / "single") == pytest.approx(straight, rel=1e-5)
+    resumed = runs / "resumed"
+    shutil.copytree(runs / "straight", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000008")
+    Trainer(config, resumed).run(resume_from=resumed / "checkpoints" / "step_00000004")
+    assert losses(resumed) == pytest.approx(straight, rel=1e-5)
