@@ -440,3 +440,14 @@ def test_an_unreadable_file_is_named(inside_directory, config, small_dir, monkey
 def test_a_split_shorter_than_one_window_is_named():
     with pytest.raises(DataError, match="val split: 5 tokens"):
         WindowSampler(np.arange(5), seq_len=8, batch_size=2, seed=0, split="val")
+
+
+def test_bits_per_byte_counts_bytes_of_byte_level_tokens(tmp_path):
+    from keel.evaluate import bytes_per_token
+    from keel.tokenizer import train_bpe
+
+    tok = train_bpe(["café naïve résumé " * 50, "plain ascii text " * 50], 300, tmp_path / "tok.json")
+    text = "café résumé"
+    ids = tok.encode(text)
+    assert int(bytes_per_token(tok)[ids].sum()) == len(text.encode("utf-8"))
+    assert bytes_per_token(tok)[tok.eos_id] == 0

@@ -126,3 +126,11 @@ def test_quick_experiment_writes_results_plots_and_report(name, corpus_cfg, tmp_
 def test_bad_experiment_override_names_the_key():
     with pytest.raises(ValueError, match="depths"):
         build("depth", True, ["depths=many"])
+
+
+def test_a_sweep_directory_refuses_points_of_another_configuration(corpus_cfg, tmp_path):
+    cfg = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg])
+    EXPERIMENTS["lr-sweep"][1](cfg, tmp_path, "keel experiment lr-sweep --quick")
+    longer = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "steps=4"])
+    with pytest.raises(ValueError, match="differs in steps"):
+        EXPERIMENTS["lr-sweep"][1](longer, tmp_path, "keel experiment lr-sweep --quick steps=4")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel import checkpoint
+from keel import TransformerLM, checkpoint
 from keel.cli import main
 from keel.train_config import load_config
 from keel.trainer import DIVERGED_EXIT, Trainer
@@ -251,3 +251,53 @@ def test_full_disk_while_checkpointing_leaves_earlier_checkpoints_intact(args, m
     assert [p.name for p in checkpoint.list_checkpoints(trainer.run_dir)] == ["step_00000005"]
     assert checkpoint.verify(checkpoint.list_checkpoints(trainer.run_dir)[0]) is None
     assert not list((trainer.run_dir / "checkpoints").glob(".tmp-*"))
+
+
+def test_interrupt_during_validation_still_resumes_exactly(args, monkeypatch):
+    trainer_for(args, name="straight").run()
+    real_evaluate, state = Trainer.evaluate, {"left": 1}
+
+    def interrupted_once(self):
+        if self.step == 10 and state["left"]:
+            state["left"] -= 1
+            raise KeyboardInterrupt
+        return real_evaluate(self)
+    monkeypatch.setattr(Trainer, "evaluate", interrupted_once)
+    first = trainer_for(args, name="during-eval").run()
+    assert first["interrupted"] and first["steps"] == 10  # step 10 was finished when validation began
+    run_dir = Path(first["run_dir"])
+    assert main(["train", f"resume={run_dir}"]) == 0
+    assert losses(run_dir) == losses(run_dir.parent / "straight")
+
+
+def test_resume_keeps_extended_steps_and_leaves_a_finished_run_alone(args, tmp_path, capsys):
+    assert main(["train", "--preset", "tiny", *args()]) == 0
+    run_dir = tmp_path / "runs" / "run"
+    finished = (run_dir / "summary.json").read_text()
+    assert main(["train", f"resume={run_dir}"]) == 0
+    assert "already finished 20 steps" in capsys.readouterr().out
+    assert (run_dir / "summary.json").read_text() == finished  # not overwritten by an empty run
+    assert main(["train", f"resume={run_dir}", "run.steps=24"]) == 0
+    assert "steps: 24" in (run_dir / "config.yaml").read_text()
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 24
+
+
+def test_validation_split_too_short_is_named_before_training(args, capsys):
+    assert main(["train", "--preset", "tiny", *args(), "data.val_fraction=0"]) == 2
+    assert "run.eval_every" in capsys.readouterr().err
+
+
+def test_weights_only_checkpoint_cannot_be_resumed(args, tmp_path, capsys):
+    assert main(["train", "--preset", "tiny", *args()]) == 0
+    run_dir = tmp_path / "runs" / "run"
+    for old in checkpoint.list_checkpoints(run_dir):
+        shutil.rmtree(old)
+    model = TransformerLM(load_config(args(), preset="tiny").model)
+    checkpoint.save(run_dir, 3, model, {}, {}, keep=1)  # as keel import-hf writes one: weights only
+    assert main(["train", f"resume={run_dir}"]) == 2
+    assert "holds weights only" in capsys.readouterr().err
+
+
+def test_tokenizer_command_names_an_unknown_field(capsys):
+    assert main(["tokenizer", "bogus=1"]) == 2
+    assert "DataConfig has no field 'bogus'" in capsys.readouterr().err

@@ -92,10 +92,12 @@ def _commit(tmp: Path, final: Path, names) -> None:
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     for name in (*names, "manifest.json"):
         _fsync(tmp / name)
-    if final.exists():  # the same step written again (e.g. after a rollback): replace it
-        shutil.rmtree(final)
+    old = final.with_name(f".old-{final.name}-{os.getpid()}")
+    if final.exists():  # the same step written again (e.g. after a rollback): set the old one aside first,
+        os.rename(final, old)  # so a crash between the renames still leaves a complete copy on disk
     os.rename(tmp, final)
     _fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _prune(run_dir: Path, keep: int) -> None:

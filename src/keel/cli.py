@@ -187,10 +187,16 @@ def cmd_generate(args) -> int:
 
 
 def cmd_tokenizer(args) -> int:
+    from dataclasses import fields
+
     from keel.data import DataConfig, build_corpus
     from keel.tokenizer import train_bpe
 
     values = parse_overrides(args.overrides)
+    names = [f.name for f in fields(DataConfig)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(f"DataConfig has no field {unknown[0]!r}; fields: {', '.join(names)}")
     corpus = build_corpus(DataConfig(**values))
     tok = train_bpe(corpus.documents("train"), args.vocab_size, Path(args.out))
     print(f"trained a byte-level BPE with {tok.vocab_size} tokens on {corpus.fingerprint[:12]}: {args.out}")

@@ -16,6 +16,9 @@ def bytes_per_token(tokenizer) -> np.ndarray:
     """UTF-8 length of each token id, for converting a per-token loss into bits per byte."""
     if tokenizer.name == "bytes":
         return np.ones(tokenizer.vocab_size, dtype=np.int64)
+    lengths = getattr(tokenizer, "token_byte_lengths", lambda: None)()
+    if lengths is not None:
+        return lengths
     return np.array([len(tokenizer.decode([i]).encode("utf-8")) for i in range(tokenizer.vocab_size)])
 
 

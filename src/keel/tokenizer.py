@@ -90,6 +90,16 @@ class HFTokenizer:
         directory.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(self.path, directory / "tokenizer.json")
 
+    def token_byte_lengths(self) -> np.ndarray | None:
+        """UTF-8 bytes each id stands for, for byte-level BPE (one symbol of its alphabet = one byte;
+        special tokens 0); None for other tokenizers. Decoding ids one at a time would count a token
+        holding half a character as the 3-byte replacement character."""
+        if type(self._tok.decoder).__name__ != "ByteLevel":
+            return None
+        special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        return np.array([0 if i in special else len(self._tok.id_to_token(i) or "")
+                         for i in range(self.vocab_size)], dtype=np.int64)
+
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_path) -> HFTokenizer:
     """Train a byte-level BPE on `texts`, write it to `out_path` atomically and return it loaded.

@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -121,6 +122,9 @@ class Trainer:
         self.data = prepare(c.data)
         if self.world.main:
             distributed.barrier(self.world)
+        if c.run.eval_every and len(self.data.val) < c.run.seq_len + 1:
+            raise ConfigError(f"run.eval_every: the validation split has {len(self.data.val)} tokens, fewer than "
+                              f"run.seq_len + 1 = {c.run.seq_len + 1}; set run.eval_every=0 or raise data.val_fraction")
         tok = self.data.tokenizer
         if tok.vocab_size > c.model.vocab_size:
             raise ConfigError(f"model.vocab_size: {c.model.vocab_size} is smaller than tokenizer {tok.name!r}'s "
@@ -164,8 +168,14 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         if checkpoint.is_sharded(path):
             state, meta = checkpoint.load_sharded(path, self.model, self.optimizer)
+        elif self.fsdp:
+            raise ConfigError(f"resume: {path} was written by a single process; resume it in one process "
+                              "(a torchrun checkpoint resumes on any number of processes, not the reverse)")
         else:
             state, meta = checkpoint.load(path, self.model)
+            if "optimizer" not in state or "draws" not in meta:
+                raise ConfigError(f"resume: checkpoint {path} holds weights only (e.g. from keel import-hf); "
+                                  "it can be evaluated, sampled or exported, not resumed")
             self.optimizer.load_state_dict(state["optimizer"])
         saved_batch = meta.get("global_batch", self.global_batch)
         if saved_batch != self.global_batch:
@@ -229,7 +239,13 @@ class Trainer:
         c = self.config
         if resume_from is not None:
             self.load_checkpoint(resume_from)
+            if self.step >= c.run.steps:
+                self.say(f"keel: {self.run_dir} already finished {self.step} steps; extend it with run.steps=N")
+                done = self.run_dir / "summary.json"
+                return json.loads(done.read_text()) if done.exists() else {"diverged": False, "interrupted": False}
             self.truncate_log(self.step)
+            if self.world.main:  # a changed run.steps must survive the next interruption
+                (self.run_dir / "config.yaml").write_text(to_yaml(replace(c, resume="")))
             self.say(f"keel: resuming {self.run_dir} from step {self.step} ({resume_from.name})")
         elif self.world.main:
             (self.run_dir / "config.yaml").write_text(to_yaml(c))
@@ -268,6 +284,7 @@ class Trainer:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step += 1
+                boundary = (self.sampler.state_dict(), self.draws, torch.get_rng_state())
                 bar.update(1)
                 if self.step % c.run.log_every == 0 or self.step == c.run.steps:
                     now = time.time()

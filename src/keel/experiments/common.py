@@ -13,7 +13,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -107,13 +107,22 @@ def train_curve(model_cfg: ModelConfig, optim: OptimConfig, steps: int, shape: S
 
 @dataclass
 class Sweep:
-    """Runs named points once each, keeping each result on disk as soon as it is done."""
+    """Runs named points once each, keeping each result on disk as soon as it is done. The directory
+    records the experiment's config, so points from another configuration are never reused."""
 
     out: Path
-    keys: list[str] = field(default_factory=list)
+    config: object
 
     def run(self, points: dict[str, Callable[[], dict]], desc: str) -> dict[str, dict]:
         (self.out / "points").mkdir(parents=True, exist_ok=True)
+        recorded, mine = self.out / "points" / "config.json", json.loads(json.dumps(asdict(self.config)))
+        if recorded.exists() and json.loads(recorded.read_text()) != mine:
+            theirs = json.loads(recorded.read_text())
+            changed = sorted(k for k in mine if theirs.get(k) != mine[k])
+            raise ValueError(f"{self.out}: holds points of another configuration (differs in {', '.join(changed)}); "
+                             "use another --out or delete that directory")
+        if not recorded.exists():
+            recorded.write_text(json.dumps(mine, indent=1))
         results = {}
         bar = tqdm(points.items(), desc=desc, file=sys.stdout, dynamic_ncols=True)
         for key, fn in bar:

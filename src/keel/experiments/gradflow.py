@@ -99,7 +99,7 @@ def bottom_over_top(grads: list[float]) -> float:
 
 def run(cfg: GradflowConfig, out: Path, command: str) -> dict:
     points = {f"{s}-{d}": (lambda s=s, d=d: point(cfg, s, d)) for d in cfg.depths for s in cfg.schemes}
-    results = Sweep(out).run(points, "gradflow")
+    results = Sweep(out, cfg).run(points, "gradflow")
     rows, summary = [], {}
     for d in cfg.depths:
         for s in cfg.schemes:

@@ -48,7 +48,7 @@ def point(cfg: MaxLRConfig, scheme: str, depth: int, seed: int) -> dict:
 def run(cfg: MaxLRConfig, out: Path, command: str) -> dict:
     points = {f"{s}-{d}-seed{seed}": (lambda s=s, d=d, seed=seed: point(cfg, s, d, seed))
               for d in cfg.depths for seed in cfg.seeds for s in cfg.schemes}
-    results = Sweep(out).run(points, "max-lr")
+    results = Sweep(out, cfg).run(points, "max-lr")
     verdicts = {}
     for d in cfg.depths:
         for seed in cfg.seeds:

@@ -120,7 +120,7 @@ def run(cfg: RedundancyConfig, out: Path, command: str) -> dict:
         points = {"hf": lambda: hf_point(cfg)}
     else:
         points = {s: (lambda s=s: keel_point(cfg, s)) for s in cfg.schemes}
-    results = Sweep(out).run(points, "redundancy")
+    results = Sweep(out, cfg).run(points, "redundancy")
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     rows = []

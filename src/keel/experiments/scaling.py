@@ -85,7 +85,7 @@ def tokens(cfg: BudgetConfig) -> int:
 def run_depth(cfg: DepthConfig, out: Path, command: str) -> dict:
     points = {f"{s}-{d}-lr{lr:g}": (lambda s=s, d=d, lr=lr: budget_point(cfg, cfg.shape.model(s, d), lr))
               for d in cfg.depths for s in cfg.schemes for lr in cfg.lrs}
-    results = Sweep(out).run(points, "depth")
+    results = Sweep(out, cfg).run(points, "depth")
     best = {}
     for d in cfg.depths:
         for s in cfg.schemes:
@@ -131,7 +131,7 @@ def run_depth(cfg: DepthConfig, out: Path, command: str) -> dict:
 def run_lr_sweep(cfg: LRSweepConfig, out: Path, command: str) -> dict:
     points = {f"{s}-lr{lr:g}": (lambda s=s, lr=lr: budget_point(cfg, cfg.shape.model(s, cfg.depth), lr))
               for s in cfg.schemes for lr in cfg.lrs}
-    results = Sweep(out).run(points, "lr-sweep")
+    results = Sweep(out, cfg).run(points, "lr-sweep")
     rows = [[f"{lr:g}"] + [results[f"{s}-lr{lr:g}"]["val_loss"] for s in cfg.schemes] for lr in cfg.lrs]
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -160,7 +160,7 @@ def run_deep_vs_wide(cfg: DeepWideConfig, out: Path, command: str) -> dict:
             "deep keel": cfg.shape.model("keel", cfg.deep_sublayers)}
     points = {f"{arm.replace(' ', '-')}-lr{lr:g}": (lambda m=m, lr=lr: budget_point(cfg, m, lr))
               for arm, m in arms.items() for lr in cfg.lrs}
-    results = Sweep(out).run(points, "deep-vs-wide")
+    results = Sweep(out, cfg).run(points, "deep-vs-wide")
     rows, best = [], {}
     for arm, m in arms.items():
         runs = [results[f"{arm.replace(' ', '-')}-lr{lr:g}"] for lr in cfg.lrs]
