@@ -10,8 +10,6 @@ depth series times a Keel step from 16 to 1024 sub-layers to show cost per sub-l
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -25,7 +23,7 @@ from keel.model import TransformerLM
 from keel.optim import build_optimizer
 from keel.parallel import parallelize
 from keel.train_config import OptimConfig
-from keel.trainer import PEAK_BF16, autocast_for, resolve_device
+from keel.trainer import PEAK_BF16, autocast_for, machine, resolve_device
 
 
 class Bench:
@@ -112,12 +110,6 @@ def depth_series(config: ModelConfig, sublayers: list[int], batch_size: int, seq
         rows.append({"n_sublayers": n, "step_time_s": step, "ms_per_sublayer": 1e3 * step / n})
         del b
     return rows
-
-
-def machine(device: torch.device) -> dict:
-    return {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform()}
 
 
 def to_markdown(result: dict) -> str:

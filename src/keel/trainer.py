@@ -81,14 +81,20 @@ def git_commit() -> str | None:
         return None
 
 
-def provenance(config: TrainConfig, device: torch.device) -> dict:
+def machine(device: torch.device) -> dict:
+    """What ran: versions and hardware, as runs, experiments and benchmarks record it."""
     return {
         "keel_version": __version__, "git_commit": git_commit(), "torch_version": torch.__version__,
         "python": platform.python_version(), "platform": platform.platform(), "hostname": socket.gethostname(),
-        "cpu_count": os.cpu_count(), "device": str(device),
+        "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(), "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "seed": config.run.seed, "command": sys.argv, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def provenance(config: TrainConfig, device: torch.device) -> dict:
+    return machine(device) | {"seed": config.run.seed, "command": sys.argv,
+                              "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 class Trainer:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -19,13 +18,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from keel import __version__
 from keel.config import ModelConfig
 from keel.data import DataConfig, WindowSampler, prepare
 from keel.evaluate import evaluate
 from keel.model import TransformerLM
 from keel.optim import build_optimizer, lr_at
 from keel.train_config import OptimConfig
+from keel.trainer import machine
 
 
 @dataclass
@@ -139,17 +138,12 @@ class Sweep:
         return results
 
 
-def machine() -> dict:
-    return {"keel_version": __version__, "torch_version": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(), "device": "cpu"}
-
-
 def write_outputs(out: Path, name: str, config, command: str, results: dict, table: str, plots: list[str],
                   notes: str = "") -> None:
     """results.json (numbers + config + machine) and report.md (command, table, plots, notes)."""
-    payload = {"experiment": name, "command": command, "config": asdict(config), "machine": machine(),
-               "results": results, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    payload = {"experiment": name, "command": command, "config": asdict(config),
+               "machine": machine(torch.device("cpu")), "results": results,
+               "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     (out / "results.json").write_text(json.dumps(payload, indent=1, default=float))
     lines = [f"# {name}", "", "Produced by:", "", "```bash", command, "```", "", table, ""]
     lines += [f"![{p}]({p})" for p in plots]
