@@ -5,10 +5,10 @@ import json
 
 import torch
 
-from keel.bench import Bench, register, to_markdown
-from keel.config import ModelConfig
-from keel.model import TransformerLM
-from keel.trainer import resolve_device
+from keel.experiments.bench import Bench, register, to_markdown
+from keel.model.config import ModelConfig
+from keel.model.transformer import TransformerLM
+from keel.train.trainer import resolve_device
 
 
 def test_bench_trains_the_model_it_times():

@@ -16,10 +16,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import keel.data
-import keel.tokenizer
+import keel.data.loader
+import keel.data.tokenizer
 from keel.data import DataConfig, DataError, WindowSampler, build_corpus, eval_batches, prepare
-from keel.tokenizer import ByteTokenizer, HFTokenizer, load_saved_tokenizer, load_tokenizer
+from keel.data.tokenizer import ByteTokenizer, HFTokenizer, load_saved_tokenizer, load_tokenizer
 
 
 def in_val(identity, fraction: float) -> bool:
@@ -106,7 +106,7 @@ def test_bpe_round_trips_is_cached_and_reloads_from_a_run_directory(tmp_path, so
     def no_training(*args, **kwargs):
         raise AssertionError("retrained although a cached tokenizer exists")
 
-    monkeypatch.setattr(keel.tokenizer, "train_bpe", no_training)
+    monkeypatch.setattr(keel.data.tokenizer, "train_bpe", no_training)
     again = load_tokenizer("bpe:300", tmp_path / "cache", build_corpus(DataConfig(source=str(root), val_fraction=0.3)))
     assert again.name == tok.name and again.encode(source_texts[1]) == tok.encode(source_texts[1])
 
@@ -262,7 +262,7 @@ def test_cache_is_reused_and_a_changed_file_changes_the_fingerprint(config, smal
         raise AssertionError("re-tokenised although the cache was valid")
 
     with monkeypatch.context() as m:
-        m.setattr(keel.data, "_write_shards", no_rebuild)
+        m.setattr(keel.data.loader, "_write_shards", no_rebuild)
         again = prepare(config(small_dir))
     assert again.cache_path == first.cache_path and np.array_equal(again.train, first.train)
     assert again.corpus_info == first.corpus_info
@@ -443,8 +443,8 @@ def test_a_split_shorter_than_one_window_is_named():
 
 
 def test_bits_per_byte_counts_bytes_of_byte_level_tokens(tmp_path):
-    from keel.evaluate import bytes_per_token
-    from keel.tokenizer import train_bpe
+    from keel.data.tokenizer import train_bpe
+    from keel.train.evaluate import bytes_per_token
 
     tok = train_bpe(["café naïve résumé " * 50, "plain ascii text " * 50], 300, tmp_path / "tok.json")
     text = "café résumé"

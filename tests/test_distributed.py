@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from keel import checkpoint
-from keel.config import ModelConfig
-from keel.model import TransformerLM
-from keel.optim import build_optimizer
-from keel.parallel import parallelize
-from keel.train_config import OptimConfig, load_config
-from keel.trainer import Trainer
+from keel.model.config import ModelConfig
+from keel.model.transformer import TransformerLM
+from keel.scale.parallel import parallelize
+from keel.train import checkpoint
+from keel.train.config import OptimConfig, load_config
+from keel.train.optim import build_optimizer
+from keel.train.trainer import Trainer
 
 CONFIG = ModelConfig(n_blocks=4, d_model=32, n_heads=2, max_seq_len=16)
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=0)

@@ -7,9 +7,9 @@ import torch
 
 from keel import TransformerLM, tiny
 from keel.generate import filter_logits
-from keel.guard import DivergenceGuard
-from keel.optim import build_optimizer, lr_at
-from keel.train_config import ConfigError, GuardConfig, OptimConfig, load_config
+from keel.train.config import ConfigError, GuardConfig, OptimConfig, load_config
+from keel.train.guard import DivergenceGuard
+from keel.train.optim import build_optimizer, lr_at
 
 
 def test_cosine_schedule_points():

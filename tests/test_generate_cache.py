@@ -6,7 +6,7 @@ import torch
 
 from keel import SCHEMES, ModelConfig, TransformerLM
 from keel.generate import generate
-from keel.layers import KVCache
+from keel.model.layers import KVCache
 
 
 def model_for(scheme: str, **overrides) -> TransformerLM:

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel import checkpoint
 from keel.cli import main
-from keel.config import ModelConfig
-from keel.corpus import DataConfig
+from keel.data.corpus import DataConfig
+from keel.data.tokenizer import ByteTokenizer, train_bpe
 from keel.generate import generate
-from keel.model import TransformerLM
-from keel.tokenizer import ByteTokenizer, train_bpe
-from keel.train_config import RunConfig, TrainConfig, to_yaml
+from keel.model.config import ModelConfig
+from keel.model.transformer import TransformerLM
+from keel.train import checkpoint
+from keel.train.config import RunConfig, TrainConfig, to_yaml
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from keel.cli import load_run, main
-from keel.tokenizer import ByteTokenizer
+from keel.data.tokenizer import ByteTokenizer
 
 pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")

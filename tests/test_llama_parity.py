@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from keel import TransformerLM
-from keel.llama import config_from_llama, state_dict_from_llama, state_dict_to_llama
+from keel.hf.llama import config_from_llama, state_dict_from_llama, state_dict_to_llama
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,14 +1,14 @@
-"""The memory model (keel.memory) against what the model, AdamW and autograd actually hold."""
+"""The memory model (keel.scale.memory) against what the model, AdamW and autograd actually hold."""
 
 import pytest
 import torch
 
-from keel.config import ModelConfig
-from keel.memory import activation_bytes, estimate_memory, measured_bytes, saved_activation_bytes
-from keel.model import TransformerLM
-from keel.optim import build_optimizer
-from keel.parallel import apply_ac
-from keel.train_config import OptimConfig
+from keel.model.config import ModelConfig
+from keel.model.transformer import TransformerLM
+from keel.scale.memory import activation_bytes, estimate_memory, measured_bytes, saved_activation_bytes
+from keel.scale.parallel import apply_ac
+from keel.train.config import OptimConfig
+from keel.train.optim import build_optimizer
 
 SCHEMES = [{}, {"scheme": "pre_ln"}, {"scheme": "hybrid_norm"}, {"scheme": "peri_ln", "ffn": "gelu"},
            {"scheme": "deepnorm", "n_kv_heads": 2}, {"scheme": "mix_ln", "tie_embeddings": True}]

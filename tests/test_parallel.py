@@ -1,4 +1,4 @@
-"""Activation checkpointing and regional compilation (keel.parallel) against the plain model."""
+"""Activation checkpointing and regional compilation (keel.scale.parallel) against the plain model."""
 
 import shutil
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from keel.config import ModelConfig
-from keel.model import TransformerLM
-from keel.parallel import apply_ac, apply_compile
+from keel.model.config import ModelConfig
+from keel.model.transformer import TransformerLM
+from keel.scale.parallel import apply_ac, apply_compile
 
 
 def config(n_blocks: int, **kw) -> ModelConfig:

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel import TransformerLM, checkpoint
+from keel import TransformerLM
 from keel.cli import main
-from keel.train_config import load_config
-from keel.trainer import DIVERGED_EXIT, Trainer
+from keel.train import checkpoint
+from keel.train.config import load_config
+from keel.train.trainer import DIVERGED_EXIT, Trainer
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 from keel import __version__
-from keel.config import CONFIG_FIELDS, ModelConfig
-from keel.counting import count_params, flops_per_token
-from keel.presets import PRESETS, preset
+from keel.model.config import CONFIG_FIELDS, ModelConfig
+from keel.model.counting import count_params, flops_per_token
+from keel.model.presets import PRESETS, preset
 
 # fields a resumed run may change; anything else must match the run's config
 RESUMABLE = {"resume", "run.steps", "run.progress", "run.log_every", "run.eval_every", "run.eval_batches",
@@ -41,7 +41,7 @@ def model_config(preset_name: str, overrides: list[str]) -> ModelConfig:
 
 def describe(config: ModelConfig) -> str:
     """A readable summary: shape, counts, and the sub-layer layout with runs of equal blocks merged."""
-    from keel.model import TransformerLM
+    from keel.model.transformer import TransformerLM
 
     model = TransformerLM(config)
     lines = [f"keel {__version__}", "", "config:"]
@@ -93,8 +93,8 @@ def train_config_for(args):
 
     from omegaconf import OmegaConf
 
-    from keel import checkpoint
-    from keel.train_config import ConfigError, load_config, load_run_config, to_config
+    from keel.train import checkpoint
+    from keel.train.config import ConfigError, load_config, load_run_config, to_config
 
     config = load_config(args.overrides, args.config, args.preset)
     if not config.resume:
@@ -120,7 +120,7 @@ def train_config_for(args):
 
 
 def cmd_train(args) -> int:
-    from keel.trainer import DIVERGED_EXIT, INTERRUPTED_EXIT, Trainer
+    from keel.train.trainer import DIVERGED_EXIT, INTERRUPTED_EXIT, Trainer
 
     config, run_dir, resume_from = train_config_for(args)
     summary = Trainer(config, run_dir).run(resume_from)
@@ -137,10 +137,10 @@ def cmd_train(args) -> int:
 
 def load_run(run_dir: str, checkpoint_path: str | None = None):
     """(config, model, tokenizer) of a run directory, from its newest intact checkpoint."""
-    from keel import checkpoint
-    from keel.model import TransformerLM
-    from keel.tokenizer import load_saved_tokenizer
-    from keel.train_config import load_run_config
+    from keel.data.tokenizer import load_saved_tokenizer
+    from keel.model.transformer import TransformerLM
+    from keel.train import checkpoint
+    from keel.train.config import load_run_config
 
     config = load_run_config(Path(run_dir))
     model = TransformerLM(config.model)
@@ -153,8 +153,8 @@ def cmd_eval(args) -> int:
     import torch
 
     from keel.data import prepare
-    from keel.evaluate import bytes_per_token, evaluate
-    from keel.trainer import autocast_for, resolve_device
+    from keel.train.evaluate import bytes_per_token, evaluate
+    from keel.train.trainer import autocast_for, resolve_device
 
     config, model, tokenizer, path = load_run(args.run_dir, args.checkpoint)
     device = resolve_device(args.device)
@@ -190,7 +190,7 @@ def cmd_tokenizer(args) -> int:
     from dataclasses import fields
 
     from keel.data import DataConfig, build_corpus
-    from keel.tokenizer import train_bpe
+    from keel.data.tokenizer import train_bpe
 
     values = parse_overrides(args.overrides)
     names = [f.name for f in fields(DataConfig)]
@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     from keel.experiments.cli import register as add_experiment_command
 
     add_experiment_command(sub)
-    from keel.bench import register as add_bench_command
+    from keel.experiments.bench import register as add_bench_command
 
     add_bench_command(sub)
     return parser

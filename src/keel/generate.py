@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from keel.layers import KVCache
+from keel.model.layers import KVCache
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from keel.config import ModelConfig
 from keel.data import DataConfig, WindowSampler, prepare
-from keel.evaluate import evaluate
-from keel.model import TransformerLM
-from keel.optim import build_optimizer, lr_at
-from keel.train_config import OptimConfig
-from keel.trainer import machine
+from keel.model.config import ModelConfig
+from keel.model.transformer import TransformerLM
+from keel.train.config import OptimConfig
+from keel.train.evaluate import evaluate
+from keel.train.optim import build_optimizer, lr_at
+from keel.train.trainer import machine
 
 
 @dataclass

@@ -18,8 +18,8 @@ import torch
 
 from keel.data import DataConfig, eval_batches
 from keel.experiments.common import Shape, Sweep, corpus, markdown_table, pyplot, train_curve, write_outputs
-from keel.model import TransformerLM
-from keel.train_config import OptimConfig
+from keel.model.transformer import TransformerLM
+from keel.train.config import OptimConfig
 
 ALL_SCHEMES = ["post_ln", "deepnorm", "hybrid_norm", "mix_ln", "pre_ln", "peri_ln", "keel"]
 

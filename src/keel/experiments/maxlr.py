@@ -16,7 +16,7 @@ from keel.data import DataConfig
 from keel.experiments.common import Shape, Sweep, markdown_table, pyplot, train_curve, write_outputs
 from keel.experiments.detect import DetectorConfig, detect, smooth
 from keel.experiments.gradflow import ALL_SCHEMES
-from keel.train_config import OptimConfig
+from keel.train.config import OptimConfig
 
 
 @dataclass

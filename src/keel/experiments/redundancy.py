@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from keel.corpus import build_corpus
 from keel.data import DataConfig, eval_batches
-from keel.evaluate import evaluate
+from keel.data.corpus import build_corpus
 from keel.experiments.common import Shape, Sweep, corpus, markdown_table, pyplot, train_curve, write_outputs
-from keel.train_config import OptimConfig
+from keel.train.config import OptimConfig
+from keel.train.evaluate import evaluate
 
 
 @dataclass

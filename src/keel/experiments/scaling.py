@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keel.counting import count_params
 from keel.data import DataConfig
 from keel.experiments.common import Shape, Sweep, markdown_table, pyplot, train_curve, write_outputs
-from keel.train_config import OptimConfig
+from keel.model.counting import count_params
+from keel.train.config import OptimConfig
 
 
 @dataclass

@@ -11,7 +11,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from keel.hf.export import ExportError, export_run
+from keel.errors import ExportError
+from keel.hf.export import export_run
 
 
 def _evaluate(hf_dir: Path, tasks: list[str], include_path: str | None, device: str, batch_size: int,

@@ -1,6 +1,6 @@
 """`keel import-hf`: a Llama-architecture `transformers` checkpoint -> a `pre_ln` Keel run directory.
 
-The names map one to one (`keel.llama`); the result is a run directory with config.yaml, tokenizer/ and
+The names map one to one (`keel.hf.llama`); the result is a run directory with config.yaml, tokenizer/ and
 checkpoints/step_00000000/, which `keel eval`, `keel generate` and `keel export-hf` accept.
 """
 
@@ -10,7 +10,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from keel.hf.export import ExportError
+from keel.errors import ExportError
 
 
 def read_llama_weights(hf_dir: Path) -> dict:
@@ -39,12 +39,12 @@ def read_llama_weights(hf_dir: Path) -> dict:
 
 def import_llama(hf_dir, run_dir, data_source: str = "stdlib") -> Path:
     """Convert `hf_dir` (config.json, model.safetensors, tokenizer.json) into the run directory `run_dir`."""
-    from keel import checkpoint
-    from keel.corpus import DataConfig
-    from keel.llama import config_from_llama, state_dict_from_llama
-    from keel.model import TransformerLM
-    from keel.tokenizer import HFTokenizer
-    from keel.train_config import RunConfig, TrainConfig, to_yaml, validate
+    from keel.data.corpus import DataConfig
+    from keel.data.tokenizer import HFTokenizer
+    from keel.hf.llama import config_from_llama, state_dict_from_llama
+    from keel.model.transformer import TransformerLM
+    from keel.train import checkpoint
+    from keel.train.config import RunConfig, TrainConfig, to_yaml, validate
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     config_path, tokenizer_path = hf_dir / "config.json", hf_dir / "tokenizer.json"

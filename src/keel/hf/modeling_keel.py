@@ -1,6 +1,6 @@
 """`KeelForCausalLM`: the project's `TransformerLM` as a `transformers` causal LM, with a KV cache.
 
-This wraps `keel.model.TransformerLM` (weights live under `model.`); it is not a second implementation.
+This wraps `keel.model.transformer.TransformerLM` (weights live under `model.`); it is not a second implementation.
 `keel export-hf` copies this file into an exported directory with its `keel` imports made relative, so
 keep every import of this project on one `from keel.<module> import ...` line.
 """
@@ -13,13 +13,13 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from keel.hf.configuration_keel import KeelConfig
-from keel.layers import KVCache
-from keel.model import TransformerLM
+from keel.model.layers import KVCache
+from keel.model.transformer import TransformerLM
 
 
 class KeelForCausalLM(PreTrainedModel, GenerationMixin):
     """A causal LM whose forward is `TransformerLM`'s; `generate()` reuses keys and values through the cache
-    `transformers` passes as `past_key_values` (a DynamicCache), or a `keel.layers.KVCache`.
+    `transformers` passes as `past_key_values` (a DynamicCache), or a `keel.model.layers.KVCache`.
 
     Padded batches are not supported: every row must be the same length (right padding without an
     attention mask, as lm-evaluation-harness scores log-likelihoods, is fine: causal attention never

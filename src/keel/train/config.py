@@ -12,9 +12,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from keel.config import ModelConfig
 from keel.data import DataConfig
-from keel.presets import cpu_demo, tiny
+from keel.errors import ConfigError
+from keel.model.config import ModelConfig
+from keel.model.presets import cpu_demo, tiny
 
 SCHEDULES = ("cosine", "wsd", "constant")
 GUARD_POLICIES = ("stop", "rollback")
@@ -60,7 +61,7 @@ class RunConfig:
     seed: int = 0
     device: str = "auto"  # auto: cuda if available, else cpu
     dtype: str = "auto"  # auto: bf16 on cuda (autocast; under torchrun FSDP2 bf16 weights), float32 on cpu
-    compile: bool = False  # torch.compile each block (regional; keel.parallel)
+    compile: bool = False  # torch.compile each block (regional; keel.scale.parallel)
     ac_every: int = 0  # activation checkpointing: 0 none, 1 every block, k every k-th block
     fsdp_group: int = 1  # under torchrun: blocks per FSDP2 unit (one all-gather each)
     out_dir: str = "runs"
@@ -104,10 +105,6 @@ def _tiny_train() -> TrainConfig:
 
 
 TRAIN_PRESETS = {"cpu-demo": _cpu_demo_train, "tiny": _tiny_train}
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the field or file."""
 
 
 def load_config(overrides: list[str] = (), config_file: str | None = None, preset: str = "cpu-demo") -> TrainConfig:

@@ -5,12 +5,12 @@ Run directory layout:
   run.json         provenance: versions, git commit, machine, seed, data fingerprint, tokenizer
   tokenizer/       the tokenizer, so the run is self-contained
   metrics.jsonl    one JSON object per logged step, evaluation and event
-  checkpoints/     see keel.checkpoint
+  checkpoints/     see keel.train.checkpoint
   summary.json     written at the end (also after divergence or interruption)
   diverged.json    the diagnostic, when a run stops on divergence
 
 Under torchrun every rank runs this loop on its share of each global batch (keel.data.WindowSampler),
-the model sharded with FSDP2 (keel.parallel); losses are averaged over ranks, so every rank takes the
+the model sharded with FSDP2 (keel.scale.parallel); losses are averaged over ranks, so every rank takes the
 same decisions, and only rank 0 writes files, prints and shows progress.
 """
 
@@ -31,16 +31,18 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from keel import __version__, checkpoint, distributed
-from keel.counting import count_params, flops_per_token
+from keel import __version__
 from keel.data import WindowSampler, prepare
-from keel.evaluate import bytes_per_token, evaluate
-from keel.guard import DivergenceGuard
-from keel.memory import estimate_memory, format_bytes
-from keel.model import TransformerLM
-from keel.optim import build_optimizer, lr_at
-from keel.parallel import parallelize
-from keel.train_config import ConfigError, TrainConfig, to_yaml
+from keel.model.counting import count_params, flops_per_token
+from keel.model.transformer import TransformerLM
+from keel.scale import distributed
+from keel.scale.memory import estimate_memory, format_bytes
+from keel.scale.parallel import parallelize
+from keel.train import checkpoint
+from keel.train.config import ConfigError, TrainConfig, to_yaml
+from keel.train.evaluate import bytes_per_token, evaluate
+from keel.train.guard import DivergenceGuard
+from keel.train.optim import build_optimizer, lr_at
 
 DIVERGED_EXIT = 3
 INTERRUPTED_EXIT = 130

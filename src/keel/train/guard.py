@@ -6,7 +6,7 @@ import math
 import statistics
 from collections import deque
 
-from keel.train_config import GuardConfig
+from keel.train.config import GuardConfig
 
 
 class DivergenceGuard:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from keel.config import ModelConfig
-from keel.counting import count_params
-from keel.model import build_scheme
+from keel.model.config import ModelConfig
+from keel.model.counting import count_params
+from keel.model.transformer import build_scheme
 
 
 def count_param_tensors(config: ModelConfig) -> int:

@@ -16,15 +16,11 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from keel.errors import DataError
+
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>")
 DEFAULT_BPE_VOCAB = 4096
 SPEC_HELP = "'bytes', 'bpe', 'bpe:<vocab_size>' or a path to a tokenizer.json"
-
-
-class DataError(ValueError):
-    """Data or tokenizer input that cannot be used; the one-line message names the file or field.
-
-    Defined here because `keel.data` imports this module; it is re-exported as `keel.data.DataError`."""
 
 
 class ByteTokenizer:

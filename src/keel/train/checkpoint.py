@@ -31,12 +31,10 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from keel.errors import CheckpointError
+
 FILES = ("model.safetensors", "state.pt", "meta.json")
 DCP_METADATA = ".metadata"  # the file DCP writes last; its presence marks a sharded checkpoint
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be written or no usable one exists; the message names the path."""
 
 
 def _sha256(path: Path) -> str:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from keel.config import ModelConfig
-from keel.model import build_scheme
+from keel.model.config import ModelConfig
+from keel.model.transformer import build_scheme
 
 
 def count_params(config: ModelConfig, embedding: bool = True) -> int:

@@ -1,6 +1,6 @@
 """Activation checkpointing, regional compilation and FSDP2, applied to a built model from outside.
 
-The model (keel.model) is single-device code and knows nothing of this. `parallelize` applies, in
+The model (keel.model.transformer) is single-device code and knows nothing of this. `parallelize` applies, in
 this fixed order (torchtitan's):
 
   1. `apply_ac`      wrap every k-th block in activation checkpointing (its inner activations are
@@ -58,7 +58,7 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype | None = None, g
     branches compute in; gradients are reduced in float32. `cast_forward_inputs=False` is essential:
     FSDP2's default casts every floating-point input of a unit to `param_dtype`, which would round
     the residual stream to bf16 at every block boundary and drop Keel's small updates (see
-    keel.numerics). The model itself casts branch inputs to the weights' dtype.
+    keel.model.numerics). The model itself casts branch inputs to the weights' dtype.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     blocks = list(model.blocks)

@@ -21,7 +21,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
-from keel.numerics import upcast
+from keel.model.numerics import upcast
 
 Kind = Literal["attn", "ffn"]
 
@@ -44,7 +44,7 @@ class Residual(nn.Module):
     """`x' = norm_out(alpha * x + norm_branch(F(norm_in(x))))`, absent norms skipped.
 
     The sum is always formed in (at least) float32, whatever autocast or the weights' dtype do: see
-    `keel.numerics.stream_dtype` for why.
+    `keel.model.numerics.stream_dtype` for why.
     """
 
     def __init__(self, spec: SublayerSpec, make_norm: Callable[[], nn.Module], dropout: float = 0.0):

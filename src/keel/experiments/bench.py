@@ -3,7 +3,7 @@
 Both schemes train in one process on the same synthetic batches, one step each in turn (the order
 flipped every round, so neither always runs on a warmer cache), after warm-up steps that are not
 timed. Reported per scheme: median step time, tokens/s, peak memory (CUDA: measured; CPU: the
-keel.memory estimate), MFU on GPUs with a known bf16 peak, and the Keel/Pre-LN step-time ratio. The
+keel.scale.memory estimate), MFU on GPUs with a known bf16 peak, and the Keel/Pre-LN step-time ratio. The
 depth series times a Keel step from 16 to 1024 sub-layers to show cost per sub-layer stays flat.
 """
 
@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from keel.config import ModelConfig
-from keel.counting import flops_per_token
-from keel.memory import estimate_memory
-from keel.model import TransformerLM
-from keel.optim import build_optimizer
-from keel.parallel import parallelize
-from keel.train_config import OptimConfig
-from keel.trainer import PEAK_BF16, autocast_for, machine, resolve_device
+from keel.model.config import ModelConfig
+from keel.model.counting import flops_per_token
+from keel.model.transformer import TransformerLM
+from keel.scale.memory import estimate_memory
+from keel.scale.parallel import parallelize
+from keel.train.config import OptimConfig
+from keel.train.optim import build_optimizer
+from keel.train.trainer import PEAK_BF16, autocast_for, machine, resolve_device
 
 
 class Bench:

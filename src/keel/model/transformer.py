@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from keel.config import ModelConfig
-from keel.layers import Attention, KVCache, make_ffn, make_norm, rope_tables
-from keel.numerics import upcast
-from keel.schemes import SCHEMES, Residual, Scheme
+from keel.model.config import ModelConfig
+from keel.model.layers import Attention, KVCache, make_ffn, make_norm, rope_tables
+from keel.model.numerics import upcast
+from keel.model.schemes import SCHEMES, Residual, Scheme
 
 
 def build_scheme(config: ModelConfig) -> Scheme:

@@ -1,6 +1,6 @@
 """Token shards cached on disk, and the samplers that read batches from them.
 
-`prepare` tokenises both splits of a corpus (keel.corpus) once into
+`prepare` tokenises both splits of a corpus (keel.data.corpus) once into
 `cache_dir/tokens/<key>/{train.bin,val.bin,meta.json}` and memory-maps them on every later call; the
 key changes whenever the data or the tokenizer does.
 """
@@ -20,11 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from keel.corpus import FORMAT, SPLITS, Corpus, DataConfig, build_corpus, cache_root
-from keel.tokenizer import DataError, load_tokenizer
-
-__all__ = ["Corpus", "DataConfig", "DataError", "Prepared", "WindowSampler", "build_corpus", "eval_batches",
-           "prepare"]
+from keel.data.corpus import FORMAT, SPLITS, Corpus, DataConfig, build_corpus, cache_root
+from keel.data.tokenizer import load_tokenizer
+from keel.errors import DataError
 
 ENCODE_BATCH = 256  # documents per tokenizer call: enough for the Rust BPE to use every core
 

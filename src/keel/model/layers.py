@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from keel.config import ModelConfig
-from keel.numerics import upcast
+from keel.model.config import ModelConfig
+from keel.model.numerics import upcast
 
 
 class RMSNorm(nn.Module):

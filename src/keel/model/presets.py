@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from keel.config import ModelConfig
+from keel.model.config import ModelConfig
 
 
 def tiny(**overrides) -> ModelConfig:

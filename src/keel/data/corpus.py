@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from keel.tokenizer import DataError
+from keel.errors import DataError
 
 FORMAT = "keel-tokens-1"  # part of every cache key: change it when the shard layout or the split rule changes
 SPLITS = ("train", "val")

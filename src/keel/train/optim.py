@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from keel.train_config import OptimConfig
+from keel.train.config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:

@@ -1,0 +1,1 @@
+"""Training: the one training step, the trainer, run directories, checkpoints, optimiser, guard, evaluation."""
