@@ -1,0 +1,205 @@
+"""The Keel junction between two sub-layers as one fused operation, forward and backward.
+
+    z = alpha * x + f                               the shortcut sum, in float32
+    y = z * rsqrt(mean(z^2) + eps) * w_out          LN_out: the new residual stream
+    u = y * rsqrt(mean(y^2) + eps) * w_in           LN_in of the next sub-layer: its branch input
+
+Unfused, every op is its own pass over the (..., d) tensors and autograd keeps several of them (z, y and
+the normalised intermediates); fused, each row is read once into registers, and backward keeps only x, f
+and two scalars per row (the reciprocal RMS of z and of y), recomputing the rest.
+
+Triton is optional. Without it, or for tensors the kernels cannot take, `keel_junction(impl="auto")`
+runs `junction_reference`, the same equations in PyTorch.
+"""
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+IMPLS = ("auto", "triton", "torch")
+# A whole row lives in registers; past this width it spills to local memory and fusing stops paying.
+MAX_FUSED_WIDTH = 16384
+
+
+def junction_reference(x: torch.Tensor, f: torch.Tensor, alpha: float, w_out: torch.Tensor, w_in: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(y, u)` for `z = alpha*x + f`, `y = RMSNorm(z) * w_out`, `u = RMSNorm(y) * w_in`, in plain PyTorch.
+
+    z, y and u are float32, or float64 for float64 inputs: with alpha in the hundreds one sub-layer
+    moves the normalised stream by about |f| / (alpha |x|), below bf16's resolution, so the sum must
+    never happen in f's (possibly bf16) precision.
+    """
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    z = alpha * x.to(dtype) + f.to(dtype)
+    y = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps) * w_out.to(dtype)
+    u = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * w_in.to(dtype)
+    return y, u
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the fused Triton path can run for the residual stream `x`.
+
+    It needs triton, a float32 `x` no wider than `MAX_FUSED_WIDTH`, and `x` on CUDA, or triton's CPU
+    interpreter (TRITON_INTERPRET=1 when triton was first imported; slow, for tests).
+    """
+    on_device = x.is_cuda or _INTERPRETED
+    return triton is not None and on_device and x.dtype == torch.float32 and 0 < x.shape[-1] <= MAX_FUSED_WIDTH
+
+
+def keel_junction(x: torch.Tensor, f: torch.Tensor, alpha: float, w_out: torch.Tensor, w_in: torch.Tensor,
+                  eps: float, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The junction `(y, u)` (see the module docstring): y is the new stream, u the next branch's input.
+
+    x: the float32 residual stream, shape (..., d); f: the branch output, same shape, float32 or bf16/fp16;
+    w_out, w_in: shape (d,). Both outputs are float32 (u too: under autocast the next matmul casts it,
+    and keel's own RMSNorm also returns float32 for a float32 stream).
+    impl: "triton" (fused; fails where `available(x)` is False), "torch" (`junction_reference`), or
+    "auto" (triton where available, else torch). Differentiable in x, f, w_out and w_in.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if f.shape != x.shape or w_out.shape != x.shape[-1:] or w_in.shape != x.shape[-1:]:
+        raise ValueError(f"junction needs f of x's shape {tuple(x.shape)} and weights of shape ({x.shape[-1]},); "
+                         f"got f {tuple(f.shape)}, w_out {tuple(w_out.shape)}, w_in {tuple(w_in.shape)}")
+    if impl == "torch" or (impl == "auto" and not available(x)):
+        return junction_reference(x, f, alpha, w_out, w_in, eps)
+    if not available(x):
+        raise ValueError(f"the triton junction cannot run here (triton installed: {triton is not None}, "
+                         f"device {x.device}, dtype {x.dtype}, width {x.shape[-1]}); use impl='auto' or 'torch'")
+    return _FusedJunction.apply(x, f, float(alpha), w_out, w_in, float(eps))
+
+
+class _FusedJunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, f, alpha, w_out, w_in, eps):
+        shape, d = x.shape, x.shape[-1]
+        x2, f2 = x.reshape(-1, d).contiguous(), f.reshape(-1, d).contiguous()
+        w_out, w_in = w_out.contiguous(), w_in.contiguous()
+        n_rows = x2.shape[0]
+        y, u = torch.empty_like(x2), torch.empty_like(x2)
+        rstd_z = torch.empty(n_rows, device=x.device, dtype=torch.float32)
+        rstd_y = torch.empty_like(rstd_z)
+        if n_rows:
+            block = triton.next_power_of_2(d)
+            _junction_fwd[(n_rows,)](x2, f2, w_out, w_in, y, u, rstd_z, rstd_y, alpha, eps, d,
+                                     BLOCK=block, num_warps=_num_warps(block))
+        ctx.save_for_backward(x2, f2, w_out, w_in, rstd_z, rstd_y)
+        ctx.alpha, ctx.shape = alpha, shape
+        # An output nobody differentiates through arrives as None, so its kernel loads can be skipped.
+        ctx.set_materialize_grads(False)
+        return y.view(shape), u.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy, du):
+        x2, f2, w_out, w_in, rstd_z, rstd_y = ctx.saved_tensors
+        if dy is None and du is None:
+            return None, None, None, None, None, None
+        n_rows, d = x2.shape
+        dx, df = torch.empty_like(x2), torch.empty_like(f2)
+        # Each program owns a contiguous run of rows and sums its weight gradients in registers; the
+        # (n_programs, d) partials are then added here, which avoids atomics and stays deterministic.
+        n_programs = max(1, min(n_rows, _bwd_programs(x2.device)))
+        rows_per_program = triton.cdiv(n_rows, n_programs) if n_rows else 0
+        dw_out_part = torch.zeros(n_programs, d, device=x2.device, dtype=torch.float32)
+        dw_in_part = torch.zeros_like(dw_out_part)
+        if n_rows:
+            dy2 = x2 if dy is None else dy.reshape(-1, d).contiguous()  # x2: a placeholder the kernel never reads
+            du2 = x2 if du is None else du.reshape(-1, d).contiguous()
+            block = triton.next_power_of_2(d)
+            _junction_bwd[(n_programs,)](x2, f2, w_out, w_in, rstd_z, rstd_y, dy2, du2, dx, df, dw_out_part,
+                                         dw_in_part, ctx.alpha, d, n_rows, rows_per_program, HAS_DY=dy is not None,
+                                         HAS_DU=du is not None, BLOCK=block, num_warps=_num_warps(block))
+        dw_out = dw_out_part.sum(0).to(w_out.dtype)
+        dw_in = None if du is None else dw_in_part.sum(0).to(w_in.dtype)  # w_in only reaches u
+        return dx.view(ctx.shape), df.view(ctx.shape), None, dw_out, dw_in, None
+
+
+def _num_warps(block: int) -> int:
+    return min(max(block // 256, 1), 16)
+
+
+def _bwd_programs(device: torch.device) -> int:
+    # Enough programs to fill the GPU a few times over; few on the interpreter, where each is slow.
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+if triton is None:
+    _INTERPRETED = False
+else:
+
+    @triton.jit
+    def _junction_fwd(x_ptr, f_ptr, w_out_ptr, w_in_ptr, y_ptr, u_ptr, rstd_z_ptr, rstd_y_ptr, alpha, eps, d,
+                      BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < d  # padded lanes load 0, so they add nothing to the sums of squares
+        offs = row.to(tl.int64) * d + cols  # int64: n_rows * d passes 2^31 at long context
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        f = tl.load(f_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w_out = tl.load(w_out_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w_in = tl.load(w_in_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+
+        z = alpha * x + f
+        rstd_z = tl.rsqrt(tl.sum(z * z, axis=0) / d + eps)
+        y = z * rstd_z * w_out
+        rstd_y = tl.rsqrt(tl.sum(y * y, axis=0) / d + eps)
+        u = y * rstd_y * w_in
+
+        tl.store(y_ptr + offs, y, mask=mask)
+        tl.store(u_ptr + offs, u, mask=mask)
+        tl.store(rstd_z_ptr + row, rstd_z)
+        tl.store(rstd_y_ptr + row, rstd_y)
+
+    @triton.jit
+    def _junction_bwd(x_ptr, f_ptr, w_out_ptr, w_in_ptr, rstd_z_ptr, rstd_y_ptr, dy_ptr, du_ptr, dx_ptr, df_ptr,
+                      dw_out_part_ptr, dw_in_part_ptr, alpha, d, n_rows, rows_per_program,
+                      HAS_DY: tl.constexpr, HAS_DU: tl.constexpr, BLOCK: tl.constexpr):
+        # RMSNorm backward, for m = v * r with r = rsqrt(mean(v^2) + eps):  dv = r * (dm - m * mean(dm * m)).
+        # Applied twice: through LN_in (v = y) then through LN_out (v = z), adding the stream's own dy between.
+        program = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < d
+        w_out = tl.load(w_out_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w_in = tl.load(w_in_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dw_out = tl.zeros((BLOCK,), dtype=tl.float32)
+        dw_in = tl.zeros((BLOCK,), dtype=tl.float32)
+
+        first = program.to(tl.int64) * rows_per_program  # int64, so row * d below is too
+        for row in range(first, tl.minimum(first + rows_per_program, n_rows)):
+            offs = row * d + cols
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+            f = tl.load(f_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            rstd_z = tl.load(rstd_z_ptr + row)
+            n = (alpha * x + f) * rstd_z  # z normalised, before its gain
+            y = n * w_out
+
+            if HAS_DY:
+                grad_y = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            else:
+                grad_y = tl.zeros((BLOCK,), dtype=tl.float32)
+            if HAS_DU:
+                du = tl.load(du_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                rstd_y = tl.load(rstd_y_ptr + row)
+                m = y * rstd_y
+                dw_in += du * m
+                dm = du * w_in
+                grad_y += rstd_y * (dm - m * (tl.sum(dm * m, axis=0) / d))
+
+            dw_out += grad_y * n
+            dn = grad_y * w_out
+            dz = rstd_z * (dn - n * (tl.sum(dn * n, axis=0) / d))
+            tl.store(dx_ptr + offs, alpha * dz, mask=mask)
+            tl.store(df_ptr + offs, dz.to(df_ptr.dtype.element_ty), mask=mask)
+
+        tl.store(dw_out_part_ptr + program * d + cols, dw_out, mask=mask)
+        tl.store(dw_in_part_ptr + program * d + cols, dw_in, mask=mask)
+
+    # Triton decides interpreter or compiler per kernel when it is defined, and builds its own
+    # library functions (tl.sum among them) when it is imported: setting TRITON_INTERPRET later does nothing.
+    _INTERPRETED = not isinstance(_junction_fwd, triton.runtime.JITFunction)
