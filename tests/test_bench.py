@@ -8,7 +8,7 @@ import torch
 from keel.experiments.bench import Bench, register, to_markdown
 from keel.model.config import ModelConfig
 from keel.model.transformer import TransformerLM
-from keel.train.trainer import resolve_device
+from keel.runtime import resolve_device
 
 
 def test_bench_trains_the_model_it_times():

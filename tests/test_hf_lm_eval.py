@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from keel.cli import load_run, main
+from keel.cli import main
+from keel.train.run_dir import load_model as load_run
 from keel.data.tokenizer import ByteTokenizer
 
 pytest.importorskip("transformers")

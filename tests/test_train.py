@@ -152,7 +152,7 @@ def test_injected_nan_stops_the_run_with_a_diagnostic(args):
 def test_diverged_run_exits_with_its_own_code(args, monkeypatch, capsys):
     original = Trainer.__init__
 
-    def with_nan(self, config, run_dir, callbacks=()):
+    def with_nan(self, config, run_dir=None, callbacks=()):
         original(self, config, run_dir, [nan_at(3)])
     monkeypatch.setattr(Trainer, "__init__", with_nan)
     assert main(["train", "--preset", "tiny", *args()]) == DIVERGED_EXIT

@@ -1,5 +1,9 @@
-"""The `keel` command: train, eval, generate, summary, tokenizer, experiment, and the Hugging Face
-bridges (export-hf, import-hf, lm-eval)."""
+"""The `keel` command: a thin dispatcher. Each sub-command parses its arguments and calls the library
+(keel.train, keel.experiments, keel.hf); nothing in the library imports this module.
+
+A `KeelError` (bad input: a config field, a file, a checkpoint) is printed as one line with exit code 2;
+any other exception is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
@@ -7,166 +11,70 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 from keel import __version__
-from keel.model.config import CONFIG_FIELDS, ModelConfig
-from keel.model.counting import count_params, flops_per_token
-from keel.model.presets import PRESETS, preset
-
-# fields a resumed run may change; anything else must match the run's config
-RESUMABLE = {"resume", "run.steps", "run.progress", "run.log_every", "run.eval_every", "run.eval_batches",
-             "run.ac_every", "run.fsdp_group",
-             "run.ckpt_every", "run.keep_checkpoints", "run.device", "run.compile", "run.out_dir", "run.name"}
+from keel.errors import ConfigError, KeelError
+from keel.train.config import add_config_arguments
 
 
-def parse_overrides(items: list[str]) -> dict:
-    """`key=value` strings to typed values (YAML scalars: 8 -> int, 1e-5 -> float, true -> bool)."""
-    from omegaconf import OmegaConf
+def _config_for(args):
+    """The TrainConfig of `keel summary/bench` (and train): --preset < --config < overrides; a positional
+    run directory means that run's own config."""
+    from keel.train.config import load_config
+    from keel.train.run_dir import RunDir
 
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"override {item!r}: expected key=value")
-    return OmegaConf.to_container(OmegaConf.from_dotlist(items))
-
-
-def model_config(preset_name: str, overrides: list[str]) -> ModelConfig:
-    values = parse_overrides(overrides)
-    unknown = sorted(set(values) - set(CONFIG_FIELDS))
-    if unknown:
-        raise ValueError(f"ModelConfig has no field {unknown[0]!r}; fields: {', '.join(CONFIG_FIELDS)}")
-    return preset(preset_name, **values)
-
-
-def describe(config: ModelConfig) -> str:
-    """A readable summary: shape, counts, and the sub-layer layout with runs of equal blocks merged."""
-    from keel.model.transformer import TransformerLM
-
-    model = TransformerLM(config)
-    lines = [f"keel {__version__}", "", "config:"]
-    lines += [f"  {name} = {getattr(config, name)!r}" for name in CONFIG_FIELDS]
-    n_total, n_body = count_params(config), count_params(config, embedding=False)
-    lines += [
-        "",
-        f"blocks: {config.n_blocks}   sub-layers (the paper's L): {model.n_sublayers}",
-        f"parameters: {n_total:,} ({n_body:,} without the input embedding)",
-        f"training FLOPs per token at T={config.max_seq_len}: {flops_per_token(config):.4g}",
-        f"final norm before the head: {'yes' if model.scheme.final_norm else 'no (the stack ends in a norm)'}",
-        "",
-        "sub-layers: x' = norm_out(alpha*x + norm_branch(F(norm_in(x))))",
-    ]
-    subs = model.sublayers()
-    layout = [(a.alpha, a.norm_in, a.norm_branch, a.norm_out, f.alpha, f.norm_in, f.norm_branch, f.norm_out)
-              for a, f in zip(subs[0::2], subs[1::2])]
-    first = 0
-    for b in range(config.n_blocks):
-        if b + 1 < config.n_blocks and layout[b + 1] == layout[b]:
-            continue
-        blocks = f"block {b}" if first == b else f"blocks {first}..{b}"
-        for kind, (alpha, *norms) in (("attn", layout[b][:4]), ("ffn", layout[b][4:])):
-            names = [n for n, on in zip(("norm_in", "norm_branch", "norm_out"), norms) if on]
-            lines.append(f"  {blocks:<16} {kind:<4}  alpha={alpha:<9g} {', '.join(names) or 'no norms'}")
-            blocks = ""
-        first = b + 1
-    return "\n".join(lines)
+    run_dir = getattr(args, "run_dir", None)
+    if run_dir and "=" in run_dir:  # `keel summary scheme=pre_ln`: the optional positional took an override
+        args.overrides, run_dir = [run_dir, *args.overrides], None
+    if run_dir:
+        return RunDir.open(run_dir).resume_config(args.overrides)
+    return load_config(args.overrides, getattr(args, "config", None), args.preset)
 
 
 def cmd_summary(args) -> int:
-    print(describe(model_config(args.preset, args.overrides)))
+    from keel.train.plan import describe
+
+    print(describe(_config_for(args).model))
     return 0
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out |= _flatten(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def train_config_for(args):
-    """(config, run_dir, checkpoint to resume from or None) for `keel train`."""
-    from dataclasses import asdict
-
-    from omegaconf import OmegaConf
-
-    from keel.train import checkpoint
-    from keel.train.config import ConfigError, load_config, load_run_config, to_config
-
-    config = load_config(args.overrides, args.config, args.preset)
-    if not config.resume:
-        name = config.run.name or f"{config.model.scheme}-{config.model.n_sublayers}L-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir = Path(config.run.out_dir) / name
-        if run_dir.exists() and any(run_dir.iterdir()):
-            raise ConfigError(f"run directory {run_dir} already exists; continue it with resume={run_dir} "
-                              "or choose another run.name")
-        return config, run_dir, None
-    run_dir = Path(config.resume)
-    saved = load_run_config(run_dir)
-    layers = [OmegaConf.structured(saved)]
-    if args.config:
-        layers.append(OmegaConf.load(args.config))
-    layers.append(OmegaConf.from_dotlist(list(args.overrides)))
-    resumed = to_config(layers)
-    before, after = _flatten(asdict(saved)), _flatten(asdict(resumed))
-    for key in before:
-        if key not in RESUMABLE and before[key] != after[key]:
-            raise ConfigError(f"resume: {key}={after[key]!r} differs from the run's config ({before[key]!r}); "
-                              "a resumed run must keep it")
-    return resumed, run_dir, checkpoint.latest_valid(run_dir)
-
-
 def cmd_train(args) -> int:
+    from keel.train.config import load_config
+    from keel.train.plan import plan
+    from keel.train.run_dir import RunDir
     from keel.train.trainer import DIVERGED_EXIT, INTERRUPTED_EXIT, Trainer
 
-    config, run_dir, resume_from = train_config_for(args)
-    summary = Trainer(config, run_dir).run(resume_from)
+    config = load_config(args.overrides, args.config, args.preset)
+    resume_from = None
+    if config.resume:
+        run = RunDir.open(config.resume)
+        config = run.resume_config(args.overrides, args.config)
+        resume_from = run.latest_checkpoint()
+    if args.dry_run:
+        print(plan(config))
+        return 0
+    trainer = Trainer(config)
+    summary = trainer.run(resume_from)
     if summary["diverged"]:
-        print(f"keel: {summary['divergence_reason']} (diagnostic: {run_dir / 'diverged.json'})", file=sys.stderr)
+        print(f"keel: {summary['divergence_reason']} (diagnostic: {trainer.run_dir / 'diverged.json'})",
+              file=sys.stderr)
         return DIVERGED_EXIT
     if summary["interrupted"]:
         return INTERRUPTED_EXIT
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
         print(json.dumps(summary, indent=1))
-        print(f"run: {run_dir}")
+        print(f"run: {trainer.run_dir}")
     return 0
 
 
-def load_run(run_dir: str, checkpoint_path: str | None = None):
-    """(config, model, tokenizer) of a run directory, from its newest intact checkpoint."""
-    from keel.data.tokenizer import load_saved_tokenizer
-    from keel.model.transformer import TransformerLM
-    from keel.train import checkpoint
-    from keel.train.config import load_run_config
-
-    config = load_run_config(Path(run_dir))
-    model = TransformerLM(config.model)
-    path = Path(checkpoint_path) if checkpoint_path else checkpoint.latest_valid(Path(run_dir))
-    checkpoint.load(path, model)
-    return config, model, load_saved_tokenizer(Path(run_dir) / "tokenizer"), path
-
-
 def cmd_eval(args) -> int:
-    import torch
+    from keel.train.evaluate import evaluate_run
 
-    from keel.data import prepare
-    from keel.train.evaluate import bytes_per_token, evaluate
-    from keel.train.trainer import autocast_for, resolve_device
-
-    config, model, tokenizer, path = load_run(args.run_dir, args.checkpoint)
-    device = resolve_device(args.device)
-    data = prepare(config.data)
-    tokens = data.val if args.split == "val" else data.train
-    batches = args.batches or config.run.eval_batches
-    torch.manual_seed(0)
-    result = evaluate(model.to(device), tokens, config.run.seq_len, config.run.batch_size, batches, device,
-                      autocast_for(device, config.run.dtype), bytes_per_token(tokenizer))
-    result = {"checkpoint": str(path), "split": args.split, **result}
+    result = evaluate_run(args.run_dir, args.checkpoint, args.split, args.batches, args.device)
     print(json.dumps(result, indent=1))
-    (Path(args.run_dir) / f"eval-{path.name}-{args.split}.json").write_text(json.dumps(result, indent=1))
+    name = Path(result["checkpoint"]).name
+    (Path(args.run_dir) / f"eval-{name}-{args.split}.json").write_text(json.dumps(result, indent=1))
     return 0
 
 
@@ -174,11 +82,12 @@ def cmd_generate(args) -> int:
     import torch
 
     from keel.generate import generate
+    from keel.train.run_dir import load_model
 
-    config, model, tokenizer, _ = load_run(args.run_dir, args.checkpoint)
+    config, model, tokenizer, _ = load_model(args.run_dir, args.checkpoint)
     ids = tokenizer.encode(args.prompt)
     if not ids:
-        raise ValueError("--prompt: empty after tokenisation; give at least one character")
+        raise ConfigError("--prompt: empty after tokenisation; give at least one character")
     generator = torch.Generator().manual_seed(args.seed)
     out = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                    generator=generator, eos_id=tokenizer.eos_id, use_cache=not args.no_cache)
@@ -187,17 +96,11 @@ def cmd_generate(args) -> int:
 
 
 def cmd_tokenizer(args) -> int:
-    from dataclasses import fields
-
     from keel.data import DataConfig, build_corpus
     from keel.data.tokenizer import train_bpe
+    from keel.train.config import merge
 
-    values = parse_overrides(args.overrides)
-    names = [f.name for f in fields(DataConfig)]
-    unknown = sorted(set(values) - set(names))
-    if unknown:
-        raise ValueError(f"DataConfig has no field {unknown[0]!r}; fields: {', '.join(names)}")
-    corpus = build_corpus(DataConfig(**values))
+    corpus = build_corpus(merge(DataConfig(), None, args.overrides))
     tok = train_bpe(corpus.documents("train"), args.vocab_size, Path(args.out))
     print(f"trained a byte-level BPE with {tok.vocab_size} tokens on {corpus.fingerprint[:12]}: {args.out}")
     return 0
@@ -210,7 +113,7 @@ def _needs(extra: str, module: str) -> None:
     try:
         importlib.import_module(module)
     except ImportError:
-        raise ValueError(f"this command needs {module.split('.')[0]}: pip install -e \".[{extra}]\"") from None
+        raise ConfigError(f"this command needs {module.split('.')[0]}: pip install -e \".[{extra}]\"") from None
 
 
 def cmd_export_hf(args) -> int:
@@ -279,9 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (default: a 32-sub-layer Keel on the stdlib corpus)",
                        description="Train. Settings are dotted key=value overrides, e.g. model.n_blocks=8 "
                                    "model.scheme=pre_ln run.steps=500 optim.lr=1e-3; resume=RUN_DIR continues a run.")
-    p.add_argument("--preset", default="cpu-demo", help="training preset: cpu-demo (default) or tiny")
-    p.add_argument("--config", help="a YAML file with any of model/data/optim/guard/run")
-    p.add_argument("overrides", nargs="*", metavar="key=value")
+    add_config_arguments(p)
+    p.add_argument("--dry-run", action="store_true", help="print the model, the run and its memory plan; train nothing")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run's checkpoint")
@@ -304,9 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context each step (no KV cache)")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("summary", help="print a model's shape, counts and sub-layer layout")
-    p.add_argument("--preset", default="cpu-demo", choices=list(PRESETS), help="size preset (default cpu-demo)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="ModelConfig fields, e.g. scheme=pre_ln")
+    p = sub.add_parser("summary", help="print a model's shape, counts and sub-layer layout (a preset's or a run's)")
+    p.add_argument("run_dir", nargs="?", help="a run directory: describe that run's model")
+    add_config_arguments(p)
     p.set_defaults(func=cmd_summary)
 
     p = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer on a corpus")
@@ -336,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
-    except ValueError as err:  # ConfigError, DataError, CheckpointError: one line naming the field or file
+    except KeelError as err:  # ConfigError, DataError, CheckpointError, ExportError: one line naming the field/file
         print(f"keel: error: {err}", file=sys.stderr)
         return 2
 

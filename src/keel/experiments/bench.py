@@ -16,28 +16,30 @@ from pathlib import Path
 
 import torch
 
-from keel.model.config import ModelConfig
-from keel.model.counting import flops_per_token
-from keel.model.transformer import TransformerLM
+from keel.model import ModelConfig, flops_per_token
+from keel.runtime import autocast_for, machine, peak_flops, resolve_device
 from keel.scale.memory import estimate_memory
-from keel.scale.parallel import parallelize
-from keel.train.config import OptimConfig
+from keel.train.config import OptimConfig, Runtime, add_config_arguments, load_config
 from keel.train.optim import build_optimizer
-from keel.train.trainer import PEAK_BF16, autocast_for, machine, resolve_device
+from keel.train.step import TrainStep, build_model
 
 
 class Bench:
-    """One model, its optimiser and a fixed synthetic batch; `step()` times one training step."""
+    """One model, its optimiser and a fixed synthetic batch; `step()` times one training step, the same
+    TrainStep (forward, backward, clip, AdamW) that `keel train` and the experiments take."""
 
     def __init__(self, config: ModelConfig, batch_size: int, seq_len: int, device: torch.device, dtype: str = "auto",
                  ac_every: int = 0, compile: bool = False):
         torch.manual_seed(0)
         self.config, self.device, self.tokens = config, device, batch_size * seq_len
-        self.model = parallelize(TransformerLM(config).to(device), ac_every=ac_every, compile=compile)
-        self.optimizer = build_optimizer(self.model, OptimConfig(lr=1e-4, warmup_steps=0))
-        self.autocast = autocast_for(device, dtype)
+        runtime = Runtime(device=str(device), dtype=dtype, compile=compile, ac_every=ac_every)
+        self.model = build_model(config, runtime, device)
+        optim = OptimConfig(lr=1e-4, warmup_steps=0)
+        self.train_step = TrainStep(self.model, build_optimizer(self.model, optim), grad_clip=optim.grad_clip,
+                                    autocast=autocast_for(device, dtype))
+        self.lr = optim.lr
         ids = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(0))
-        self.x, self.y = ids[:, :-1].to(device), ids[:, 1:].to(device)
+        self.batch = ids[:, :-1].to(device), ids[:, 1:].to(device)
         self.times: list[float] = []
         self.peak: int | None = None
 
@@ -47,12 +49,7 @@ class Bench:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
-        with self.autocast():
-            _, loss = self.model(self.x, self.y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.train_step(lambda: self.batch, self.lr)
         if cuda:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
@@ -72,8 +69,7 @@ def compare(config: ModelConfig, schemes: list[str], batch_size: int, seq_len: i
     for i in range(warmup + steps):
         for scheme in (schemes if i % 2 == 0 else schemes[::-1]):
             benches[scheme].step(record=i >= warmup)
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    peak_flops = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
+    peak = peak_flops(device)
     out = {}
     for scheme, b in benches.items():
         step = statistics.median(b.times)
@@ -82,7 +78,7 @@ def compare(config: ModelConfig, schemes: list[str], batch_size: int, seq_len: i
         out[scheme] = {
             "step_time_s": step, "step_time_min_s": min(b.times), "tokens_per_s": tps,
             "peak_memory_bytes": b.peak, "memory_estimate_bytes": estimate,
-            "mfu": tps * flops_per_token(b.config, seq_len) / peak_flops if peak_flops else None,
+            "mfu": tps * flops_per_token(b.config, seq_len) / peak if peak else None,
         }
     if "keel" in out and "pre_ln" in out:
         out["keel_over_pre_ln_step_time"] = out["keel"]["step_time_s"] / out["pre_ln"]["step_time_s"]
@@ -135,10 +131,9 @@ def to_markdown(result: dict) -> str:
 
 
 def run(args) -> dict:
-    from keel.cli import model_config
-
+    train_config = load_config(args.overrides, getattr(args, "config", None), args.preset)
+    config = train_config.model
     device = resolve_device(args.device)
-    config = model_config(args.preset, args.overrides)
     schemes = args.schemes.split(",")
     result = {"machine": machine(device), "settings": {
         "preset": args.preset, "overrides": args.overrides, "d_model": config.d_model,
@@ -172,8 +167,7 @@ def register(subparsers) -> None:
     """Add `keel bench` to the `keel` command's subparsers."""
     p = subparsers.add_parser("bench", help="time Keel against Pre-LN at identical shapes, and against depth",
                               description="Alternating training steps of each scheme after warm-up; JSON and a table.")
-    p.add_argument("--preset", default="cpu-demo", help="model size preset (default cpu-demo)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="ModelConfig fields, e.g. n_blocks=16")
+    add_config_arguments(p)
     p.add_argument("--schemes", default="keel,pre_ln")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)

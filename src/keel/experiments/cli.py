@@ -5,10 +5,9 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
+from keel.errors import ConfigError
 from keel.experiments import EXPERIMENTS
+from keel.train.config import merge
 
 
 def register(subparsers) -> None:
@@ -18,25 +17,22 @@ def register(subparsers) -> None:
     p.add_argument("name", choices=list(EXPERIMENTS))
     p.add_argument("--quick", action="store_true", help="a CPU-sized version that runs in seconds to minutes")
     p.add_argument("--out", help="output directory (default results/<name>, or results/<name>-quick)")
+    p.add_argument("--config", help="a YAML file with any of the experiment's fields")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.set_defaults(func=cmd_experiment)
 
 
-def build(name: str, quick: bool, overrides: list[str]):
+def build(name: str, quick: bool, overrides: list[str], config_file: str | None = None):
+    """The experiment's defaults (or its --quick version) < --config YAML < overrides: keel's one merge."""
     cls, _ = EXPERIMENTS[name]
-    base = OmegaConf.structured(cls.quick() if quick else cls())
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r}: expected key=value, e.g. steps=100")
     try:
-        return OmegaConf.to_object(OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides))))
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None)
-        raise ValueError(f"{name}: {key}: {str(err).splitlines()[0]}" if key else str(err).splitlines()[0]) from None
+        return merge(cls.quick() if quick else cls(), config_file, overrides)
+    except ConfigError as err:
+        raise ConfigError(f"{name}: {err}") from None
 
 
 def cmd_experiment(args) -> int:
-    cfg = build(args.name, args.quick, args.overrides)
+    cfg = build(args.name, args.quick, args.overrides, args.config)
     out = Path(args.out or f"results/{args.name}{'-quick' if args.quick else ''}")
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["keel experiment", args.name] + (["--quick"] if args.quick else [])

@@ -1,30 +1,35 @@
-"""What every experiment shares: a lean training loop with per-step hooks, sweep bookkeeping, output.
+"""What every experiment shares: its engine settings, training one point through the one training step,
+sweep bookkeeping, output.
 
-An experiment is a sweep of independent points (scheme x depth x LR x seed ...). Each finished point is
-written to `<out>/points/<key>.json`, so an interrupted sweep resumes by skipping finished points.
-`results.json` (every number, config, versions, machine), PNG plots and `report.md` are written at the end.
+An experiment is a sweep of independent points (scheme x depth x LR x seed ...). Each point trains through
+keel.train.step.TrainStep, exactly as `keel train` does (`point_config` is the TrainConfig that `keel train`
+would run for it), on `run.device` with `run.dtype`, `run.compile`, `run.ac_every` and `run.grad_accum`, and
+under the same divergence guard. Each finished point is written to `<out>/points/<key>.json`, so an
+interrupted sweep resumes by skipping finished points. `results.json` (every number, config, versions,
+machine), PNG plots and `report.md` are written at the end.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from keel.data import DataConfig, WindowSampler, prepare
-from keel.model.config import ModelConfig
-from keel.model.transformer import TransformerLM
-from keel.train.config import OptimConfig
+from keel.errors import ConfigError
+from keel.model import ModelConfig, TransformerLM
+from keel.runtime import autocast_for, machine, resolve_device
+from keel.train.config import GuardConfig, OptimConfig, RunConfig, Runtime, TrainConfig, validate
 from keel.train.evaluate import evaluate
+from keel.train.guard import DivergenceGuard
 from keel.train.optim import build_optimizer, lr_at
-from keel.train.trainer import machine
+from keel.train.step import TrainStep, build_model, on_device
 
 
 @dataclass
@@ -44,13 +49,27 @@ class Shape:
                            scheme=scheme, **extra)
 
 
+def experiment_guard() -> GuardConfig:
+    """Experiments stop a point on non-finite values only: a loss spike is part of what max-lr measures."""
+    return GuardConfig(spike_min_history=0)
+
+
+@dataclass
+class Engine:
+    """The fields every experiment config has: how its points train (`run.*`, as in `keel train`) and when
+    one counts as diverged (`guard.*`)."""
+
+    run: Runtime = field(default_factory=Runtime)
+    guard: GuardConfig = field(default_factory=experiment_guard)
+
+
 @dataclass
 class Curve:
     losses: list[float]
     lrs: list[float]
     val_loss: float | None
     seconds: float
-    stopped_at: int | None = None  # the step at which a non-finite loss ended the run early
+    stopped_at: int | None = None  # the step at which the guard (non-finite loss or gradient) ended the run
 
 
 _DATA_CACHE: dict = {}
@@ -64,44 +83,56 @@ def corpus(data: DataConfig):
     return _DATA_CACHE[key]
 
 
-def train_curve(model_cfg: ModelConfig, optim: OptimConfig, steps: int, shape: Shape, data: DataConfig, seed: int,
-                eval_batches: int = 8, after_backward: Callable | None = None, model: TransformerLM | None = None,
-                ) -> tuple[Curve, TransformerLM]:
-    """Train from scratch (or `model`) for `steps` steps; the loss of every step, then validation loss.
+def point_config(model_cfg: ModelConfig, optim: OptimConfig, steps: int, shape: Shape, data: DataConfig, seed: int,
+                 engine: Engine | None = None, eval_batches: int = 8) -> TrainConfig:
+    """The TrainConfig of one experiment point: `keel train` with it trains the same model on the same
+    batches and logs the same losses (a test checks this)."""
+    engine = engine or Engine()
+    r = engine.run
+    run = RunConfig(steps=steps, batch_size=shape.batch_size, seq_len=shape.seq_len, seed=seed, device=r.device,
+                    dtype=r.dtype, compile=r.compile, ac_every=r.ac_every, grad_accum=r.grad_accum,
+                    eval_every=0, eval_batches=max(1, eval_batches), ckpt_every=0, log_every=1, progress=False)
+    config = TrainConfig(model=model_cfg, data=data, optim=optim, guard=engine.guard, run=run)
+    validate(config)
+    return config
 
-    The same optimiser, schedule, sampler and evaluation as `keel train`, without run directories or
-    checkpoints. A non-finite loss stops the run (the curve records where). `after_backward(model, step)`
-    sees the gradients of every step before the optimiser does.
+
+def train_curve(config: TrainConfig, eval_batches: int = 8, after_backward: Callable | None = None,
+                model: TransformerLM | None = None) -> tuple[Curve, torch.nn.Module]:
+    """Train `config` from scratch (or from `model`): the loss of every step, then validation loss.
+
+    `keel train`'s model building, sampler, schedule and TrainStep, without run directories or checkpoints.
+    A step the guard rejects ends the curve (`stopped_at`). `after_backward(model)` sees each step's gradients.
     """
-    prepared = corpus(data)
-    torch.manual_seed(seed)
-    model = model if model is not None else TransformerLM(model_cfg)
-    opt = build_optimizer(model, optim)
-    sampler = WindowSampler(prepared.train, shape.seq_len, shape.batch_size, seed=seed)
+    c = config
+    prepared = corpus(c.data)
+    device = resolve_device(c.run.device)
+    torch.manual_seed(c.run.seed)
+    model = build_model(c.model, c.run, device, model=model)
+    autocast = autocast_for(device, c.run.dtype)
+    step = TrainStep(model, build_optimizer(model, c.optim), grad_accum=c.run.grad_accum, grad_clip=c.optim.grad_clip,
+                     autocast=autocast, guard=DivergenceGuard(c.guard), after_backward=after_backward)
+    sampler = WindowSampler(prepared.train, c.run.seq_len, c.run.batch_size, seed=c.run.seed)
     losses, lrs, stopped, start = [], [], None, time.time()
-    for step in range(steps):
-        lr = lr_at(step, steps, optim)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        x, y = sampler.next_batch()
-        _, loss = model(x, y)
-        loss.backward()
-        value = loss.item()
-        losses.append(value)
-        lrs.append(lr)
-        if not math.isfinite(value):
-            stopped = step
+    for i in range(c.run.steps):
+        result = step(lambda: on_device(sampler.next_batch(), device), lr_at(i, c.run.steps, c.optim))
+        losses.append(result.loss)
+        lrs.append(result.lr)
+        if result.diverged is not None:
+            stopped = i
             break
-        if after_backward is not None:
-            after_backward(model, step)
-        if optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
     val = None
     if stopped is None and eval_batches:
-        val = evaluate(model, prepared.val, shape.seq_len, shape.batch_size, eval_batches, "cpu")["val_loss"]
+        val = evaluate(model, prepared.val, c.run.seq_len, c.run.batch_size, eval_batches, device,
+                       autocast)["val_loss"]
     return Curve(losses, lrs, val, time.time() - start, stopped), model
+
+
+def evaluate_model(model, cfg, eval_batches: int) -> float:
+    """Validation loss of a trained point's model, on the device and dtype it trained with."""
+    device = next(model.parameters()).device
+    return evaluate(model, corpus(cfg.data).val, cfg.shape.seq_len, cfg.shape.batch_size, eval_batches, device,
+                    autocast_for(device, cfg.run.dtype))["val_loss"]
 
 
 @dataclass
@@ -118,7 +149,7 @@ class Sweep:
         if recorded.exists() and json.loads(recorded.read_text()) != mine:
             theirs = json.loads(recorded.read_text())
             changed = sorted(k for k in mine if theirs.get(k) != mine[k])
-            raise ValueError(f"{self.out}: holds points of another configuration (differs in {', '.join(changed)}); "
+            raise ConfigError(f"{self.out}: holds points of another configuration (differs in {', '.join(changed)}); "
                              "use another --out or delete that directory")
         if not recorded.exists():
             recorded.write_text(json.dumps(mine, indent=1))
@@ -142,7 +173,8 @@ def write_outputs(out: Path, name: str, config, command: str, results: dict, tab
                   notes: str = "") -> None:
     """results.json (numbers + config + machine) and report.md (command, table, plots, notes)."""
     payload = {"experiment": name, "command": command, "config": asdict(config),
-               "machine": machine(torch.device("cpu")), "results": results,
+               "machine": machine(resolve_device(getattr(getattr(config, "run", None), "device", "cpu"))),
+               "results": results,
                "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     (out / "results.json").write_text(json.dumps(payload, indent=1, default=float))
     lines = [f"# {name}", "", "Produced by:", "", "```bash", command, "```", "", table, ""]

@@ -17,7 +17,17 @@ from pathlib import Path
 import torch
 
 from keel.data import DataConfig, eval_batches
-from keel.experiments.common import Shape, Sweep, corpus, markdown_table, pyplot, train_curve, write_outputs
+from keel.experiments.common import (
+    Engine,
+    Shape,
+    Sweep,
+    corpus,
+    markdown_table,
+    point_config,
+    pyplot,
+    train_curve,
+    write_outputs,
+)
 from keel.model.transformer import TransformerLM
 from keel.train.config import OptimConfig
 
@@ -25,7 +35,7 @@ ALL_SCHEMES = ["post_ln", "deepnorm", "hybrid_norm", "mix_ln", "pre_ln", "peri_l
 
 
 @dataclass
-class GradflowConfig:
+class GradflowConfig(Engine):
     schemes: list[str] = field(default_factory=lambda: list(ALL_SCHEMES))
     depths: list[int] = field(default_factory=lambda: [16, 64, 128])  # sub-layers
     steps: int = 30  # training steps before the second measurement
@@ -56,7 +66,8 @@ def measure(model: TransformerLM, x: torch.Tensor, y: torch.Tensor) -> dict:
             outputs[i] = out.detach()
         hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     model.zero_grad(set_to_none=True)
-    _, loss = model(x, y)
+    device = next(model.parameters()).device
+    _, loss = model(x.to(device), y.to(device))
     loss.backward()
     for h in hooks:
         h.remove()
@@ -83,8 +94,8 @@ def point(cfg: GradflowConfig, scheme: str, depth: int) -> dict:
     x, y = next(eval_batches(prepared.val, cfg.shape.seq_len, cfg.shape.batch_size, 1))
     at_init = measure(model, x, y)
     optim = OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps)
-    curve, model = train_curve(model_cfg, optim, cfg.steps, cfg.shape, cfg.data, cfg.seed, eval_batches=0,
-                               model=model)
+    config = point_config(model_cfg, optim, cfg.steps, cfg.shape, cfg.data, cfg.seed, cfg)
+    curve, model = train_curve(config, eval_batches=0, model=model)
     trained = measure(model, x, y) if curve.stopped_at is None else None
     return {"scheme": scheme, "depth": depth, "init": at_init, "trained": trained, "train_losses": curve.losses}
 

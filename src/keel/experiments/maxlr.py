@@ -13,14 +13,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keel.data import DataConfig
-from keel.experiments.common import Shape, Sweep, markdown_table, pyplot, train_curve, write_outputs
+from keel.experiments.common import (
+    Engine,
+    Shape,
+    Sweep,
+    markdown_table,
+    point_config,
+    pyplot,
+    train_curve,
+    write_outputs,
+)
 from keel.experiments.detect import DetectorConfig, detect, smooth
 from keel.experiments.gradflow import ALL_SCHEMES
 from keel.train.config import OptimConfig
 
 
 @dataclass
-class MaxLRConfig:
+class MaxLRConfig(Engine):
     schemes: list[str] = field(default_factory=lambda: list(ALL_SCHEMES))
     depths: list[int] = field(default_factory=lambda: [16, 32])  # sub-layers (paper: 64 and 512)
     peak: float = 5e-2
@@ -39,8 +48,8 @@ class MaxLRConfig:
 
 def point(cfg: MaxLRConfig, scheme: str, depth: int, seed: int) -> dict:
     optim = OptimConfig(lr=cfg.peak, warmup_steps=cfg.steps, schedule="constant", grad_clip=1.0)
-    curve, _ = train_curve(cfg.shape.model(scheme, depth), optim, cfg.steps, cfg.shape, cfg.data, seed,
-                           eval_batches=0)
+    config = point_config(cfg.shape.model(scheme, depth), optim, cfg.steps, cfg.shape, cfg.data, seed, cfg)
+    curve, _ = train_curve(config, eval_batches=0)
     return {"scheme": scheme, "depth": depth, "seed": seed, "losses": curve.losses, "lrs": curve.lrs,
             "seconds": curve.seconds}
 

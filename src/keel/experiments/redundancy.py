@@ -19,13 +19,22 @@ from torch import nn
 
 from keel.data import DataConfig, eval_batches
 from keel.data.corpus import build_corpus
-from keel.experiments.common import Shape, Sweep, corpus, markdown_table, pyplot, train_curve, write_outputs
+from keel.experiments.common import (
+    Engine,
+    Shape,
+    Sweep,
+    evaluate_model,
+    markdown_table,
+    point_config,
+    pyplot,
+    train_curve,
+    write_outputs,
+)
 from keel.train.config import OptimConfig
-from keel.train.evaluate import evaluate
 
 
 @dataclass
-class RedundancyConfig:
+class RedundancyConfig(Engine):
     schemes: list[str] = field(default_factory=lambda: ["pre_ln", "keel"])
     depth: int = 32  # sub-layers
     unit: str = "sublayer"  # sublayer | block
@@ -73,11 +82,11 @@ def ppl(loss: float) -> float:
 def keel_point(cfg: RedundancyConfig, scheme: str) -> dict:
     model_cfg = cfg.shape.model(scheme, cfg.depth)
     optim = OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps)
-    curve, model = train_curve(model_cfg, optim, cfg.steps, cfg.shape, cfg.data, cfg.seed, eval_batches=0)
-    val = corpus(cfg.data).val
+    config = point_config(model_cfg, optim, cfg.steps, cfg.shape, cfg.data, cfg.seed, cfg)
+    curve, model = train_curve(config, eval_batches=0)
 
     def loss() -> float:
-        return evaluate(model, val, cfg.shape.seq_len, cfg.shape.batch_size, cfg.eval_batches, "cpu")["val_loss"]
+        return evaluate_model(model, cfg, cfg.eval_batches)
     base = loss()
     n_units = model_cfg.n_blocks if cfg.unit == "block" else model_cfg.n_sublayers
     deltas = []

@@ -11,13 +11,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keel.data import DataConfig
-from keel.experiments.common import Shape, Sweep, markdown_table, pyplot, train_curve, write_outputs
+from keel.experiments.common import (
+    Engine,
+    Shape,
+    Sweep,
+    markdown_table,
+    point_config,
+    pyplot,
+    train_curve,
+    write_outputs,
+)
 from keel.model.counting import count_params
 from keel.train.config import OptimConfig
 
 
 @dataclass
-class BudgetConfig:
+class BudgetConfig(Engine):
     schemes: list[str] = field(default_factory=lambda: ["pre_ln", "keel"])
     lrs: list[float] = field(default_factory=lambda: [3e-3, 1e-2])
     steps: int = 200
@@ -68,7 +77,8 @@ class DeepWideConfig(BudgetConfig):
 
 def budget_point(cfg: BudgetConfig, model_cfg, lr: float) -> dict:
     optim = OptimConfig(lr=lr, warmup_steps=cfg.warmup_steps)
-    curve, _ = train_curve(model_cfg, optim, cfg.steps, cfg.shape, cfg.data, cfg.seed, cfg.eval_batches)
+    config = point_config(model_cfg, optim, cfg.steps, cfg.shape, cfg.data, cfg.seed, cfg, cfg.eval_batches)
+    curve, _ = train_curve(config, cfg.eval_batches)
     return {"scheme": model_cfg.scheme, "n_sublayers": model_cfg.n_sublayers, "d_model": model_cfg.d_model,
             "lr": lr, "val_loss": curve.val_loss, "losses": curve.losses, "n_params": count_params(model_cfg),
             "diverged": curve.stopped_at is not None, "seconds": curve.seconds}

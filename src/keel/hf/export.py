@@ -163,14 +163,14 @@ def export_run(run_dir, out_dir, checkpoint: str | None = None) -> Path:
     """Write the run's checkpoint (default: newest intact) as a `transformers` directory; return it."""
     from transformers import GenerationConfig
 
-    from keel.cli import load_run
     from keel.hf.configuration_keel import KeelConfig
     from keel.hf.modeling_keel import KeelForCausalLM
+    from keel.train.run_dir import load_model
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ExportError(f"{out_dir}: already exists and is not empty; choose a new output directory")
-    config, model, tokenizer, path = load_run(run_dir, checkpoint)
+    config, model, tokenizer, path = load_model(run_dir, checkpoint)
     if tokenizer.vocab_size > config.model.vocab_size:
         raise DataError(f"{run_dir / 'tokenizer'}: {tokenizer.vocab_size} tokens, more than model.vocab_size "
                         f"{config.model.vocab_size}")

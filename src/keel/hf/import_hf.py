@@ -44,7 +44,8 @@ def import_llama(hf_dir, run_dir, data_source: str = "stdlib") -> Path:
     from keel.hf.llama import config_from_llama, state_dict_from_llama
     from keel.model.transformer import TransformerLM
     from keel.train import checkpoint
-    from keel.train.config import RunConfig, TrainConfig, to_yaml, validate
+    from keel.train.config import RunConfig, TrainConfig, validate
+    from keel.train.run_dir import RunDir
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     config_path, tokenizer_path = hf_dir / "config.json", hf_dir / "tokenizer.json"
@@ -77,8 +78,8 @@ def import_llama(hf_dir, run_dir, data_source: str = "stdlib") -> Path:
     except (ValueError, RuntimeError) as err:  # missing/unknown names, shapes that do not match config.json
         raise ExportError(f"{weights}: does not match {config_path.name} ({str(err).splitlines()[0]})") from None
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(run_dir / "tokenizer")
+    run = RunDir.create_at(run_dir)
+    run.save_tokenizer(tokenizer)
     seq_len = min(RunConfig.seq_len, model_config.max_seq_len)
     config = TrainConfig(
         model=model_config,
@@ -86,8 +87,7 @@ def import_llama(hf_dir, run_dir, data_source: str = "stdlib") -> Path:
         run=replace(RunConfig(), seq_len=seq_len, out_dir=str(run_dir.parent), name=run_dir.name),
     )
     validate(config)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
-    (run_dir / "run.json").write_text(json.dumps({"imported_from": str(hf_dir.resolve()), "source_config": hf},
-                                                 indent=1, default=str))
-    checkpoint.save(run_dir, 0, model, {}, {"imported_from": str(hf_dir.resolve())}, keep=1)
-    return run_dir
+    run.write_config(config)
+    run.write_provenance({"imported_from": str(hf_dir.resolve()), "source_config": hf})
+    checkpoint.save(run.path, 0, model, {}, {"imported_from": str(hf_dir.resolve())}, keep=1)
+    return run.path

@@ -1,12 +1,15 @@
-"""Training configuration: dataclasses for model / data / optimiser / run, merged by OmegaConf.
+"""Configuration: dataclasses for model / data / optimiser / guard / run, and the one merge every command uses.
 
-Precedence: preset < YAML file < dotted `key=value` overrides. OmegaConf checks every key and type
-against the dataclasses; `ModelConfig` then validates values.
+Precedence: preset (or an experiment's defaults) < YAML file < dotted `key=value` overrides. OmegaConf checks
+every key and type against the dataclasses; `ModelConfig` and `validate` then check values. A bare model
+field (`scheme=pre_ln`) is short for `model.scheme=pre_ln`; any other section-less key is refused with the
+section it probably belongs to (`steps=10`: did you mean run.steps?).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -14,13 +17,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from keel.data import DataConfig
 from keel.errors import ConfigError
-from keel.model.config import ModelConfig
+from keel.model.config import CONFIG_FIELDS, ModelConfig
+from keel.model.presets import PRESETS as MODEL_PRESETS
 from keel.model.presets import cpu_demo, tiny
+from keel.runtime import DEVICES, DTYPES
 
 SCHEDULES = ("cosine", "wsd", "constant")
 GUARD_POLICIES = ("stop", "rollback")
-DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -76,6 +79,18 @@ class RunConfig:
 
 
 @dataclass
+class Runtime:
+    """Where and how a model trains, for `keel experiment` and `keel bench` (their `run.*` fields): the
+    same fields, defaults and meaning as RunConfig's, so `run.device=cuda run.compile=true` works everywhere."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: bool = False
+    ac_every: int = 0
+    grad_accum: int = 1
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=cpu_demo)
     data: DataConfig = field(default_factory=DataConfig)
@@ -104,39 +119,110 @@ def _tiny_train() -> TrainConfig:
     )
 
 
-TRAIN_PRESETS = {"cpu-demo": _cpu_demo_train, "tiny": _tiny_train}
+def _model_only(name: str):
+    """A model preset with the default data, optimiser and run settings (the paper's recipe)."""
+    return lambda: TrainConfig(model=MODEL_PRESETS[name]())
 
 
-def load_config(overrides: list[str] = (), config_file: str | None = None, preset: str = "cpu-demo") -> TrainConfig:
-    """Build a TrainConfig from a preset, an optional YAML file and dotted overrides."""
-    if preset not in TRAIN_PRESETS:
-        raise ConfigError(f"--preset: unknown preset {preset!r}; allowed: {', '.join(TRAIN_PRESETS)}")
-    layers = [OmegaConf.structured(TRAIN_PRESETS[preset]())]
+# One meaning of --preset for every command: a whole TrainConfig. `keel summary` and `keel bench` read its
+# model (and bench its batch shape). Every model preset is one; `cpu-demo` and `tiny` also set the run.
+PRESETS = {name: _model_only(name) for name in MODEL_PRESETS} | {"cpu-demo": _cpu_demo_train, "tiny": _tiny_train}
+
+
+def train_preset(name: str) -> TrainConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"--preset: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
+def merge(base, config_file: str | None = None, overrides=()):
+    """The one config merge, for train, experiments and bench: `base` (a dataclass instance: a preset or an
+    experiment's defaults) < a YAML file < dotted `key=value` overrides. OmegaConf checks every key and type
+    against the dataclasses; a wrong key, type or value is one ConfigError naming the field."""
+    layers = [OmegaConf.structured(base)]
     if config_file:
         path = Path(config_file)
         if not path.is_file():
             raise ConfigError(f"config file {path}: not found")
         try:
-            layers.append(OmegaConf.load(path))
+            loaded = OmegaConf.load(path)
         except Exception as err:
-            raise ConfigError(f"config file {path}: not valid YAML ({err})") from None
+            raise ConfigError(f"config file {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        if not OmegaConf.is_dict(loaded):
+            raise ConfigError(f"config file {path}: expected a mapping of sections at the top level")
+        layers.append(loaded)
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value, e.g. model.n_blocks=8")
-    layers.append(OmegaConf.from_dotlist(list(overrides)))
-    return to_config(layers)
-
-
-def to_config(layers) -> TrainConfig:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. {_example(base)}")
+    if isinstance(base, TrainConfig):  # shorthand: a bare model field (`scheme=pre_ln`) means model.<field>
+        overrides = [f"model.{o}" if o.split("=", 1)[0] in CONFIG_FIELDS else o for o in overrides]
     try:
-        merged = OmegaConf.merge(*layers)
-        config = OmegaConf.to_object(merged)
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"overrides: {str(err).splitlines()[0]}") from None
+    return to_config(layers, type(base))
+
+
+def _example(base) -> str:
+    return "model.n_blocks=8" if isinstance(base, TrainConfig) else "steps=100"
+
+
+def _suggest(key: str, schema) -> str:
+    """' (did you mean run.steps?)' for a section-less key that names a field of one of the sections."""
+    if "." in key:
+        return ""
+    default = schema()
+    hits = [f"{f.name}.{key}" for f in fields(default)
+            if is_dataclass(getattr(default, f.name)) and key in {g.name for g in fields(getattr(default, f.name))}]
+    return f" (did you mean {' or '.join(hits)}?)" if hits else ""
+
+
+def to_config(layers, schema=None):
+    schema = schema or TrainConfig
+    try:
+        config = OmegaConf.to_object(OmegaConf.merge(*layers))
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None)
         first = str(err).splitlines()[0]
+        unknown = re.match(r"Key '(.+)' not in '(\w+)'", first)
+        if unknown:  # the wording keel uses everywhere, plus the section a bare key probably belongs to
+            first = f"{unknown[2]} has no field {unknown[1]!r}{_suggest(key, schema)}"
         raise ConfigError(f"{key}: {first}" if key else first) from None
-    validate(config)
+    except ValueError as err:  # ModelConfig's own validation, which names its field ("ModelConfig.alpha: ...")
+        raise ConfigError(str(err)) from None
+    if isinstance(config, TrainConfig):
+        validate(config)
+    elif hasattr(config, "run") and isinstance(config.run, Runtime):
+        validate_runtime(config.run)
     return config
+
+
+def add_config_arguments(p) -> None:
+    """--preset, --config and key=value overrides: the same three layers, with the same meaning, everywhere."""
+    p.add_argument("--preset", default="cpu-demo", choices=list(PRESETS),
+                   help="cpu-demo (default: the README's main job), tiny (tests), or a paper-sized model "
+                        "(paper-64 .. paper-1024) with the paper's recipe")
+    p.add_argument("--config", help="a YAML file with any of model/data/optim/guard/run")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted overrides, e.g. model.n_blocks=8 run.steps=500 (a bare model field such as "
+                        "scheme=pre_ln means model.scheme)")
+
+
+def load_config(overrides=(), config_file: str | None = None, preset: str = "cpu-demo") -> TrainConfig:
+    """A TrainConfig from a preset, an optional YAML file and dotted overrides."""
+    return merge(train_preset(preset), config_file, overrides)
+
+
+def validate_runtime(run) -> None:
+    """The fields RunConfig and Runtime share."""
+    if run.device.split(":")[0] not in DEVICES:
+        raise ConfigError(f"run.device: got {run.device!r}; allowed: {', '.join(DEVICES)} (or cuda:<index>)")
+    if run.dtype not in DTYPES:
+        raise ConfigError(f"run.dtype: got {run.dtype!r}; allowed: {', '.join(DTYPES)}")
+    if run.grad_accum < 1:
+        raise ConfigError(f"run.grad_accum: got {run.grad_accum!r}; allowed: an integer >= 1")
+    if run.ac_every < 0:
+        raise ConfigError(f"run.ac_every: got {run.ac_every!r}; allowed: an integer >= 0 (0 disables)")
 
 
 def validate(c: TrainConfig) -> None:
@@ -153,10 +239,7 @@ def validate(c: TrainConfig) -> None:
             fail(f"run.{name}", getattr(c.run, name), "an integer >= 0 (0 disables)")
     if c.run.seq_len > c.model.max_seq_len:
         fail("run.seq_len", c.run.seq_len, f"<= model.max_seq_len ({c.model.max_seq_len})")
-    if c.run.device not in DEVICES:
-        fail("run.device", c.run.device, ", ".join(DEVICES))
-    if c.run.dtype not in DTYPES:
-        fail("run.dtype", c.run.dtype, ", ".join(DTYPES))
+    validate_runtime(c.run)
     if c.optim.schedule not in SCHEDULES:
         fail("optim.schedule", c.optim.schedule, ", ".join(SCHEDULES))
     if not c.optim.lr > 0:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from keel.data import eval_batches
+from keel.errors import DataError
 
 
 def bytes_per_token(tokenizer) -> np.ndarray:
@@ -39,9 +40,28 @@ def evaluate(model, tokens, seq_len: int, batch_size: int, max_batches: int, dev
             n_bytes += int(token_bytes[y.cpu().numpy()].sum())
     model.train(was_training)
     if n_tokens == 0:
-        raise ValueError("validation split is too short for one window of run.seq_len tokens")
+        raise DataError("validation split is too short for one window of run.seq_len tokens")
     loss = nll / n_tokens
     out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": n_tokens}
     if token_bytes is not None and n_bytes:
         out["val_bits_per_byte"] = nll / (math.log(2) * n_bytes)
     return out
+
+
+def evaluate_run(run_dir, checkpoint: str | None = None, split: str = "val", batches: int = 0,
+                 device: str = "auto") -> dict:
+    """`keel eval`: a run's checkpoint on its own data split, with the run's sequence length and dtype."""
+    from keel.data import prepare
+    from keel.runtime import autocast_for, resolve_device
+    from keel.train.run_dir import RunDir
+
+    run = RunDir.open(run_dir)
+    config, model, tokenizer, path = run.load_model(checkpoint)
+    dev = resolve_device(device)
+    data = prepare(config.data)
+    tokens = data.val if split == "val" else data.train
+    torch.manual_seed(0)
+    result = evaluate(model.to(dev), tokens, config.run.seq_len, config.run.batch_size,
+                      batches or config.run.eval_batches, dev, autocast_for(dev, config.run.dtype),
+                      bytes_per_token(tokenizer))
+    return {"checkpoint": str(path), "split": split, **result}

@@ -1,125 +1,62 @@
-"""The training loop: one run directory, resumable, with divergence handling.
+"""The training loop: one run directory (keel.train.run_dir), resumable, with divergence handling.
 
-Run directory layout:
-  config.yaml      the resolved TrainConfig
-  run.json         provenance: versions, git commit, machine, seed, data fingerprint, tokenizer
-  tokenizer/       the tokenizer, so the run is self-contained
-  metrics.jsonl    one JSON object per logged step, evaluation and event
-  checkpoints/     see keel.train.checkpoint
-  summary.json     written at the end (also after divergence or interruption)
-  diverged.json    the diagnostic, when a run stops on divergence
-
-Under torchrun every rank runs this loop on its share of each global batch (keel.data.WindowSampler),
-the model sharded with FSDP2 (keel.scale.parallel); losses are averaged over ranks, so every rank takes the
-same decisions, and only rank 0 writes files, prints and shows progress.
+Each step is keel.train.step.TrainStep, the same step experiments and benchmarks take. Under torchrun every
+rank runs this loop on its share of each global batch (keel.data.WindowSampler), the model sharded with
+FSDP2 (keel.scale.parallel); losses are averaged over ranks, so every rank takes the same decisions, and only
+rank 0 writes files, prints and shows progress.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import platform
 import signal
-import socket
-import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from keel import __version__
 from keel.data import WindowSampler, prepare
-from keel.model.counting import count_params, flops_per_token
-from keel.model.transformer import TransformerLM
+from keel.errors import ConfigError
+from keel.model import count_params, flops_per_token
+from keel.runtime import autocast_for, peak_flops, provenance, resolve_device
 from keel.scale import distributed
-from keel.scale.memory import estimate_memory, format_bytes
-from keel.scale.parallel import parallelize
 from keel.train import checkpoint
-from keel.train.config import ConfigError, TrainConfig, to_yaml
+from keel.train.config import TrainConfig
 from keel.train.evaluate import bytes_per_token, evaluate
 from keel.train.guard import DivergenceGuard
 from keel.train.optim import build_optimizer, lr_at
+from keel.train.plan import memory_line
+from keel.train.run_dir import RunDir
+from keel.train.step import TrainStep, build_model, on_device
 
 DIVERGED_EXIT = 3
 INTERRUPTED_EXIT = 130
-
-# dense bf16 peak FLOP/s by GPU name fragment, for MFU
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "4090": 165e12}
 
 
 class Diverged(Exception):
     pass
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("run.device: 'cuda' requested but no CUDA device is available; allowed: auto, cpu")
-    return torch.device(name)
-
-
-def use_bf16(device: torch.device, dtype: str) -> bool:
-    return dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda")
-
-
-def autocast_for(device: torch.device, dtype: str):
-    """bf16 autocast on GPU by default, float32 on CPU; the residual stream stays float32 regardless."""
-    if not use_bf16(device, dtype):
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                             text=True, timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def machine(device: torch.device) -> dict:
-    """What ran: versions and hardware, as runs, experiments and benchmarks record it."""
-    return {
-        "keel_version": __version__, "git_commit": git_commit(), "torch_version": torch.__version__,
-        "python": platform.python_version(), "platform": platform.platform(), "hostname": socket.gethostname(),
-        "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(), "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-    }
-
-
-def provenance(config: TrainConfig, device: torch.device) -> dict:
-    return machine(device) | {"seed": config.run.seed, "command": sys.argv,
-                              "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-
 class Trainer:
-    """Trains `config` into its run directory. `callbacks` are called as `cb(trainer, step)` before
+    """Trains `config` into a run directory: `run_dir` if given (a path or RunDir), the run being resumed
+    (`config.resume`), or a new one under run.out_dir. `callbacks` are called as `cb(trainer, step)` before
     each step (tests use them to inject faults)."""
 
-    def __init__(self, config: TrainConfig, run_dir: Path, callbacks=()):
-        self.config, self.run_dir, self.callbacks = config, Path(run_dir), list(callbacks)
+    def __init__(self, config: TrainConfig, run_dir=None, callbacks=()):
+        self.config, self.callbacks = config, list(callbacks)
         c = config
         self.device = resolve_device(c.run.device)
+        if run_dir is None and not c.resume:
+            RunDir.check_new(c)  # on every rank, so all of them fail alike before the rendezvous
         # joining the group is a rendezvous: no rank writes anything before every rank got this far
         self.world = distributed.init(self.device.type)
         if self.device.type == "cuda" and self.world.distributed:
             self.device = torch.device("cuda", self.world.local_rank)
-        # ranks may have named an unnamed run by slightly different clocks: rank 0's name wins
-        self.run_dir = Path(distributed.broadcast_object(str(self.run_dir), self.world))
-        try:  # before any work, so an unwritable place fails at once
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ConfigError(f"run.out_dir: cannot create run directory {self.run_dir}: {err.strerror}") from None
-        # under FSDP2, bf16 comes from its mixed-precision policy (bf16 weights) instead of autocast
+        self.run_dir = self._run_dir(run_dir)
         self.fsdp = self.world.distributed
-        bf16 = use_bf16(self.device, c.run.dtype)
+        # under FSDP2, bf16 comes from its mixed-precision policy (bf16 weights) instead of autocast
         self.autocast = contextlib.nullcontext if self.fsdp else autocast_for(self.device, c.run.dtype)
         if c.run.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -137,25 +74,40 @@ class Trainer:
         if tok.vocab_size > c.model.vocab_size:
             raise ConfigError(f"model.vocab_size: {c.model.vocab_size} is smaller than tokenizer {tok.name!r}'s "
                               f"vocabulary ({tok.vocab_size}); set model.vocab_size>={tok.vocab_size}")
-        self.model = TransformerLM(c.model).to(self.device)
-        parallelize(self.model, ac_every=c.run.ac_every, compile=c.run.compile, fsdp=self.fsdp,
-                    device_type=self.device.type, param_dtype=torch.bfloat16 if bf16 and self.fsdp else None,
-                    fsdp_group=c.run.fsdp_group)
-        self.forward = self.model
+        self.model = build_model(c.model, c.run, self.device, fsdp=self.fsdp)
         self.optimizer = build_optimizer(self.model, c.optim)
         self.sampler = WindowSampler(self.data.train, c.run.seq_len, c.run.batch_size, seed=c.run.seed,
                                      rank=self.world.rank, world_size=self.world.size)
         self.guard = DivergenceGuard(c.guard)
+        self.train_step = TrainStep(self.model, self.optimizer, grad_accum=c.run.grad_accum,
+                                    grad_clip=c.optim.grad_clip, autocast=self.autocast, guard=self.guard,
+                                    world=self.world)
         self.token_bytes = bytes_per_token(tok)
         self.flops_per_token = flops_per_token(c.model, c.run.seq_len)
-        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
-        peak = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
+        peak = peak_flops(self.device)
         self.peak_flops = peak * self.world.size if peak else None  # of all ranks' devices together
         # state that checkpoints carry besides weights and optimiser
         self.step, self.draws, self.lr_scale, self.rollbacks = 0, 0, 1.0, 0
         self.skip_draws: set[int] = set()
         self.global_batch = c.run.batch_size * self.world.size  # sequences per micro-batch, all ranks
         self.tokens_per_step = self.global_batch * c.run.grad_accum * c.run.seq_len
+
+    def _run_dir(self, run_dir) -> RunDir:
+        """Rank 0 makes or opens the directory; every rank then uses rank 0's path (an unnamed run is named
+        by the clock, which may differ between ranks)."""
+        path = None
+        if self.world.main:
+            if run_dir is not None:
+                try:  # before any work, so an unwritable place fails at once
+                    Path(run_dir).mkdir(parents=True, exist_ok=True)
+                except OSError as err:
+                    raise ConfigError(f"run.out_dir: cannot create run directory {run_dir}: {err.strerror}") from None
+                path = Path(run_dir)
+            elif self.config.resume:
+                path = RunDir.open(self.config.resume).path
+            else:
+                path = RunDir.create(self.config).path
+        return RunDir(distributed.broadcast_object(str(path) if path else None, self.world))
 
     # ---- state ------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
@@ -201,47 +153,17 @@ class Trainer:
 
     # ---- logging ----------------------------------------------------------------------------
     def log(self, record: dict) -> None:
-        if not self.world.main:
-            return
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def truncate_log(self, step: int) -> None:
-        """Drop records past `step`, so a resumed run's log reads as if it was never interrupted."""
-        path = self.run_dir / "metrics.jsonl"
-        if path.exists() and self.world.main:
-            keep = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
-            path.write_text("".join(line + "\n" for line in keep))
+        if self.world.main:
+            self.run_dir.log(record)
 
     # ---- the loop ---------------------------------------------------------------------------
     def next_batch(self):
         while self.draws in self.skip_draws:  # batches a rollback decided to skip
             self.sampler.next_batch()
             self.draws += 1
-        x, y = self.sampler.next_batch()
+        batch = self.sampler.next_batch()
         self.draws += 1
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-
-    def train_step(self) -> tuple[float, float, float, int]:
-        c = self.config
-        lr = lr_at(self.step, c.run.steps, c.optim) * self.lr_scale
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        first_draw = self.draws
-        loss_sum = torch.zeros((), device=self.device)
-        for _ in range(c.run.grad_accum):
-            x, y = self.next_batch()
-            with self.autocast():
-                _, loss = self.forward(x, y)
-            (loss / c.run.grad_accum).backward()
-            loss_sum += loss.detach()
-        clip = c.optim.grad_clip if c.optim.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the norm over all shards
-            grad_norm = grad_norm.full_tensor()
-        # the mean over ranks is the global batch's loss (equal local batches), the same on every rank
-        loss = distributed.mean(loss_sum, self.world).item() / c.run.grad_accum
-        return loss, grad_norm.item(), lr, first_draw
+        return on_device(batch, self.device)
 
     def run(self, resume_from: Path | None = None) -> dict:
         c = self.config
@@ -249,18 +171,18 @@ class Trainer:
             self.load_checkpoint(resume_from)
             if self.step >= c.run.steps:
                 self.say(f"keel: {self.run_dir} already finished {self.step} steps; extend it with run.steps=N")
-                done = self.run_dir / "summary.json"
-                return json.loads(done.read_text()) if done.exists() else {"diverged": False, "interrupted": False}
-            self.truncate_log(self.step)
+                return self.run_dir.summary() or {"diverged": False, "interrupted": False}
             if self.world.main:  # a changed run.steps must survive the next interruption
-                (self.run_dir / "config.yaml").write_text(to_yaml(replace(c, resume="")))
+                self.run_dir.truncate_log(self.step)
+                self.run_dir.write_config(c)
             self.say(f"keel: resuming {self.run_dir} from step {self.step} ({resume_from.name})")
         elif self.world.main:
-            (self.run_dir / "config.yaml").write_text(to_yaml(c))
-            info = provenance(c, self.device) | {"data": self.data.corpus_info, "tokenizer": self.data.tokenizer.name,
-                                                 "world_size": self.world.size, "fsdp": self.fsdp}
-            (self.run_dir / "run.json").write_text(json.dumps(info, indent=1, default=str))
-            self.data.tokenizer.save(self.run_dir / "tokenizer")
+            self.run_dir.write_config(c)
+            info = provenance(c.run.seed, self.device) | {
+                "data": self.data.corpus_info, "tokenizer": self.data.tokenizer.name, "world_size": self.world.size,
+                "fsdp": self.fsdp}
+            self.run_dir.write_provenance(info)
+            self.run_dir.save_tokenizer(self.data.tokenizer)
         if resume_from is None and c.guard.policy == "rollback":
                 self.save_checkpoint()  # something to roll back to before the first periodic checkpoint
         n_params = count_params(c.model)
@@ -283,14 +205,12 @@ class Trainer:
                 boundary = (self.sampler.state_dict(), self.draws, torch.get_rng_state())
                 for callback in self.callbacks:
                     callback(self, self.step)
-                train_loss, grad_norm, lr, first_draw = self.train_step()
-                reason = self.guard.check(train_loss, grad_norm)
-                if reason is not None:
-                    self.optimizer.zero_grad(set_to_none=True)
-                    self.handle_divergence(reason, train_loss, grad_norm, lr, first_draw)
+                first_draw = self.draws
+                result = self.train_step(self.next_batch, lr_at(self.step, c.run.steps, c.optim) * self.lr_scale)
+                train_loss, grad_norm, lr = result.loss, result.grad_norm, result.lr
+                if result.diverged is not None:
+                    self.handle_divergence(result.diverged, train_loss, grad_norm, lr, first_draw)
                     continue
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
                 self.step += 1
                 boundary = (self.sampler.state_dict(), self.draws, torch.get_rng_state())
                 bar.update(1)
@@ -340,7 +260,7 @@ class Trainer:
             "world_size": self.world.size,
         }
         if self.world.main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            self.run_dir.write_summary(summary)
         distributed.close(self.world)
         return summary
 
@@ -350,17 +270,11 @@ class Trainer:
             tqdm.write(message, file=file or sys.stdout)
 
     def memory_line(self) -> str:
-        c = self.config
-        m = estimate_memory(c.model, c.run.batch_size, c.run.seq_len, ac_every=c.run.ac_every,
-                            world_size=self.world.size,
-                            param_bytes=2 if self.fsdp and use_bf16(self.device, c.run.dtype) else 4,
-                            fsdp_group=c.run.fsdp_group if self.fsdp else 0)
-        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in m.items() if k != "total")
-        return f"{format_bytes(m['total'])} ({parts})"
+        return memory_line(self.config, self.world.size, self.device)
 
     def evaluate(self) -> dict:
         c = self.config
-        return evaluate(self.forward, self.data.val, c.run.seq_len, c.run.batch_size, c.run.eval_batches,
+        return evaluate(self.model, self.data.val, c.run.seq_len, c.run.batch_size, c.run.eval_batches,
                         self.device, self.autocast, self.token_bytes)
 
     def handle_divergence(self, reason: str, loss: float, grad_norm: float, lr: float, first_draw: int) -> None:
@@ -388,7 +302,7 @@ class Trainer:
         diagnostic = {"step": step, "reason": reason, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                       "recent_losses": list(self.guard.history)[-20:],
                       "last_good_checkpoint": str(good[-1]) if good else None}
-        (self.run_dir / "diverged.json").write_text(json.dumps(diagnostic, indent=1))
+        self.run_dir.write_diverged(diagnostic)
         raise Diverged(f"diverged at step {step}: {reason}")
 
 

@@ -1,0 +1,70 @@
+"""What a run will be, before it runs: the model's layout and counts, and the memory one process needs.
+
+`keel summary` prints `describe`; `keel train --dry-run` prints both; the trainer prints `memory_line` before
+its first step. The model is built on the meta device, so the paper's 3B-parameter shapes cost no memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from keel import __version__
+from keel.model import CONFIG_FIELDS, ModelConfig, TransformerLM, count_params, flops_per_token
+from keel.runtime import use_bf16
+from keel.scale.memory import estimate_memory, format_bytes
+
+
+def describe(config: ModelConfig) -> str:
+    """A readable summary: shape, counts, and the sub-layer layout with runs of equal blocks merged."""
+    with torch.device("meta"):
+        model = TransformerLM(config)
+    lines = [f"keel {__version__}", "", "config:"]
+    lines += [f"  {name} = {getattr(config, name)!r}" for name in CONFIG_FIELDS]
+    n_total, n_body = count_params(config), count_params(config, embedding=False)
+    lines += [
+        "",
+        f"blocks: {config.n_blocks}   sub-layers (the paper's L): {model.n_sublayers}",
+        f"parameters: {n_total:,} ({n_body:,} without the input embedding)",
+        f"training FLOPs per token at T={config.max_seq_len}: {flops_per_token(config):.4g}",
+        f"final norm before the head: {'yes' if model.scheme.final_norm else 'no (the stack ends in a norm)'}",
+        "",
+        "sub-layers: x' = norm_out(alpha*x + norm_branch(F(norm_in(x))))",
+    ]
+    subs = model.sublayers()
+    layout = [(a.alpha, a.norm_in, a.norm_branch, a.norm_out, f.alpha, f.norm_in, f.norm_branch, f.norm_out)
+              for a, f in zip(subs[0::2], subs[1::2])]
+    first = 0
+    for b in range(config.n_blocks):
+        if b + 1 < config.n_blocks and layout[b + 1] == layout[b]:
+            continue
+        blocks = f"block {b}" if first == b else f"blocks {first}..{b}"
+        for kind, (alpha, *norms) in (("attn", layout[b][:4]), ("ffn", layout[b][4:])):
+            names = [n for n, on in zip(("norm_in", "norm_branch", "norm_out"), norms) if on]
+            lines.append(f"  {blocks:<16} {kind:<4}  alpha={alpha:<9g} {', '.join(names) or 'no norms'}")
+            blocks = ""
+        first = b + 1
+    return "\n".join(lines)
+
+
+def memory_line(config, world_size: int = 1, device: torch.device | None = None) -> str:
+    """One process's memory for a TrainConfig: parameters, gradients, AdamW state, activations."""
+    fsdp = world_size > 1
+    device = device or torch.device("cuda" if config.run.device.startswith("cuda") else "cpu")
+    m = estimate_memory(config.model, config.run.batch_size, config.run.seq_len, ac_every=config.run.ac_every,
+                        world_size=world_size, param_bytes=2 if fsdp and use_bf16(device, config.run.dtype) else 4,
+                        fsdp_group=config.run.fsdp_group if fsdp else 0)
+    parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in m.items() if k != "total")
+    return f"{format_bytes(m['total'])} ({parts})"
+
+
+def plan(config) -> str:
+    """`keel train --dry-run`: the model, the run's token budget and the memory plan."""
+    r = config.run
+    tokens = r.steps * r.batch_size * r.grad_accum * r.seq_len
+    return "\n".join([
+        describe(config.model), "",
+        f"run: {r.steps} steps x {r.batch_size} x {r.grad_accum} sequences x {r.seq_len} tokens = {tokens:,} tokens "
+        f"(per process), lr {config.optim.lr:g}, {config.optim.schedule} after {config.optim.warmup_steps} warm-up "
+        f"steps, data {config.data.source!r}",
+        f"memory per process (single process, {r.dtype} on {r.device}): {memory_line(config)}",
+    ])

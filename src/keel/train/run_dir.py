@@ -1,0 +1,219 @@
+"""The run directory, the project's central artefact, and the one object that owns it.
+
+  config.yaml      the resolved TrainConfig
+  run.json         provenance: versions, git commit, machine, seed, data fingerprint, tokenizer
+  tokenizer/       the tokenizer, so the run is self-contained
+  metrics.jsonl    one JSON object per logged step, evaluation and event
+  checkpoints/     see keel.train.checkpoint
+  summary.json     written at the end (also after divergence or interruption)
+  diverged.json    the diagnostic, when a run stops on divergence
+
+`keel train` creates one (`RunDir.create`), `resume=` reopens it (`RunDir.open` + `resume_config`), `keel
+eval`, `generate`, `summary`, `export-hf` and `lm-eval` load its model (`load_model`), and `keel import-hf`
+writes one from a Hugging Face model (`RunDir.create_at`). A RunDir is path-like: `run_dir / "x"` and
+`Path(run_dir)` work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from keel.data.tokenizer import load_saved_tokenizer
+from keel.errors import ConfigError
+from keel.model import TransformerLM
+from keel.train import checkpoint
+from keel.train.config import TrainConfig, load_run_config, to_config, to_yaml
+
+# fields a resumed run may change; anything else must match the run's config
+RESUMABLE = {"resume", "run.steps", "run.progress", "run.log_every", "run.eval_every", "run.eval_batches",
+             "run.ac_every", "run.fsdp_group", "run.ckpt_every", "run.keep_checkpoints", "run.device",
+             "run.compile", "run.out_dir", "run.name"}
+
+
+class RunDir(os.PathLike):
+    def __init__(self, path):
+        self.path = Path(path)
+
+    # ---- finding or making one ------------------------------------------------------------------
+    @staticmethod
+    def default_name(config: TrainConfig) -> str:
+        return f"{config.model.scheme}-{config.model.n_sublayers}L-{time.strftime('%Y%m%d-%H%M%S')}"
+
+    @staticmethod
+    def check_new(config: TrainConfig) -> None:
+        """Refuse, before any work, a named run that would overwrite an existing one."""
+        if config.run.name:
+            path = Path(config.run.out_dir) / config.run.name
+            if path.exists() and (not path.is_dir() or any(path.iterdir())):
+                raise ConfigError(f"run directory {path} already exists; continue it with resume={path} "
+                                  "or choose another run.name")
+
+    @classmethod
+    def create(cls, config: TrainConfig) -> RunDir:
+        """A new, empty run directory under run.out_dir: run.name, or a generated name made unique with a
+        numeric suffix when runs start within the same second."""
+        cls.check_new(config)
+        out = Path(config.run.out_dir)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            if config.run.name:
+                (out / config.run.name).mkdir(exist_ok=True)
+                return cls(out / config.run.name)
+            base = cls.default_name(config)
+            for n in range(1, 1000):
+                path = out / (base if n == 1 else f"{base}-{n}")
+                try:
+                    path.mkdir()  # atomic: two processes never get the same directory
+                    return cls(path)
+                except FileExistsError:
+                    continue
+        except OSError as err:
+            raise ConfigError(f"run.out_dir: cannot create a run directory in {out}: {err.strerror}") from None
+        raise ConfigError(f"run.out_dir: {out} already holds 999 runs named {base}*; set run.name")
+
+    @classmethod
+    def create_at(cls, path) -> RunDir:
+        """A new run directory at exactly `path` (keel import-hf); refused if it exists and is not empty."""
+        path = Path(path)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise ConfigError(f"{path}: already exists and is not empty; choose a new run directory")
+        path.mkdir(parents=True, exist_ok=True)
+        return cls(path)
+
+    @classmethod
+    def open(cls, path) -> RunDir:
+        """An existing run; a directory without config.yaml is named as not being one."""
+        path = Path(path)
+        if not (path / "config.yaml").is_file():
+            raise ConfigError(f"{path}: not a Keel run directory (no config.yaml)")
+        return cls(path)
+
+    # ---- what it holds --------------------------------------------------------------------------
+    def config(self) -> TrainConfig:
+        return load_run_config(self.path)
+
+    def write_config(self, config: TrainConfig) -> None:
+        self._write("config.yaml", to_yaml(replace(config, resume="")))
+
+    def write_provenance(self, info: dict) -> None:
+        self._write("run.json", json.dumps(info, indent=1, default=str))
+
+    def provenance(self) -> dict:
+        path = self.path / "run.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def save_tokenizer(self, tokenizer) -> None:
+        tokenizer.save(self.path / "tokenizer")
+
+    def tokenizer(self):
+        return load_saved_tokenizer(self.path / "tokenizer")
+
+    def log(self, record: dict) -> None:
+        with open(self.path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def metrics(self) -> list[dict]:
+        path = self.path / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def truncate_log(self, step: int) -> None:
+        """Drop records past `step`, so a resumed run's log reads as if it was never interrupted."""
+        path = self.path / "metrics.jsonl"
+        if path.exists():
+            keep = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
+            path.write_text("".join(line + "\n" for line in keep))
+
+    def write_summary(self, summary: dict) -> None:
+        self._write("summary.json", json.dumps(summary, indent=1))
+
+    def summary(self) -> dict | None:
+        path = self.path / "summary.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def write_diverged(self, diagnostic: dict) -> None:
+        self._write("diverged.json", json.dumps(diagnostic, indent=1))
+
+    def checkpoints(self) -> list[Path]:
+        return checkpoint.list_checkpoints(self.path)
+
+    def latest_checkpoint(self) -> Path:
+        """The newest intact checkpoint (damaged ones are reported and skipped)."""
+        return checkpoint.latest_valid(self.path)
+
+    # ---- using it -------------------------------------------------------------------------------
+    def load_model(self, checkpoint_path=None) -> tuple[TrainConfig, TransformerLM, object, Path]:
+        """(config, model, tokenizer, checkpoint) from the given or the newest intact checkpoint, on CPU."""
+        config = self.config()
+        model = TransformerLM(config.model)
+        path = Path(checkpoint_path) if checkpoint_path else self.latest_checkpoint()
+        checkpoint.load(path, model)
+        return config, model, self.tokenizer(), path
+
+    def resume_config(self, overrides=(), config_file: str | None = None) -> TrainConfig:
+        """The run's own config with `overrides` merged in; changing anything but RESUMABLE is refused."""
+        saved = self.config()
+        layers = [OmegaConf.structured(saved)]
+        if config_file:
+            layers.append(OmegaConf.load(config_file))
+        layers.append(OmegaConf.from_dotlist([o for o in overrides if not o.startswith("resume=")]))
+        resumed = to_config(layers)
+        before, after = _flatten(asdict(saved)), _flatten(asdict(resumed))
+        for key in before:
+            if key not in RESUMABLE and before[key] != after[key]:
+                raise ConfigError(f"resume: {key}={after[key]!r} differs from the run's config ({before[key]!r}); "
+                                  "a resumed run must keep it")
+        return replace(resumed, resume=str(self.path))
+
+    def _write(self, name: str, text: str) -> None:
+        (self.path / name).write_text(text)
+
+    # ---- path-likeness --------------------------------------------------------------------------
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __truediv__(self, other) -> Path:
+        return self.path / other
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    def __eq__(self, other) -> bool:
+        return Path(self) == Path(other) if isinstance(other, (RunDir, str, Path)) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def parent(self) -> Path:
+        return self.path.parent
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= _flatten(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def load_model(path, checkpoint_path=None):
+    """`RunDir.open(path).load_model(checkpoint_path)`."""
+    return RunDir.open(path).load_model(checkpoint_path)
+

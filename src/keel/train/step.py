@@ -1,0 +1,97 @@
+"""The one training step, and the one way a model is put on its device for training.
+
+`keel train` (keel.train.trainer), every `keel experiment` (keel.experiments.common.train_curve) and
+`keel bench` (keel.experiments.bench) all train through `TrainStep`, so device, bf16 autocast, compile,
+activation checkpointing, gradient accumulation, clipping and the divergence guard mean the same thing in
+each. As in torchtitan, the forward/backward over the micro-batches (`forward_backward`) is separate from
+the step that judges and applies it (`__call__`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from keel.model import ModelConfig, TransformerLM
+from keel.runtime import autocast_for, resolve_device, use_bf16
+from keel.scale import distributed
+from keel.scale.parallel import parallelize
+from keel.train.guard import DivergenceGuard
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over micro-batches (and ranks)
+    grad_norm: float  # before clipping
+    lr: float
+    diverged: str | None = None  # the guard's reason; the optimiser step was then not taken
+
+
+def build_model(config: ModelConfig, run, device: torch.device, fsdp: bool = False,
+                model: TransformerLM | None = None) -> nn.Module:
+    """The model on `device`, with `run`'s activation checkpointing and compile (and FSDP2 under torchrun)
+    applied from outside, in keel.scale.parallel's order. `run` is a RunConfig or anything with its
+    `ac_every`, `compile`, `dtype` and `fsdp_group` fields (experiments pass their `Runtime`)."""
+    model = (model if model is not None else TransformerLM(config)).to(device)
+    # under FSDP2, bf16 comes from its mixed-precision policy (bf16 weights) instead of autocast
+    param_dtype = torch.bfloat16 if fsdp and use_bf16(device, run.dtype) else None
+    return parallelize(model, ac_every=run.ac_every, compile=run.compile, fsdp=fsdp, device_type=device.type,
+                       param_dtype=param_dtype, fsdp_group=getattr(run, "fsdp_group", 1))
+
+
+class TrainStep:
+    """Forward and backward over `grad_accum` micro-batches, clip, ask the guard, then step the optimiser.
+
+    `after_backward(model)` sees each step's gradients before clipping (experiments measure them there).
+    A step the guard rejects leaves the weights and the optimiser untouched.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, grad_accum: int = 1,
+                 grad_clip: float = 1.0, autocast=contextlib.nullcontext, guard: DivergenceGuard | None = None,
+                 world: distributed.World | None = None, after_backward: Callable[[nn.Module], None] | None = None):
+        self.model, self.optimizer, self.grad_accum, self.autocast = model, optimizer, grad_accum, autocast
+        self.clip = grad_clip if grad_clip > 0 else float("inf")
+        self.guard, self.world, self.after_backward = guard, world, after_backward
+
+    def forward_backward(self, next_batch: Callable[[], Batch]) -> torch.Tensor:
+        """Accumulate gradients over the micro-batches; the mean loss, on the device (no sync)."""
+        total = None
+        for _ in range(self.grad_accum):
+            x, y = next_batch()
+            with self.autocast():
+                _, loss = self.model(x, y)
+            (loss / self.grad_accum).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total / self.grad_accum
+
+    def __call__(self, next_batch: Callable[[], Batch], lr: float) -> StepResult:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss = self.forward_backward(next_batch)
+        if self.after_backward is not None:
+            self.after_backward(self.model)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the norm over all shards
+            grad_norm = grad_norm.full_tensor()
+        if self.world is not None:  # the mean over ranks is the global batch's loss, the same on every rank
+            loss = distributed.mean(loss, self.world)
+        result = StepResult(loss.item(), grad_norm.item(), lr)
+        result.diverged = self.guard.check(result.loss, result.grad_norm) if self.guard is not None else None
+        if result.diverged is None:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return result
+
+
+def on_device(batch: Batch, device: torch.device) -> Batch:
+    x, y = batch
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+__all__ = ["StepResult", "TrainStep", "build_model", "on_device", "autocast_for", "resolve_device"]
