@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from keel.model.schemes import SCHEMES, Keel
+from keel.model.schemes import SCHEME_OPTIONS, SCHEMES
 
 FFN_TYPES = ("swiglu", "gelu")
 NORM_TYPES = ("rmsnorm", "layernorm")
-DEEPNORM_BETAS = ("deepnet", "paper")
 
 
 @dataclass(frozen=True)
@@ -103,35 +102,12 @@ def _validate(c: ModelConfig) -> None:
     if c.scheme not in SCHEMES:
         _fail("scheme", f"unknown scheme {c.scheme!r}", ", ".join(SCHEMES))
 
-    scheme_fields = {"alpha", "first_layer", "mix_ln_fraction", "deepnorm_beta"}
-    for name in sorted(scheme_fields - set(SCHEMES[c.scheme].options)):
-        if getattr(c, name) is not None:
+    scheme = SCHEMES[c.scheme]
+    for name in SCHEME_OPTIONS:
+        if name not in scheme.options and getattr(c, name) is not None:
             users = [s for s, cls in SCHEMES.items() if name in cls.options]
             _fail(name, f"is set but scheme {c.scheme!r} does not use it", f"only with scheme {users[0]!r}")
-    if c.alpha is not None:
-        _validate_alpha(c.alpha)
-    if c.first_layer is not None and c.first_layer not in Keel.first_layer_rules:
-        _fail("first_layer", f"got {c.first_layer!r}", ", ".join(Keel.first_layer_rules))
-    if c.mix_ln_fraction is not None and not (
-        isinstance(c.mix_ln_fraction, (int, float)) and 0 <= c.mix_ln_fraction <= 1
-    ):
-        _fail("mix_ln_fraction", f"got {c.mix_ln_fraction!r}", "a number in [0, 1]")
-    if c.deepnorm_beta is not None and c.deepnorm_beta not in DEEPNORM_BETAS:
-        _fail("deepnorm_beta", f"got {c.deepnorm_beta!r}", ", ".join(DEEPNORM_BETAS))
-
-
-def _validate_alpha(alpha) -> None:
-    allowed = '"L", "sqrtL", or a number > 0'
-    if alpha in Keel.alpha_modes:
-        return
-    if isinstance(alpha, bool):
-        _fail("alpha", f"got {alpha!r}", allowed)
-    try:
-        value = float(alpha)
-    except (TypeError, ValueError):
-        _fail("alpha", f"got {alpha!r}", allowed)
-    if not (value > 0 and math.isfinite(value)):
-        _fail("alpha", f"got {alpha!r}", allowed)
+    scheme.check_options(**{name: getattr(c, name) for name in scheme.options})
 
 
 CONFIG_FIELDS = tuple(f.name for f in fields(ModelConfig))

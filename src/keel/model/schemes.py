@@ -83,6 +83,11 @@ class Scheme:
     def __init__(self, n_sublayers: int):
         self.n_sublayers = n_sublayers
 
+    @classmethod
+    def check_options(cls, **values) -> None:
+        """Raise a ValueError naming the field if one of this scheme's `options` (those set, not None) is
+        invalid. Each scheme checks its own; ModelConfig calls this for the chosen scheme."""
+
     def spec(self, index: int, kind: Kind) -> SublayerSpec:
         raise NotImplementedError
 
@@ -127,6 +132,13 @@ class DeepNorm(Scheme):
     final_norm = False
     scaled = ("wv.weight", "wo.weight")  # attention projections DeepNet scales; all FFN weights too
 
+    betas = ("deepnet", "paper")
+
+    @classmethod
+    def check_options(cls, deepnorm_beta=None):
+        if deepnorm_beta is not None and deepnorm_beta not in cls.betas:
+            raise option_error("deepnorm_beta", f"got {deepnorm_beta!r}", ", ".join(cls.betas))
+
     def __init__(self, n_sublayers: int, deepnorm_beta: str | None = None):
         super().__init__(n_sublayers)
         self.a = n_sublayers**0.25
@@ -148,6 +160,14 @@ class MixLN(Scheme):
     name = "mix_ln"
     options = ("mix_ln_fraction",)
     final_norm = True
+
+    @classmethod
+    def check_options(cls, mix_ln_fraction=None):
+        if mix_ln_fraction is not None and not (
+            isinstance(mix_ln_fraction, (int, float)) and not isinstance(mix_ln_fraction, bool)
+            and 0 <= mix_ln_fraction <= 1
+        ):
+            raise option_error("mix_ln_fraction", f"got {mix_ln_fraction!r}", "a number in [0, 1]")
 
     def __init__(self, n_sublayers: int, mix_ln_fraction: float | None = None):
         super().__init__(n_sublayers)
@@ -205,6 +225,19 @@ class Keel(Scheme):
     alpha_modes = ("L", "sqrtL")
     first_layer_rules = ("v2", "v1", "none")
 
+    @classmethod
+    def check_options(cls, alpha=None, first_layer=None):
+        if alpha is not None and alpha not in cls.alpha_modes:
+            allowed = '"L", "sqrtL", or a number > 0'
+            try:
+                value = float(alpha) if not isinstance(alpha, bool) else float("nan")
+            except (TypeError, ValueError):
+                value = float("nan")
+            if not (value > 0 and math.isfinite(value)):
+                raise option_error("alpha", f"got {alpha!r}", allowed)
+        if first_layer is not None and first_layer not in cls.first_layer_rules:
+            raise option_error("first_layer", f"got {first_layer!r}", ", ".join(cls.first_layer_rules))
+
     def __init__(self, n_sublayers: int, alpha: float | str | None = None, first_layer: str | None = None):
         super().__init__(n_sublayers)
         self.alpha = resolve_alpha("L" if alpha is None else alpha, n_sublayers)
@@ -219,6 +252,10 @@ class Keel(Scheme):
         return keel
 
 
+def option_error(field: str, problem: str, allowed: str) -> ValueError:
+    return ValueError(f"ModelConfig.{field}: {problem}; allowed: {allowed}")
+
+
 def resolve_alpha(alpha: float | str, n_sublayers: int) -> float:
     """Turn an alpha setting ("L", "sqrtL" or a number, also as a string) into a number."""
     if alpha == "L":
@@ -231,3 +268,5 @@ def resolve_alpha(alpha: float | str, n_sublayers: int) -> float:
 SCHEMES: dict[str, type[Scheme]] = {
     cls.name: cls for cls in (Keel, PreLN, PostLN, DeepNorm, MixLN, PeriLN, HybridNorm)
 }
+# every scheme-specific ModelConfig field, derived from the registry
+SCHEME_OPTIONS: tuple[str, ...] = tuple(dict.fromkeys(o for cls in SCHEMES.values() for o in cls.options))
