@@ -24,6 +24,7 @@ from keel.runtime import DEVICES, DTYPES
 
 SCHEDULES = ("cosine", "wsd", "constant")
 GUARD_POLICIES = ("stop", "rollback")
+FUSED_JUNCTION = ("auto", "on", "off")
 
 
 @dataclass
@@ -65,6 +66,7 @@ class RunConfig:
     device: str = "auto"  # auto: cuda if available, else cpu
     dtype: str = "auto"  # auto: bf16 on cuda (autocast; under torchrun FSDP2 bf16 weights), float32 on cpu
     compile: bool = False  # torch.compile each block (regional; keel.scale.parallel)
+    fused_junction: str = "auto"  # auto: the fused Triton Keel junction where it can run (CUDA + triton); on | off
     ac_every: int = 0  # activation checkpointing: 0 none, 1 every block, k every k-th block
     fsdp_group: int = 1  # under torchrun: blocks per FSDP2 unit (one all-gather each)
     out_dir: str = "runs"
@@ -86,6 +88,7 @@ class Runtime:
     device: str = "auto"
     dtype: str = "auto"
     compile: bool = False
+    fused_junction: str = "auto"
     ac_every: int = 0
     grad_accum: int = 1
 
@@ -219,6 +222,8 @@ def validate_runtime(run) -> None:
         raise ConfigError(f"run.device: got {run.device!r}; allowed: {', '.join(DEVICES)} (or cuda:<index>)")
     if run.dtype not in DTYPES:
         raise ConfigError(f"run.dtype: got {run.dtype!r}; allowed: {', '.join(DTYPES)}")
+    if run.fused_junction not in FUSED_JUNCTION:
+        raise ConfigError(f"run.fused_junction: got {run.fused_junction!r}; allowed: {', '.join(FUSED_JUNCTION)}")
     if run.grad_accum < 1:
         raise ConfigError(f"run.grad_accum: got {run.grad_accum!r}; allowed: an integer >= 1")
     if run.ac_every < 0:

@@ -33,7 +33,7 @@ from keel.train.config import TrainConfig, load_run_config, to_config, to_yaml
 # fields a resumed run may change; anything else must match the run's config
 RESUMABLE = {"resume", "run.steps", "run.progress", "run.log_every", "run.eval_every", "run.eval_batches",
              "run.ac_every", "run.fsdp_group", "run.ckpt_every", "run.keep_checkpoints", "run.device",
-             "run.compile", "run.out_dir", "run.name"}
+             "run.compile", "run.fused_junction", "run.out_dir", "run.name"}
 
 
 class RunDir(os.PathLike):
