@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from keel.cli import main
 
 
@@ -21,6 +23,7 @@ def test_bad_override_names_the_field(capsys):
     assert "n_layers" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "keel.cli", "summary", "--preset", "tiny"],
                          capture_output=True, text=True, check=True).stdout

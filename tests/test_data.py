@@ -27,12 +27,6 @@ def in_val(identity, fraction: float) -> bool:
     return int.from_bytes(hashlib.sha256(str(identity).encode()).digest()[:8], "big") / 2**64 < fraction
 
 
-@pytest.fixture(autouse=True)
-def no_home_cache(tmp_path, monkeypatch):
-    """Every test caches under tmp_path, even one that leaves data.cache_dir empty."""
-    monkeypatch.setenv("KEEL_CACHE", str(tmp_path / "env-cache"))
-
-
 @pytest.fixture
 def config(tmp_path):
     def make(source, **kw):

@@ -26,6 +26,8 @@ OPTIM = OptimConfig(lr=1e-2, warmup_steps=0)
 GLOBAL_BATCH = 4
 TIMEOUT = 120
 
+pytestmark = pytest.mark.distributed
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -159,16 +161,6 @@ def test_bf16_fsdp_keeps_the_residual_stream_float32(two_ranks):
 
 
 # ---- `keel train` under torchrun --------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    import argparse
-    import inspect
-
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text(inspect.getsource(argparse))
-    return path
-
 
 def torchrun(tmp_path: Path, corpus: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",

@@ -104,6 +104,7 @@ def corpus_cfg(tmp_path_factory):
     return [f"data.source={root / 'text.txt'}", f"data.cache_dir={root / 'cache'}"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
 def test_quick_experiment_writes_results_plots_and_report(name, corpus_cfg, tmp_path):
     cfg = build(name, True, [*TINY, *QUICK[name], *corpus_cfg])

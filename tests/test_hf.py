@@ -14,13 +14,8 @@ import pytest
 import torch
 
 from keel.cli import main
-from keel.data.corpus import DataConfig
 from keel.data.tokenizer import ByteTokenizer, train_bpe
 from keel.generate import generate
-from keel.model.config import ModelConfig
-from keel.model.transformer import TransformerLM
-from keel.train import checkpoint
-from keel.train.config import RunConfig, TrainConfig, to_yaml
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -30,36 +25,9 @@ from keel.hf.export import export_run  # noqa: E402
 TEXT = "def parse(line):\n    return [int(x) for x in line.split()]  # héllo wörld ✓ 日本\n"
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))  # remote code lands here
-
-
-def make_run(run_dir: Path, scheme: str = "keel", tokenizer=None, **model) -> TransformerLM:
-    """A run directory as the trainer leaves it (config.yaml, tokenizer/, one checkpoint), random weights."""
-    tokenizer = tokenizer or ByteTokenizer()
-    config = ModelConfig(vocab_size=max(256, tokenizer.vocab_size), d_model=32, n_blocks=3, n_heads=4,
-                         n_kv_heads=2, max_seq_len=64, init_std=0.3, scheme=scheme, **model)
-    run_dir.mkdir(parents=True)
-    source = "bytes" if isinstance(tokenizer, ByteTokenizer) else str(tokenizer.path)
-    (run_dir / "config.yaml").write_text(to_yaml(TrainConfig(model=config, data=DataConfig(tokenizer=source),
-                                                             run=RunConfig(seq_len=32))))
-    tokenizer.save(run_dir / "tokenizer")
-    torch.manual_seed(0)
-    model = TransformerLM(config).eval()
-    with torch.no_grad():  # non-trivial norm gains, so a misplaced or missing norm shows
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5)
-    checkpoint.save(run_dir, 7, model, {}, {}, keep=1)
-    return model
-
-
 @pytest.mark.parametrize("scheme,options", [("keel", {}), ("keel", {"alpha": 3.5, "first_layer": "none"}),
                                             ("pre_ln", {"tie_embeddings": True}), ("hybrid_norm", {})])
-def test_export_loads_with_transformers_and_gives_the_same_logits(tmp_path, scheme, options):
+def test_export_loads_with_transformers_and_gives_the_same_logits(tmp_path, scheme, options, make_run):
     model = make_run(tmp_path / "run", scheme, **options)
     out = export_run(tmp_path / "run", tmp_path / "hf")
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "modeling_keel.py"} <= {
@@ -77,7 +45,7 @@ def test_export_loads_with_transformers_and_gives_the_same_logits(tmp_path, sche
         assert hf.model.lm_head.weight.data_ptr() == hf.model.embed.weight.data_ptr()
 
 
-def test_hf_generate_equals_keel_generate(tmp_path, capsys):
+def test_hf_generate_equals_keel_generate(tmp_path, capsys, make_run):
     model = make_run(tmp_path / "run")
     out = export_run(tmp_path / "run", tmp_path / "hf")
     hf, tok = AutoModelForCausalLM.from_pretrained(out).eval(), AutoTokenizer.from_pretrained(out)
@@ -94,7 +62,7 @@ def test_hf_generate_equals_keel_generate(tmp_path, capsys):
     assert capsys.readouterr().out.rstrip("\n") == ByteTokenizer().decode(theirs[0].tolist())
 
 
-def test_exported_tokenizers_keep_keel_ids(tmp_path):
+def test_exported_tokenizers_keep_keel_ids(tmp_path, make_run):
     make_run(tmp_path / "bytes")
     tok = AutoTokenizer.from_pretrained(export_run(tmp_path / "bytes", tmp_path / "bytes-hf"))
     every_byte = bytes(range(256)).decode("latin-1")  # 256 chars, multi-byte in UTF-8 from 128 up
@@ -109,7 +77,7 @@ def test_exported_tokenizers_keep_keel_ids(tmp_path):
     assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == bpe.eos_id
 
 
-def test_model_card_states_scheme_depth_alpha_and_data(tmp_path):
+def test_model_card_states_scheme_depth_alpha_and_data(tmp_path, make_run):
     make_run(tmp_path / "run", "keel", alpha="L")
     card = (export_run(tmp_path / "run", tmp_path / "hf") / "README.md").read_text()
     assert "`keel`" in card and "3 blocks = 6 sub-layers" in card
@@ -117,7 +85,8 @@ def test_model_card_states_scheme_depth_alpha_and_data(tmp_path):
     assert "training data | `stdlib`" in card and "`step_00000007` (step 7)" in card
 
 
-def test_export_loads_with_remote_code_where_keel_is_not_installed(tmp_path):
+@pytest.mark.slow
+def test_export_loads_with_remote_code_where_keel_is_not_installed(tmp_path, make_run):
     model = make_run(tmp_path / "run")
     export_run(tmp_path / "run", tmp_path / "hf")
     alone = shutil.copytree(tmp_path / "hf", tmp_path / "elsewhere" / "model")
@@ -157,7 +126,7 @@ def tiny_llama(hf_dir: Path, tied: bool = False):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_import_llama_round_trip(tmp_path, capsys, tied):
+def test_import_llama_round_trip(tmp_path, capsys, tied, make_run):
     hf = tiny_llama(tmp_path / "llama", tied)
     bpe = train_bpe([TEXT * 20], 300, tmp_path / "llama" / "tokenizer.json")
     (tmp_path / "corpus.txt").write_text(TEXT * 200)
@@ -182,19 +151,19 @@ def test_import_llama_round_trip(tmp_path, capsys, tied):
     assert main(["eval", str(tmp_path / "run"), "--batches", "1", "--device", "cpu"]) == 0
 
 
-def _mismatched_run(tmp_path):
+def _mismatched_run(tmp_path, make_run=None):
     make_run(tmp_path / "run")
     (tmp_path / "run" / "config.yaml").write_text(
         (tmp_path / "run" / "config.yaml").read_text().replace("d_model: 32", "d_model: 64"))
 
 
-def _non_llama(tmp_path):
+def _non_llama(tmp_path, make_run=None):
     tiny_llama(tmp_path / "llama")
     config = json.loads((tmp_path / "llama" / "config.json").read_text())
     (tmp_path / "llama" / "config.json").write_text(json.dumps(config | {"model_type": "gpt2"}))
 
 
-def _llama_with_wrong_shapes(tmp_path):
+def _llama_with_wrong_shapes(tmp_path, make_run=None):
     tiny_llama(tmp_path / "llama")
     train_bpe([TEXT * 20], 300, tmp_path / "llama" / "tokenizer.json")
     config = json.loads((tmp_path / "llama" / "config.json").read_text())
@@ -202,18 +171,20 @@ def _llama_with_wrong_shapes(tmp_path):
 
 
 @pytest.mark.parametrize("setup,command,needle", [
-    (lambda tmp: (tmp / "nothing").mkdir(), ["export-hf", "{tmp}/nothing", "{tmp}/out"], "no config.yaml"),
-    (lambda tmp: (make_run(tmp / "run"), shutil.rmtree(tmp / "run" / "tokenizer")),
+    (lambda tmp, mk: (tmp / "nothing").mkdir(), ["export-hf", "{tmp}/nothing", "{tmp}/out"], "no config.yaml"),
+    (lambda tmp, mk: (mk(tmp / "run"), shutil.rmtree(tmp / "run" / "tokenizer")),
      ["export-hf", "{tmp}/run", "{tmp}/out"], "tokenizer"),
     (_mismatched_run, ["export-hf", "{tmp}/run", "{tmp}/out"], "checkpoints/step_00000007: "),
-    (lambda tmp: (tmp / "nothing").mkdir(), ["lm-eval", "{tmp}/nothing", "--tasks", "x"], "nothing: neither"),
-    (lambda tmp: tiny_llama(tmp / "llama"), ["import-hf", "{tmp}/llama", "{tmp}/run"], "tokenizer.json: not found"),
+    (lambda tmp, mk: (tmp / "nothing").mkdir(), ["lm-eval", "{tmp}/nothing", "--tasks", "x"], "nothing: neither"),
+    (lambda tmp, mk: tiny_llama(tmp / "llama"), ["import-hf", "{tmp}/llama", "{tmp}/run"],
+     "tokenizer.json: not found"),
     (_non_llama, ["import-hf", "{tmp}/llama", "{tmp}/run"], "config.json: model_type 'gpt2'"),
     (_llama_with_wrong_shapes, ["import-hf", "{tmp}/llama", "{tmp}/run"], "model.safetensors: does not match"),
-    (lambda tmp: (tmp / "x").mkdir(), ["import-hf", "{tmp}/x", "{tmp}/run"], "x/config.json: not found"),
+    (lambda tmp, mk: (tmp / "x").mkdir(), ["import-hf", "{tmp}/x", "{tmp}/run"], "x/config.json: not found"),
 ])
-def test_bad_input_is_one_clear_line_naming_the_file(tmp_path, capsys, setup, command, needle):
-    setup(tmp_path)
+def test_bad_input_is_one_clear_line_naming_the_file(tmp_path, capsys, setup, command, needle,
+                                                    make_run):
+    setup(tmp_path, make_run)
     capsys.readouterr()
     assert main([c.format(tmp=tmp_path) for c in command]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -221,7 +192,7 @@ def test_bad_input_is_one_clear_line_naming_the_file(tmp_path, capsys, setup, co
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-def test_export_refuses_a_non_empty_output_directory(tmp_path, capsys):
+def test_export_refuses_a_non_empty_output_directory(tmp_path, capsys, make_run):
     make_run(tmp_path / "run")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")

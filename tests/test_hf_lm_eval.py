@@ -7,13 +7,12 @@ import pytest
 import torch
 
 from keel.cli import main
-from keel.train.run_dir import load_model as load_run
 from keel.data.tokenizer import ByteTokenizer
+from keel.train.run_dir import load_model as load_run
 
 pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 
-from test_hf import make_run  # noqa: E402
 
 QUESTIONS = [
     ("def add(a, b):", ["return a + b", "import os", "while True", "pass  # no"]),
@@ -35,10 +34,8 @@ def log_likelihood(model, context: str, continuation: str) -> float:
     return sum(logp[len(ctx) - 1 + i, tok].item() for i, tok in enumerate(cont))
 
 
-def test_lm_eval_on_a_local_task_matches_our_own_scoring(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+@pytest.mark.slow
+def test_lm_eval_on_a_local_task_matches_our_own_scoring(tmp_path, monkeypatch, capsys, make_run):
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     answers = [i % 4 for i in range(len(QUESTIONS))]  # the right choice moved around, so acc is not trivial

@@ -55,6 +55,7 @@ def compiled_graphs(n_blocks: int, ac_every: int = 0, **kw) -> int:
     return counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ac_every", [0, 1])
 def test_compiling_blocks_compiles_a_constant_number_of_graphs_whatever_the_depth(ac_every):
     # Keel v2: block 0 (no alpha, no LN_out on attention) and every later block: two graphs

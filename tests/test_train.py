@@ -1,6 +1,5 @@
 """`keel train` end to end on tiny models: pulse, resume, checkpoints, divergence, bad input."""
 
-import inspect
 import json
 import math
 import os
@@ -19,26 +18,6 @@ from keel.train.config import load_config
 from keel.train.trainer import DIVERGED_EXIT, Trainer
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """About 150 KB of real text: the source of a few standard-library modules."""
-    import argparse
-    import json as json_module
-    import pathlib
-
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text("\n\n".join(inspect.getsource(m) for m in (argparse, json_module.decoder, pathlib)))
-    return path
-
-
-@pytest.fixture
-def args(corpus, tmp_path):
-    def make(*extra, name="run"):
-        return [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"run.out_dir={tmp_path / 'runs'}",
-                f"run.name={name}", *extra]
-    return make
-
-
 def losses(run_dir: Path) -> list[tuple[int, float]]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [(r["step"], r["loss"]) for r in records if "loss" in r and "event" not in r]
@@ -53,6 +32,7 @@ class Killed(Exception):
     """Stands for the process dying: nothing is saved on the way out."""
 
 
+@pytest.mark.slow
 def test_pulse_the_real_entry_point_trains_and_the_loss_falls(args, tmp_path):
     keel = shutil.which("keel", path=os.path.dirname(sys.executable)) or shutil.which("keel")
     cmd = [keel] if keel else [sys.executable, "-m", "keel.cli"]
@@ -75,6 +55,7 @@ def test_pulse_the_real_entry_point_trains_and_the_loss_falls(args, tmp_path):
     assert f"run: {run_dir}" in out.stdout
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_reproduces_the_uninterrupted_losses(args):
     trainer_for(args, "run.ckpt_every=5", name="straight").run()
 
@@ -92,6 +73,7 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_losses(args):
     assert losses(killed.run_dir) == straight  # every logged loss, bit for bit
 
 
+@pytest.mark.slow
 def test_interrupt_saves_a_checkpoint_on_the_step_boundary(args):
     uninterrupted = trainer_for(args, name="straight").run()
 
@@ -108,6 +90,7 @@ def test_interrupt_saves_a_checkpoint_on_the_step_boundary(args):
     assert json.loads((run_dir / "summary.json").read_text())["final_train_loss"] == uninterrupted["final_train_loss"]
 
 
+@pytest.mark.slow
 def test_damaged_checkpoint_is_rejected_and_the_previous_good_one_used(args, tmp_path, capsys):
     trainer_for(args, "run.ckpt_every=5", "run.keep_checkpoints=3").run()
     run_dir = tmp_path / "runs" / "run"
@@ -179,6 +162,7 @@ def test_rollback_gives_up_after_max_rollbacks(args):
     assert "(after 2 rollbacks)" in summary["divergence_reason"]
 
 
+@pytest.mark.slow
 def test_eval_and_generate_work_on_the_run_directory(args, tmp_path, capsys):
     assert main(["train", "--preset", "tiny", *args()]) == 0
     run_dir = tmp_path / "runs" / "run"
@@ -226,6 +210,7 @@ def test_tokenizer_larger_than_the_model_is_named(args, capsys):
     assert code == 2 and "model.vocab_size" in err
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_model_and_an_existing_run_is_not_overwritten(args, tmp_path, capsys):
     assert main(["train", "--preset", "tiny", *args()]) == 0
     run_dir = tmp_path / "runs" / "run"
@@ -238,6 +223,7 @@ def test_resume_refuses_a_changed_model_and_an_existing_run_is_not_overwritten(a
     assert {p: p.stat().st_mtime_ns for p in checkpoint.list_checkpoints(run_dir)} == before
 
 
+@pytest.mark.slow
 def test_full_disk_while_checkpointing_leaves_earlier_checkpoints_intact(args, monkeypatch, capsys):
     trainer = trainer_for(args, "run.ckpt_every=5")
     real_save = torch.save
@@ -254,6 +240,7 @@ def test_full_disk_while_checkpointing_leaves_earlier_checkpoints_intact(args, m
     assert not list((trainer.run_dir / "checkpoints").glob(".tmp-*"))
 
 
+@pytest.mark.slow
 def test_interrupt_during_validation_still_resumes_exactly(args, monkeypatch):
     trainer_for(args, name="straight").run()
     real_evaluate, state = Trainer.evaluate, {"left": 1}

@@ -167,6 +167,8 @@ class Trainer:
 
     def run(self, resume_from: Path | None = None) -> dict:
         c = self.config
+        if self.world.main:  # temporary checkpoint directories a killed process left behind
+            checkpoint.clean_stale_tmp(self.run_dir)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
             if self.step >= c.run.steps:

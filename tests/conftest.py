@@ -1,0 +1,89 @@
+"""Shared fixtures and the test tiers.
+
+Tiers (markers, registered in pyproject.toml):
+  slow         takes more than a few seconds (real training runs, subprocesses, quick experiments)
+  distributed  starts several processes (torchrun, gloo on CPU)
+  gpu          needs CUDA; skipped where there is none
+`python -m pytest -q` runs the fast tier (neither slow nor distributed); `python -m pytest -q -m "not gpu"`
+runs everything that runs on a CPU, as CI does; `python -m pytest -q -m gpu` on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# cuBLAS is deterministic only with a fixed workspace, read when its handle is made: set before any CUDA use
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    """No test reaches a network or writes outside its tmp_path: Hugging Face offline, caches redirected."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))  # remote code lands here
+    monkeypatch.setenv("KEEL_CACHE", str(tmp_path / "env-cache"))
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """About 150 KB of real text: the source of a few standard-library modules."""
+    import argparse
+    import json
+    import pathlib
+
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n\n".join(inspect.getsource(m) for m in (argparse, json.decoder, pathlib)))
+    return path
+
+
+@pytest.fixture
+def args(corpus, tmp_path):
+    """`keel train` overrides for a run named `name` on the corpus, everything under tmp_path."""
+    def make(*extra, name="run"):
+        return [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"run.out_dir={tmp_path / 'runs'}",
+                f"run.name={name}", *extra]
+    return make
+
+
+@pytest.fixture
+def make_run():
+    """A run directory as the trainer leaves it (config.yaml, tokenizer/, one checkpoint), random weights."""
+    from keel.data.corpus import DataConfig
+    from keel.data.tokenizer import ByteTokenizer
+    from keel.model import ModelConfig, TransformerLM
+    from keel.train import checkpoint
+    from keel.train.config import RunConfig, TrainConfig, to_yaml
+
+    def make(run_dir: Path, scheme: str = "keel", tokenizer=None, **model) -> TransformerLM:
+        tokenizer = tokenizer or ByteTokenizer()
+        config = ModelConfig(vocab_size=max(256, tokenizer.vocab_size), d_model=32, n_blocks=3, n_heads=4,
+                             n_kv_heads=2, max_seq_len=64, init_std=0.3, scheme=scheme, **model)
+        run_dir.mkdir(parents=True)
+        source = "bytes" if isinstance(tokenizer, ByteTokenizer) else str(tokenizer.path)
+        (run_dir / "config.yaml").write_text(to_yaml(TrainConfig(model=config, data=DataConfig(tokenizer=source),
+                                                                 run=RunConfig(seq_len=32))))
+        tokenizer.save(run_dir / "tokenizer")
+        torch.manual_seed(0)
+        m = TransformerLM(config).eval()
+        with torch.no_grad():  # non-trivial norm gains, so a misplaced or missing norm shows
+            for p in m.parameters():
+                if p.dim() == 1:
+                    p.uniform_(0.5, 1.5)
+        checkpoint.save(run_dir, 7, m, {}, {}, keep=1)
+        return m
+    return make
