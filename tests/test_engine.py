@@ -73,3 +73,11 @@ def test_config_precedence_yaml_then_overrides(tmp_path):
         load_config([], str(tmp_path / "nope.yaml"))
     with pytest.raises(ConfigError, match="model.n_blocks"):
         load_config(["model.n_blocks=many"])
+
+
+def test_guard_catches_a_blow_up_from_the_first_step():
+    """Without history the spike rule is blind; the ceiling (3 x ln V) is not."""
+    guard = DivergenceGuard(GuardConfig(), vocab_size=256)  # ceiling 3 x 5.545 = 16.6
+    assert guard.check(5.6, 1.0) is None
+    assert "loss blow-up" in guard.check(51.0, 1.0)
+    assert DivergenceGuard(GuardConfig(loss_ceiling=0), vocab_size=256).check(51.0, 1.0) is None

@@ -289,3 +289,11 @@ def test_weights_only_checkpoint_cannot_be_resumed(args, tmp_path, capsys):
 def test_tokenizer_command_names_an_unknown_field(capsys):
     assert main(["tokenizer", "bogus=1"]) == 2
     assert "DataConfig has no field 'bogus'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_run_that_blows_up_in_its_first_steps_is_stopped(args, capsys):
+    """optim.lr=10 took the loss from 5.5 to 51 at step 2 and 4869 at step 11, and used to exit 0."""
+    code = main(["train", "--preset", "tiny", *args("run.steps=30", "optim.lr=10", "optim.warmup_steps=0")])
+    err = capsys.readouterr().err
+    assert code == DIVERGED_EXIT and "loss blow-up" in err

@@ -50,8 +50,8 @@ class Shape:
 
 
 def experiment_guard() -> GuardConfig:
-    """Experiments stop a point on non-finite values only: a loss spike is part of what max-lr measures."""
-    return GuardConfig(spike_min_history=0)
+    """Experiments stop a point on non-finite values only: loss spikes and blow-ups are what max-lr measures."""
+    return GuardConfig(spike_min_history=0, loss_ceiling=0)
 
 
 @dataclass

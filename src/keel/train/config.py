@@ -52,6 +52,9 @@ class GuardConfig:
     spike_factor: float = 3.0  # a spike is a loss above spike_factor x the running median ...
     spike_window: int = 50  # ... of the last spike_window losses ...
     spike_min_history: int = 20  # ... once at least this many are known; 0 disables spike checks
+    # from the first step on: a loss above loss_ceiling x ln(vocab_size) (the loss of a uniform guess) is a
+    # blow-up, before any history exists; 0 disables
+    loss_ceiling: float = 3.0
     max_rollbacks: int = 3  # rollback: at most this many, then stop
     rollback_lr_factor: float = 1.0  # rollback: multiply the learning rate by this each time
 
@@ -261,6 +264,8 @@ def validate(c: TrainConfig) -> None:
         fail("guard.policy", c.guard.policy, ", ".join(GUARD_POLICIES))
     if not c.guard.spike_factor > 1:
         fail("guard.spike_factor", c.guard.spike_factor, "a number > 1")
+    if not c.guard.loss_ceiling >= 0 or c.guard.loss_ceiling == float("inf"):
+        fail("guard.loss_ceiling", c.guard.loss_ceiling, "a finite number >= 0 (0 disables)")
     if not 0 < c.guard.rollback_lr_factor <= 1:
         fail("guard.rollback_lr_factor", c.guard.rollback_lr_factor, "a number in (0, 1]")
 

@@ -78,7 +78,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, c.optim)
         self.sampler = WindowSampler(self.data.train, c.run.seq_len, c.run.batch_size, seed=c.run.seed,
                                      rank=self.world.rank, world_size=self.world.size)
-        self.guard = DivergenceGuard(c.guard)
+        self.guard = DivergenceGuard(c.guard, c.model.vocab_size)
         self.train_step = TrainStep(self.model, self.optimizer, grad_accum=c.run.grad_accum,
                                     grad_clip=c.optim.grad_clip, autocast=self.autocast, guard=self.guard,
                                     world=self.world)
