@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from keel.cli import main
 from keel.model.config import ModelConfig
 from keel.model.transformer import TransformerLM
 from keel.scale.parallel import parallelize
@@ -206,3 +207,10 @@ def test_torchrun_trains_resumes_and_matches_one_process(tmp_path, corpus):
     shutil.rmtree(resumed / "checkpoints" / "step_00000008")
     Trainer(config, resumed).run(resume_from=resumed / "checkpoints" / "step_00000004")
     assert losses(resumed) == pytest.approx(straight, rel=1e-5)
+    # the same from the command line, as the README says: only the per-process batch changes
+    typed = runs / "typed"
+    shutil.copytree(runs / "straight", typed)
+    shutil.rmtree(typed / "checkpoints" / "step_00000008")
+    assert main(["train", f"resume={typed}", "run.batch_size=4", "run.progress=false"]) == 0
+    assert losses(typed) == pytest.approx(straight, rel=1e-5)
+    assert main(["train", f"resume={typed}", "run.batch_size=3", "run.steps=9"]) == 2  # another global batch

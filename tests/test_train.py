@@ -297,3 +297,59 @@ def test_a_run_that_blows_up_in_its_first_steps_is_stopped(args, capsys):
     code = main(["train", "--preset", "tiny", *args("run.steps=30", "optim.lr=10", "optim.warmup_steps=0")])
     err = capsys.readouterr().err
     assert code == DIVERGED_EXIT and "loss blow-up" in err
+
+
+@pytest.mark.slow
+def test_a_signal_inside_the_optimizer_step_waits_for_the_step_boundary(args):
+    """SIGTERM used to land inside optimizer.step(): updated weights were saved with the old step counter."""
+    import signal
+
+    trainer_for(args, name="straight").run()
+    trainer = trainer_for(args, "run.ckpt_every=100", name="signalled")
+    real_step = trainer.optimizer.step
+
+    def step_then_signal(*a, **k):
+        if trainer.step == 6:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered while the update is being applied
+        return real_step(*a, **k)
+    trainer.optimizer.step = step_then_signal
+    summary = trainer.run()
+    assert summary["interrupted"] and summary["steps"] == 7  # the signalled step was finished, then saved
+    assert [p.name for p in checkpoint.list_checkpoints(trainer.run_dir)] == ["step_00000007"]
+    assert main(["train", f"resume={trainer.run_dir}", "run.progress=false"]) == 0
+    assert losses(trainer.run_dir) == losses(trainer.run_dir.parent / "straight")
+
+
+def test_one_trainer_per_run_directory(args, capsys):
+    first = trainer_for(args, name="busy")  # holds the run's lock from construction to the end of run()
+    assert main(["train", "--preset", "tiny", *args(name="busy")]) == 2
+    assert "is in use by keel process" in capsys.readouterr().err
+    first.run()
+    assert (first.run_dir / "summary.json").exists()
+
+
+def test_a_failed_start_leaves_no_run_directory(args, tmp_path, capsys):
+    assert main(["train", "--preset", "tiny", *args("data.source=/no/such/file.txt", name="failed")]) == 2
+    assert "/no/such/file.txt" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "failed").exists()  # so the same command can simply be retried
+
+
+@pytest.mark.slow
+def test_a_torn_last_metrics_line_does_not_block_resume(args, capsys):
+    trainer = trainer_for(args, "run.steps=10", name="torn")
+    trainer.run()
+    with open(trainer.run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 11, "lo')  # the process died mid-write
+    assert main(["train", f"resume={trainer.run_dir}", "run.steps=14", "run.progress=false"]) == 0
+    assert "dropped a torn last line" in capsys.readouterr().err
+    steps = [s for s, _ in losses(trainer.run_dir)]
+    assert steps == list(range(1, 15))
+
+
+def test_rollback_does_not_repeat_steps_in_the_log(args):
+    trainer = trainer_for(args, "guard.policy=rollback", "run.ckpt_every=5", callbacks=[nan_at(8)])
+    trainer.run()
+    records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r and "event" not in r]
+    assert steps == sorted(set(steps)) == list(range(1, 21))
+    assert all(r["tokens_per_s"] > 0 for r in records if "tokens_per_s" in r)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -25,20 +26,27 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from keel.data.tokenizer import load_saved_tokenizer
-from keel.errors import ConfigError
+from keel.errors import ConfigError, DataError
 from keel.model import TransformerLM
 from keel.train import checkpoint
 from keel.train.config import TrainConfig, load_run_config, to_config, to_yaml
 
 # fields a resumed run may change; anything else must match the run's config
-RESUMABLE = {"resume", "run.steps", "run.progress", "run.log_every", "run.eval_every", "run.eval_batches",
+# run.batch_size may change when the number of processes does: the trainer checks that the global batch
+# (batch_size x processes) stays what the checkpoint was written with
+RESUMABLE = {"resume", "run.steps", "run.batch_size", "run.progress", "run.log_every", "run.eval_every",
+             "run.eval_batches",
              "run.ac_every", "run.fsdp_group", "run.ckpt_every", "run.keep_checkpoints", "run.device",
              "run.compile", "run.fused_junction", "run.out_dir", "run.name"}
+
+
+LOCK = ".lock"
 
 
 class RunDir(os.PathLike):
     def __init__(self, path):
         self.path = Path(path)
+        self._lock = None
 
     # ---- finding or making one ------------------------------------------------------------------
     @staticmethod
@@ -50,7 +58,7 @@ class RunDir(os.PathLike):
         """Refuse, before any work, a named run that would overwrite an existing one."""
         if config.run.name:
             path = Path(config.run.out_dir) / config.run.name
-            if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            if path.exists() and (not path.is_dir() or any(p.name != LOCK for p in path.iterdir())):
                 raise ConfigError(f"run directory {path} already exists; continue it with resume={path} "
                                   "or choose another run.name")
 
@@ -94,6 +102,40 @@ class RunDir(os.PathLike):
             raise ConfigError(f"{path}: not a Keel run directory (no config.yaml)")
         return cls(path)
 
+    # ---- one writer at a time ------------------------------------------------------------------
+    def lock(self) -> None:
+        """Take the run's exclusive lock (held until `unlock` or process exit, also after kill -9, since the
+        kernel drops it with the process). A second trainer on the same run gets one clear error."""
+        import fcntl
+
+        f = open(self.path / LOCK, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise ConfigError(f"run directory {self.path} is in use by {holder}; wait for it to finish "
+                              "or stop it first") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"keel process {os.getpid()}")
+        f.flush()
+        self._lock = f
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def discard_if_unused(self) -> None:
+        """Remove a run directory a failed start left empty (nothing but the lock), so a retry is not blocked."""
+        self.unlock()
+        if self.path.is_dir() and all(p.name == LOCK for p in self.path.iterdir()):
+            for p in self.path.iterdir():
+                p.unlink()
+            self.path.rmdir()
+
     # ---- what it holds --------------------------------------------------------------------------
     def config(self) -> TrainConfig:
         return load_run_config(self.path)
@@ -119,17 +161,36 @@ class RunDir(os.PathLike):
             f.write(json.dumps(record) + "\n")
 
     def metrics(self) -> list[dict]:
+        return [record for _, record in self._records()]
+
+    def _records(self) -> list[tuple[str, dict]]:
+        """(line, record) of metrics.jsonl. A torn last line (a process killed mid-write) is dropped with a
+        note; a damaged line before it is an error naming the file and line."""
         path = self.path / "metrics.jsonl"
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        out = []
+        for n, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as err:
+                if n == len(lines):
+                    print(f"keel: {path}: dropped a torn last line ({str(err).splitlines()[0]})", file=sys.stderr)
+                    break
+                raise DataError(f"{path}: line {n} is not a JSON record ({str(err).splitlines()[0]})") from None
+            out.append((line, record))
+        return out
 
     def truncate_log(self, step: int) -> None:
-        """Drop records past `step`, so a resumed run's log reads as if it was never interrupted."""
+        """Drop records past `step` (and a torn last line), so a resumed run's log reads as if it was never
+        interrupted."""
         path = self.path / "metrics.jsonl"
         if path.exists():
-            keep = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
-            path.write_text("".join(line + "\n" for line in keep))
+            keep = [line for line, record in self._records() if record.get("step", 0) <= step]
+            self._write("metrics.jsonl", "".join(line + "\n" for line in keep))
 
     def write_summary(self, summary: dict) -> None:
         self._write("summary.json", json.dumps(summary, indent=1))
@@ -173,7 +234,15 @@ class RunDir(os.PathLike):
         return replace(resumed, resume=str(self.path))
 
     def _write(self, name: str, text: str) -> None:
-        (self.path / name).write_text(text)
+        """Write a whole file atomically: a full disk or a kill leaves the old file (or none), never half."""
+        path = self.path / name
+        tmp = path.with_name(f".{name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            raise DataError(f"{path}: cannot write ({err.strerror or err})") from None
 
     # ---- path-likeness --------------------------------------------------------------------------
     def __fspath__(self) -> str:

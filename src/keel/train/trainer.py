@@ -55,6 +55,18 @@ class Trainer:
         if self.device.type == "cuda" and self.world.distributed:
             self.device = torch.device("cuda", self.world.local_rank)
         self.run_dir = self._run_dir(run_dir)
+        new_run = not c.resume
+        if self.world.main:
+            self.run_dir.lock()  # one trainer per run directory; held until run() ends or the process does
+        try:
+            self._build()
+        except BaseException:
+            if self.world.main and new_run:  # a failed start leaves nothing that blocks a retry
+                self.run_dir.discard_if_unused()
+            raise
+
+    def _build(self) -> None:
+        c = self.config
         self.fsdp = self.world.distributed
         # under FSDP2, bf16 comes from its mixed-precision policy (bf16 weights) instead of autocast
         self.autocast = contextlib.nullcontext if self.fsdp else autocast_for(self.device, c.run.dtype)
@@ -166,6 +178,13 @@ class Trainer:
         return on_device(batch, self.device)
 
     def run(self, resume_from: Path | None = None) -> dict:
+        try:
+            return self._run(resume_from)
+        finally:  # however the run ends, the next process may take the directory
+            if self.world.main:
+                self.run_dir.unlock()
+
+    def _run(self, resume_from: Path | None) -> dict:
         c = self.config
         if self.world.main:  # temporary checkpoint directories a killed process left behind
             checkpoint.clean_stale_tmp(self.run_dir)
@@ -199,12 +218,14 @@ class Trainer:
         bar = tqdm(total=c.run.steps, initial=self.step, disable=not (c.run.progress and self.world.main),
                    dynamic_ncols=True,
                    desc="train", file=sys.stdout)
-        previous_handler = signal.signal(signal.SIGTERM, _raise_interrupt)
+        previous_handlers = self._defer_signals()
         boundary = (self.sampler.state_dict(), self.draws, torch.get_rng_state())
         try:
-            t_last, step_last = time.time(), self.step
+            self.t_last, self.step_last = time.time(), self.step
             while self.step < c.run.steps:
                 boundary = (self.sampler.state_dict(), self.draws, torch.get_rng_state())
+                if self._stop_requested():  # only here, between steps: no step or checkpoint is ever torn
+                    raise KeyboardInterrupt
                 for callback in self.callbacks:
                     callback(self, self.step)
                 first_draw = self.draws
@@ -218,8 +239,8 @@ class Trainer:
                 bar.update(1)
                 if self.step % c.run.log_every == 0 or self.step == c.run.steps:
                     now = time.time()
-                    tps = (self.step - step_last) * self.tokens_per_step / max(now - t_last, 1e-9)
-                    t_last, step_last = now, self.step
+                    tps = (self.step - self.step_last) * self.tokens_per_step / max(now - self.t_last, 1e-9)
+                    self.t_last, self.step_last = now, self.step
                     record = {"step": self.step, "loss": train_loss, "lr": lr, "grad_norm": grad_norm,
                               "tokens": self.step * self.tokens_per_step, "tokens_per_s": tps}
                     postfix = {"loss": f"{train_loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tps:,.0f}"}
@@ -249,7 +270,8 @@ class Trainer:
             self.say(f"keel: interrupted at step {self.step}; checkpoint saved; continue with: "
                      f"keel train resume={self.run_dir}")
         finally:
-            signal.signal(signal.SIGTERM, previous_handler)
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
             bar.close()
         wall = time.time() - start_wall
         summary |= {
@@ -291,6 +313,9 @@ class Trainer:
             lr_scale = self.lr_scale * c.rollback_lr_factor
             self.load_checkpoint(good)
             self.rollbacks, self.skip_draws, self.lr_scale = rollbacks, skip, lr_scale
+            if self.world.main:  # the steps after the checkpoint are done again: their records go
+                self.run_dir.truncate_log(self.step)
+            self.t_last, self.step_last = time.time(), self.step
             self.log({"step": self.step, "event": "rollback", "reason": reason, "to_step": self.step,
                       "skipped_draws": sorted(bad), "lr_scale": lr_scale})
             self.say(f"keel: step {step}: {reason}; rolled back to step {self.step} "
@@ -308,5 +333,26 @@ class Trainer:
         raise Diverged(f"diverged at step {step}: {reason}")
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+    def _defer_signals(self) -> dict:
+        """SIGINT (Ctrl-C) and SIGTERM only set a flag; the loop acts on it at the next step boundary, so a
+        signal never lands inside an optimiser step or a checkpoint write. Returns the previous handlers."""
+        self._signal = None
+
+        def request_stop(signum, frame):
+            self._signal = signum
+        previous = {}
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                previous[signum] = signal.signal(signum, request_stop)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return previous
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank was signalled: all ranks stop at the same step, or the others would wait forever."""
+        flag = getattr(self, "_signal", None) is not None
+        if self.world.distributed:
+            t = torch.tensor([float(flag)], device=self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            flag = bool(t.item())
+        return flag
