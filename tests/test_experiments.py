@@ -1,8 +1,12 @@
-"""The experiments: the divergence detector on curves with known answers, and each --quick path end to end."""
+"""The experiments: probes and measurements against written-out equations, the held-out split, and each
+--quick path end to end. (The max-lr detector's own tests, with false-positive and miss rates, are in
+test_detect.py.)"""
 
 import json
 import math
+from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,52 +14,16 @@ from keel import TransformerLM, tiny
 from keel.data import DataConfig
 from keel.experiments import EXPERIMENTS
 from keel.experiments.cli import build
-from keel.experiments.detect import DetectorConfig, detect
+from keel.experiments.common import fixed_batches, mean_sd, splits, unigram_loss
+from keel.experiments.detect import FailureRules
 from keel.experiments.gradflow import measure
-from keel.experiments.redundancy import removed
-
-CFG = DetectorConfig(window=5, spike=0.5, min_improvement=0.01, patience=20, silent=0.5, burn_in=10)
-N = 200
-
-
-def decay(t):
-    return 2.0 + 3.0 * math.exp(-t / 40)
+from keel.experiments.maxlr import MaxLRConfig, verdict
+from keel.experiments.probes import branches_off, removed, residual_sizes
+from keel.experiments.regime import compare
 
 
-def test_clean_decay_is_healthy():
-    assert detect([decay(t) for t in range(N)], CFG) is None
-
-
-def test_plateau_is_stagnation_at_its_start():
-    curve = [decay(t) if t < 80 else decay(80) for t in range(N)]
-    step, why = detect(curve, CFG)
-    assert why == "stagnation" and 70 <= step <= 80 + CFG.window // 2  # the running median lags by window/2
-
-
-def test_unrecovered_spike():
-    curve = [decay(t) if t < 120 else decay(120) + 2.0 for t in range(N)]
-    step, why = detect(curve, CFG)
-    assert why == "unrecovered spike" and 120 <= step <= 124
-
-
-def test_recovered_spike_is_not_divergence():
-    curve = [decay(t) + (3.0 if 100 <= t < 103 else 0.0) for t in range(N)]
-    assert detect(curve, CFG) is None  # three bad batches; the running median never moves
-    longer = [decay(t) + (2.0 if 100 <= t < 115 else 0.0) for t in range(N)]
-    assert detect(longer, CFG) is None  # a real excursion, but the loss comes back
-
-
-def test_slow_run_is_silent_degradation_against_the_reference():
-    reference = [decay(t) for t in range(N)]
-    slow = [2.0 + 3.0 * math.exp(-t / 400) for t in range(N)]
-    step, why = detect(slow, CFG, reference)
-    assert why == "silent degradation" and step >= CFG.burn_in
-    assert detect(slow, CFG) is None  # without a reference it is merely slow
-
-
-def test_non_finite_loss():
-    curve = [decay(t) for t in range(50)] + [float("nan")]
-    assert detect(curve, CFG) == (50, "non-finite")
+def rmsnorm(x):
+    return x / x.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt()
 
 
 def test_gradflow_parameter_gradients_add_up_to_the_total():
@@ -68,7 +36,41 @@ def test_gradflow_parameter_gradients_add_up_to_the_total():
     outside = ("embed.", "lm_head.", "final_norm.")
     expected = sum(p.grad.pow(2).sum() for n, p in model.named_parameters() if not n.startswith(outside))
     assert sum(g * g for g in m["grad_params"]) == pytest.approx(expected.item(), rel=1e-5)
-    assert len(m["grad_stream"]) == len(m["rms"]) == 6
+    assert len(m["grad_stream"]) == len(m["rms"]) == len(m["factor"]) == 6
+
+
+class Echo(torch.nn.Module):
+    """A branch whose output is its input: F(u) = u."""
+
+    def forward(self, u, *args, **kwargs):
+        return u
+
+
+def test_shortcut_factor_matches_the_equation_when_the_branch_echoes_its_input():
+    """F = u: Post-LN's sum is 2x, factor rms(x)/rms(2x) = 1/2; Keel's u = LN_in(x) = x (x leaves an LN with
+    gain 1), so the factor is L / (L + 1); Pre-LN has no norm_out, so no factor."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (2, 16))
+    for scheme, want in (("post_ln", 0.5), ("keel", 8 / 9), ("pre_ln", None)):
+        model = TransformerLM(tiny(n_blocks=4, scheme=scheme))
+        for block in model.blocks:
+            block.attn, block.ffn = Echo(), Echo()
+        factors = measure(model, x, x)["factor"]
+        for f in factors[2:]:
+            assert (f is None) if want is None else f == pytest.approx(want, rel=1e-3)
+
+
+def test_residual_sizes_see_what_enters_norm_out():
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(n_blocks=2, scheme="keel")).eval()
+    x = torch.randint(0, 256, (2, 16))
+    seen = []
+    res = model.blocks[1].ffn_res
+    hook = res.norm_out.register_forward_pre_hook(lambda m, a: seen.append(a[0].pow(2).mean().sqrt().item()))
+    sizes = residual_sizes(model, x)
+    hook.remove()
+    assert sizes["rms_sum"][3] == pytest.approx(seen[-1], rel=1e-5)
+    assert sizes["rms_ax"][3] == pytest.approx(4.0 * 1.0, rel=1e-2)  # alpha = L = 4 times a unit-rms stream
 
 
 def test_removing_every_sublayer_leaves_embedding_to_head():
@@ -83,14 +85,78 @@ def test_removing_every_sublayer_leaves_embedding_to_head():
     assert not torch.allclose(full, expected)
 
 
+def test_all_keel_branches_off_is_the_head_on_the_normalised_embedding():
+    """Every F = 0 in Keel (v2): x, then LN(x), then LN(L * LN(x)) = LN(LN(x)) at unit gains (the second LN
+    only removes the eps shrinkage of the first, which normalised the std-0.02 embedding)."""
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(n_blocks=3, scheme="keel")).eval()
+    x = torch.randint(0, 256, (1, 8))
+    with torch.no_grad(), branches_off(model, range(6)):
+        logits, _ = model(x)
+        expected = model.lm_head(rmsnorm(rmsnorm(model.embed(x))))
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    with torch.no_grad(), branches_off(model, [5]):  # branch only: LN_out(alpha x) = LN_out(x) still applied
+        one_off, _ = model(x)
+    with torch.no_grad(), removed(model, 5):
+        whole, _ = model(x)
+    assert not torch.allclose(one_off, whole)
+
+
+def test_select_and_report_halves_split_the_validation_tokens(corpus, tmp_path):
+    data = DataConfig(source=str(corpus), cache_dir=str(tmp_path / "cache"))
+    halves = splits(data)
+    from keel.experiments.common import corpus as prepared
+
+    val = prepared(data).val
+    assert len(halves["select"]) + len(halves["report"]) == len(val)
+    assert np.array_equal(np.concatenate([halves["select"], halves["report"]]), val)
+
+
+def test_unigram_loss_is_the_cross_entropy_of_the_token_frequencies():
+    train = np.array([0, 0, 0, 1, 2, 2], dtype=np.uint16)
+    batches = fixed_batches(np.array([0, 1, 0, 2, 0, 0, 1], dtype=np.uint16), 2, 3, 1)
+    counts = Counter(int(t) for t in train)
+    total = len(train) + 256  # add-one smoothing over the byte vocabulary
+    targets = [int(t) for _, y in batches for t in y.flatten()]
+    want = -sum(math.log((counts.get(t, 0) + 1) / total) for t in targets) / len(targets)
+    assert unigram_loss(train, batches) == pytest.approx(want)
+
+
+def test_max_lr_is_the_lr_of_the_evaluation_before_the_failure():
+    cfg = MaxLRConfig(rules=FailureRules(confirm=4, window=1))
+    lrs = [0.001 * (k + 1) for k in range(40)]
+    healthy = [2.0] * 40
+    collapsed = [2.0] * 20 + [3.3] * 20
+    r = {"evals": {"lr": lrs, "loss": collapsed, "step": list(range(40))}, "unigram": 3.3}
+    v = verdict(r, cfg)
+    assert v["failed"] and v["rule"] == "collapse" and v["max_lr"] == pytest.approx(lrs[19])
+    r["evals"]["loss"] = healthy
+    assert verdict(r, cfg)["max_lr"] == cfg.peak and not verdict(r, cfg)["failed"]
+
+
+def test_regime_rules():
+    steps = list(range(10))
+    keel = np.array([[5, 4, 3.5, 3, 2.6, 2.4, 2.2, 2.1, 2.0, 1.9]] * 2) + np.array([[0.0], [0.01]])
+    pre = np.array([[4.5, 3.8, 3.2, 2.9, 2.7, 2.5, 2.3, 2.2, 2.1, 2.05]] * 2)
+    v = compare(keel, pre, steps, 0.1)
+    assert v["starts_slower"] is True and v["cross_step"] == 4
+
+
+def test_mean_sd():
+    assert mean_sd([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
+    assert mean_sd([1.0, None, float("nan")]) == (1.0, 0.0)
+
+
 TINY = ["shape.d_model=16", "shape.n_heads=2", "shape.n_kv_heads=1", "shape.seq_len=16", "shape.batch_size=2"]
 QUICK = {
     "gradflow": ["schemes=[post_ln,keel]", "depths=[4]", "steps=3"],
-    "max-lr": ["schemes=[pre_ln,keel]", "depths=[4]", "steps=12", "detector.patience=4", "detector.burn_in=2"],
+    "max-lr": ["schemes=[pre_ln,keel]", "depths=[4]", "steps=12"],
     "depth": ["depths=[2,4]", "steps=3"],
     "lr-sweep": ["depth=4", "steps=3"],
     "deep-vs-wide": ["deep_sublayers=4", "wide_sublayers=2", "wide_d_model=32", "steps=3"],
+    "ablations": ["depth=4", "steps=3"],
     "redundancy": ["depth=4", "steps=3"],
+    "regime": ["depth=4", "steps=4"],
 }
 
 
@@ -130,8 +196,8 @@ def test_bad_experiment_override_names_the_key():
 
 
 def test_a_sweep_directory_refuses_points_of_another_configuration(corpus_cfg, tmp_path):
-    cfg = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg])
+    cfg = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]"])
     EXPERIMENTS["lr-sweep"][1](cfg, tmp_path, "keel experiment lr-sweep --quick")
-    longer = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "steps=4"])
+    longer = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]", "steps=4"])
     with pytest.raises(ValueError, match="differs in steps"):
         EXPERIMENTS["lr-sweep"][1](longer, tmp_path, "keel experiment lr-sweep --quick steps=4")

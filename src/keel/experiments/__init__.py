@@ -1,6 +1,6 @@
 """The paper's experiments as commands: `keel experiment <name> [--quick] [key=value ...]`."""
 
-from keel.experiments import gradflow, maxlr, redundancy, scaling
+from keel.experiments import ablations, gradflow, maxlr, redundancy, regime, scaling
 
 # name -> (config class, run function); each run writes results.json, PNG plots and report.md
 EXPERIMENTS = {
@@ -9,5 +9,7 @@ EXPERIMENTS = {
     "depth": (scaling.DepthConfig, scaling.run_depth),
     "lr-sweep": (scaling.LRSweepConfig, scaling.run_lr_sweep),
     "deep-vs-wide": (scaling.DeepWideConfig, scaling.run_deep_vs_wide),
+    "ablations": (ablations.AblationConfig, ablations.run),
     "redundancy": (redundancy.RedundancyConfig, redundancy.run),
+    "regime": (regime.RegimeConfig, regime.run),
 }

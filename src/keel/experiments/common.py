@@ -7,21 +7,31 @@ would run for it), on `run.device` with `run.dtype`, `run.compile`, `run.ac_ever
 under the same divergence guard. Each finished point is written to `<out>/points/<key>.json`, so an
 interrupted sweep resumes by skipping finished points. `results.json` (every number, config, versions,
 machine), PNG plots and `report.md` are written at the end.
+
+Held-out data: keel.data has a train and a validation split only. Experiments cut the validation tokens in
+two disjoint halves by position (`splits`): the first half, "select", is where a learning rate (or any other
+setting) is chosen; the second half, "report", is where every reported number is measured. A window never
+straddles the cut, so no token of the report half is ever seen while choosing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from keel.data import DataConfig, WindowSampler, prepare
+from keel.data import eval_batches as spaced_batches
 from keel.errors import ConfigError
 from keel.model import ModelConfig, TransformerLM
 from keel.runtime import autocast_for, machine, resolve_device
@@ -98,11 +108,14 @@ def point_config(model_cfg: ModelConfig, optim: OptimConfig, steps: int, shape: 
 
 
 def train_curve(config: TrainConfig, eval_batches: int = 8, after_backward: Callable | None = None,
-                model: TransformerLM | None = None) -> tuple[Curve, torch.nn.Module]:
+                model: TransformerLM | None = None, on_step: Callable | None = None,
+                eval_tokens: np.ndarray | None = None) -> tuple[Curve, torch.nn.Module]:
     """Train `config` from scratch (or from `model`): the loss of every step, then validation loss.
 
     `keel train`'s model building, sampler, schedule and TrainStep, without run directories or checkpoints.
     A step the guard rejects ends the curve (`stopped_at`). `after_backward(model)` sees each step's gradients.
+    `on_step(i, model, result)` runs after step i; returning True ends training there (`stopped_at` = i).
+    The final validation loss is on `eval_tokens` (default: the whole validation split).
     """
     c = config
     prepared = corpus(c.data)
@@ -118,21 +131,77 @@ def train_curve(config: TrainConfig, eval_batches: int = 8, after_backward: Call
         result = step(lambda: on_device(sampler.next_batch(), device), lr_at(i, c.run.steps, c.optim))
         losses.append(result.loss)
         lrs.append(result.lr)
-        if result.diverged is not None:
+        if result.diverged is not None or (on_step is not None and on_step(i, model, result)):
             stopped = i
             break
     val = None
     if stopped is None and eval_batches:
-        val = evaluate(model, prepared.val, c.run.seq_len, c.run.batch_size, eval_batches, device,
-                       autocast)["val_loss"]
+        tokens = prepared.val if eval_tokens is None else eval_tokens
+        val = evaluate(model, tokens, c.run.seq_len, c.run.batch_size, eval_batches, device, autocast)["val_loss"]
     return Curve(losses, lrs, val, time.time() - start, stopped), model
 
 
-def evaluate_model(model, cfg, eval_batches: int) -> float:
-    """Validation loss of a trained point's model, on the device and dtype it trained with."""
+def evaluate_model(model, cfg, eval_batches: int, split: str = "val") -> float:
+    """Validation loss of a trained point's model, on the device and dtype it trained with; `split` is
+    "val" (all of it), "select" or "report" (its halves, see `splits`)."""
     device = next(model.parameters()).device
-    return evaluate(model, corpus(cfg.data).val, cfg.shape.seq_len, cfg.shape.batch_size, eval_batches, device,
+    tokens = corpus(cfg.data).val if split == "val" else splits(cfg.data)[split]
+    return evaluate(model, tokens, cfg.shape.seq_len, cfg.shape.batch_size, eval_batches, device,
                     autocast_for(device, cfg.run.dtype))["val_loss"]
+
+
+def splits(data: DataConfig) -> dict[str, np.ndarray]:
+    """The validation tokens cut in two halves by position: "select" (choose settings) and "report"
+    (measure what is reported). Disjoint: evaluation windows are drawn inside one half."""
+    val = corpus(data).val
+    half = len(val) // 2
+    return {"select": val[:half], "report": val[half:]}
+
+
+def fixed_batches(tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int) -> list:
+    """The same evenly spaced (x, y) batches every call, as a list (for evaluating every few steps)."""
+    return list(spaced_batches(tokens, seq_len, batch_size, n_batches))
+
+
+@torch.no_grad()
+def loss_on(model, batches: list, autocast=contextlib.nullcontext) -> float:
+    """Mean next-token loss of `model` over `batches` (eval mode restored afterwards)."""
+    was_training, device = model.training, next(model.parameters()).device
+    model.eval()
+    nll, n = 0.0, 0
+    for x, y in batches:
+        with autocast():
+            logits, _ = model(x.to(device))
+        nll += torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(),
+                                                 reduction="sum").item()
+        n += y.numel()
+    model.train(was_training)
+    return nll / max(1, n)
+
+
+def unigram_loss(train: np.ndarray, batches: list) -> float:
+    """The loss, on `batches`' targets, of a model that ignores its input and outputs the training split's
+    token frequencies (add-one smoothed): the level a collapsed LM falls back to (about 3.29 nats for the
+    stdlib bytes)."""
+    counts = np.bincount(np.asarray(train), minlength=256).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    targets = np.concatenate([y.numpy().ravel() for _, y in batches])
+    return float(-logp[targets].mean())
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    """Mean and sample SD (0 for one value; NaN-free inputs expected)."""
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return float("nan"), float("nan")
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+
+
+def pm(values: list[float], digits: int = 3) -> str:
+    """"mean ± SD (n)" for a table cell."""
+    m, s = mean_sd(values)
+    n = sum(1 for v in values if v is not None and math.isfinite(v))
+    return f"{m:.{digits}f} ± {s:.{digits}f} (n={n})" if n else "-"
 
 
 @dataclass

@@ -1,17 +1,23 @@
-"""gradflow: per-sub-layer gradient norms and residual-stream RMS, per scheme and depth (paper section 3).
+"""gradflow: the quantities of the paper's gradient argument (section 3, Eq. 15/19), measured directly.
 
-The paper's argument: through Post-LN's shortcut each sub-layer multiplies the gradient by about
-1/sqrt(2), so the bottom of a deep stack gets almost nothing; Keel's factor alpha/sqrt(alpha^2 + 1) keeps
-it within a small factor of the top. Measured here, at initialisation and after `steps` training steps:
-  - grad_stream[i]: |dL/dx_i|, the gradient reaching sub-layer i's input on the residual stream;
-  - grad_params[i]: the gradient norm of sub-layer i's own parameters (branch and norms);
-  - rms[i]: the RMS of the stream leaving sub-layer i.
+Through a shortcut followed by a norm, y = LN(alpha * x + F), the gradient reaching x along the shortcut
+is scaled by about gamma * rms(alpha x) / rms(alpha x + F): 1/sqrt(2) for Post-LN when |F| = |x| (so
+(1/2)^(L/2) over L sub-layers, Eq. 15), and alpha / sqrt(alpha^2 + 1) for Keel (Eq. 19), which tends to 1.
+Per sub-layer i, on one fixed batch, measured here:
+  - factor[i] = rms(alpha x_i) / rms(alpha x_i + F_i), for sub-layers with a norm_out (None otherwise;
+    Pre-LN's shortcut is the identity, factor 1 by construction);
+  - f_over_x[i] = rms(F_i) / rms(x_i), the size ratio the equations assume to be 1;
+  - grad_stream[i] = |dL/dx_i|, the gradient reaching sub-layer i's input on the residual stream;
+  - grad_params[i]: the gradient norm of sub-layer i's parameters.
+at initialisation (several seeds) under two inits: `default` (N(0, 0.02^2), the paper's) and `matched`
+(std = 1/sqrt(d_model), which makes |F| ~ |x|, the regime the equations assume), and after `steps`
+training steps from the default init. Tiny width, so depths up to 256 sub-layers are cheap.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -23,36 +29,42 @@ from keel.experiments.common import (
     Sweep,
     corpus,
     markdown_table,
+    pm,
     point_config,
     pyplot,
+    splits,
     train_curve,
     write_outputs,
 )
+from keel.experiments.probes import residual_sizes
 from keel.model.transformer import TransformerLM
 from keel.train.config import OptimConfig
 
 ALL_SCHEMES = ["post_ln", "deepnorm", "hybrid_norm", "mix_ln", "pre_ln", "peri_ln", "keel"]
+INITS = ("default", "matched")
 
 
 @dataclass
 class GradflowConfig(Engine):
-    schemes: list[str] = field(default_factory=lambda: list(ALL_SCHEMES))
-    depths: list[int] = field(default_factory=lambda: [16, 64, 128])  # sub-layers
-    steps: int = 30  # training steps before the second measurement
+    schemes: list[str] = field(default_factory=lambda: ["post_ln", "deepnorm", "pre_ln", "keel"])
+    depths: list[int] = field(default_factory=lambda: [16, 64, 256])  # sub-layers
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # at initialisation
+    trained_seeds: list[int] = field(default_factory=lambda: [0, 1])  # also trained for `steps` steps
+    steps: int = 100
     lr: float = 1e-3
     warmup_steps: int = 20
-    seed: int = 0
-    shape: Shape = field(default_factory=Shape)
+    shape: Shape = field(default_factory=lambda: Shape(d_model=32, n_heads=2, n_kv_heads=1))
     data: DataConfig = field(default_factory=DataConfig)
 
     @classmethod
     def quick(cls) -> GradflowConfig:
-        return cls(depths=[8, 32], steps=10, shape=Shape(d_model=32, n_heads=2, n_kv_heads=1, seq_len=32,
-                                                          batch_size=4))
+        return cls(depths=[8, 16], seeds=[0, 1], trained_seeds=[0], steps=5,
+                   shape=Shape(d_model=32, n_heads=2, n_kv_heads=1, seq_len=32, batch_size=4))
 
 
 def measure(model: TransformerLM, x: torch.Tensor, y: torch.Tensor) -> dict:
-    """One forward/backward on (x, y): per-sub-layer stream gradient, parameter gradient and stream RMS."""
+    """One forward/backward on (x, y): per-sub-layer stream gradient, parameter gradient, stream RMS, and
+    the shortcut quantities of Eq. 15/19."""
     subs = model.sublayers()
     inputs, outputs, hooks = {}, {}, []
     for s in subs:
@@ -78,74 +90,112 @@ def measure(model: TransformerLM, x: torch.Tensor, y: torch.Tensor) -> dict:
         sq = sum(p.grad.pow(2).sum().item() for part in parts for p in part.parameters() if p.grad is not None)
         grad_params.append(math.sqrt(sq))
     model.zero_grad(set_to_none=True)
+    sizes = residual_sizes(model, x)
+    factor, f_over_x = [], []
+    for s, f, ax, total in zip(subs, sizes["rms_f"], sizes["rms_ax"], sizes["rms_sum"]):
+        factor.append(ax / total if s.norm_out and total > 0 else None)
+        f_over_x.append(f * s.alpha / ax if ax > 0 else float("inf"))
     return {
         "loss": loss.item(),
         "grad_stream": [inputs[s.index].grad.norm().item() for s in subs],
         "grad_params": grad_params,
         "rms": [outputs[s.index].pow(2).mean().sqrt().item() for s in subs],
+        "factor": factor,
+        "f_over_x": f_over_x,
     }
 
 
-def point(cfg: GradflowConfig, scheme: str, depth: int) -> dict:
+def point(cfg: GradflowConfig, scheme: str, depth: int, init: str, seed: int, train: bool) -> dict:
     model_cfg = cfg.shape.model(scheme, depth)
-    torch.manual_seed(cfg.seed)
+    if init == "matched":
+        model_cfg = replace(model_cfg, init_std=1 / math.sqrt(cfg.shape.d_model))
+    torch.manual_seed(seed)
     model = TransformerLM(model_cfg)
-    prepared = corpus(cfg.data)
-    x, y = next(eval_batches(prepared.val, cfg.shape.seq_len, cfg.shape.batch_size, 1))
-    at_init = measure(model, x, y)
-    optim = OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps)
-    config = point_config(model_cfg, optim, cfg.steps, cfg.shape, cfg.data, cfg.seed, cfg)
-    curve, model = train_curve(config, eval_batches=0, model=model)
-    trained = measure(model, x, y) if curve.stopped_at is None else None
-    return {"scheme": scheme, "depth": depth, "init": at_init, "trained": trained, "train_losses": curve.losses}
+    x, y = next(eval_batches(splits(cfg.data)["report"], cfg.shape.seq_len, cfg.shape.batch_size, 1))
+    out = {"scheme": scheme, "depth": depth, "init": init, "seed": seed, "at_init": measure(model, x, y)}
+    if train:
+        optim = OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps)
+        config = point_config(model_cfg, optim, cfg.steps, cfg.shape, cfg.data, seed, cfg)
+        curve, model = train_curve(config, eval_batches=0, model=model)
+        out["trained"] = measure(model, x, y) if curve.stopped_at is None else None
+        out["train_losses"] = curve.losses
+    return out
 
 
-def bottom_over_top(grads: list[float]) -> float:
-    """Mean gradient of the bottom quarter of sub-layers over that of the top quarter (< 1: the bottom
-    gets less). Quarters rather than single sub-layers, so one special layer (Keel's first) does not decide."""
-    q = max(1, len(grads) // 4)
-    top = sum(grads[-q:]) / q
-    return (sum(grads[:q]) / q) / top if top > 0 else float("inf")
+def summary(m: dict, n: int) -> dict:
+    """Sub-layer 2 ("bottom", past Keel's special first pair and the embedding-scale input) against L-1."""
+    factors = [f for f in m["factor"][2:] if f is not None]
+    return {"grad_bottom_over_top": m["grad_stream"][2] / m["grad_stream"][n - 1],
+            "product_of_factors": math.prod(factors) if factors else None,
+            "mean_factor": sum(factors) / len(factors) if factors else None,
+            "median_f_over_x": sorted(m["f_over_x"][2:])[(n - 2) // 2]}
 
 
 def run(cfg: GradflowConfig, out: Path, command: str) -> dict:
-    points = {f"{s}-{d}": (lambda s=s, d=d: point(cfg, s, d)) for d in cfg.depths for s in cfg.schemes}
+    corpus(cfg.data)
+    points = {f"{s}-{d}-{init}-seed{seed}": (lambda s=s, d=d, init=init, seed=seed: point(
+        cfg, s, d, init, seed, init == "default" and seed in cfg.trained_seeds))
+        for d in cfg.depths for s in cfg.schemes for init in INITS for seed in cfg.seeds}
     results = Sweep(out, cfg).run(points, "gradflow")
-    rows, summary = [], {}
+    rows, table = [], {}
     for d in cfg.depths:
         for s in cfg.schemes:
-            r = results[f"{s}-{d}"]
-            init = bottom_over_top(r["init"]["grad_params"])
-            trained = bottom_over_top(r["trained"]["grad_params"]) if r["trained"] else float("nan")
-            summary[f"{s}-{d}"] = {"bottom_over_top_init": init, "bottom_over_top_trained": trained}
-            rows.append([s, d, init, trained, r["init"]["rms"][-1], r["train_losses"][-1]])
-    plots = []
+            for init, stage in (("default", "at_init"), ("matched", "at_init"), ("default", "trained")):
+                ms = [results[f"{s}-{d}-{init}-seed{seed}"].get(stage) for seed in cfg.seeds]
+                sums = [summary(m, d) for m in ms if m]
+                if not sums:
+                    continue
+                table[f"{s}-{d}-{init}-{stage}"] = sums
+                label = "init" if stage == "at_init" else f"after {cfg.steps} steps"
+                rows.append([s, d, f"{init} {label}", pm([x["median_f_over_x"] for x in sums], 3),
+                             pm([x["mean_factor"] for x in sums], 4) if sums[0]["mean_factor"] else "- (1)",
+                             _g(sums, "product_of_factors"), _g(sums, "grad_bottom_over_top")])
+    header = ["scheme", "sub-layers", "state", "median rms(F)/rms(x)", "mean shortcut factor",
+              "product of factors 2..L-1 (geo. mean over seeds)", "|dL/dx_2| / |dL/dx_(L-1)| (geo. mean)"]
+    plots = [_plot(cfg, results, quantity, init, stage, out)
+             for quantity, init, stage in (("grad_stream", "default", "at_init"), ("grad_stream", "matched", "at_init"),
+                                           ("grad_stream", "default", "trained"), ("factor", "matched", "at_init"),
+                                           ("factor", "default", "trained"))]
+    notes = ("Shortcut factor = rms(alpha x)/rms(alpha x + F) per sub-layer with a norm_out; the paper's "
+             "prediction with |F| = |x|: 1/sqrt(2) = 0.707 for Post-LN, L^0.25/sqrt(L^0.5+1) for DeepNorm, "
+             "L/sqrt(L^2+1) for Keel. Bottom = sub-layer 2, top = L-1. 'default' init: N(0, 0.02^2); "
+             f"'matched': std 1/sqrt(d) = {1 / math.sqrt(cfg.shape.d_model):.3f}. d={cfg.shape.d_model}, one batch of "
+             f"{cfg.shape.batch_size}x{cfg.shape.seq_len} tokens from the report half; seeds at init {cfg.seeds}, "
+             f"trained {cfg.trained_seeds} ({cfg.steps} steps at LR {cfg.lr:g}).")
+    write_outputs(out, "gradflow", cfg, command, {"points": results, "summary": table},
+                  markdown_table(header, rows), plots, notes)
+    return table
+
+
+def _g(sums: list[dict], key: str) -> str:
+    vals = [x[key] for x in sums if x[key] is not None and x[key] > 0]
+    if not vals:
+        return "-"
+    logs = [math.log10(v) for v in vals]
+    return f"{10 ** (sum(logs) / len(logs)):.3g} (range {min(vals):.3g}..{max(vals):.3g})"
+
+
+def _plot(cfg, results, quantity, init, stage, out) -> str:
     plt = pyplot()
-    labels = {"grad_params": "gradient norm of the sub-layer's parameters",
-              "grad_stream": "|dL/dx| entering the sub-layer", "rms": "RMS of the stream leaving the sub-layer"}
-    for quantity, when in (("grad_params", "init"), ("grad_params", "trained"), ("grad_stream", "init"),
-                           ("rms", "init")):
-        fig, axes = plt.subplots(1, len(cfg.depths), figsize=(5 * len(cfg.depths), 4), squeeze=False)
-        for ax, d in zip(axes[0], cfg.depths):
-            for s in cfg.schemes:
-                m = results[f"{s}-{d}"][when]
-                if m:
-                    ax.plot(range(d), m[quantity], label=s, lw=1)
-            ax.set_yscale("log")
-            ax.set_title(f"{d} sub-layers, {'at init' if when == 'init' else f'after {cfg.steps} steps'}")
-            ax.set_xlabel("sub-layer index (0 = bottom)")
-            ax.set_ylabel(labels[quantity])
-        axes[0][-1].legend(fontsize=8)
-        fig.tight_layout()
-        name = f"gradflow-{quantity.replace('_', '-')}-{when}.png"
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        plots.append(name)
-    table = markdown_table(["scheme", "sub-layers", "bottom/top param grad at init", f"after {cfg.steps} steps",
-                            "stream RMS at top (init)", "last train loss"], rows)
-    notes = ("bottom/top: mean parameter-gradient norm of the bottom quarter of sub-layers over that of the top "
-             "quarter. The paper predicts Post-LN's ratio collapsing with depth (its shortcut gradient decays like "
-             "2^(-L/2)) and Keel's staying within a small factor of 1. The stream gradient |dL/dx| is plotted too; "
-             "at sub-layer 0 it is inflated for schemes whose first op normalises the small (std 0.02) embedding.")
-    write_outputs(out, "gradflow", cfg, command, {"points": results, "summary": summary}, table, plots, notes)
-    return summary
+    fig, axes = plt.subplots(1, len(cfg.depths), figsize=(4.5 * len(cfg.depths), 3.8), squeeze=False)
+    for ax, d in zip(axes[0], cfg.depths):
+        for i, s in enumerate(cfg.schemes):
+            for j, seed in enumerate(cfg.seeds):
+                m = results[f"{s}-{d}-{init}-seed{seed}"].get(stage)
+                if not m:
+                    continue
+                vals = [v if v is not None else float("nan") for v in m[quantity]]
+                ax.plot(range(d), vals, color=f"C{i}", lw=0.8, alpha=0.8, label=s if j == 0 else None)
+        ax.set_yscale("log")
+        ax.set_title(f"{d} sub-layers", fontsize=9)
+        ax.set_xlabel("sub-layer index (0 = bottom)")
+    axes[0][0].set_ylabel({"grad_stream": "|dL/dx| entering the sub-layer",
+                           "factor": "rms(alpha x) / rms(alpha x + F)"}[quantity])
+    axes[0][-1].legend(fontsize=8)
+    state = "at init" if stage == "at_init" else f"after {cfg.steps} steps"
+    fig.suptitle(f"{quantity}, {init} init, {state} (one line per seed)", fontsize=10)
+    fig.tight_layout()
+    name = f"gradflow-{quantity.replace('_', '-')}-{init}-{stage.replace('_', '-')}.png"
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name

@@ -1,15 +1,18 @@
-"""redundancy (paper Appendix A): how much validation perplexity rises when one layer is removed.
+"""redundancy (paper Appendix A): how much the held-out loss rises when one sub-layer is taken out.
 
-For a trained model, each sub-layer (or block) in turn is replaced by the identity, x' = x, and the
-validation perplexity is measured; delta-PPL = PPL without it - PPL of the whole model. Keel and Pre-LN
-are trained here on the same data and budget; `hf_model` instead points at any Hugging Face causal LM
-directory on disk (Llama-style `model.model.layers`), whose decoder layers are removed one at a time.
+For a trained model, each sub-layer i in turn is taken out in two ways (keel.experiments.probes):
+  - "sublayer": the whole sub-layer is the identity, x' = x (its norm_out goes too);
+  - "branch": only its branch F is zero, x' = norm_out(alpha * x) (norms and alpha kept).
+For Keel the two differ by LN_out (for the last sub-layer that is the whole effect); for Pre-LN, which has
+no norm_out and alpha = 1, they are the same. Reported: delta loss = loss without it - loss of the whole
+model, in nats on the report half of the validation split (exp(delta) is the PPL ratio, so models of
+different base loss compare), for sub-layers 0 and 1 separately and as means over the lower half
+(2..L/2-1) and the upper half (L/2..L-1); mean ± SD over seeds. `hf_model` instead points at a Hugging Face
+causal LM directory (Llama-style `model.model.layers`), whose decoder layers are dropped one at a time.
 """
 
 from __future__ import annotations
 
-import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -23,78 +26,58 @@ from keel.experiments.common import (
     Engine,
     Shape,
     Sweep,
-    evaluate_model,
+    fixed_batches,
+    loss_on,
     markdown_table,
+    pm,
     point_config,
     pyplot,
+    splits,
     train_curve,
     write_outputs,
 )
+from keel.experiments.probes import branches_off, removed
+from keel.runtime import autocast_for
 from keel.train.config import OptimConfig
+
+MODES = ("sublayer", "branch")
 
 
 @dataclass
 class RedundancyConfig(Engine):
     schemes: list[str] = field(default_factory=lambda: ["pre_ln", "keel"])
     depth: int = 32  # sub-layers
-    unit: str = "sublayer"  # sublayer | block
     steps: int = 400
-    lr: float = 3e-3
-    warmup_steps: int = 30
-    seed: int = 0
-    eval_batches: int = 16
+    lr: float = 3e-3  # one LR for both schemes (not tuned here)
+    warmup_steps: int = 40
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    eval_batches: int = 8
     hf_model: str = ""  # a Hugging Face causal LM directory: measure it instead of training
-    shape: Shape = field(default_factory=Shape)
+    shape: Shape = field(default_factory=lambda: Shape(batch_size=8))
     data: DataConfig = field(default_factory=DataConfig)
 
     @classmethod
     def quick(cls) -> RedundancyConfig:
-        return cls(depth=4, steps=8, warmup_steps=2, eval_batches=1,
+        return cls(depth=4, steps=8, warmup_steps=2, eval_batches=1, seeds=[0, 1],
                    shape=Shape(d_model=32, n_heads=2, n_kv_heads=1, seq_len=32, batch_size=4))
 
 
-class Identity(nn.Module):
-    """Stands in for a removed sub-layer: x' = x."""
-
-    def forward(self, x, branch, *args):
-        return x
-
-
-@contextmanager
-def removed(model, index: int, unit: str):
-    """The keel model with sub-layer `index` (or block `index`) replaced by the identity, restored after."""
-    kinds = ["attn", "ffn"] if unit == "block" else ["attn" if index % 2 == 0 else "ffn"]
-    block = model.blocks[index if unit == "block" else index // 2]
-    saved = {k: getattr(block, f"{k}_res") for k in kinds}
-    for k in kinds:
-        setattr(block, f"{k}_res", Identity())
-    try:
-        yield
-    finally:
-        for k, module in saved.items():
-            setattr(block, f"{k}_res", module)
-
-
-def ppl(loss: float) -> float:
-    return math.exp(min(loss, 700.0))
-
-
-def keel_point(cfg: RedundancyConfig, scheme: str) -> dict:
+def keel_point(cfg: RedundancyConfig, scheme: str, seed: int) -> dict:
     model_cfg = cfg.shape.model(scheme, cfg.depth)
     optim = OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps)
-    config = point_config(model_cfg, optim, cfg.steps, cfg.shape, cfg.data, cfg.seed, cfg)
+    config = point_config(model_cfg, optim, cfg.steps, cfg.shape, cfg.data, seed, cfg)
     curve, model = train_curve(config, eval_batches=0)
-
-    def loss() -> float:
-        return evaluate_model(model, cfg, cfg.eval_batches)
-    base = loss()
-    n_units = model_cfg.n_blocks if cfg.unit == "block" else model_cfg.n_sublayers
-    deltas = []
-    for i in range(n_units):
-        with removed(model, i, cfg.unit):
-            deltas.append(ppl(loss()) - ppl(base))
-    return {"scheme": scheme, "base_loss": base, "base_ppl": ppl(base), "delta_ppl": deltas,
-            "train_loss": curve.losses[-1]}
+    batches = fixed_batches(splits(cfg.data)["report"], cfg.shape.seq_len, cfg.shape.batch_size, cfg.eval_batches)
+    auto = autocast_for(next(model.parameters()).device, cfg.run.dtype)
+    base = loss_on(model, batches, auto)
+    deltas = {m: [] for m in MODES}
+    for i in range(cfg.depth):
+        with removed(model, i):
+            deltas["sublayer"].append(loss_on(model, batches, auto) - base)
+        with branches_off(model, [i]):
+            deltas["branch"].append(loss_on(model, batches, auto) - base)
+    return {"scheme": scheme, "seed": seed, "base_loss": base, "delta_loss": deltas,
+            "train_loss": curve.losses[-1], "diverged": curve.stopped_at is not None}
 
 
 @torch.no_grad()
@@ -119,38 +102,71 @@ def hf_point(cfg: RedundancyConfig) -> dict:
     deltas = []
     for i in range(len(layers)):
         model.model.layers = nn.ModuleList([m for j, m in enumerate(layers) if j != i])
-        deltas.append(ppl(loss()) - ppl(base))
+        deltas.append(loss() - base)
     model.model.layers = layers
-    return {"scheme": f"hf:{Path(cfg.hf_model).name}", "base_loss": base, "base_ppl": ppl(base), "delta_ppl": deltas}
+    return {"scheme": f"hf:{Path(cfg.hf_model).name}", "seed": 0, "base_loss": base,
+            "delta_loss": {"sublayer": deltas}}
+
+
+def summarise(deltas: list[float]) -> dict:
+    n = len(deltas)
+    half = n // 2
+    lower, upper = deltas[2:half], deltas[half:]
+    return {"0": deltas[0], "1": deltas[1] if n > 1 else None,
+            "lower": sum(lower) / len(lower) if lower else None, "upper": sum(upper) / len(upper) if upper else None,
+            "max_from_2": max(deltas[2:]) if n > 2 else None}
 
 
 def run(cfg: RedundancyConfig, out: Path, command: str) -> dict:
     if cfg.hf_model:
         points = {"hf": lambda: hf_point(cfg)}
+        groups = {"hf": ["hf"]}
     else:
-        points = {s: (lambda s=s: keel_point(cfg, s)) for s in cfg.schemes}
+        points = {f"{s}-seed{seed}": (lambda s=s, seed=seed: keel_point(cfg, s, seed))
+                  for s in cfg.schemes for seed in cfg.seeds}
+        groups = {s: [f"{s}-seed{seed}" for seed in cfg.seeds] for s in cfg.schemes}
     results = Sweep(out, cfg).run(points, "redundancy")
+    rows, summary = [], {}
+    for label, keys in groups.items():
+        runs = [results[k] for k in keys]
+        for mode in MODES:
+            if mode not in runs[0]["delta_loss"]:
+                continue
+            stats = [summarise(r["delta_loss"][mode]) for r in runs]
+            summary[f"{label}-{mode}"] = stats
+            rows.append([runs[0]["scheme"], mode, pm([r["base_loss"] for r in runs]),
+                         *(pm([st[k] for st in stats]) for k in ("0", "1", "lower", "upper"))])
+    table = markdown_table(["model", "removed", "base loss", "delta: sub-layer 0", "delta: sub-layer 1",
+                            "mean delta, lower half (2..L/2-1)", "mean delta, upper half"], rows)
+    plots = [_plot(cfg, results, groups, out)]
+    notes = "" if cfg.hf_model else (
+        f"Models: {cfg.depth} sub-layers, d={cfg.shape.d_model}, trained {cfg.steps} steps x "
+        f"{cfg.shape.batch_size}x{cfg.shape.seq_len} tokens at LR {cfg.lr:g}, seeds {cfg.seeds}. Delta loss in "
+        f"nats on {cfg.eval_batches} batches of the report half; mean ± SD over seeds.")
+    write_outputs(out, "redundancy", cfg, command, {"points": results, "summary": summary}, table, plots, notes)
+    return summary
+
+
+def _plot(cfg, results, groups, out) -> str:
+    import numpy as np
+
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    rows = []
-    for r in results.values():
-        d = r["delta_ppl"]
-        ax.plot(range(len(d)), [max(v, 1e-3) for v in d], marker=".", label=r["scheme"])
-        half = len(d) // 2
-        rows.append([r["scheme"], r["base_ppl"], d[0], max(d), sum(d[1:half]) / max(1, half - 1),
-                     sum(d[half:]) / max(1, len(d) - half)])
-    unit = "block" if cfg.unit == "block" or cfg.hf_model else "sub-layer"
-    ax.set_yscale("log")
-    ax.set_xlabel(f"removed {unit} index (0 = bottom)")
-    ax.set_ylabel("delta validation PPL (clipped at 1e-3)")
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, mode in zip(axes, MODES):
+        for i, (label, keys) in enumerate(groups.items()):
+            runs = [results[k]["delta_loss"].get(mode) for k in keys]
+            if not all(runs):
+                continue
+            v = np.array(runs)
+            x = np.arange(v.shape[1])
+            ax.plot(x, v.mean(0), marker=".", color=f"C{i}", label=label)
+            ax.fill_between(x, v.min(0), v.max(0), color=f"C{i}", alpha=0.2)
+        ax.set_yscale("symlog", linthresh=1e-3)
+        ax.set_title(f"removing the whole {mode}" if mode == "sublayer" else "switching off the branch only")
+        ax.set_xlabel("sub-layer index (0 = bottom)")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("delta loss, nats (band: seed min..max)")
     fig.tight_layout()
     fig.savefig(out / "redundancy.png", dpi=110)
     plt.close(fig)
-    table = markdown_table(["model", "PPL", f"delta-PPL removing {unit} 0", "max delta-PPL",
-                            "mean delta-PPL, lower half (excl. 0)", "mean delta-PPL, upper half"], rows)
-    notes = "" if cfg.hf_model else (
-        f"Models: {cfg.depth} sub-layers, d={cfg.shape.d_model}, trained {cfg.steps} steps x "
-        f"{cfg.shape.batch_size * cfg.shape.seq_len} tokens at LR {cfg.lr:g}.")
-    write_outputs(out, "redundancy", cfg, command, {"points": results}, table, ["redundancy.png"], notes)
-    return results
+    return "redundancy.png"
