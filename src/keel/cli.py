@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -71,6 +72,8 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     from keel.train.evaluate import evaluate_run
 
+    if args.batches < 0:
+        raise ConfigError(f"--batches: got {args.batches}; allowed: an integer >= 1, or 0 for run.eval_batches")
     result = evaluate_run(args.run_dir, args.checkpoint, args.split, args.batches, args.device)
     print(json.dumps(result, indent=1))
     name = Path(result["checkpoint"]).name
@@ -84,6 +87,18 @@ def cmd_generate(args) -> int:
     from keel.generate import generate
     from keel.train.run_dir import load_model
 
+    if args.max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens: got {args.max_new_tokens}; allowed: an integer >= 0")
+    if not (args.temperature >= 0 and math.isfinite(args.temperature)):
+        raise ConfigError(f"--temperature: got {args.temperature}; allowed: a finite number >= 0 (0 = greedy)")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p: got {args.top_p}; allowed: a number in (0, 1] (1 = off)")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k: got {args.top_k}; allowed: an integer >= 0 (0 = off)")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("--prompt: not valid UTF-8 text") from None
     config, model, tokenizer, _ = load_model(args.run_dir, args.checkpoint)
     ids = tokenizer.encode(args.prompt)
     if not ids:

@@ -58,6 +58,16 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
+def device_memory(device: torch.device) -> int | None:
+    """Total bytes of the device's memory (RAM for the CPU), or None where unknown."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        return None
+
+
 def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,

@@ -168,8 +168,8 @@ def export_run(run_dir, out_dir, checkpoint: str | None = None) -> Path:
     from keel.train.run_dir import load_model
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ExportError(f"{out_dir}: already exists and is not empty; choose a new output directory")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ExportError(f"{out_dir}: already exists and is not an empty directory; choose a new output directory")
     config, model, tokenizer, path = load_model(run_dir, checkpoint)
     if tokenizer.vocab_size > config.model.vocab_size:
         raise DataError(f"{run_dir / 'tokenizer'}: {tokenizer.vocab_size} tokens, more than model.vocab_size "
@@ -180,7 +180,13 @@ def export_run(run_dir, out_dir, checkpoint: str | None = None) -> Path:
     hf_model = KeelForCausalLM(hf_config)
     hf_model.model.load_state_dict(model.state_dict())
     hf_model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".keel-write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise ExportError(f"{out_dir}: cannot write there ({err.strerror or err})") from None
     hf_model.save_pretrained(out_dir)  # config.json, generation_config.json, model.safetensors
     write_tokenizer(tokenizer, out_dir, config.model.max_seq_len)
     (out_dir / "keel_model.py").write_text(self_contained_model_source())

@@ -156,15 +156,22 @@ def merge(base, config_file: str | None = None, overrides=()):
             raise ConfigError(f"config file {path}: not valid YAML ({str(err).splitlines()[0]})") from None
         if not OmegaConf.is_dict(loaded):
             raise ConfigError(f"config file {path}: expected a mapping of sections at the top level")
+        for key in loaded:
+            section = getattr(base, str(key), None)
+            if is_dataclass(section) and not OmegaConf.is_dict(loaded[key]):
+                raise ConfigError(f"config file {path}: {key}: expected a mapping of {type(section).__name__} "
+                                  f"fields, got {loaded[key]!r}")
         layers.append(loaded)
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r}: expected key=value, e.g. {_example(base)}")
+        if not item.isprintable():
+            raise ConfigError(f"{item.split('=', 1)[0]}: the value holds control characters; allowed: printable text")
     if isinstance(base, TrainConfig):  # shorthand: a bare model field (`scheme=pre_ln`) means model.<field>
         overrides = [f"model.{o}" if o.split("=", 1)[0] in CONFIG_FIELDS else o for o in overrides]
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
-    except OmegaConfBaseException as err:
+    except Exception as err:  # OmegaConf's own errors, and YAML's for values it cannot read
         raise ConfigError(f"overrides: {str(err).splitlines()[0]}") from None
     return to_config(layers, type(base))
 
@@ -247,23 +254,41 @@ def validate(c: TrainConfig) -> None:
             fail(f"run.{name}", getattr(c.run, name), "an integer >= 0 (0 disables)")
     if c.run.seq_len > c.model.max_seq_len:
         fail("run.seq_len", c.run.seq_len, f"<= model.max_seq_len ({c.model.max_seq_len})")
+    if not 0 <= c.run.seed < 2**63:
+        fail("run.seed", c.run.seed, "an integer in [0, 2**63)")
+    if c.run.name and (c.run.name in (".", "..") or any(ch in c.run.name for ch in "/\\")
+                       or not c.run.name.isprintable()):
+        fail("run.name", c.run.name, "a plain directory name: printable characters, no '/', not '.' or '..'")
     validate_runtime(c.run)
     if c.optim.schedule not in SCHEDULES:
         fail("optim.schedule", c.optim.schedule, ", ".join(SCHEDULES))
-    if not c.optim.lr > 0:
-        fail("optim.lr", c.optim.lr, "a number > 0")
+    if not 0 < c.optim.lr < float("inf"):
+        fail("optim.lr", c.optim.lr, "a finite number > 0")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(c.optim, name) < 1:
+            fail(f"optim.{name}", getattr(c.optim, name), "a number in [0, 1)")
+    if not 0 < c.optim.eps < float("inf"):
+        fail("optim.eps", c.optim.eps, "a finite number > 0")
+    if not 0 <= c.optim.weight_decay < float("inf"):
+        fail("optim.weight_decay", c.optim.weight_decay, "a finite number >= 0")
     if not 0 <= c.optim.min_lr <= c.optim.lr:
         fail("optim.min_lr", c.optim.min_lr, "between 0 and optim.lr")
     if c.optim.warmup_steps < 0:
         fail("optim.warmup_steps", c.optim.warmup_steps, "an integer >= 0")
     if not 0 <= c.optim.decay_fraction <= 1:
         fail("optim.decay_fraction", c.optim.decay_fraction, "a number in [0, 1]")
-    if c.optim.grad_clip < 0:
-        fail("optim.grad_clip", c.optim.grad_clip, "a number >= 0 (0 disables)")
+    if not 0 <= c.optim.grad_clip < float("inf"):
+        fail("optim.grad_clip", c.optim.grad_clip, "a finite number >= 0 (0 disables)")
     if c.guard.policy not in GUARD_POLICIES:
         fail("guard.policy", c.guard.policy, ", ".join(GUARD_POLICIES))
-    if not c.guard.spike_factor > 1:
-        fail("guard.spike_factor", c.guard.spike_factor, "a number > 1")
+    if not 1 < c.guard.spike_factor < float("inf"):
+        fail("guard.spike_factor", c.guard.spike_factor, "a finite number > 1")
+    if c.guard.spike_window < 1:
+        fail("guard.spike_window", c.guard.spike_window, "an integer >= 1 (guard.spike_min_history=0 disables spikes)")
+    if not 0 <= c.guard.spike_min_history <= c.guard.spike_window:
+        fail("guard.spike_min_history", c.guard.spike_min_history, "an integer in [0, guard.spike_window] (0 disables)")
+    if c.guard.max_rollbacks < 0:
+        fail("guard.max_rollbacks", c.guard.max_rollbacks, "an integer >= 0")
     if not c.guard.loss_ceiling >= 0 or c.guard.loss_ceiling == float("inf"):
         fail("guard.loss_ceiling", c.guard.loss_ceiling, "a finite number >= 0 (0 disables)")
     if not 0 < c.guard.rollback_lr_factor <= 1:
@@ -275,7 +300,15 @@ def to_yaml(config: TrainConfig) -> str:
 
 
 def load_run_config(run_dir: Path) -> TrainConfig:
+    """A run's config.yaml; a damaged one is blamed on the file, not on whatever field it broke."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"{run_dir}: not a Keel run directory (no config.yaml)")
-    return to_config([OmegaConf.structured(TrainConfig()), OmegaConf.load(path)])
+    try:
+        loaded = OmegaConf.load(path)
+        if not OmegaConf.is_dict(loaded):
+            raise ConfigError("expected a mapping of sections at the top level")
+        return to_config([OmegaConf.structured(TrainConfig()), loaded])
+    except Exception as err:  # YAML syntax, bytes that are not UTF-8, fields: all mean a damaged file
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"{path}: damaged run config ({reason})") from None

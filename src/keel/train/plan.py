@@ -1,7 +1,7 @@
 """What a run will be, before it runs: the model's layout and counts, and the memory one process needs.
 
 `keel summary` prints `describe`; `keel train --dry-run` prints both; the trainer prints `memory_line` before
-its first step. The model is built on the meta device, so the paper's 3B-parameter shapes cost no memory.
+its first step. Nothing here builds the model, so the paper's 3B-parameter shapes cost no memory or time.
 """
 
 from __future__ import annotations
@@ -9,30 +9,31 @@ from __future__ import annotations
 import torch
 
 from keel import __version__
-from keel.model import CONFIG_FIELDS, ModelConfig, TransformerLM, count_params, flops_per_token
+from keel.model import CONFIG_FIELDS, ModelConfig, count_params, flops_per_token
+from keel.model.transformer import build_scheme
 from keel.runtime import use_bf16
 from keel.scale.memory import estimate_memory, format_bytes
 
 
 def describe(config: ModelConfig) -> str:
-    """A readable summary: shape, counts, and the sub-layer layout with runs of equal blocks merged."""
-    with torch.device("meta"):
-        model = TransformerLM(config)
+    """A readable summary: shape, counts, and the sub-layer layout with runs of equal blocks merged.
+    Read from the scheme, not a built model, so any depth is described at once."""
+    scheme = build_scheme(config)
+    specs = [scheme.spec(i, "attn" if i % 2 == 0 else "ffn") for i in range(config.n_sublayers)]
     lines = [f"keel {__version__}", "", "config:"]
     lines += [f"  {name} = {getattr(config, name)!r}" for name in CONFIG_FIELDS]
     n_total, n_body = count_params(config), count_params(config, embedding=False)
     lines += [
         "",
-        f"blocks: {config.n_blocks}   sub-layers (the paper's L): {model.n_sublayers}",
+        f"blocks: {config.n_blocks}   sub-layers (the paper's L): {config.n_sublayers}",
         f"parameters: {n_total:,} ({n_body:,} without the input embedding)",
         f"training FLOPs per token at T={config.max_seq_len}: {flops_per_token(config):.4g}",
-        f"final norm before the head: {'yes' if model.scheme.final_norm else 'no (the stack ends in a norm)'}",
+        f"final norm before the head: {'yes' if scheme.final_norm else 'no (the stack ends in a norm)'}",
         "",
         "sub-layers: x' = norm_out(alpha*x + norm_branch(F(norm_in(x))))",
     ]
-    subs = model.sublayers()
     layout = [(a.alpha, a.norm_in, a.norm_branch, a.norm_out, f.alpha, f.norm_in, f.norm_branch, f.norm_out)
-              for a, f in zip(subs[0::2], subs[1::2])]
+              for a, f in zip(specs[0::2], specs[1::2])]
     first = 0
     for b in range(config.n_blocks):
         if b + 1 < config.n_blocks and layout[b + 1] == layout[b]:

@@ -20,8 +20,9 @@ from tqdm.auto import tqdm
 from keel.data import WindowSampler, prepare
 from keel.errors import ConfigError
 from keel.model import count_params, flops_per_token
-from keel.runtime import autocast_for, peak_flops, provenance, resolve_device
+from keel.runtime import autocast_for, device_memory, peak_flops, provenance, resolve_device
 from keel.scale import distributed
+from keel.scale.memory import estimate_memory, format_bytes
 from keel.train import checkpoint
 from keel.train.config import TrainConfig
 from keel.train.evaluate import bytes_per_token, evaluate
@@ -86,6 +87,13 @@ class Trainer:
         if tok.vocab_size > c.model.vocab_size:
             raise ConfigError(f"model.vocab_size: {c.model.vocab_size} is smaller than tokenizer {tok.name!r}'s "
                               f"vocabulary ({tok.vocab_size}); set model.vocab_size>={tok.vocab_size}")
+        need = estimate_memory(c.model, c.run.batch_size, c.run.seq_len, ac_every=c.run.ac_every,
+                               world_size=self.world.size, fsdp_group=c.run.fsdp_group if self.fsdp else 0)["total"]
+        have = device_memory(self.device)
+        if have and need > have:  # refuse before anything is allocated or written, not with an allocator error
+            raise ConfigError(f"run.batch_size: one training step needs about {format_bytes(need)} per process "
+                              f"({self.memory_line()}), more than the {format_bytes(have)} of {self.device}; lower "
+                              "run.batch_size or run.seq_len, or set run.ac_every=1")
         self.model = build_model(c.model, c.run, self.device, fsdp=self.fsdp)
         self.optimizer = build_optimizer(self.model, c.optim)
         self.sampler = WindowSampler(self.data.train, c.run.seq_len, c.run.batch_size, seed=c.run.seed,

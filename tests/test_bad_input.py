@@ -1,0 +1,75 @@
+"""Bad input, as a careless or hostile user types it: one line naming the field or file, exit 2, nothing written."""
+
+import pytest
+
+from keel.cli import main
+
+
+def one_line_error(capsys, needle: str) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("keel: error: ") and needle in err[0], err
+    return err[0]
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["run.name=a\x01b"], "run.name"),
+    (["run.name=../elsewhere"], "run.name"),
+    (["run.batch_size=10000000"], "run.batch_size"),
+    (["optim.beta1=2"], "optim.beta1"),
+    (["optim.lr=inf"], "optim.lr"),
+    (["optim.weight_decay=-1"], "optim.weight_decay"),
+    (["guard.spike_window=-1"], "guard.spike_window"),
+    (["guard.spike_window=0"], "guard.spike_window"),
+    (["guard.spike_min_history=-1"], "guard.spike_min_history"),
+    ([f"run.seed={2**70}"], "run.seed"),
+    (["steps=10"], "did you mean run.steps"),
+    (["model.alpha=-3"], "ModelConfig.alpha"),
+])
+def test_bad_overrides_are_refused_before_anything_is_written(overrides, needle, args, tmp_path, capsys):
+    assert main(["train", "--preset", "tiny", *args(*overrides)]) == 2
+    one_line_error(capsys, needle)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize("text,needle", [
+    (b"- a\n- b\n", "expected a mapping"),
+    (b"model: 5\n", "model"),
+    (b"run:\n  steps: \xff\xfe\n", "bad.yaml"),
+    (b"run: [1, 2\n", "not valid YAML"),
+])
+def test_bad_config_files_name_the_file_or_field(text, needle, args, tmp_path, capsys):
+    (tmp_path / "bad.yaml").write_bytes(text)
+    assert main(["train", "--preset", "tiny", "--config", str(tmp_path / "bad.yaml"), *args()]) == 2
+    one_line_error(capsys, needle)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--top-p", "0"], "--top-p"), (["--top-p", "-1"], "--top-p"), (["--temperature", "nan"], "--temperature"),
+    (["--temperature", "-1"], "--temperature"), (["--max-new-tokens", "-1"], "--max-new-tokens"),
+    (["--prompt", "caf\udce9"], "--prompt"),
+])
+def test_bad_generate_flags(flags, needle, tmp_path, capsys, make_run):
+    make_run(tmp_path / "run")
+    assert main(["generate", str(tmp_path / "run"), *flags]) == 2
+    one_line_error(capsys, needle)
+
+
+def test_bad_eval_and_export_targets(tmp_path, capsys, make_run):
+    make_run(tmp_path / "run")
+    assert main(["eval", str(tmp_path / "run"), "--batches", "-1"]) == 2
+    one_line_error(capsys, "--batches")
+    (tmp_path / "file.txt").write_text("mine")
+    pytest.importorskip("transformers")
+    assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "file.txt")]) == 2
+    one_line_error(capsys, "file.txt")
+    assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "file.txt" / "sub")]) == 2
+    one_line_error(capsys, "cannot write there")
+    assert (tmp_path / "file.txt").read_text() == "mine"
+
+
+def test_a_damaged_run_config_is_blamed_on_the_file(tmp_path, capsys, make_run):
+    make_run(tmp_path / "run")
+    (tmp_path / "run" / "config.yaml").write_bytes(b"model:\n  d_model: [\n")
+    assert main(["eval", str(tmp_path / "run")]) == 2
+    one_line_error(capsys, "config.yaml: damaged run config")
