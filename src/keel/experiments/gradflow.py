@@ -42,6 +42,7 @@ from keel.train.config import OptimConfig
 
 ALL_SCHEMES = ["post_ln", "deepnorm", "hybrid_norm", "mix_ln", "pre_ln", "peri_ln", "keel"]
 INITS = ("default", "matched")
+STYLES = ("-", "--", "-.", ":")  # schemes that coincide (DeepNorm and Keel near 1) stay visible
 
 
 @dataclass
@@ -185,7 +186,10 @@ def _plot(cfg, results, quantity, init, stage, out) -> str:
                 if not m:
                     continue
                 vals = [v if v is not None else float("nan") for v in m[quantity]]
-                ax.plot(range(d), vals, color=f"C{i}", lw=0.8, alpha=0.8, label=s if j == 0 else None)
+                ax.plot(range(d), vals, color=f"C{i}", lw=0.9, alpha=0.8, ls=STYLES[i % len(STYLES)],
+                        label=s if j == 0 else None)
+        if quantity == "factor":
+            ax.axhline(1 / math.sqrt(2), color="grey", ls=":", lw=0.8, label="1/sqrt(2)")
         ax.set_yscale("log")
         ax.set_title(f"{d} sub-layers", fontsize=9)
         ax.set_xlabel("sub-layer index (0 = bottom)")
