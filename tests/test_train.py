@@ -353,3 +353,21 @@ def test_rollback_does_not_repeat_steps_in_the_log(args):
     steps = [r["step"] for r in records if "loss" in r and "event" not in r]
     assert steps == sorted(set(steps)) == list(range(1, 21))
     assert all(r["tokens_per_s"] > 0 for r in records if "tokens_per_s" in r)
+
+
+def test_a_full_disk_at_start_leaves_nothing_that_blocks_a_retry(args, tmp_path, monkeypatch, capsys):
+    """It used to leave an empty config.yaml that blocked both a new run of that name and resume=."""
+    from keel.train.run_dir import RunDir
+
+    real_write = RunDir._write
+
+    def full(self, name, text):
+        if name == "run.json":  # config.yaml has been written by now
+            raise OSError(28, "No space left on device")
+        return real_write(self, name, text)
+    monkeypatch.setattr(RunDir, "_write", full)
+    assert main(["train", "--preset", "tiny", *args("run.steps=2", name="full")]) == 2
+    assert "No space left" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "full").exists()
+    monkeypatch.setattr(RunDir, "_write", real_write)
+    assert main(["train", "--preset", "tiny", *args("run.steps=2", name="full")]) == 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, replace
@@ -135,6 +136,14 @@ class RunDir(os.PathLike):
             for p in self.path.iterdir():
                 p.unlink()
             self.path.rmdir()
+
+    def discard_untrained(self) -> None:
+        """Remove a run that has not trained a step (no checkpoints, no metrics): what a start that failed
+        while writing its first files leaves behind."""
+        self.unlock()
+        trained = (self.path / "checkpoints").exists() or (self.path / "metrics.jsonl").exists()
+        if self.path.is_dir() and not trained:
+            shutil.rmtree(self.path, ignore_errors=True)
 
     # ---- what it holds --------------------------------------------------------------------------
     def config(self) -> TrainConfig:

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from keel.data import WindowSampler, prepare
-from keel.errors import ConfigError
+from keel.errors import ConfigError, DataError, KeelError
 from keel.model import count_params, flops_per_token
 from keel.runtime import autocast_for, device_memory, peak_flops, provenance, resolve_device
 from keel.scale import distributed
@@ -206,12 +206,18 @@ class Trainer:
                 self.run_dir.write_config(c)
             self.say(f"keel: resuming {self.run_dir} from step {self.step} ({resume_from.name})")
         elif self.world.main:
-            self.run_dir.write_config(c)
             info = provenance(c.run.seed, self.device) | {
                 "data": self.data.corpus_info, "tokenizer": self.data.tokenizer.name, "world_size": self.world.size,
                 "fsdp": self.fsdp}
-            self.run_dir.write_provenance(info)
-            self.run_dir.save_tokenizer(self.data.tokenizer)
+            try:
+                self.run_dir.write_config(c)
+                self.run_dir.write_provenance(info)
+                self.run_dir.save_tokenizer(self.data.tokenizer)
+            except (OSError, KeelError) as err:  # a full disk at start: leave nothing that blocks a retry
+                self.run_dir.discard_untrained()
+                if isinstance(err, KeelError):
+                    raise
+                raise DataError(f"{self.run_dir}: cannot write the run's files ({err.strerror or err})") from None
         if resume_from is None and c.guard.policy == "rollback":
                 self.save_checkpoint()  # something to roll back to before the first periodic checkpoint
         n_params = count_params(c.model)
