@@ -80,10 +80,25 @@ def assert_close_to(got: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-5):
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_fused_matches_float64_reference(fused, index):
+    assert fused[index]["auto_is_fused"], "impl='auto' did not take the fused path under the interpreter"
+    check_against_float64(fused[index], make_inputs(index))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
+def test_fused_on_cuda_matches_float64_reference(index):
+    pytest.importorskip("triton")
     inputs = make_inputs(index)
-    got, ref = fused[index], run_junction(inputs, "torch", dtype=torch.float64)
+    on_gpu = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    assert available(on_gpu["x"])
+    got = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in run_junction(on_gpu, "auto").items()}
+    check_against_float64(got, inputs)
+
+
+def check_against_float64(got: dict, inputs: dict) -> None:
+    ref = run_junction(inputs, "torch", dtype=torch.float64)
     assert got["y"].dtype == got["u"].dtype == torch.float32
-    assert got["auto_is_fused"], "impl='auto' did not take the fused path under the interpreter"
     for name in ("y", "u", "dx", "dw_out", "dw_in"):
         if ref[name] is None:
             assert got[name] is None, name

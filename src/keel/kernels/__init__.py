@@ -3,6 +3,6 @@
 Triton is optional: every kernel falls back to its reference where triton or a GPU is missing.
 """
 
-from keel.kernels.junction import available, junction_reference, keel_junction
+from keel.kernels.junction import available, can_fuse, junction_reference, keel_junction
 
-__all__ = ["available", "junction_reference", "keel_junction"]
+__all__ = ["available", "can_fuse", "junction_reference", "keel_junction"]

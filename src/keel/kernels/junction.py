@@ -41,13 +41,18 @@ def junction_reference(x: torch.Tensor, f: torch.Tensor, alpha: float, w_out: to
 
 
 def available(x: torch.Tensor) -> bool:
-    """Whether the fused Triton path can run for the residual stream `x`.
+    """Whether the fused Triton path can run for the residual stream `x`: a float32 `x` that `can_fuse`."""
+    return x.dtype == torch.float32 and can_fuse(x.device, x.shape[-1])
 
-    It needs triton, a float32 `x` no wider than `MAX_FUSED_WIDTH`, and `x` on CUDA, or triton's CPU
-    interpreter (TRITON_INTERPRET=1 when triton was first imported; slow, for tests).
+
+def can_fuse(device: torch.device, width: int) -> bool:
+    """Whether the fused path can run for a float32 stream of `width` on `device`.
+
+    It needs triton, a width no larger than `MAX_FUSED_WIDTH`, and CUDA, or triton's CPU interpreter
+    (TRITON_INTERPRET=1 when triton was first imported; slow, for tests).
     """
-    on_device = x.is_cuda or _INTERPRETED
-    return triton is not None and on_device and x.dtype == torch.float32 and 0 < x.shape[-1] <= MAX_FUSED_WIDTH
+    on_device = torch.device(device).type == "cuda" or _INTERPRETED
+    return triton is not None and on_device and 0 < width <= MAX_FUSED_WIDTH
 
 
 def keel_junction(x: torch.Tensor, f: torch.Tensor, alpha: float, w_out: torch.Tensor, w_in: torch.Tensor,
@@ -70,52 +75,90 @@ def keel_junction(x: torch.Tensor, f: torch.Tensor, alpha: float, w_out: torch.T
     if not available(x):
         raise ValueError(f"the triton junction cannot run here (triton installed: {triton is not None}, "
                          f"device {x.device}, dtype {x.dtype}, width {x.shape[-1]}); use impl='auto' or 'torch'")
-    return _FusedJunction.apply(x, f, float(alpha), w_out, w_in, float(eps))
+    y, u, _, _ = _junction(x, f, float(alpha), w_out, w_in, float(eps))
+    return y, u
 
 
-class _FusedJunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, f, alpha, w_out, w_in, eps):
-        shape, d = x.shape, x.shape[-1]
-        x2, f2 = x.reshape(-1, d).contiguous(), f.reshape(-1, d).contiguous()
-        w_out, w_in = w_out.contiguous(), w_in.contiguous()
-        n_rows = x2.shape[0]
-        y, u = torch.empty_like(x2), torch.empty_like(x2)
-        rstd_z = torch.empty(n_rows, device=x.device, dtype=torch.float32)
-        rstd_y = torch.empty_like(rstd_z)
-        if n_rows:
-            block = triton.next_power_of_2(d)
-            _junction_fwd[(n_rows,)](x2, f2, w_out, w_in, y, u, rstd_z, rstd_y, alpha, eps, d,
-                                     BLOCK=block, num_warps=_num_warps(block))
-        ctx.save_for_backward(x2, f2, w_out, w_in, rstd_z, rstd_y)
-        ctx.alpha, ctx.shape = alpha, shape
-        # An output nobody differentiates through arrives as None, so its kernel loads can be skipped.
-        ctx.set_materialize_grads(False)
-        return y.view(shape), u.view(shape)
+# The fused path is a pair of custom operators (forward, backward) with an autograd formula, not a bare
+# autograd.Function: torch.compile then keeps each as one opaque node in the graph of a compiled block
+# (no graph break, and AOTAutograd traces the backward through `_backward` below) and only needs their
+# shapes (`register_fake`). Letting Inductor see inside (torch.library.triton_op) would gain nothing: the
+# kernel already makes one pass over the row, and the interpreter, which the CPU tests rely on, has no
+# JIT kernels for Inductor to take.
+@torch.library.custom_op("keel::junction", mutates_args=())
+def _junction(x: torch.Tensor, f: torch.Tensor, alpha: float, w_out: torch.Tensor, w_in: torch.Tensor,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, u, rstd_z, rstd_y); the reciprocal RMSs have x's shape without its last dimension."""
+    d = x.shape[-1]
+    x2, f2 = x.reshape(-1, d).contiguous(), f.reshape(-1, d).contiguous()
+    n_rows = x2.shape[0]
+    y, u = torch.empty_like(x2), torch.empty_like(x2)
+    rstd_z = torch.empty(n_rows, device=x.device, dtype=torch.float32)
+    rstd_y = torch.empty_like(rstd_z)
+    if n_rows:
+        block = triton.next_power_of_2(d)
+        _junction_fwd[(n_rows,)](x2, f2, w_out.contiguous(), w_in.contiguous(), y, u, rstd_z, rstd_y, alpha, eps, d,
+                                 BLOCK=block, num_warps=_num_warps(block))
+    return y.view(x.shape), u.view(x.shape), rstd_z.view(x.shape[:-1]), rstd_y.view(x.shape[:-1])
 
-    @staticmethod
-    def backward(ctx, dy, du):
-        x2, f2, w_out, w_in, rstd_z, rstd_y = ctx.saved_tensors
-        if dy is None and du is None:
-            return None, None, None, None, None, None
-        n_rows, d = x2.shape
-        dx, df = torch.empty_like(x2), torch.empty_like(f2)
-        # Each program owns a contiguous run of rows and sums its weight gradients in registers; the
-        # (n_programs, d) partials are then added here, which avoids atomics and stays deterministic.
-        n_programs = max(1, min(n_rows, _bwd_programs(x2.device)))
-        rows_per_program = triton.cdiv(n_rows, n_programs) if n_rows else 0
-        dw_out_part = torch.zeros(n_programs, d, device=x2.device, dtype=torch.float32)
-        dw_in_part = torch.zeros_like(dw_out_part)
-        if n_rows:
-            dy2 = x2 if dy is None else dy.reshape(-1, d).contiguous()  # x2: a placeholder the kernel never reads
-            du2 = x2 if du is None else du.reshape(-1, d).contiguous()
-            block = triton.next_power_of_2(d)
-            _junction_bwd[(n_programs,)](x2, f2, w_out, w_in, rstd_z, rstd_y, dy2, du2, dx, df, dw_out_part,
-                                         dw_in_part, ctx.alpha, d, n_rows, rows_per_program, HAS_DY=dy is not None,
-                                         HAS_DU=du is not None, BLOCK=block, num_warps=_num_warps(block))
-        dw_out = dw_out_part.sum(0).to(w_out.dtype)
-        dw_in = None if du is None else dw_in_part.sum(0).to(w_in.dtype)  # w_in only reaches u
-        return dx.view(ctx.shape), df.view(ctx.shape), None, dw_out, dw_in, None
+
+# new_empty, not empty_like: the real outputs are contiguous whatever x's strides, and the compiler plans
+# its buffers by these
+@_junction.register_fake
+def _(x, f, alpha, w_out, w_in, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty(x.shape[:-1]), x.new_empty(x.shape[:-1])
+
+
+@torch.library.custom_op("keel::junction_backward", mutates_args=())
+def _junction_backward(x: torch.Tensor, f: torch.Tensor, w_out: torch.Tensor, w_in: torch.Tensor,
+                       rstd_z: torch.Tensor, rstd_y: torch.Tensor, dy: torch.Tensor | None, du: torch.Tensor | None,
+                       alpha: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, df, dw_out, dw_in); dw_in is zero when `du` is None (w_in only reaches u)."""
+    d = x.shape[-1]
+    x2, f2 = x.reshape(-1, d).contiguous(), f.reshape(-1, d).contiguous()
+    n_rows = x2.shape[0]
+    dx, df = torch.empty_like(x2), torch.empty_like(f2)
+    # Each program owns a contiguous run of rows and sums its weight gradients in registers; the
+    # (n_programs, d) partials are then added here, which avoids atomics and stays deterministic.
+    n_programs = max(1, min(n_rows, _bwd_programs(x2.device)))
+    rows_per_program = triton.cdiv(n_rows, n_programs) if n_rows else 0
+    dw_out_part = torch.zeros(n_programs, d, device=x2.device, dtype=torch.float32)
+    dw_in_part = torch.zeros_like(dw_out_part)
+    if n_rows:
+        dy2 = x2 if dy is None else dy.reshape(-1, d).contiguous()  # x2: a placeholder the kernel never reads
+        du2 = x2 if du is None else du.reshape(-1, d).contiguous()
+        block = triton.next_power_of_2(d)
+        _junction_bwd[(n_programs,)](x2, f2, w_out.contiguous(), w_in.contiguous(), rstd_z.reshape(-1),
+                                     rstd_y.reshape(-1), dy2, du2, dx, df, dw_out_part, dw_in_part, alpha, d, n_rows,
+                                     rows_per_program, HAS_DY=dy is not None, HAS_DU=du is not None, BLOCK=block,
+                                     num_warps=_num_warps(block))
+    return dx.view(x.shape), df.view(f.shape), dw_out_part.sum(0).to(w_out.dtype), dw_in_part.sum(0).to(w_in.dtype)
+
+
+@_junction_backward.register_fake
+def _(x, f, w_out, w_in, rstd_z, rstd_y, dy, du, alpha):
+    return x.new_empty(x.shape), f.new_empty(f.shape), w_out.new_empty(w_out.shape), w_in.new_empty(w_in.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, f, alpha, w_out, w_in, _ = inputs
+    _, _, rstd_z, rstd_y = output
+    ctx.save_for_backward(x, f, w_out, w_in, rstd_z, rstd_y)
+    ctx.alpha = alpha
+    ctx.mark_non_differentiable(rstd_z, rstd_y)
+    # An output nobody differentiates through arrives as None, so its kernel loads can be skipped.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dy, du, _drstd_z, _drstd_y):
+    if dy is None and du is None:
+        return None, None, None, None, None, None
+    x, f, w_out, w_in, rstd_z, rstd_y = ctx.saved_tensors
+    dx, df, dw_out, dw_in = _junction_backward(x, f, w_out, w_in, rstd_z, rstd_y, dy, du, ctx.alpha)
+    return dx, df, None, dw_out, None if du is None else dw_in, None
+
+
+_junction.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _num_warps(block: int) -> int:

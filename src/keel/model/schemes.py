@@ -45,7 +45,16 @@ class Residual(nn.Module):
 
     The sum is always formed in (at least) float32, whatever autocast or the weights' dtype do: see
     `keel.model.numerics.stream_dtype` for why.
+
+    `junction`, when set (from outside: keel.scale.parallel.apply_fused_junction), is a callable
+    `(x, h) -> (y, u)` that computes this sub-layer's `y = norm_out(alpha * x + h)` and the next
+    sub-layer's branch input `u = norm_in'(y)` in one fused op. The module then returns the pair, and
+    the next `Residual` takes it as its `x` and skips its own norm_in: the same equation, with the
+    junction between the two sub-layers computed in one pass. Code that hooks or replaces single
+    sub-layers (analysis tools) should use a model without it.
     """
+
+    junction: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __init__(self, spec: SublayerSpec, make_norm: Callable[[], nn.Module], dropout: float = 0.0):
         super().__init__()
@@ -55,18 +64,25 @@ class Residual(nn.Module):
         self.norm_branch = make_norm() if spec.norm_branch else None
         self.norm_out = make_norm() if spec.norm_out else None
 
-    def forward(self, x: torch.Tensor, branch: Callable[..., torch.Tensor], *args) -> torch.Tensor:
-        x = upcast(x)
-        h = branch(x if self.norm_in is None else self.norm_in(x), *args)
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], branch: Callable[..., torch.Tensor],
+                *args) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(x, tuple):  # (stream, norm_in(stream)) from the previous sub-layer's fused junction
+            x, u = x
+        else:
+            x = upcast(x)
+            u = x if self.norm_in is None else self.norm_in(x)
+        h = branch(u, *args)
         if self.norm_branch is not None:
             h = self.norm_branch(h)
         if self.dropout is not None:
             h = self.dropout(h)
+        if self.junction is not None:
+            return self.junction(x, h)
         y = self.alpha * x + h.to(x.dtype)
         return y if self.norm_out is None else self.norm_out(y)
 
     def extra_repr(self) -> str:
-        return f"alpha={self.alpha:g}"
+        return f"alpha={self.alpha:g}" + (", fused junction" if self.junction is not None else "")
 
 
 class Scheme:

@@ -1,8 +1,11 @@
-"""Activation checkpointing, regional compilation and FSDP2, applied to a built model from outside.
+"""The fused junction, activation checkpointing, regional compilation and FSDP2, applied to a built model
+from outside.
 
 The model (keel.model.transformer) is single-device code and knows nothing of this. `parallelize` applies, in
-this fixed order (torchtitan's):
+this fixed order (torchtitan's, with the kernel swap first, as its model converters come first):
 
+  0. `apply_fused_junction`  compute each Keel junction (`LN_out` of one sub-layer and `LN_in` of the next)
+                     with the fused kernel of keel.kernels.junction, through the `Residual.junction` hook;
   1. `apply_ac`      wrap every k-th block in activation checkpointing (its inner activations are
                      recomputed in the backward pass instead of kept);
   2. `apply_compile` compile each block on its own (regional compilation): blocks of the same shape
@@ -10,8 +13,10 @@ this fixed order (torchtitan's):
   3. `apply_fsdp`    shard the parameters over the ranks with FSDP2 (`fully_shard`), one unit per
                      group of blocks, then the root (embedding, final norm, head).
 
-AC goes inside compile so the compiler sees the checkpoint boundary, and both go inside FSDP so a
-unit's all-gather covers what the wrapped block computes. Each step keeps the parameter names of the
+The junction goes first: it only points hooks at norm modules, which AC, compile and FSDP all keep (under
+FSDP only junctions inside one block are fused; see `apply_fused_junction`), and the compiler then sees the
+fused op as one node. AC goes inside compile so the compiler sees the checkpoint boundary, and both go inside
+FSDP so a unit's all-gather covers what the wrapped block computes. Each step keeps the parameter names of the
 state dict as they were (`checkpoint_wrapper` strips its prefix from state dicts; `Module.compile`
 compiles in place), so checkpoints are interchangeable between runs with and without any of them.
 """
@@ -23,6 +28,78 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from keel.errors import ConfigError
+from keel.kernels.junction import can_fuse, keel_junction
+from keel.model.layers import RMSNorm
+from keel.model.schemes import Residual
+
+FUSED_JUNCTION = ("auto", "on", "off")  # run.fused_junction's values
+
+
+class FusedJunction:
+    """The `Residual.junction` hook: `(x, h) -> (norm_out(alpha*x + h), next_norm_in(...))` in one fused op.
+
+    It holds the two norm modules, not their weights, so it reads whatever tensor each holds at call time
+    (FSDP2 swaps the sharded and the gathered parameter in and out). A plain object, not an nn.Module, so
+    the next sub-layer's norm is not registered twice and state dicts stay as they were.
+    """
+
+    def __init__(self, alpha: float, norm_out: RMSNorm, next_norm_in: RMSNorm):
+        self.alpha, self.norm_out, self.next_norm_in = alpha, norm_out, next_norm_in
+
+    def __call__(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return keel_junction(x, h, self.alpha, self.norm_out.weight, self.next_norm_in.weight, self.norm_out.eps,
+                             impl="triton")
+
+
+def junctions(model: nn.Module, across_blocks: bool = True) -> list[tuple[Residual, Residual]]:
+    """Every pair of consecutive sub-layers where the first has a norm_out and the second a norm_in: Keel's
+    junctions (also Mix-LN's one Post-LN to Pre-LN boundary). `across_blocks=False`: only pairs in one block."""
+    subs = model.sublayers()
+    return [(model.get_submodule(a.path), model.get_submodule(b.path)) for a, b in zip(subs, subs[1:])
+            if a.norm_out and b.norm_in and (across_blocks or a.block == b.block)]
+
+
+def apply_fused_junction(model: nn.Module, mode: str = "auto", across_blocks: bool = True) -> int:
+    """Fuse every junction (`junctions`) with keel.kernels.junction; returns how many. Call before AC, compile
+    and FSDP, on the model's final device.
+
+    mode: "auto" fuses on CUDA where the kernel can run (never on CPU, not even under triton's
+    interpreter), "on" fuses or raises a ConfigError saying why it cannot, "off" leaves the plain
+    composition. A model without junctions (Pre-LN, Post-LN, ...) has nothing to fuse under any mode.
+    Under FSDP2 pass `across_blocks=False`: a junction between two blocks would read the next block's
+    norm weight while that block's parameters are still sharded. Applying again replaces what an earlier
+    call did ("off" removes it: tools that hook or swap single sub-layers want that).
+    """
+    if mode not in FUSED_JUNCTION:
+        raise ConfigError(f"run.fused_junction: got {mode!r}; allowed: {', '.join(FUSED_JUNCTION)}")
+    for m in model.modules():
+        if isinstance(m, Residual):
+            m.junction = None
+    pairs = junctions(model, across_blocks)
+    if mode == "off" or not pairs:
+        return 0
+    device, width = next(model.parameters()).device, model.config.d_model
+    problem = None
+    if not can_fuse(device, width):
+        problem = f"the Triton kernel cannot run on {device} at width {width} (needs triton and CUDA)"
+    elif not all(isinstance(n, RMSNorm) for a, b in pairs for n in (a.norm_out, b.norm_in)):
+        problem = "the kernel computes RMSNorm only (model.norm=rmsnorm)"
+    elif len({n.eps for a, b in pairs for n in (a.norm_out, b.norm_in)}) > 1:
+        problem = "the kernel takes one eps for both norms"
+    if problem is not None or (mode == "auto" and device.type != "cuda"):
+        if mode == "on":
+            raise ConfigError(f"run.fused_junction=on: {problem}; allowed here: auto or off")
+        return 0
+    for a, b in pairs:
+        a.junction = FusedJunction(a.alpha, a.norm_out, b.norm_in)
+    return len(pairs)
+
+
+def fused_junctions(model: nn.Module) -> int:
+    """How many sub-layers of `model` compute their junction fused."""
+    return sum(getattr(m, "junction", None) is not None for m in model.modules() if isinstance(m, Residual))
 
 
 def apply_ac(model: nn.Module, every: int) -> int:
@@ -71,12 +148,15 @@ def apply_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype | None = None, g
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
 
 
-def parallelize(model: nn.Module, *, ac_every: int = 0, compile: bool = False, fsdp: bool = False,
-                device_type: str = "cpu", param_dtype: torch.dtype | None = None, fsdp_group: int = 1) -> nn.Module:
-    """Apply AC, compile and FSDP2 in the documented order; returns the same (modified) model."""
+def parallelize(model: nn.Module, *, fused_junction: str = "off", ac_every: int = 0, compile: bool = False,
+                fsdp: bool = False, device_type: str = "cpu", param_dtype: torch.dtype | None = None,
+                fsdp_group: int = 1, compile_backend: str = "inductor") -> nn.Module:
+    """Apply the fused junction, AC, compile and FSDP2 in the documented order; returns the same (modified)
+    model, which must already be on its device."""
+    apply_fused_junction(model, fused_junction, across_blocks=not fsdp)
     apply_ac(model, ac_every)
     if compile:
-        apply_compile(model)
+        apply_compile(model, compile_backend)
     if fsdp:
         mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
         apply_fsdp(model, mesh, param_dtype, fsdp_group)

@@ -34,15 +34,17 @@ class StepResult:
 
 
 def build_model(config: ModelConfig, run, device: torch.device, fsdp: bool = False,
-                model: TransformerLM | None = None) -> nn.Module:
-    """The model on `device`, with `run`'s activation checkpointing and compile (and FSDP2 under torchrun)
-    applied from outside, in keel.scale.parallel's order. `run` is a RunConfig or anything with its
-    `ac_every`, `compile`, `dtype` and `fsdp_group` fields (experiments pass their `Runtime`)."""
+                model: TransformerLM | None = None, compile_backend: str = "inductor") -> nn.Module:
+    """The model on `device`, with `run`'s fused junction, activation checkpointing and compile (and FSDP2
+    under torchrun) applied from outside, in keel.scale.parallel's order. `run` is a RunConfig or anything
+    with its `fused_junction`, `ac_every`, `compile`, `dtype` and `fsdp_group` fields (experiments pass
+    their `Runtime`). `compile_backend` is for tests and benchmarks that time Dynamo without code generation."""
     model = (model if model is not None else TransformerLM(config)).to(device)
     # under FSDP2, bf16 comes from its mixed-precision policy (bf16 weights) instead of autocast
     param_dtype = torch.bfloat16 if fsdp and use_bf16(device, run.dtype) else None
-    return parallelize(model, ac_every=run.ac_every, compile=run.compile, fsdp=fsdp, device_type=device.type,
-                       param_dtype=param_dtype, fsdp_group=getattr(run, "fsdp_group", 1))
+    return parallelize(model, fused_junction=getattr(run, "fused_junction", "auto"), ac_every=run.ac_every,
+                       compile=run.compile, fsdp=fsdp, device_type=device.type, param_dtype=param_dtype,
+                       fsdp_group=getattr(run, "fsdp_group", 1), compile_backend=compile_backend)
 
 
 class TrainStep:

@@ -1,0 +1,96 @@
+"""`run.compile=true` (keel.scale.parallel.apply_compile through build_model): once warmed up, training and
+validation compile nothing new, for Keel and Pre-LN, and the compiled model computes what the eager one does.
+
+Dynamo counts every graph it compiles in `counters["stats"]["unique_graphs"]`; a recompile (a guard that
+failed: a changed shape, dtype, grad mode, module flag or python constant) is one more graph.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from keel.model.config import ModelConfig
+from keel.scale.parallel import fused_junctions
+from keel.train.config import OptimConfig, Runtime
+from keel.train.optim import build_optimizer
+from keel.train.step import TrainStep, build_model
+
+CONFIG = ModelConfig(n_blocks=4, d_model=32, n_heads=2, n_kv_heads=1, max_seq_len=16)
+
+
+def batches(vocab: int, n: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (n, 2, 17), generator=g)
+    return [(b[:, :-1], b[:, 1:]) for b in ids]
+
+
+def train_and_validate(step: TrainStep, data, device) -> list[float]:
+    """Train on each batch, then one validation pass (eval mode, no grad): what a run does between evals."""
+    losses = [step(lambda b=b: tuple(t.to(device) for t in b), 1e-3).loss for b in data]
+    step.model.eval()
+    with torch.no_grad():
+        step.model(*(t.to(device) for t in data[0]))
+    step.model.train()
+    return losses
+
+
+def graphs_after_warmup(scheme: str, backend: str, device: str = "cpu", fused: str = "off", **run) -> tuple[int, int]:
+    """(graphs compiled by the end of warm-up, graphs compiled after it), for a fresh Dynamo."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    model = build_model(replace(CONFIG, scheme=scheme),
+                        Runtime(device=device, compile=True, fused_junction=fused, **run), dev, compile_backend=backend)
+    if fused == "on":
+        assert fused_junctions(model) > 0
+    step = TrainStep(model, build_optimizer(model, OptimConfig(lr=1e-3, warmup_steps=0)),
+                     autocast=lambda: torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"))
+    data = batches(CONFIG.vocab_size, 5)
+    train_and_validate(step, data[:2], dev)  # warm-up: train and eval graphs
+    warm = counters["stats"]["unique_graphs"]
+    train_and_validate(step, data[2:], dev)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    return warm, counters["stats"]["unique_graphs"] - warm
+
+
+@pytest.mark.parametrize("ac_every", [0, 1])
+@pytest.mark.parametrize("scheme", ["keel", "pre_ln"])
+def test_no_recompiles_after_warmup_dynamo_only(scheme, ac_every):
+    warm, later = graphs_after_warmup(scheme, "eager", ac_every=ac_every)
+    # Keel (first_layer v2): block 0 and the rest, each in train and in eval mode; Pre-LN: one block shape
+    assert warm == (4 if scheme == "keel" else 2)
+    assert later == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["keel", "pre_ln"])
+def test_no_recompiles_after_warmup_inductor(scheme):
+    """The path `run.compile=true` takes: Inductor's generated kernels (a C++ compiler on CPU)."""
+    warm, later = graphs_after_warmup(scheme, "inductor")
+    assert warm > 0 and later == 0
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager():
+    def losses(compile: bool) -> list[float]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = build_model(CONFIG, Runtime(device="cpu", compile=compile), torch.device("cpu"))
+        step = TrainStep(model, build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=0)))
+        return train_and_validate(step, batches(CONFIG.vocab_size, 4), torch.device("cpu"))
+
+    # three optimiser steps later, the compiled model (another summation order) still follows the eager one
+    torch.testing.assert_close(losses(True), losses(False), rtol=1e-4, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_recompiles_after_warmup_on_cuda_with_the_fused_junction():
+    """bf16 autocast, Inductor's Triton code and the fused junction's custom op in one compiled block (Pre-LN
+    compiled on CUDA: tests/test_gpu.py)."""
+    pytest.importorskip("triton")
+    warm, later = graphs_after_warmup("keel", "inductor", device="cuda", fused="on")
+    assert warm == 6 and later == 0  # block 0, the middle blocks, the last block; in train and in eval mode

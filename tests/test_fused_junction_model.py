@@ -1,0 +1,173 @@
+"""The fused Keel junction inside a model (keel.scale.parallel.apply_fused_junction) against the plain composition.
+
+The fused path needs triton's interpreter on CPU, which must be on before triton is first imported, so the fused
+models train in one child process started with TRITON_INTERPRET=1 (this file run as a script); this process
+trains the same models unfused and compares loss and every gradient.
+"""
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from keel.errors import ConfigError
+from keel.kernels.junction import available
+from keel.model.config import ModelConfig
+from keel.model.transformer import TransformerLM
+from keel.scale.parallel import apply_fused_junction, fused_junctions, junctions
+from keel.train.config import OptimConfig, Runtime
+from keel.train.optim import build_optimizer
+from keel.train.step import TrainStep, build_model
+
+# d=48 is not a power of two, so the kernel's masked lanes take part
+BASE = ModelConfig(n_blocks=3, d_model=48, n_heads=2, n_kv_heads=1, max_seq_len=16)
+# (name, config, Runtime fields, autocast bf16, compile backend, fused junctions expected)
+CASES = [
+    ("keel-v2", BASE, {}, False, None, 4),  # sub-layer 0 has no LN_out: junctions 1-2, 2-3, 3-4, 4-5
+    ("keel-first-none", replace(BASE, first_layer="none"), {}, False, None, 5),
+    ("keel-ac", BASE, {"ac_every": 1}, False, None, 4),
+    ("keel-compiled", BASE, {"compile": True}, False, "aot_eager", 4),
+    ("keel-bf16-autocast", BASE, {"dtype": "bfloat16"}, True, None, 4),
+    ("pre-ln", replace(BASE, scheme="pre_ln"), {}, False, None, 0),
+]
+IDS = [c[0] for c in CASES]
+
+
+def loss_and_grads(index: int, fused: str, device: str = "cpu", backend: str | None = None) -> dict:
+    name, config, fields, bf16, case_backend, _ = CASES[index]
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_model(config, Runtime(device=device, fused_junction=fused, **fields), torch.device(device),
+                        model=TransformerLM(config), compile_backend=backend or case_backend or "inductor")
+    ids = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+        _, loss = model(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.cpu() for n, p in model.named_parameters()}
+    return {"loss": loss.detach().cpu(), "grads": grads, "fused": fused_junctions(model),
+            "graph_breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"]}
+
+
+def graphs_per_phase(fused: str) -> list[int]:
+    """Graphs Dynamo compiles in each of two rounds of (two training steps, one validation pass): the second
+    round must compile none."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = build_model(BASE, Runtime(device="cpu", compile=True, fused_junction=fused), torch.device("cpu"),
+                        compile_backend="aot_eager")
+    step = TrainStep(model, build_optimizer(model, OptimConfig(lr=1e-3, warmup_steps=0)))
+    ids = torch.randint(0, BASE.vocab_size, (4, 2, 17), generator=torch.Generator().manual_seed(2))
+    counts = []
+    for phase in (ids[:2], ids[2:]):
+        for batch in phase:
+            step(lambda b=batch: (b[:, :-1], b[:, 1:]), 1e-3)
+        model.eval()
+        with torch.no_grad():
+            model(phase[0][:, :-1])
+        model.train()
+        counts.append(counters["stats"]["unique_graphs"] - sum(counts))
+    return counts
+
+
+def interpreted_child(results_path: str) -> None:
+    results = [loss_and_grads(i, "on") for i in range(len(CASES))]
+    try:
+        apply_fused_junction(TransformerLM(replace(BASE, norm="layernorm")), "on")
+        refused = None
+    except ConfigError as err:
+        refused = str(err)
+    torch.save({"cases": results, "layernorm_on": refused, "graphs_per_phase": graphs_per_phase("on"),
+                "auto_under_interpreter": apply_fused_junction(TransformerLM(BASE), "auto")}, results_path)
+
+
+@pytest.fixture(scope="module")
+def fused(tmp_path_factory):
+    pytest.importorskip("triton")
+    path = tmp_path_factory.mktemp("fused_model") / "results.pt"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, __file__, str(path)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(path)
+
+
+@pytest.mark.slow  # the interpreted child process takes ~20 s
+@pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
+def test_fused_model_trains_like_the_plain_composition(fused, index):
+    check_against_plain(fused["cases"][index], loss_and_grads(index, "off"), index)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
+def test_fused_model_on_cuda_trains_like_the_plain_composition(index):
+    """The compiled case through Inductor here, which runs the kernel as an opaque call in generated code."""
+    pytest.importorskip("triton")
+    got = loss_and_grads(index, "on", "cuda", backend="inductor")
+    # GPU reductions (and Inductor's) are ordered differently again: float32 agreement to 1e-4 of the scale
+    check_against_plain(got, loss_and_grads(index, "off", "cuda", backend="inductor"), index, rel_float32=1e-4)
+
+
+def check_against_plain(got: dict, plain: dict, index: int, rel_float32: float = 1e-5) -> None:
+    name, _, _, bf16, backend, expected = CASES[index]
+    assert plain["fused"] == 0 and got["fused"] == expected
+    # Relative to each tensor's scale. float32: the kernel sums in another order than PyTorch, so results agree to
+    # float32 rounding, grown through a few sub-layers. bf16 autocast: a last-bit difference in a branch input can
+    # flip its bf16 rounding, one bf16 step (2^-8) that the branches carry on; 2e-2 is a few such steps.
+    rel = 2e-2 if bf16 else rel_float32
+    torch.testing.assert_close(got["loss"], plain["loss"], rtol=rel, atol=0)
+    assert got["grads"].keys() == plain["grads"].keys()  # the hook registers nothing: state dicts are unchanged
+    for key, grad in plain["grads"].items():
+        torch.testing.assert_close(got["grads"][key], grad, rtol=rel, atol=rel * grad.abs().max().item(), msg=key)
+    if backend is not None:  # the custom op stays in the compiled block's graph
+        assert got["graph_breaks"] == 0
+        assert got["graphs"] == 3  # block 0 (tensor in), middle blocks (pair in and out), last block (tensor out)
+
+
+@pytest.mark.slow
+def test_fused_compiled_training_compiles_nothing_after_warmup(fused):
+    # block 0, the middle blocks and the last block, in train and in eval mode; then nothing new
+    assert fused["graphs_per_phase"] == [6, 0]
+
+
+@pytest.mark.slow
+def test_fused_refusals_and_auto_under_the_interpreter(fused):
+    assert "RMSNorm" in fused["layernorm_on"]
+    assert fused["auto_under_interpreter"] == 0  # auto never fuses on CPU, not even where the interpreter could
+
+
+def test_auto_does_not_fuse_on_cpu_and_on_says_why():
+    if available(torch.zeros(1, 8)):
+        pytest.skip("triton's interpreter is on in this process")
+    cpu = torch.device("cpu")
+    assert fused_junctions(build_model(BASE, Runtime(fused_junction="auto"), cpu)) == 0
+    assert fused_junctions(build_model(BASE, Runtime(fused_junction="off"), cpu)) == 0
+    with pytest.raises(ConfigError, match="fused_junction=on.*cannot run on cpu"):
+        build_model(BASE, Runtime(fused_junction="on"), cpu)
+    # nothing to fuse is not an error
+    assert fused_junctions(build_model(replace(BASE, scheme="pre_ln"), Runtime(fused_junction="on"), cpu)) == 0
+
+
+def pairs(config: ModelConfig, across_blocks: bool = True) -> list[tuple[int, int]]:
+    model = TransformerLM(config)
+    index = {id(model.get_submodule(s.path)): s.index for s in model.sublayers()}
+    return [(index[id(a)], index[id(b)]) for a, b in junctions(model, across_blocks)]
+
+
+def test_junctions_are_a_norm_out_followed_by_a_norm_in():
+    assert pairs(BASE) == [(1, 2), (2, 3), (3, 4), (4, 5)]
+    assert pairs(BASE, across_blocks=False) == [(2, 3), (4, 5)]  # under FSDP: inside a block only
+    assert pairs(replace(BASE, first_layer="v1")) == [(2, 3), (3, 4), (4, 5)]
+    assert pairs(replace(BASE, scheme="pre_ln")) == pairs(replace(BASE, scheme="post_ln")) == []
+    assert pairs(replace(BASE, scheme="peri_ln")) == []  # its second norm is on the branch, not the stream
+    mix = replace(BASE, n_blocks=4, scheme="mix_ln", mix_ln_fraction=0.5)
+    assert pairs(mix) == [(3, 4)]  # the one Post-LN to Pre-LN boundary
+
+
+if __name__ == "__main__":
+    interpreted_child(*sys.argv[1:])
