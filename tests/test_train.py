@@ -167,7 +167,7 @@ def test_eval_and_generate_work_on_the_run_directory(args, tmp_path, capsys):
     assert main(["train", "--preset", "tiny", *args()]) == 0
     run_dir = tmp_path / "runs" / "run"
     capsys.readouterr()
-    assert main(["eval", str(run_dir)]) == 0
+    assert main(["eval", str(run_dir), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["val_bits_per_byte"] == pytest.approx(result["val_loss"] / math.log(2))  # bytes: 1 token = 1 byte
     assert result["val_ppl"] == pytest.approx(math.exp(result["val_loss"]))

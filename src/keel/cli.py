@@ -41,17 +41,20 @@ def cmd_summary(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from keel.train.config import load_config
+    from keel.train.config import load_config, to_yaml
     from keel.train.plan import plan
-    from keel.train.run_dir import RunDir
+    from keel.train.run_dir import RunDir, latest_run
     from keel.train.trainer import DIVERGED_EXIT, INTERRUPTED_EXIT, Trainer
 
     config = load_config(args.overrides, args.config, args.preset)
     resume_from = None
     if config.resume:
-        run = RunDir.open(config.resume)
+        run = latest_run(config.run.out_dir) if config.resume == "latest" else RunDir.open(config.resume)
         config = run.resume_config(args.overrides, args.config)
         resume_from = run.latest_checkpoint()
+    if args.print_config:
+        print(to_yaml(config), end="")
+        return 0
     if args.dry_run:
         print(plan(config))
         return 0
@@ -64,8 +67,37 @@ def cmd_train(args) -> int:
     if summary["interrupted"]:
         return INTERRUPTED_EXIT
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
-        print(json.dumps(summary, indent=1))
+        from keel.train.report import SUMMARY_KEYS, key_values
+
+        print(json.dumps(summary, indent=1) if args.json else key_values(summary, SUMMARY_KEYS))
         print(f"run: {trainer.run_dir}")
+    return 0
+
+
+def cmd_runs(args) -> int:
+    from keel.train.report import table
+    from keel.train.run_dir import find_runs
+
+    rows = [r.describe() for r in find_runs(args.dir)]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(table(rows, ["run", "scheme", "sub-layers", "d_model", "steps", "val_loss", "status"]))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from keel.train.plot import plot_runs
+    from keel.train.run_dir import RunDir
+
+    runs = [RunDir.open(r) for r in args.runs]
+    if args.out:
+        out = Path(args.out)
+    elif len(runs) == 1:
+        out = runs[0] / "curves.png"
+    else:  # beside the runs compared
+        out = runs[0].parent / f"compare-{'-'.join(r.name for r in runs)[:120]}.png"
+    print(f"wrote {plot_runs(runs, out)}")
     return 0
 
 
@@ -74,8 +106,10 @@ def cmd_eval(args) -> int:
 
     if args.batches < 0:
         raise ConfigError(f"--batches: got {args.batches}; allowed: an integer >= 1, or 0 for run.eval_batches")
+    from keel.train.report import EVAL_KEYS, key_values
+
     result = evaluate_run(args.run_dir, args.checkpoint, args.split, args.batches, args.device)
-    print(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1) if args.json else key_values(result, EVAL_KEYS))
     name = Path(result["checkpoint"]).name
     (Path(args.run_dir) / f"eval-{name}-{args.split}.json").write_text(json.dumps(result, indent=1))
     return 0
@@ -199,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "model.scheme=pre_ln run.steps=500 optim.lr=1e-3; resume=RUN_DIR continues a run.")
     add_config_arguments(p)
     p.add_argument("--dry-run", action="store_true", help="print the model, the run and its memory plan; train nothing")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML; train nothing")
+    p.add_argument("--json", action="store_true", help="print the end-of-run summary as JSON")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run's checkpoint")
@@ -207,7 +243,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="val", choices=["val", "train"])
     p.add_argument("--batches", type=int, default=0, help="number of batches (default: run.eval_batches)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("runs", help="list the runs in a directory: scheme, depth, progress, last val loss, status")
+    p.add_argument("dir", nargs="?", default="runs")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_runs)
+
+    p = sub.add_parser("plot", help="loss, validation, LR and gradient-norm curves of runs on one PNG, and "
+                                    "per-sub-layer telemetry heatmaps")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", help="the PNG (default: RUN/curves.png for one run, compare-<names>.png beside them)")
+    p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("generate", help="sample text from a run's checkpoint")
     p.add_argument("run_dir")

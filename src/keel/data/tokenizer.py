@@ -167,3 +167,16 @@ def _bpe_vocab(spec: str) -> int:
         return int(spec.removeprefix("bpe:"))
     except ValueError:
         raise DataError(f"data.tokenizer: {spec!r} has no integer vocabulary size; allowed: {SPEC_HELP}") from None
+
+
+def planned_vocab_size(spec: str) -> int | None:
+    """The vocabulary a tokenizer spec will have, known before any tokenizer is trained or loaded (None
+    for a tokenizer file that cannot be read here: loading it then reports the problem)."""
+    if spec == "bytes":
+        return 256
+    if spec == "bpe" or spec.startswith("bpe:"):
+        return _bpe_vocab(spec)
+    try:
+        return Tokenizer.from_file(str(spec)).get_vocab_size()
+    except Exception:
+        return None

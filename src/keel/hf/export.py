@@ -110,6 +110,28 @@ def _runs(values: list[float]) -> str:
                      for v, r in spans.items())
 
 
+def _public_name(spec: str) -> str:
+    """A data source or tokenizer as a card may show it: names like `stdlib` or `bpe:4096` as they are, a local
+    path by its file name only."""
+    return Path(spec).name if ("/" in spec or "\\" in spec) and not spec.startswith("hf:") else spec
+
+
+def _effective_options(m, scheme) -> str:
+    """The scheme's options as they took effect: `alpha='L' (= 32)`, `first_layer='v2'`, not None."""
+    parts = []
+    for name, value in m.scheme_kwargs().items():
+        live = getattr(scheme, name, None)  # e.g. Keel resolves alpha to a number and keeps first_layer
+        if value is None and live is None:
+            parts.append(f"{name}=default")
+        elif value is None or (live is not None and live != value and not isinstance(value, str)):
+            parts.append(f"{name}={live!r}" if name != "alpha" else f"alpha='L' (= {live:g})")
+        elif name == "alpha" and isinstance(value, str):
+            parts.append(f"alpha={value!r} (= {live:g})")
+        else:
+            parts.append(f"{name}={value!r}")
+    return ", ".join(parts) or "none"
+
+
 def model_card(config, model, run_dir: Path, checkpoint: Path) -> str:
     from keel.model.counting import count_params
 
@@ -120,7 +142,14 @@ def model_card(config, model, run_dir: Path, checkpoint: Path) -> str:
     except (OSError, ValueError):
         corpus = None
     equation = type(model.scheme).__doc__.strip().splitlines()[0]
-    scheme_options = ", ".join(f"{k}={v!r}" for k, v in m.scheme_kwargs().items()) or "none"
+    scheme_options = _effective_options(m, model.scheme)
+    data = ""
+    if isinstance(corpus, dict):  # what the data was, without this machine's paths
+        parts = [f"{k} {corpus[k]:,}" if isinstance(corpus[k], int) else f"{k} {corpus[k]}"
+                 for k in ("kind", "files", "records", "bytes") if k in corpus]
+        if "fingerprint" in corpus:
+            parts.append(f"fingerprint {str(corpus['fingerprint'])[:12]}")
+        data = f" ({', '.join(parts)})"
     return f"""---
 library_name: transformers
 tags: [keel, causal-lm, text-generation]
@@ -139,7 +168,7 @@ A decoder-only language model trained with [Keel](https://arxiv.org/abs/2601.198
 | width | d_model {m.d_model}, {m.n_heads} heads ({m.kv_heads} KV heads), FFN {m.ffn} {m.ffn_dim}, {m.norm} |
 | vocabulary / context | {m.vocab_size} tokens / {m.max_seq_len} positions |
 | parameters | {count_params(m):,} |
-| training data | `{d.source}`, tokenizer `{d.tokenizer}`{f", corpus {json.dumps(corpus)}" if corpus else ""} |
+| training data | `{_public_name(d.source)}`, tokenizer `{_public_name(d.tokenizer)}`{data} |
 | training | {step} steps of {r.batch_size} x {r.grad_accum} sequences of {r.seq_len} tokens, seed {r.seed} |
 
 ## Use
@@ -148,14 +177,16 @@ A decoder-only language model trained with [Keel](https://arxiv.org/abs/2601.198
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model = AutoModelForCausalLM.from_pretrained("<this directory>", trust_remote_code=True)  # or `import keel` first
-tokenizer = AutoTokenizer.from_pretrained("<this directory>")
+tokenizer = AutoTokenizer.from_pretrained("<this directory>", trust_remote_code=True)
 ids = tokenizer("def ", return_tensors="pt").input_ids
 print(tokenizer.decode(model.generate(ids, max_new_tokens=50, do_sample=False)[0]))
 ```
 
 `trust_remote_code=True` runs `modeling_keel.py`, `configuration_keel.py` and `keel_model.py` from this
 directory (generated from the `keel` package); with `keel` installed, `import keel` registers the same
-classes and no remote code is needed. Batches must not be padded (equal-length rows only).
+classes and no remote code is needed. The tokenizer needs it too, because `AutoTokenizer` in transformers 5
+reads `config.json` (model type `keel`) first; `PreTrainedTokenizerFast.from_pretrained("<this directory>")`
+loads the same tokenizer without it. Batches must not be padded (equal-length rows only).
 """
 
 
@@ -188,6 +219,8 @@ def export_run(run_dir, out_dir, checkpoint: str | None = None) -> Path:
     except OSError as err:
         raise ExportError(f"{out_dir}: cannot write there ({err.strerror or err})") from None
     hf_model.save_pretrained(out_dir)  # config.json, generation_config.json, model.safetensors
+    for written in out_dir.iterdir():  # shareable like any exported model (safetensors writes 0600)
+        written.chmod(0o644)
     write_tokenizer(tokenizer, out_dir, config.model.max_seq_len)
     (out_dir / "keel_model.py").write_text(self_contained_model_source())
     for module in ("configuration_keel", "modeling_keel"):

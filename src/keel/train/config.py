@@ -8,6 +8,7 @@ section it probably belongs to (`steps=10`: did you mean run.steps?).
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from keel.runtime import DEVICES, DTYPES
 SCHEDULES = ("cosine", "wsd", "constant")
 GUARD_POLICIES = ("stop", "rollback")
 FUSED_JUNCTION = ("auto", "on", "off")
+TRACKERS = ("tensorboard", "wandb")
 
 
 @dataclass
@@ -75,6 +77,8 @@ class RunConfig:
     out_dir: str = "runs"
     name: str = ""  # empty: <scheme>-<n_sublayers>L-<timestamp>
     log_every: int = 10
+    telemetry_every: int = 50  # per-sub-layer gradient norm, stream RMS, |F|/|alpha x| (telemetry.jsonl); 0 off
+    log_to: list[str] = field(default_factory=list)  # also send metrics to: tensorboard, wandb (optional extras)
     eval_every: int = 100  # 0 disables periodic validation
     eval_batches: int = 20
     ckpt_every: int = 200  # 0: only at the end
@@ -181,12 +185,24 @@ def _example(base) -> str:
 
 
 def _suggest(key: str, schema) -> str:
-    """' (did you mean run.steps?)' for a section-less key that names a field of one of the sections."""
-    if "." in key:
-        return ""
+    """' (did you mean run.steps?)': for a section-less key, the sections that have such a field; for any
+    other unknown key, the closest field names of its section."""
     default = schema()
-    hits = [f"{f.name}.{key}" for f in fields(default)
-            if is_dataclass(getattr(default, f.name)) and key in {g.name for g in fields(getattr(default, f.name))}]
+    if "." not in key:
+        hits = [f"{f.name}.{key}" for f in fields(default)
+                if is_dataclass(getattr(default, f.name)) and key in {g.name for g in fields(getattr(default, f.name))}]
+        if not hits:  # a typo: the closest top-level or section field
+            nested = {g.name: f"{f.name}.{g.name}" for f in fields(default) if is_dataclass(getattr(default, f.name))
+                      for g in fields(getattr(default, f.name))}
+            top = [f.name for f in fields(default)]
+            hits = [nested.get(m, m) for m in difflib.get_close_matches(key, [*top, *nested], n=2)]
+    else:
+        section, leaf = key.rsplit(".", 1)
+        node = default
+        for part in section.split("."):
+            node = getattr(node, part, None)
+        names = [f.name for f in fields(node)] if is_dataclass(node) else []
+        hits = [f"{section}.{n}" for n in difflib.get_close_matches(leaf, names, n=2)]
     return f" (did you mean {' or '.join(hits)}?)" if hits else ""
 
 
@@ -249,7 +265,10 @@ def validate(c: TrainConfig) -> None:
             fail(f"run.{name}", getattr(c.run, name), "an integer >= 1")
     if c.run.fsdp_group < 1:
         fail("run.fsdp_group", c.run.fsdp_group, "an integer >= 1")
-    for name in ("eval_every", "ckpt_every", "ac_every"):
+    for tracker in c.run.log_to:
+        if tracker not in TRACKERS:
+            fail("run.log_to", tracker, ", ".join(TRACKERS))
+    for name in ("eval_every", "ckpt_every", "ac_every", "telemetry_every"):
         if getattr(c.run, name) < 0:
             fail(f"run.{name}", getattr(c.run, name), "an integer >= 0 (0 disables)")
     if c.run.seq_len > c.model.max_seq_len:

@@ -4,6 +4,8 @@
   run.json         provenance: versions, git commit, machine, seed, data fingerprint, tokenizer
   tokenizer/       the tokenizer, so the run is self-contained
   metrics.jsonl    one JSON object per logged step, evaluation and event
+  telemetry.jsonl  per-sub-layer gradient norm, stream RMS and |F| / |alpha x| every run.telemetry_every steps
+  curves.png       loss, validation, LR and gradient-norm curves (and telemetry heatmaps), drawn at the end
   checkpoints/     see keel.train.checkpoint
   summary.json     written at the end (also after divergence or interruption)
   diverged.json    the diagnostic, when a run stops on divergence
@@ -38,7 +40,7 @@ from keel.train.config import TrainConfig, load_run_config, to_config, to_yaml
 RESUMABLE = {"resume", "run.steps", "run.batch_size", "run.progress", "run.log_every", "run.eval_every",
              "run.eval_batches",
              "run.ac_every", "run.fsdp_group", "run.ckpt_every", "run.keep_checkpoints", "run.device",
-             "run.compile", "run.fused_junction", "run.out_dir", "run.name"}
+             "run.compile", "run.fused_junction", "run.out_dir", "run.name", "run.telemetry_every", "run.log_to"}
 
 
 LOCK = ".lock"
@@ -129,6 +131,38 @@ class RunDir(os.PathLike):
             self._lock.close()
             self._lock = None
 
+    def status(self) -> str:
+        """running (another process holds the lock), finished, diverged, interrupted, or new (nothing trained)."""
+        import fcntl
+
+        lock = self.path / LOCK
+        if self._lock is None and lock.is_file():
+            with open(lock) as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except OSError:
+                    return "running"
+        summary = self.summary()
+        if summary is not None:
+            if summary.get("diverged"):
+                return "diverged"
+            if summary.get("interrupted"):
+                return "interrupted"
+            return "finished"
+        if (self.path / "diverged.json").exists():
+            return "diverged"
+        return "interrupted" if self.checkpoints() or (self.path / "metrics.jsonl").exists() else "new"
+
+    def describe(self) -> dict:
+        """One row of `keel runs`."""
+        config = self.config()
+        records = self.metrics()
+        steps = max((r["step"] for r in records if "loss" in r and "event" not in r), default=0)
+        val = [r["val_loss"] for r in records if "val_loss" in r]
+        return {"run": self.name, "scheme": config.model.scheme, "sub-layers": config.model.n_sublayers,
+                "d_model": config.model.d_model, "steps": f"{steps}/{config.run.steps}",
+                "val_loss": round(val[-1], 4) if val else None, "status": self.status(), "path": str(self.path)}
+
     def discard_if_unused(self) -> None:
         """Remove a run directory a failed start left empty (nothing but the lock), so a retry is not blocked."""
         self.unlock()
@@ -165,17 +199,21 @@ class RunDir(os.PathLike):
     def tokenizer(self):
         return load_saved_tokenizer(self.path / "tokenizer")
 
-    def log(self, record: dict) -> None:
-        with open(self.path / "metrics.jsonl", "a") as f:
+    def log(self, record: dict, name: str = "metrics.jsonl") -> None:
+        with open(self.path / name, "a") as f:
             f.write(json.dumps(record) + "\n")
 
     def metrics(self) -> list[dict]:
         return [record for _, record in self._records()]
 
-    def _records(self) -> list[tuple[str, dict]]:
-        """(line, record) of metrics.jsonl. A torn last line (a process killed mid-write) is dropped with a
+    def telemetry(self) -> list[dict]:
+        """The per-sub-layer records of keel.train.telemetry, one per telemetry step."""
+        return [record for _, record in self._records("telemetry.jsonl")]
+
+    def _records(self, name: str = "metrics.jsonl") -> list[tuple[str, dict]]:
+        """(line, record) of a JSON-lines log. A torn last line (a process killed mid-write) is dropped with a
         note; a damaged line before it is an error naming the file and line."""
-        path = self.path / "metrics.jsonl"
+        path = self.path / name
         if not path.exists():
             return []
         lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
@@ -196,10 +234,10 @@ class RunDir(os.PathLike):
     def truncate_log(self, step: int) -> None:
         """Drop records past `step` (and a torn last line), so a resumed run's log reads as if it was never
         interrupted."""
-        path = self.path / "metrics.jsonl"
-        if path.exists():
-            keep = [line for line, record in self._records() if record.get("step", 0) <= step]
-            self._write("metrics.jsonl", "".join(line + "\n" for line in keep))
+        for name in ("metrics.jsonl", "telemetry.jsonl"):
+            if (self.path / name).exists():
+                keep = [line for line, record in self._records(name) if record.get("step", 0) <= step]
+                self._write(name, "".join(line + "\n" for line in keep))
 
     def write_summary(self, summary: dict) -> None:
         self._write("summary.json", json.dumps(summary, indent=1))
@@ -279,6 +317,26 @@ class RunDir(os.PathLike):
     @property
     def parent(self) -> Path:
         return self.path.parent
+
+
+def find_runs(root) -> list[RunDir]:
+    """Every run directory directly under `root`, oldest first (by when its config was written)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ConfigError(f"{root}: no such directory of runs")
+    runs = [RunDir(p) for p in root.iterdir() if (p / "config.yaml").is_file()]
+    return sorted(runs, key=lambda r: (r.path / "config.yaml").stat().st_mtime)
+
+
+def latest_run(root) -> RunDir:
+    """The most recently active run under `root` (`resume=latest`)."""
+    def activity(r: RunDir) -> float:
+        return max((r.path / n).stat().st_mtime for n in ("config.yaml", "metrics.jsonl", "summary.json")
+                   if (r.path / n).exists())
+    runs = find_runs(root)
+    if not runs:
+        raise ConfigError(f"resume=latest: no runs in {root}")
+    return max(runs, key=activity)
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

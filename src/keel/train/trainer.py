@@ -18,12 +18,13 @@ import torch
 from tqdm.auto import tqdm
 
 from keel.data import WindowSampler, prepare
+from keel.data.tokenizer import planned_vocab_size
 from keel.errors import ConfigError, DataError, KeelError
 from keel.model import count_params, flops_per_token
 from keel.runtime import autocast_for, device_memory, peak_flops, provenance, resolve_device
 from keel.scale import distributed
 from keel.scale.memory import estimate_memory, format_bytes
-from keel.train import checkpoint
+from keel.train import checkpoint, tracking
 from keel.train.config import TrainConfig
 from keel.train.evaluate import bytes_per_token, evaluate
 from keel.train.guard import DivergenceGuard
@@ -31,6 +32,8 @@ from keel.train.optim import build_optimizer, lr_at
 from keel.train.plan import memory_line
 from keel.train.run_dir import RunDir
 from keel.train.step import TrainStep, build_model, on_device
+from keel.train.telemetry import Telemetry
+from keel.train.tracking import Trackers
 
 DIVERGED_EXIT = 3
 INTERRUPTED_EXIT = 130
@@ -75,6 +78,10 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(c.run.seed)
 
+        planned = planned_vocab_size(c.data.tokenizer)  # before minutes of tokenizer training, not after
+        if planned is not None and planned > c.model.vocab_size:
+            raise ConfigError(f"model.vocab_size: {c.model.vocab_size} is smaller than the {planned} tokens of "
+                              f"data.tokenizer={c.data.tokenizer}; set model.vocab_size={planned}")
         if not self.world.main:  # rank 0 tokenises into the cache first; the others then read it
             distributed.barrier(self.world)
         self.data = prepare(c.data)
@@ -102,6 +109,12 @@ class Trainer:
         self.train_step = TrainStep(self.model, self.optimizer, grad_accum=c.run.grad_accum,
                                     grad_clip=c.optim.grad_clip, autocast=self.autocast, guard=self.guard,
                                     world=self.world)
+        # sub-layer hooks would make compiled blocks recompile: then only gradient norms are recorded
+        self.telemetry = Telemetry(self.model, self.world, activations=not c.run.compile) \
+            if c.run.telemetry_every else None
+        if self.world.main:
+            tracking.check(c.run.log_to)
+        self.trackers = None
         self.token_bytes = bytes_per_token(tok)
         self.flops_per_token = flops_per_token(c.model, c.run.seq_len)
         peak = peak_flops(self.device)
@@ -175,6 +188,8 @@ class Trainer:
     def log(self, record: dict) -> None:
         if self.world.main:
             self.run_dir.log(record)
+            if self.trackers is not None:
+                self.trackers.log(record)
 
     # ---- the loop ---------------------------------------------------------------------------
     def next_batch(self):
@@ -218,6 +233,8 @@ class Trainer:
                 if isinstance(err, KeelError):
                     raise
                 raise DataError(f"{self.run_dir}: cannot write the run's files ({err.strerror or err})") from None
+        if self.world.main and c.run.log_to:
+            self.trackers = Trackers(c.run.log_to, self.run_dir, c)
         if resume_from is None and c.guard.policy == "rollback":
                 self.save_checkpoint()  # something to roll back to before the first periodic checkpoint
         n_params = count_params(c.model)
@@ -243,7 +260,18 @@ class Trainer:
                 for callback in self.callbacks:
                     callback(self, self.step)
                 first_draw = self.draws
-                result = self.train_step(self.next_batch, lr_at(self.step, c.run.steps, c.optim) * self.lr_scale)
+                probe = self.telemetry is not None and (self.step + 1) % c.run.telemetry_every == 0
+                if probe:
+                    self.telemetry.start()
+                    self.train_step.after_backward = self.telemetry.after_backward
+                try:
+                    result = self.train_step(self.next_batch, lr_at(self.step, c.run.steps, c.optim) * self.lr_scale)
+                finally:
+                    if probe:
+                        self.train_step.after_backward = None
+                        record = self.telemetry.finish(self.step + 1)
+                if probe and result.diverged is None and self.world.main:
+                    self.run_dir.log(record, "telemetry.jsonl")
                 train_loss, grad_norm, lr = result.loss, result.grad_norm, result.lr
                 if result.diverged is not None:
                     self.handle_divergence(result.diverged, train_loss, grad_norm, lr, first_draw)
@@ -299,8 +327,23 @@ class Trainer:
         }
         if self.world.main:
             self.run_dir.write_summary(summary)
+            if self.trackers is not None:
+                self.trackers.close()
+            self.draw_curves()
         distributed.close(self.world)
         return summary
+
+    def draw_curves(self) -> None:
+        """curves.png next to the run (what `keel plot RUN` draws), when matplotlib is installed."""
+        try:
+            from keel.train.plot import plot_runs
+        except ImportError:
+            return
+        try:
+            path = plot_runs([self.run_dir], self.run_dir / "curves.png")
+            self.say(f"keel: curves: {path}")
+        except Exception as err:  # a plot must never turn a finished run into a failed one
+            self.say(f"keel: could not draw curves ({type(err).__name__}: {err})", file=sys.stderr)
 
     def say(self, message: str, file=None) -> None:
         """Print once (rank 0), without breaking the progress bar."""

@@ -1,0 +1,64 @@
+"""Optional experiment tracking with the ecosystem's own libraries: `run.log_to=[tensorboard, wandb]`.
+
+The same scalars as metrics.jsonl go to each tracker. Both are optional extras (`pip install -e ".[track]"`)
+and work offline: TensorBoard writes event files into `<run>/tensorboard/`; Weights & Biases runs in offline
+mode into `<run>/wandb/` unless `WANDB_MODE` says otherwise (`wandb sync` uploads later).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import asdict
+
+from keel.errors import ConfigError
+
+MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}
+
+
+def check(names) -> None:
+    """Fail before any work if a requested tracker's library is not installed."""
+    for name in names:
+        try:
+            importlib.import_module(MODULES[name])
+        except ImportError:
+            raise ConfigError(f"run.log_to: {name} is not installed; pip install -e \".[track]\" "
+                              f"(or pip install {name})") from None
+
+
+class Trackers:
+    def __init__(self, names, run_dir, config):
+        self.writers = []
+        if "tensorboard" in names:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            self.writers.append(self._tensorboard)
+        if "wandb" in names:
+            import wandb
+
+            # one W&B run per run directory, so a resumed run continues its own curves
+            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "keel"), name=run_dir.name,
+                                    id=run_dir.name.replace("/", "-"), resume="allow", dir=str(run_dir),
+                                    config=asdict(config), mode=os.environ.get("WANDB_MODE", "offline"))
+            self.writers.append(self._wandb)
+
+    def log(self, record: dict) -> None:
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))
+                   and not isinstance(v, bool)}
+        if scalars and "step" in record:
+            for write in self.writers:
+                write(record["step"], scalars)
+
+    def _tensorboard(self, step: int, scalars: dict) -> None:
+        for key, value in scalars.items():
+            self.tensorboard.add_scalar(key, value, step)
+
+    def _wandb(self, step: int, scalars: dict) -> None:
+        self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if hasattr(self, "tensorboard"):
+            self.tensorboard.close()
+        if hasattr(self, "wandb"):
+            self.wandb.finish()
