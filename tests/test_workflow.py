@@ -159,3 +159,12 @@ def test_export_model_card_states_effective_options_and_no_local_paths(tmp_path,
     assert "alpha='L' (= 6)" in card and "first_layer='v2'" in card and "None" not in card
     assert str(tmp_path) not in card
     assert oct((out / "model.safetensors").stat().st_mode & 0o777) == oct(0o644)
+
+
+@pytest.mark.slow
+def test_a_quick_experiment_does_not_write_into_results(tmp_path, monkeypatch, corpus):
+    monkeypatch.chdir(tmp_path)
+    assert main(["experiment", "redundancy", "--quick", f"data.source={corpus}",
+                 f"data.cache_dir={tmp_path / 'cache'}"]) == 0
+    assert (tmp_path / "runs" / "quick" / "redundancy" / "results.json").is_file()
+    assert not (tmp_path / "results").exists()

@@ -16,7 +16,8 @@ def register(subparsers) -> None:
                                           "schemes=[keel,pre_ln] steps=200 shape.d_model=64 data.source=stdlib.")
     p.add_argument("name", choices=list(EXPERIMENTS))
     p.add_argument("--quick", action="store_true", help="a CPU-sized version that runs in seconds to minutes")
-    p.add_argument("--out", help="output directory (default results/<name>, or results/<name>-quick)")
+    p.add_argument("--out", help="output directory (default results/<name>; with --quick runs/quick/<name>, so a "
+                                 "smoke test never lands among the committed results)")
     p.add_argument("--config", help="a YAML file with any of the experiment's fields")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.set_defaults(func=cmd_experiment)
@@ -33,7 +34,7 @@ def build(name: str, quick: bool, overrides: list[str], config_file: str | None 
 
 def cmd_experiment(args) -> int:
     cfg = build(args.name, args.quick, args.overrides, args.config)
-    out = Path(args.out or f"results/{args.name}{'-quick' if args.quick else ''}")
+    out = Path(args.out or (f"runs/quick/{args.name}" if args.quick else f"results/{args.name}"))
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["keel experiment", args.name] + (["--quick"] if args.quick else [])
                        + ([f"--out {shlex.quote(args.out)}"] if args.out else [])
