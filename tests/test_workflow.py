@@ -168,3 +168,11 @@ def test_a_quick_experiment_does_not_write_into_results(tmp_path, monkeypatch, c
                  f"data.cache_dir={tmp_path / 'cache'}"]) == 0
     assert (tmp_path / "runs" / "quick" / "redundancy" / "results.json").is_file()
     assert not (tmp_path / "results").exists()
+
+
+def test_telemetry_reads_the_stream_through_a_fused_junction():
+    """With the fused junction a Residual passes (stream, next branch input) on; telemetry measures the stream."""
+    from keel.train import telemetry
+
+    y = torch.full((2, 3), 2.0)
+    assert telemetry._rms((y, torch.zeros(2, 3))) == telemetry._rms(y) == 2.0

@@ -25,7 +25,9 @@ from torch import nn
 from keel.scale import distributed
 
 
-def _rms(t: torch.Tensor) -> float:
+def _rms(t) -> float:
+    if isinstance(t, tuple):  # (stream, next branch input) from a fused Keel junction: the stream
+        t = t[0]
     return t.detach().float().pow(2).mean().sqrt().item()
 
 
