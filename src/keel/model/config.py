@@ -16,6 +16,10 @@ class ModelConfig:
     """A decoder-only causal LM. Depth is counted in blocks (one attention + one FFN sub-layer);
     the paper's L is `n_sublayers = 2 * n_blocks`.
 
+    Looped (weight-shared) models: `loop_blocks=k` builds k distinct blocks and applies them in order
+    `n_blocks / k` times, so depth stays `n_blocks` (alpha and every depth rule count the unrolled
+    sub-layers) while the blocks' parameters are those of k. See `keel.model.transformer.TransformerLM`.
+
     Scheme-specific fields default to None ("the scheme's default") and are rejected when set for a
     scheme that does not read them.
     """
@@ -35,6 +39,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     scheme: str = "keel"
+    loop_blocks: int | None = None  # None: n_blocks distinct blocks; k: k blocks applied n_blocks/k times
     # keel
     alpha: int | float | str | None = None  # "L" (default), "sqrtL" or a number > 0
     first_layer: str | None = None  # "v2" (default), "v1" or "none"
@@ -50,6 +55,11 @@ class ModelConfig:
     def n_sublayers(self) -> int:
         """The paper's L: attention and FFN sub-layers counted separately."""
         return 2 * self.n_blocks
+
+    @property
+    def distinct_blocks(self) -> int:
+        """Blocks with their own weights: `loop_blocks` for a looped model, else `n_blocks`."""
+        return self.n_blocks if self.loop_blocks is None else self.loop_blocks
 
     @property
     def kv_heads(self) -> int:
@@ -108,6 +118,22 @@ def _validate(c: ModelConfig) -> None:
             users = [s for s, cls in SCHEMES.items() if name in cls.options]
             _fail(name, f"is set but scheme {c.scheme!r} does not use it", f"only with scheme {users[0]!r}")
     scheme.check_options(**{name: getattr(c, name) for name in scheme.options})
+    if c.loop_blocks is not None:
+        _validate_loop(c, scheme(c.n_sublayers, **c.scheme_kwargs()))
+
+
+def _validate_loop(c: ModelConfig, scheme) -> None:
+    k = c.loop_blocks
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= c.n_blocks or c.n_blocks % k:
+        _fail("loop_blocks", f"got {k!r} with n_blocks={c.n_blocks}", "a divisor of n_blocks, or None (no loop)")
+    # a block's weights serve every pass, so its layout must be the same on every pass after the first (the
+    # first may differ: Keel's first-layer rule, applied once); a scheme whose layout depends on depth fails
+    kinds = ("attn", "ffn")
+    for i in range(4 * k, c.n_sublayers):
+        if scheme.spec(i, kinds[i % 2]) != scheme.spec(2 * k + i % (2 * k), kinds[i % 2]):
+            _fail("loop_blocks", f"scheme {c.scheme!r} gives sub-layer {i} another layout than the same "
+                  f"sub-layer of the second pass ({2 * k + i % (2 * k)})", "a scheme whose layout repeats (not mix_ln "
+                  "with Post-LN blocks beyond the first pass), or None")
 
 
 CONFIG_FIELDS = tuple(f.name for f in fields(ModelConfig))

@@ -12,7 +12,7 @@ from torch import nn
 from keel.model.config import ModelConfig
 from keel.model.layers import Attention, KVCache, make_ffn, make_norm, rope_tables
 from keel.model.numerics import upcast
-from keel.model.schemes import SCHEMES, Residual, Scheme
+from keel.model.schemes import SCHEMES, Residual, Scheme, SublayerSpec
 
 
 def build_scheme(config: ModelConfig) -> Scheme:
@@ -34,20 +34,61 @@ class SublayerInfo:
     path: str
 
 
+def block_specs(config: ModelConfig, scheme: Scheme, index: int) -> tuple[tuple[SublayerSpec, ...], ...]:
+    """The layouts block `index` (of `config.distinct_blocks`) takes: (attn, ffn) on its first pass, then, in a
+    looped model whose later passes differ (Keel's first-layer rule, applied once), (attn, ffn) on the later ones."""
+    first = (scheme.spec(2 * index, "attn"), scheme.spec(2 * index + 1, "ffn"))
+    if config.distinct_blocks == config.n_blocks:  # one pass
+        return (first,)
+    later_index = index + config.loop_blocks  # the same block on the second pass
+    later = (scheme.spec(2 * later_index, "attn"), scheme.spec(2 * later_index + 1, "ffn"))
+    return (first,) if later == first else (first, later)
+
+
 class Block(nn.Module):
-    """One attention sub-layer and one FFN sub-layer, each wrapped by its scheme's `Residual`."""
+    """One attention sub-layer and one FFN sub-layer, each wrapped by its scheme's `Residual`.
+
+    In a looped model, a block whose later passes have another layout than its first (block 0 under Keel's
+    first-layer rule) also has `later_attn_res`/`later_ffn_res`: the same branches, their own norms.
+    """
 
     def __init__(self, config: ModelConfig, scheme: Scheme, index: int):
         super().__init__()
         norm = partial(make_norm, config)
+        specs = block_specs(config, scheme, index)
         self.attn = Attention(config, qkv_norm=scheme.qkv_norm, layer=index)
         self.ffn = make_ffn(config)
-        self.attn_res = Residual(scheme.spec(2 * index, "attn"), norm, config.dropout)
-        self.ffn_res = Residual(scheme.spec(2 * index + 1, "ffn"), norm, config.dropout)
+        self.attn_res = Residual(specs[0][0], norm, config.dropout)
+        self.ffn_res = Residual(specs[0][1], norm, config.dropout)
+        if len(specs) > 1:
+            self.later_attn_res = Residual(specs[1][0], norm, config.dropout)
+            self.later_ffn_res = Residual(specs[1][1], norm, config.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None):
-        x = self.attn_res(x, self.attn, cos, sin, cache)
-        return self.ffn_res(x, self.ffn)
+    def residuals(self, later: bool = False) -> tuple[Residual, Residual]:
+        """(attn, ffn) residuals of the first pass, or of the later passes of a looped model."""
+        if later and hasattr(self, "later_attn_res"):
+            return self.later_attn_res, self.later_ffn_res
+        return self.attn_res, self.ffn_res
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                later: bool = False):
+        attn_res, ffn_res = self.residuals(later)
+        x = attn_res(x, self.attn, cos, sin, cache)
+        return ffn_res(x, self.ffn)
+
+
+class _LayerOffset:
+    """A KV cache seen from one pass of a looped model: pass j's block b keeps its keys in slot j*k + b, so
+    each unrolled attention sub-layer has its own slot although the weights are shared."""
+
+    def __init__(self, cache, offset: int):
+        self.cache, self.offset = cache, offset
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.cache.get_seq_length(layer + self.offset)
+
+    def update(self, k, v, layer, *args, **kwargs):
+        return self.cache.update(k, v, layer + self.offset, *args, **kwargs)
 
 
 class TransformerLM(nn.Module):
@@ -58,6 +99,11 @@ class TransformerLM(nn.Module):
     else None. With a `KVCache` (or a `transformers` DynamicCache), `idx` continues the sequence the cache
     holds: its keys and values are reused and `idx`'s are appended. The residual stream is float32
     throughout, also under autocast.
+
+    Looped (`config.loop_blocks=k`): `blocks` holds k blocks, applied in order `n_blocks / k` times; the scheme
+    is built for the unrolled depth (Keel's alpha = L = 2 * n_blocks), and its first-layer rule shapes only the
+    very first pass of block 0 (see `Block`). It equals the unrolled model with the k blocks' weights copied
+    into every pass (tests/test_looped.py).
     """
 
     def __init__(self, config: ModelConfig):
@@ -65,7 +111,7 @@ class TransformerLM(nn.Module):
         self.config = config
         self.scheme = build_scheme(config)
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(config, self.scheme, i) for i in range(config.n_blocks))
+        self.blocks = nn.ModuleList(Block(config, self.scheme, i) for i in range(config.distinct_blocks))
         # Pre-LN-like schemes need a norm before the head; Post-LN-like ones (Keel included) already
         # end in one, so theirs is an explicit identity.
         self.final_norm = make_norm(config) if self.scheme.final_norm else nn.Identity()
@@ -107,8 +153,10 @@ class TransformerLM(nn.Module):
             raise ValueError(f"sequence length {start + T} exceeds ModelConfig.max_seq_len={self.config.max_seq_len}")
         x = upcast(self.embed(idx))  # (B, T, d): the stream is float32 from here to the head
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, hd) each
-        for block in self.blocks:
-            x = block(x, cos, sin, cache)
+        for block, later, view in self.passes(cache):
+            x = block(x, cos, sin, view, later=later)
+        if isinstance(x, tuple):  # a fused junction at a loop's end also computed the next pass's norm_in
+            x = x[0]
         x = self.final_norm(x)
         logits = self.lm_head(x.to(self.lm_head.weight.dtype))  # (B, T, V)
         if targets is None:
@@ -116,14 +164,27 @@ class TransformerLM(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
         return logits, loss
 
+    def passes(self, cache=None):
+        """(block, later, cache) for each of the n_blocks blocks the stream goes through, in order: every
+        block once, or in a looped model the k blocks n_blocks/k times (`later` from the second pass on)."""
+        k = len(self.blocks)
+        for j in range(self.config.n_blocks // k):
+            view = cache if j == 0 or cache is None else _LayerOffset(cache, j * k)
+            for block in self.blocks:
+                yield block, j > 0, view
+
     def sublayers(self) -> list[SublayerInfo]:
-        """Every sub-layer in order, with its kind, scheme, alpha and norms."""
+        """Every sub-layer in order, with its kind, scheme, alpha and norms; in a looped model every unrolled
+        sub-layer, its `path` naming the (shared) `Residual` that computes it."""
         out = []
-        for i, block in enumerate(self.blocks):
-            for offset, kind, res in ((0, "attn", block.attn_res), (1, "ffn", block.ffn_res)):
+        k = len(self.blocks)
+        for i in range(self.config.n_blocks):
+            block, later = self.blocks[i % k], i >= k
+            prefix = "later_" if later and hasattr(block, "later_attn_res") else ""
+            for offset, kind, res in zip((0, 1), ("attn", "ffn"), block.residuals(later)):
                 out.append(SublayerInfo(
                     index=2 * i + offset, block=i, kind=kind, scheme=self.config.scheme, alpha=res.alpha,
                     norm_in=res.norm_in is not None, norm_out=res.norm_out is not None,
-                    norm_branch=res.norm_branch is not None, path=f"blocks.{i}.{kind}_res",
+                    norm_branch=res.norm_branch is not None, path=f"blocks.{i % k}.{prefix}{kind}_res",
                 ))
         return out
