@@ -24,7 +24,7 @@ class SublayerInfo:
     """One sub-layer as analysis tools see it; `path` names its `Residual` module."""
 
     index: int  # 0..L-1, the paper's layer index
-    block: int
+    block: int  # its block in `blocks` (in a looped model, shared by every pass)
     kind: str  # "attn" or "ffn"
     scheme: str
     alpha: float
@@ -183,7 +183,7 @@ class TransformerLM(nn.Module):
             prefix = "later_" if later and hasattr(block, "later_attn_res") else ""
             for offset, kind, res in zip((0, 1), ("attn", "ffn"), block.residuals(later)):
                 out.append(SublayerInfo(
-                    index=2 * i + offset, block=i, kind=kind, scheme=self.config.scheme, alpha=res.alpha,
+                    index=2 * i + offset, block=i % k, kind=kind, scheme=self.config.scheme, alpha=res.alpha,
                     norm_in=res.norm_in is not None, norm_out=res.norm_out is not None,
                     norm_branch=res.norm_branch is not None, path=f"blocks.{i % k}.{prefix}{kind}_res",
                 ))

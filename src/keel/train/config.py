@@ -26,6 +26,7 @@ from keel.runtime import DEVICES, DTYPES
 SCHEDULES = ("cosine", "wsd", "constant")
 GUARD_POLICIES = ("stop", "rollback")
 FUSED_JUNCTION = ("auto", "on", "off")
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv")  # keel.scale.pipeline's
 TRACKERS = ("tensorboard", "wandb")
 
 
@@ -74,6 +75,9 @@ class RunConfig:
     fused_junction: str = "auto"  # auto: the fused Triton Keel junction where it can run (CUDA + triton); on | off
     ac_every: int = 0  # activation checkpointing: 0 none, 1 every block, k every k-th block
     fsdp_group: int = 1  # under torchrun: blocks per FSDP2 unit (one all-gather each)
+    pp: int = 1  # under torchrun: pipeline stages, one rank each (keel.scale.pipeline); 1 = no pipeline
+    pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved_1f1b | interleaved_zb | zbv (torch.distributed.pipelining)
+    pp_microbatches: int = 4  # micro-batches each run.batch_size batch is split into through the pipeline
     out_dir: str = "runs"
     name: str = ""  # empty: <scheme>-<n_sublayers>L-<timestamp>
     log_every: int = 10
@@ -265,6 +269,14 @@ def validate(c: TrainConfig) -> None:
             fail(f"run.{name}", getattr(c.run, name), "an integer >= 1")
     if c.run.fsdp_group < 1:
         fail("run.fsdp_group", c.run.fsdp_group, "an integer >= 1")
+    for name in ("pp", "pp_microbatches"):
+        if getattr(c.run, name) < 1:
+            fail(f"run.{name}", getattr(c.run, name), "an integer >= 1")
+    if c.run.pp_schedule not in PP_SCHEDULES:
+        fail("run.pp_schedule", c.run.pp_schedule, ", ".join(PP_SCHEDULES))
+    if c.run.pp > 1:  # imported here: torch.distributed.pipelining takes a second to import
+        from keel.scale.pipeline import check_config  # noqa: PLC0415
+        check_config(c.model, c.run)
     for tracker in c.run.log_to:
         if tracker not in TRACKERS:
             fail("run.log_to", tracker, ", ".join(TRACKERS))

@@ -24,11 +24,13 @@ from keel.model import count_params, flops_per_token
 from keel.runtime import autocast_for, device_memory, peak_flops, provenance, resolve_device
 from keel.scale import distributed
 from keel.scale.memory import estimate_memory, format_bytes
+from keel.scale.pipeline import build_pipeline
 from keel.train import checkpoint, tracking
 from keel.train.config import TrainConfig
 from keel.train.evaluate import bytes_per_token, evaluate
 from keel.train.guard import DivergenceGuard
 from keel.train.optim import build_optimizer, lr_at
+from keel.train.pipeline_step import PipelineStep
 from keel.train.plan import memory_line
 from keel.train.run_dir import RunDir
 from keel.train.step import TrainStep, build_model, on_device
@@ -71,7 +73,8 @@ class Trainer:
 
     def _build(self) -> None:
         c = self.config
-        self.fsdp = self.world.distributed
+        pp = c.run.pp > 1  # pipeline stages (keel.scale.pipeline) instead of FSDP2
+        self.fsdp = self.world.distributed and not pp
         # under FSDP2, bf16 comes from its mixed-precision policy (bf16 weights) instead of autocast
         self.autocast = contextlib.nullcontext if self.fsdp else autocast_for(self.device, c.run.dtype)
         if c.run.deterministic:
@@ -101,17 +104,22 @@ class Trainer:
             raise ConfigError(f"run.batch_size: one training step needs about {format_bytes(need)} per process "
                               f"({self.memory_line()}), more than the {format_bytes(have)} of {self.device}; lower "
                               "run.batch_size or run.seq_len, or set run.ac_every=1")
-        self.model = build_model(c.model, c.run, self.device, fsdp=self.fsdp)
+        if pp:
+            self.model = build_pipeline(c.model, c.run, self.device)
+        else:
+            self.model = build_model(c.model, c.run, self.device, fsdp=self.fsdp)
         self.optimizer = build_optimizer(self.model, c.optim)
+        # data-parallel replicas: every rank, or under pp one (all stages read the same batch)
+        self.replicas, replica = (1, 0) if pp else (self.world.size, self.world.rank)
         self.sampler = WindowSampler(self.data.train, c.run.seq_len, c.run.batch_size, seed=c.run.seed,
-                                     rank=self.world.rank, world_size=self.world.size)
+                                     rank=replica, world_size=self.replicas)
         self.guard = DivergenceGuard(c.guard, c.model.vocab_size)
-        self.train_step = TrainStep(self.model, self.optimizer, grad_accum=c.run.grad_accum,
-                                    grad_clip=c.optim.grad_clip, autocast=self.autocast, guard=self.guard,
-                                    world=self.world)
+        self.train_step = (PipelineStep if pp else TrainStep)(
+            self.model, self.optimizer, grad_accum=c.run.grad_accum, grad_clip=c.optim.grad_clip,
+            autocast=self.autocast, guard=self.guard, world=self.world)
         # sub-layer hooks would make compiled blocks recompile: then only gradient norms are recorded
         self.telemetry = Telemetry(self.model, self.world, activations=not c.run.compile) \
-            if c.run.telemetry_every else None
+            if c.run.telemetry_every and not pp else None
         if self.world.main:
             tracking.check(c.run.log_to)
         self.trackers = None
@@ -122,7 +130,7 @@ class Trainer:
         # state that checkpoints carry besides weights and optimiser
         self.step, self.draws, self.lr_scale, self.rollbacks = 0, 0, 1.0, 0
         self.skip_draws: set[int] = set()
-        self.global_batch = c.run.batch_size * self.world.size  # sequences per micro-batch, all ranks
+        self.global_batch = c.run.batch_size * self.replicas  # sequences per micro-batch, all ranks
         self.tokens_per_step = self.global_batch * c.run.grad_accum * c.run.seq_len
 
     def _run_dir(self, run_dir) -> RunDir:
@@ -161,7 +169,7 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         if checkpoint.is_sharded(path):
             state, meta = checkpoint.load_sharded(path, self.model, self.optimizer)
-        elif self.fsdp:
+        elif self.world.distributed:
             raise ConfigError(f"resume: {path} was written by a single process; resume it in one process "
                               "(a torchrun checkpoint resumes on any number of processes, not the reverse)")
         else:

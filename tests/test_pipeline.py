@@ -1,0 +1,228 @@
+"""Pipeline parallelism on CPU (gloo): two stages against one process give the same loss, gradients, clipped
+update and logits for every schedule; checkpoints written by the stages load in one process; `keel train
+run.pp=2` under torchrun matches one process and resumes in one."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from keel.errors import ConfigError
+from keel.model import ModelConfig, TransformerLM
+from keel.scale.pipeline import SCHEDULES, build_pipeline, split_blocks
+from keel.train import checkpoint
+from keel.train.config import OptimConfig, load_config
+from keel.train.optim import build_optimizer
+from keel.train.pipeline_step import PipelineStep
+from keel.train.step import TrainStep
+from keel.train.trainer import Trainer
+
+CONFIG = ModelConfig(n_blocks=4, d_model=32, n_heads=2, max_seq_len=16, init_std=0.1)
+OPTIM = OptimConfig(lr=1e-2, warmup_steps=0)
+BATCH = 8  # sequences; micro-batches of 2 (4 per batch) or 1 (grad_accum=2: 8 per step)
+CLIP = 0.05  # below the gradient norm, so the clipped update shows whether the norm spans both stages
+TIMEOUT = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def batches(n: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CONFIG.vocab_size, (n, BATCH, CONFIG.max_seq_len + 1), generator=g)
+    return [(b[:, :-1], b[:, 1:]) for b in ids]
+
+
+def run_settings(schedule: str, grad_accum: int = 1):
+    return SimpleNamespace(pp=2, pp_schedule=schedule, pp_microbatches=4, batch_size=BATCH, grad_accum=grad_accum,
+                           ac_every=1 if schedule == "gpipe" else 0, compile=False, fused_junction="off")
+
+
+def one_step(step, grad_accum: int):
+    """One step on the first `grad_accum` batches: (loss, grad_norm, gradients before clipping)."""
+    grads, data = {}, iter(batches(grad_accum))
+    step.after_backward = lambda model: grads.update(
+        {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone() for n, p in model.named_parameters()})
+    result = step(lambda: next(data), OPTIM.lr)
+    return result, grads
+
+
+CASES = [(name, 1) for name in SCHEDULES] + [("1f1b", 2)]
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        got = {}
+        for name, accum in CASES:
+            torch.manual_seed(0)
+            model = build_pipeline(CONFIG, run_settings(name, accum), torch.device("cpu"))
+            optimizer = build_optimizer(model, OPTIM)
+            step = PipelineStep(model, optimizer, grad_accum=accum, grad_clip=CLIP)
+            result, grads = one_step(step, accum)
+            with torch.no_grad():
+                logits, _ = model(batches(1)[0][0])
+            named = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in model.named_parameters()}
+            got[f"{name}/{accum}"] = {"loss": result.loss, "grad_norm": result.grad_norm, "grads": grads,
+                                      "exp_avg": {n: optimizer.state[p]["exp_avg"] for n, p in named.items()},
+                                      "logits": logits}
+            if (name, accum) == ("1f1b", 1):
+                checkpoint.save_sharded(Path(out) / "run", 1, model, optimizer, {}, {"draws": 1}, keep=1,
+                                        main=rank == 0)
+        torch.save(got, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_stages")
+    context = mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=2, join=False, start_method="spawn")
+    try:
+        while not context.join(timeout=TIMEOUT):
+            pass
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def one_process(grad_accum: int):
+    torch.manual_seed(0)
+    model = TransformerLM(CONFIG)
+    optimizer = build_optimizer(model, OPTIM)
+    result, grads = one_step(TrainStep(model, optimizer, grad_accum=grad_accum, grad_clip=CLIP), grad_accum)
+    with torch.no_grad():
+        logits, _ = model(batches(1)[0][0])
+    return result, grads, model, optimizer, logits
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name,accum", CASES)
+def test_two_stages_give_the_loss_gradients_and_update_of_one_process(two_stages, name, accum):
+    _, ranks = two_stages
+    result, grads, model, optimizer, logits = one_process(accum)
+    stages = [r[f"{name}/{accum}"] for r in ranks]
+    for got in stages:  # every rank reports the whole batch's loss and the norm over both stages
+        assert got["loss"] == pytest.approx(result.loss, rel=1e-6)
+        assert got["grad_norm"] == pytest.approx(result.grad_norm, rel=1e-5)
+        assert result.grad_norm > 2 * CLIP  # the update was clipped
+        torch.testing.assert_close(got["logits"], logits, rtol=1e-4, atol=1e-4)  # after the AdamW step
+    held = [set(got["grads"]) for got in stages]
+    assert held[0].isdisjoint(held[1]) and held[0] | held[1] == set(grads)  # each parameter on one stage
+    state = {n: optimizer.state[p]["exp_avg"] for n, p in model.named_parameters()}
+    for got in stages:
+        for n, g in got["grads"].items():
+            torch.testing.assert_close(g, grads[n], rtol=1e-4, atol=1e-6, msg=n)
+            # AdamW's first moment holds the clipped gradient: clipped by the norm over both stages
+            torch.testing.assert_close(got["exp_avg"][n], state[n], rtol=1e-4, atol=1e-8, msg=n)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_checkpoint_of_two_stages_loads_in_one_process(two_stages):
+    out, _ = two_stages
+    _, _, reference, reference_optimizer, _ = one_process(1)
+    path = checkpoint.latest_valid(out / "run")
+    model = TransformerLM(CONFIG)
+    optimizer = build_optimizer(model, OPTIM)
+    checkpoint.load_sharded(path, model, optimizer)
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(optimizer.state[p]["exp_avg"], reference_optimizer.state[q]["exp_avg"],
+                                   rtol=1e-4, atol=1e-8, msg=n)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [OPTIM.weight_decay, 0.0]
+
+
+def test_stages_are_contiguous_and_balanced_by_cost():
+    deep = ModelConfig(n_blocks=32, d_model=64, n_heads=4, vocab_size=4096)
+    spans = split_blocks(deep, 4)
+    assert [s.start for s in spans] == [0, *[s.stop for s in spans[:-1]]] and spans[-1].stop == 32
+    # the embedding and the head weigh ~4.9 blocks each here (4096 x 64 against ~53k parameters a block), so
+    # the end stages hold fewer blocks: costs 10.9, 10, 10, 10.9
+    assert [len(s) for s in spans] == [6, 10, 10, 6]
+    assert [len(s) for s in split_blocks(replace_vocab(deep, 256), 4)] == [8, 8, 8, 8]
+    assert [len(s) for s in split_blocks(replace_vocab(deep, 1 << 17), 4)] == [1, 15, 15, 1]  # never empty
+
+
+def replace_vocab(config: ModelConfig, vocab: int) -> ModelConfig:
+    from dataclasses import replace
+    return replace(config, vocab_size=vocab)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("run.pp=0", "run.pp: got 0"),
+    ("run.pp_schedule=nope", "run.pp_schedule: got 'nope'"),
+    ("run.pp_microbatches=3", "does not divide run.batch_size"),
+    ("model.loop_blocks=1", "a looped model"),
+    ("model.tie_embeddings=true", "tied embeddings"),
+    ("model.n_blocks=1", "need at least as many blocks"),
+])
+def test_settings_a_pipeline_cannot_take_are_refused(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(["run.pp=2", "run.batch_size=4", override], preset="tiny")
+
+
+def test_pp_outside_torchrun_is_refused():
+    config = load_config(["run.pp=2", "run.batch_size=4"], preset="tiny")
+    with pytest.raises(ConfigError, match="launch with torchrun --nproc_per_node=2"):
+        build_pipeline(config.model, config.run, torch.device("cpu"))
+
+
+# ---- `keel train run.pp=2` under torchrun --------------------------------------------------------------------
+
+def torchrun(tmp_path: Path, corpus: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+           "-m", "keel.cli", "train", "--preset", "tiny", *common(tmp_path, corpus), "run.pp=2", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def common(tmp_path: Path, corpus: Path) -> list[str]:
+    return [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"run.out_dir={tmp_path / 'runs'}",
+            "run.batch_size=4", "run.steps=6", "run.ckpt_every=3", "run.eval_every=3", "run.pp_microbatches=2"]
+
+
+def losses(run_dir: Path, key: str = "loss") -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in records if key in r and "event" not in r]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_pp_trains_like_one_process_and_resumes_in_one(tmp_path, corpus):
+    runs = tmp_path / "runs"
+    torchrun(tmp_path, corpus, "run.name=piped")
+    piped = losses(runs / "piped")
+    assert len(piped) == 6
+    summary = json.loads((runs / "piped" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["tokens"] == 6 * 4 * 32  # both stages read the same batch
+    # one process, the same global batch: the same losses and validation losses
+    config = load_config([*common(tmp_path, corpus), "run.name=single"], preset="tiny")
+    Trainer(config, runs / "single").run()
+    assert losses(runs / "single") == pytest.approx(piped, rel=1e-5)
+    assert losses(runs / "single", "val_loss") == pytest.approx(losses(runs / "piped", "val_loss"), rel=1e-5)
+    # the stages' step-3 checkpoint resumed in one process, and under the pipeline again
+    for name, resume in (("resumed", lambda d: Trainer(config, d).run(resume_from=d / "checkpoints" / "step_00000003")),
+                         ("piped-again", lambda d: torchrun(tmp_path, corpus, f"resume={d}"))):
+        part = shutil.copytree(runs / "piped", runs / name)
+        shutil.rmtree(part / "checkpoints" / "step_00000006")
+        resume(part)
+        assert losses(part) == pytest.approx(piped, rel=1e-5), name
