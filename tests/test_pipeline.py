@@ -226,3 +226,21 @@ def test_torchrun_pp_trains_like_one_process_and_resumes_in_one(tmp_path, corpus
         shutil.rmtree(part / "checkpoints" / "step_00000006")
         resume(part)
         assert losses(part) == pytest.approx(piped, rel=1e-5), name
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_pipeline_benchmark_writes_its_tables(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m",
+           "keel.train.pipeline_step", "--out", str(tmp_path), "--n-blocks", "4", "--d-model", "32", "--batch-size",
+           "4", "--seq-len", "16", "--steps", "1", "--schedules", "1f1b,zbv"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["schedule"] for r in result["records"]] == ["1f1b", "zbv"]
+    assert all(r["pipeline_s"] > 0 and r["one_process_s"] > 0 and r["one_process_threads"] == 2
+               for r in result["records"])
+    assert result["records"][1]["split"] == [[0, 1], [1, 2], [2, 3], [3, 4]]  # two stages per rank
+    assert "load_average_before" in result and result["machine"]["torch_version"] == torch.__version__
+    assert "| zbv | 1, 1, 1, 1 |" in (tmp_path / "bench.md").read_text()
