@@ -21,7 +21,7 @@ class AblationConfig(BudgetConfig):
     depth: int = 32
     lrs: list[float] = field(default_factory=lambda: [3e-3, 1e-2])
     small_alpha: float = 2.0
-    reference: str = "pre_ln"  # a baseline scheme run beside the Keel variants ("" for none)
+    references: list[str] = field(default_factory=lambda: ["pre_ln"])  # baseline schemes run beside the variants
     shape: Shape = field(default_factory=lambda: Shape(batch_size=8))
 
     @classmethod
@@ -34,8 +34,8 @@ class AblationConfig(BudgetConfig):
                     f"alpha={self.small_alpha:g}": {"alpha": self.small_alpha},
                     "first_layer=v1": {"first_layer": "v1"}, "first_layer=none": {"first_layer": "none"}}
         arms = {label: self.shape.model("keel", self.depth, **extra) for label, extra in variants.items()}
-        if self.reference:
-            arms[self.reference] = self.shape.model(self.reference, self.depth)
+        for scheme in self.references:
+            arms[scheme] = self.shape.model(scheme, self.depth)
         return arms
 
 

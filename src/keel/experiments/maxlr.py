@@ -93,22 +93,28 @@ def point(cfg: MaxLRConfig, scheme: str, clip: float, depth: int, seed: int) -> 
 NOISE_LIMIT = 0.05  # nats: the detector's tested range (tests/test_detect.py)
 
 
-def eval_noise(values: list[float]) -> float:
-    """SD of the curve around its running median (window 9): a rough size of the evaluation-to-evaluation
-    noise the detector sees (it underestimates slow, correlated wander)."""
+def eval_noise(values: list[float], unigram: float, rules: FailureRules) -> float:
+    """Robust SD (1.4826 x median absolute deviation) of the curve around its running median (window 9),
+    from the first evaluation below the unigram level on: a rough size of the evaluation-to-evaluation
+    noise the detector sees. Robust, so isolated spikes (events, not noise) do not count; the initial
+    descent, where a trailing median lags, is left out; slow correlated wander is underestimated."""
     import statistics
 
     finite = [v for v in values if math.isfinite(v)]
+    start = next((k for k, v in enumerate(finite) if v < unigram - rules.margin), len(finite))
+    finite = finite[start:]
     if len(finite) < 10:
         return 0.0
     centre = smooth(finite, 9)
-    return statistics.pstdev([v - c for v, c in zip(finite[8:], centre[8:])])
+    residuals = [v - c for v, c in zip(finite[8:], centre[8:])]
+    middle = statistics.median(residuals)
+    return 1.4826 * statistics.median(abs(r - middle) for r in residuals)
 
 
 def verdict(r: dict, cfg: MaxLRConfig) -> dict:
     values = r["evals"]["loss"]
     hit = detect(values, r["unigram"], cfg.rules)
-    noise = eval_noise(values[:hit.index] if hit else values)
+    noise = eval_noise(values[:hit.index] if hit else values, r["unigram"], cfg.rules)
     out = {"noise_sd": noise, "reliable": noise <= NOISE_LIMIT}
     if hit is None:
         return out | {"max_lr": cfg.peak, "rule": None, "failed": False, "at_step": None}

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# How results/ was produced: two single-threaded queues, run side by side on 2 shared CPU cores.
+#   bash results/run.sh depth     # queue 1
+#   bash results/run.sh rest      # queue 2
+# Every sweep resumes from results/<name>/points/ if interrupted. The overrides scale the defaults down to
+# the CPU time this session had (chosen before any result of that experiment was seen).
+set -euo pipefail
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+  depth) keel experiment depth depths=[8,32,64] steps=300 warmup_steps=30 ;;
+  rest)
+    keel experiment max-lr
+    keel experiment ablations seeds=[0,1] references=[] steps=300 warmup_steps=30
+    keel experiment redundancy steps=300 warmup_steps=30
+    keel experiment gradflow trained_seeds=[0] ;;
+  *) echo "usage: $0 depth|rest" >&2; exit 2 ;;
+esac
