@@ -177,7 +177,7 @@ def test_keel_eval_and_resume_ignore_a_planted_metadata(trained_run, tmp_path):
     marker = tmp_path / "marker"
     for path in checkpoint.list_checkpoints(run_dir):
         plant(path / ".metadata", marker)
-    out = subprocess.run([*keel_command(), "eval", str(run_dir)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([*keel_command(), "eval", str(run_dir), "--json"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["checkpoint"].endswith("step_00000006")
     assert main(["train", f"resume={run_dir}", "run.steps=7", "run.progress=false"]) == 0
