@@ -33,6 +33,8 @@ CASES = [
     ("keel-compiled", BASE, {"compile": True}, False, "aot_eager", 4),
     ("keel-bf16-autocast", BASE, {"dtype": "bfloat16"}, True, None, 4),
     ("pre-ln", replace(BASE, scheme="pre_ln"), {}, False, None, 0),
+    # 2 blocks applied twice: 5 of the 6 residuals fused (block 0's first attention has no LN_out)
+    ("keel-looped", replace(BASE, n_blocks=4, loop_blocks=2), {}, False, None, 5),
 ]
 IDS = [c[0] for c in CASES]
 
@@ -154,9 +156,13 @@ def test_auto_does_not_fuse_on_cpu_and_on_says_why():
 
 
 def pairs(config: ModelConfig, across_blocks: bool = True) -> list[tuple[int, int]]:
+    """Junctions as (sub-layer, next sub-layer) indices; in a looped model the first sub-layer each residual
+    computes."""
     model = TransformerLM(config)
-    index = {id(model.get_submodule(s.path)): s.index for s in model.sublayers()}
-    return [(index[id(a)], index[id(b)]) for a, b in junctions(model, across_blocks)]
+    index = {}
+    for s in model.sublayers():
+        index.setdefault(id(model.get_submodule(s.path)), s.index)
+    return sorted((index[id(a)], index[id(b)]) for a, b in junctions(model, across_blocks))
 
 
 def test_junctions_are_a_norm_out_followed_by_a_norm_in():
@@ -167,6 +173,9 @@ def test_junctions_are_a_norm_out_followed_by_a_norm_in():
     assert pairs(replace(BASE, scheme="peri_ln")) == []  # its second norm is on the branch, not the stream
     mix = replace(BASE, n_blocks=4, scheme="mix_ln", mix_ln_fraction=0.5)
     assert pairs(mix) == [(3, 4)]  # the one Post-LN to Pre-LN boundary
+    # looped, 2 blocks x 2 passes: block 1's FFN (sub-layers 3 and 7) always precedes block 0's later-pass
+    # attention (its own residual, sub-layer 4), or ends the stack
+    assert pairs(replace(BASE, n_blocks=4, loop_blocks=2)) == [(1, 2), (2, 3), (3, 4), (4, 5), (5, 2)]
 
 
 if __name__ == "__main__":

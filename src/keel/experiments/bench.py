@@ -266,7 +266,9 @@ def cpu_markdown(result: dict) -> str:
              f"Four models step alternately in one process (Keel and Pre-LN, eager and compiled), "
              f"{result['settings']['steps']} timed steps each after {result['settings']['warmup']} warm-up steps "
              f"(compilation happens there), float32. Load average before timing: "
-             f"{result['idle_check']['load_average'][0]:.2f} (waited {result['idle_check']['waited_s']} s).", ""]
+             f"{result['idle_check']['load_average'][0]:.2f} (waited {result['idle_check']['waited_s']} s)."
+             + ("" if result["idle_check"]["idle"] else " **The machine never became idle: other work is in these "
+                "times.**"), ""]
     for name, shape in result["shapes"].items():
         cfg = result["settings"]["shapes"][name]
         lines += [f"## {name}: d_model={cfg['model']['d_model']}, {2 * cfg['model']['n_blocks']} sub-layers, "

@@ -55,10 +55,23 @@ class FusedJunction:
 
 def junctions(model: nn.Module, across_blocks: bool = True) -> list[tuple[Residual, Residual]]:
     """Every pair of consecutive sub-layers where the first has a norm_out and the second a norm_in: Keel's
-    junctions (also Mix-LN's one Post-LN to Pre-LN boundary). `across_blocks=False`: only pairs in one block."""
+    junctions (also Mix-LN's one Post-LN to Pre-LN boundary). `across_blocks=False`: only pairs in one block.
+
+    In a looped model one `Residual` computes several sub-layers; it is fused only if every one of them is
+    followed by the same `Residual` (or by nothing: the model keeps the stream of a pair that ends the stack),
+    since its hook hands every successor the branch input of that one.
+    """
     subs = model.sublayers()
-    return [(model.get_submodule(a.path), model.get_submodule(b.path)) for a, b in zip(subs, subs[1:])
-            if a.norm_out and b.norm_in and (across_blocks or a.block == b.block)]
+    successors: dict[str, set[str]] = {}
+    for a, b in zip(subs, [*subs[1:], None]):
+        if b is None:
+            successors.setdefault(a.path, set())
+        elif a.norm_out and b.norm_in and (across_blocks or a.block == b.block):
+            successors.setdefault(a.path, set()).add(b.path)
+        else:
+            successors.setdefault(a.path, set()).add("")  # a successor that takes no fused input
+    return [(model.get_submodule(a), model.get_submodule(next(iter(b))))
+            for a, b in successors.items() if len(b) == 1 and "" not in b]
 
 
 def apply_fused_junction(model: nn.Module, mode: str = "auto", across_blocks: bool = True) -> int:
