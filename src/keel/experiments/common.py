@@ -100,8 +100,9 @@ def point_config(model_cfg: ModelConfig, optim: OptimConfig, steps: int, shape: 
     engine = engine or Engine()
     r = engine.run
     run = RunConfig(steps=steps, batch_size=shape.batch_size, seq_len=shape.seq_len, seed=seed, device=r.device,
-                    dtype=r.dtype, compile=r.compile, ac_every=r.ac_every, grad_accum=r.grad_accum,
-                    eval_every=0, eval_batches=max(1, eval_batches), ckpt_every=0, log_every=1, progress=False)
+                    dtype=r.dtype, compile=r.compile, fused_junction=r.fused_junction, ac_every=r.ac_every,
+                    grad_accum=r.grad_accum, eval_every=0, eval_batches=max(1, eval_batches), ckpt_every=0,
+                    log_every=1, progress=False)
     config = TrainConfig(model=model_cfg, data=data, optim=optim, guard=engine.guard, run=run)
     validate(config)
     return config

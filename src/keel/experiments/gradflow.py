@@ -38,6 +38,7 @@ from keel.experiments.common import (
 )
 from keel.experiments.probes import residual_sizes
 from keel.model.transformer import TransformerLM
+from keel.scale.parallel import apply_fused_junction
 from keel.train.config import OptimConfig
 
 ALL_SCHEMES = ["post_ln", "deepnorm", "hybrid_norm", "mix_ln", "pre_ln", "peri_ln", "keel"]
@@ -66,6 +67,7 @@ class GradflowConfig(Engine):
 def measure(model: TransformerLM, x: torch.Tensor, y: torch.Tensor) -> dict:
     """One forward/backward on (x, y): per-sub-layer stream gradient, parameter gradient, stream RMS, and
     the shortcut quantities of Eq. 15/19."""
+    apply_fused_junction(model, "off")  # the hooks below read one sub-layer at a time, not fused pairs
     subs = model.sublayers()
     inputs, outputs, hooks = {}, {}, []
     for s in subs:

@@ -38,6 +38,7 @@ from keel.experiments.common import (
 )
 from keel.experiments.probes import branches_off, removed
 from keel.runtime import autocast_for
+from keel.scale.parallel import apply_fused_junction
 from keel.train.config import OptimConfig
 
 MODES = ("sublayer", "branch")
@@ -67,6 +68,7 @@ def keel_point(cfg: RedundancyConfig, scheme: str, seed: int) -> dict:
     optim = OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps)
     config = point_config(model_cfg, optim, cfg.steps, cfg.shape, cfg.data, seed, cfg)
     curve, model = train_curve(config, eval_batches=0)
+    apply_fused_junction(model, "off")  # removing one sub-layer must not leave its fused junction behind
     batches = fixed_batches(splits(cfg.data)["report"], cfg.shape.seq_len, cfg.shape.batch_size, cfg.eval_batches)
     auto = autocast_for(next(model.parameters()).device, cfg.run.dtype)
     base = loss_on(model, batches, auto)
