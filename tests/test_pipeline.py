@@ -243,4 +243,5 @@ def test_the_pipeline_benchmark_writes_its_tables(tmp_path):
                for r in result["records"])
     assert result["records"][1]["split"] == [[0, 1], [1, 2], [2, 3], [3, 4]]  # two stages per rank
     assert "load_average_before" in result and result["machine"]["torch_version"] == torch.__version__
+    assert all(r["one_thread_s"] > 0 for r in result["records"])
     assert "| zbv | 1, 1, 1, 1 |" in (tmp_path / "bench.md").read_text()

@@ -150,12 +150,13 @@ def write_bench(out: Path, records: list[dict], config: ModelConfig, load: tuple
              f"d_model={config.d_model}, {config.n_sublayers} sub-layers, batch {r0['batch_size']} x {r0['seq_len']} "
              f"tokens, {r0['microbatches']} micro-batches; each stage {r0['threads_per_stage']} thread(s), the single "
              f"process {r0['one_process_threads']}; load average {load[0]:.2f} before, {load[1]:.2f} after.", "",
-             "| schedule | blocks per stage | 1 process (s/step) | pipeline (s/step) | pipeline / 1 process |",
-             "|---|---|---|---|---|"]
+             f"| schedule | blocks per stage | 1 process, {r0['one_process_threads']} threads (s/step) | 1 process, "
+             "1 thread (s/step) | pipeline (s/step) | pipeline / 1 process | pipeline / 1 thread |",
+             "|---|---|---|---|---|---|---|"]
     for r in records:
         split = ", ".join(str(b - a) for a, b in r["split"])
-        lines.append(f"| {r['schedule']} | {split} | {r['one_process_s']:.3f} | {r['pipeline_s']:.3f} | "
-                     f"{r['pipeline_over_one']:.2f} |")
+        lines.append(f"| {r['schedule']} | {split} | {r['one_process_s']:.3f} | {r['one_thread_s']:.3f} | "
+                     f"{r['pipeline_s']:.3f} | {r['pipeline_over_one']:.2f} | {r['pipeline_over_one_thread']:.2f} |")
     (out / "bench.md").write_text("\n".join(lines) + "\n")
 
 
@@ -182,9 +183,12 @@ def main(argv=None) -> None:
         if dist.get_rank() == 0:  # the other ranks wait: the single process gets the cores the stages had
             threads = torch.get_num_threads() * dist.get_world_size()
             one = bench_one_process(config, args.batch_size, args.seq_len, threads, args.steps)
+            # also on one thread: under contention a multi-threaded process can be slower than a single thread
+            single = bench_one_process(config, args.batch_size, args.seq_len, 1, args.steps)
             for r in records:
                 r |= {"one_process_threads": threads, "one_process_s": one, "pipeline_over_one": r["pipeline_s"] / one,
-                      "one_process_tokens_per_s": args.batch_size * args.seq_len / one}
+                      "one_process_tokens_per_s": args.batch_size * args.seq_len / one,
+                      "one_thread_s": single, "pipeline_over_one_thread": r["pipeline_s"] / single}
             write_bench(Path(args.out), records, config, (before, os.getloadavg()[0]))
             print((Path(args.out) / "bench.md").read_text())
         dist.barrier()
