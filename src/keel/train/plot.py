@@ -17,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
+from keel.train.report import cell  # noqa: E402
 from keel.train.run_dir import RunDir  # noqa: E402
 
 HEATMAPS = (("grad_norm", "gradient norm of the sub-layer's parameters"), ("stream_rms", "stream RMS after it"),
@@ -50,7 +51,7 @@ def plot_runs(run_dirs, out) -> Path:
     axes[0][0].legend(fontsize=8)
     for ax in (axes[0][2], axes[1][2]):
         ax.axis("off")
-    summary = [f"{r.name}: {(r.summary() or {}).get('final_val_loss')}" for r in runs]
+    summary = [f"{r.name}: {cell((r.summary() or {}).get('final_val_loss'))}" for r in runs]
     axes[0][2].text(0, 1, "final validation loss\n" + "\n".join(summary), va="top", family="monospace", fontsize=8)
     for row, r in enumerate(probed, start=2):
         telemetry = r.telemetry()
