@@ -1,6 +1,7 @@
 """Pipeline parallelism on CPU (gloo): two stages against one process give the same loss, gradients, clipped
-update and logits for every schedule; checkpoints written by the stages load in one process; `keel train
-run.pp=2` under torchrun matches one process and resumes in one."""
+update and logits for every schedule; so do 2 stages x 2 data-parallel replicas (4 processes, FSDP2 within each
+stage) on the same global batch; checkpoints written by the stages load in one process; `keel train run.pp=2`
+under torchrun matches one process and resumes in one."""
 
 import json
 import os
@@ -18,6 +19,7 @@ import torch.multiprocessing as mp
 
 from keel.errors import ConfigError
 from keel.model import ModelConfig, TransformerLM
+from keel.scale import distributed
 from keel.scale.pipeline import SCHEDULES, build_pipeline, split_blocks
 from keel.train import checkpoint
 from keel.train.config import OptimConfig, load_config
@@ -245,3 +247,106 @@ def test_the_pipeline_benchmark_writes_its_tables(tmp_path):
     assert "load_average_before" in result and result["machine"]["torch_version"] == torch.__version__
     assert all(r["one_thread_s"] > 0 for r in result["records"])
     assert "| zbv | 1, 1, 1, 1 |" in (tmp_path / "bench.md").read_text()
+
+
+# ---- 2 stages x 2 data-parallel replicas (FSDP2 over the replicas) against one process -----------------------
+
+DP_CASES = ["1f1b", "zbv"] if "zbv" in SCHEDULES else ["1f1b"]
+
+
+def full(named) -> dict[str, torch.Tensor]:
+    """Whole tensors from FSDP2's shards (a collective over the dp group), by full-model name."""
+    return {n.replace("_checkpoint_wrapped_module.", ""): t.full_tensor() for n, t in named}
+
+
+def _dp_worker(rank: int, port: int, out: str) -> None:
+    """One of 4 ranks on the ("pp", "dp") mesh: its replica's half of the global batch (rows by dp coordinate),
+    one clipped step per schedule; gradients, optimiser state and logits gathered whole."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    try:
+        x, y = batches(1)[0]
+        replica = rank % 2  # pp outermost: ranks 0, 1 hold the first stage, 2, 3 the second
+        mine = (x[replica * BATCH // 2:(replica + 1) * BATCH // 2], y[replica * BATCH // 2:(replica + 1) * BATCH // 2])
+        got = {}
+        for name in DP_CASES:
+            torch.manual_seed(0)
+            run = SimpleNamespace(**{**vars(run_settings(name)), "pp_microbatches": 2, "batch_size": BATCH // 2})
+            model = build_pipeline(CONFIG, run, torch.device("cpu"))
+            assert (model.pp_rank, model.dp_rank, model.dp_size) == (rank // 2, replica, 2)
+            optimizer = build_optimizer(model, OPTIM)
+            step = PipelineStep(model, optimizer, grad_clip=CLIP, world=distributed.World(rank, 4))
+            grads = {}
+            step.after_backward = lambda m, into=grads: into.update(full((n, p.grad) for n, p in m.named_parameters()))
+            result = step(lambda: mine, OPTIM.lr)
+            exp_avg = full((n, optimizer.state[p]["exp_avg"]) for n, p in model.named_parameters())
+            with torch.no_grad():
+                logits, _ = model(x)
+            got[name] = {"loss": result.loss, "grad_norm": result.grad_norm, "grads": grads, "exp_avg": exp_avg,
+                         "logits": logits}
+            if name == "1f1b":
+                checkpoint.save_sharded(Path(out) / "run", 1, model, optimizer, {}, {"draws": 1}, keep=1,
+                                        main=rank == 0)
+        torch.save(got, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def stages_and_replicas(tmp_path_factory):
+    out = tmp_path_factory.mktemp("stages_and_replicas")
+    context = mp.start_processes(_dp_worker, args=(free_port(), str(out)), nprocs=4, join=False, start_method="spawn")
+    try:
+        while not context.join(timeout=TIMEOUT):
+            pass
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DP_CASES)
+def test_two_stages_by_two_replicas_give_the_loss_gradients_and_update_of_one_process(stages_and_replicas, name):
+    _, ranks = stages_and_replicas
+    result, grads, model, optimizer, logits = one_process(1)  # the whole batch of 8: each replica had 4
+    state = {n: optimizer.state[p]["exp_avg"] for n, p in model.named_parameters()}
+    held = []
+    for got in (r[name] for r in ranks):  # the global batch's loss, and the norm over both stages and shards
+        assert got["loss"] == pytest.approx(result.loss, rel=1e-6)
+        assert got["grad_norm"] == pytest.approx(result.grad_norm, rel=1e-5)
+        assert result.grad_norm > 2 * CLIP  # the update was clipped
+        torch.testing.assert_close(got["logits"], logits, rtol=1e-4, atol=1e-4)  # after the AdamW step
+        held.append(set(got["grads"]))
+        for n, g in got["grads"].items():
+            torch.testing.assert_close(g, grads[n], rtol=1e-4, atol=1e-6, msg=n)
+            torch.testing.assert_close(got["exp_avg"][n], state[n], rtol=1e-4, atol=1e-8, msg=n)
+    # ranks 0, 1 (pp coordinate 0) hold one set of parameters, ranks 2, 3 the rest
+    assert held[0] == held[1] and held[2] == held[3] and held[0].isdisjoint(held[2])
+    assert held[0] | held[2] == set(grads)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_checkpoint_of_two_stages_by_two_replicas_loads_in_one_process(stages_and_replicas):
+    out, _ = stages_and_replicas
+    _, _, reference, reference_optimizer, _ = one_process(1)
+    model = TransformerLM(CONFIG)
+    optimizer = build_optimizer(model, OPTIM)
+    checkpoint.load_sharded(checkpoint.latest_valid(out / "run"), model, optimizer)
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(optimizer.state[p]["exp_avg"], reference_optimizer.state[q]["exp_avg"],
+                                   rtol=1e-4, atol=1e-8, msg=n)
+
+
+def test_pp_with_processes_not_a_multiple_of_the_stages_is_refused(tmp_path):
+    config = load_config(["run.pp=2", "run.batch_size=4"], preset="tiny")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match="launch a multiple of 2"):
+            build_pipeline(config.model, config.run, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()

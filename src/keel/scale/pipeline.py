@@ -14,8 +14,14 @@ number of micro-batches (`scale_grads`), so with equal-sized micro-batches (trai
 tokens) loss and gradients are the full batch's mean, as in one process. The training step itself (clipping
 over all stages, the divergence guard, the optimiser) is keel.train.pipeline_step.PipelineStep.
 
-Not done: pipeline and data parallelism together (FSDP2 over the other ranks of a 2-D mesh); run.pp needs
-exactly run.pp processes.
+With more processes than stages, pipeline and data parallelism compose, as torchtitan composes them: the
+world_size = pp x dp ranks form a 2-D DeviceMesh ("pp", "dp"), pp outermost, so rank = pp_coord * dp +
+dp_coord. Each row of ranks with one dp coordinate runs the whole pipeline for its data-parallel replica (its
+share of the global batch); each column with one pp coordinate holds the same stages, sharded with FSDP2
+(`fully_shard` over the "dp" sub-mesh) before PyTorch's PipelineStage wraps them. Putting pp outermost keeps each
+FSDP group on consecutive ranks (one node, where its all-gathers and reduce-scatters of every block run), and
+sends only the activations between nodes. FSDP2 averages the gradients over the dp replicas, so a step's
+gradients are the global batch's mean, as in one process.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from keel.errors import ConfigError
 from keel.model import ModelConfig, TransformerLM, count_params
@@ -116,25 +124,48 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 
+def shard_stage(stage: Stage, dp_mesh: DeviceMesh) -> None:
+    """Shard a stage's parameters over the data-parallel ranks with FSDP2: one unit per block, then the stage
+    (embedding, final norm, head). As keel.scale.parallel.apply_fsdp, the stream is never cast
+    (`cast_forward_inputs=False`) and gradients are reduced in float32; mixed precision comes from autocast,
+    as without dp. No unit reshards after its forward: a stage runs a forward per micro-batch before the
+    backwards, and resharding would all-gather every block again each time (torchtitan's default under pp);
+    the schedule reshards after the last backward."""
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for block in stage.blocks.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(stage, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+
+
 class PipelineModel(nn.Module):
     """This rank's stages. Their modules are registered here under the full model's names (`embed`,
     `blocks.<i>`, `final_norm`, `lm_head`), so parameters, optimiser state and checkpoints are named as in one
     process. `forward(idx)` is a plain forward pass down the stages (for evaluation) that returns the logits
-    on every rank; training goes through `forward_backward`."""
+    on every rank; training goes through `forward_backward`.
+
+    `mesh` is the ("pp", "dp") DeviceMesh: the pipeline runs over this rank's "pp" group; with more than one
+    dp replica the stages are sharded over the "dp" group (`shard_stage`), and the parameters are DTensors.
+    `dp_rank` of `dp_size` says which share of the global batch this rank's replica reads."""
 
     def __init__(self, model: TransformerLM, spans: list[range], stage_ids: list[int], placement: dict[int, int],
-                 group: dist.ProcessGroup, schedule_cls: type, n_microbatches: int, device: torch.device):
+                 mesh: DeviceMesh, schedule_cls: type, n_microbatches: int, device: torch.device):
         super().__init__()
-        self.config, self.spans, self.placement, self.group = model.config, spans, placement, group
-        self.pp_rank, n = dist.get_rank(group), len(spans)
+        self.config, self.spans, self.placement = model.config, spans, placement
+        self.group = mesh.get_group("pp")
+        self.pp_rank, n = mesh.get_local_rank("pp"), len(spans)
+        self.dp_rank, self.dp_size = mesh.get_local_rank("dp"), mesh["dp"].size()
         self.stages = {s: Stage(model, spans[s], first=s == 0, last=s == n - 1) for s in stage_ids}
+        if self.dp_size > 1:
+            for stage in self.stages.values():
+                shard_stage(stage, mesh["dp"])
         if 0 in self.stages:
             self.embed = model.embed
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for s in stage_ids for i in spans[s]})
         if n - 1 in self.stages:
             self.final_norm, self.lm_head = model.final_norm, model.lm_head
         self.is_first, self.is_last = 0 in self.stages, n - 1 in self.stages
-        pipeline_stages = [pipelining.PipelineStage(self.stages[s], s, n, device, group=group) for s in stage_ids]
+        pipeline_stages = [pipelining.PipelineStage(self.stages[s], s, n, device, group=self.group)
+                           for s in stage_ids]
         stage_arg = pipeline_stages if len(pipeline_stages) > 1 else pipeline_stages[0]
         try:
             self.schedule = schedule_cls(stage_arg, n_microbatches=n_microbatches, loss_fn=_loss, scale_grads=True)
@@ -147,8 +178,9 @@ class PipelineModel(nn.Module):
         return dist.get_global_rank(self.group, self.placement[stage])
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One schedule step over the batch (x, y), (B, T) each, every rank passing the same batch: gradients
-        accumulate in this rank's parameters. Returns the batch's mean loss on every rank of the pipeline."""
+        """One schedule step over the batch (x, y), (B, T) each, every rank of the pipeline passing the same
+        batch (its replica's share): gradients accumulate in this rank's parameters (averaged over the dp
+        replicas under FSDP2). Returns the batch's mean loss on every rank of the pipeline."""
         losses: list[torch.Tensor] = []
         args = (x,) if self.is_first else ()
         kwargs = {"target": y, "losses": losses} if self.is_last else {}
@@ -179,15 +211,18 @@ class PipelineModel(nn.Module):
 def build_pipeline(config: ModelConfig, run, device: torch.device, model: TransformerLM | None = None
                    ) -> PipelineModel:
     """This rank's `PipelineModel` for `run` (a RunConfig: pp, pp_schedule, pp_microbatches, grad_accum,
-    ac_every, compile), in a process group of exactly `run.pp` ranks. `model` (else `TransformerLM(config)`, which
-    every rank must build from the same seed) is split, after activation checkpointing and compile are
-    applied to it from outside, as keel.scale.parallel does."""
+    ac_every, compile), in a process group of run.pp x dp ranks (dp >= 1 data-parallel replicas). `model` (else
+    `TransformerLM(config)`, which every rank must build from the same seed) is split, after activation
+    checkpointing and compile are applied to it from outside, as keel.scale.parallel does; with dp > 1 each
+    stage is then sharded over its dp group (`shard_stage`)."""
     check_config(config, run)
     if not dist.is_initialized():
         raise ConfigError(f"run.pp={run.pp}: launch with torchrun --nproc_per_node={run.pp}")
-    if dist.get_world_size() != run.pp:
-        raise ConfigError(f"run.pp={run.pp} with {dist.get_world_size()} processes: pipeline and data parallelism "
-                          f"together are not implemented; launch exactly run.pp processes")
+    world = dist.get_world_size()
+    if world % run.pp:
+        raise ConfigError(f"run.pp={run.pp} with {world} processes: the processes must be run.pp x the number of "
+                          f"data-parallel replicas; launch a multiple of {run.pp}")
+    mesh = init_device_mesh(device.type, (run.pp, world // run.pp), mesh_dim_names=("pp", "dp"))
     name, per_rank, style = SCHEDULES[run.pp_schedule]
     n_stages = run.pp * per_rank
     model = (model if model is not None else TransformerLM(config)).to(device)
@@ -195,10 +230,9 @@ def build_pipeline(config: ModelConfig, run, device: torch.device, model: Transf
     if run.compile:
         apply_compile(model)
     placement = {s: s % run.pp if style == "loop" else min(s, n_stages - 1 - s) for s in range(n_stages)}
-    rank = dist.get_rank()
-    mine = [s for s in range(n_stages) if placement[s] == rank]
-    return PipelineModel(model, split_blocks(config, n_stages), mine, placement, dist.group.WORLD,
+    mine = [s for s in range(n_stages) if placement[s] == mesh.get_local_rank("pp")]
+    return PipelineModel(model, split_blocks(config, n_stages), mine, placement, mesh,
                          getattr(pipelining, name), run.pp_microbatches * run.grad_accum, device)
 
 
-__all__ = ["SCHEDULES", "PipelineModel", "Stage", "build_pipeline", "check_config", "split_blocks"]
+__all__ = ["SCHEDULES", "PipelineModel", "Stage", "build_pipeline", "check_config", "shard_stage", "split_blocks"]

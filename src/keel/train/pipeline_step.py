@@ -2,9 +2,10 @@
 
 `PipelineStep` is `TrainStep` with the forward/backward replaced by one pipeline schedule step: clipping, the
 divergence guard and the optimiser step are TrainStep's own, so they mean the same thing in both. Two things
-make TrainStep's clipping and guard right across stages:
-  - every rank gets the batch's loss (the last stage broadcasts it), so the guard decides alike everywhere;
-  - the gradient norm is the norm over every stage's parameters (see `_AllStages`).
+make TrainStep's clipping and guard right across stages (and, with dp replicas, across shards):
+  - every rank gets its replica's loss (the last stage broadcasts it), and TrainStep's mean over all ranks
+    (`world`) is the global batch's loss, so the guard decides alike everywhere;
+  - the gradient norm is the norm over every stage's parameters and every shard (see `_AllStages`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from keel.model import ModelConfig, TransformerLM, cpu_demo
 from keel.runtime import machine
@@ -30,22 +32,37 @@ from keel.train.step import Batch, StepResult, TrainStep
 
 
 class _AllStages:
-    """What TrainStep clips: this rank's parameters, plus one stand-in tensor whose gradient is the rest of the
-    global norm, sqrt(total^2 - mine^2), with total^2 summed over the stages. `clip_grad_norm_` over them returns
-    the norm over all stages' parameters, the same on every rank, and clips by it, as in one process."""
+    """What TrainStep clips: this rank's gradients, plus one stand-in tensor whose gradient is the rest of the
+    global norm, sqrt(total^2 - mine^2), with total^2 summed over every rank (all stages and, under FSDP2, all
+    shards). `clip_grad_norm_` over them returns the norm over the whole model's gradients, the same on every
+    rank, and clips by it, as in one process.
+
+    Under FSDP2 (dp > 1) a parameter and its gradient are DTensors, which `clip_grad_norm_` cannot mix with the
+    stand-in; it gets plain tensors holding the local shards instead, each with its gradient's local shard
+    (a view: clipping it scales the DTensor's gradient in place)."""
 
     def __init__(self, model: PipelineModel):
         self.model = model
         self.rest = torch.zeros(1, device=next(model.parameters()).device)
+        self.local: list[torch.Tensor] = []
 
     def parameters(self) -> list[torch.Tensor]:
-        return [*self.model.parameters(), self.rest]
+        return [*self.local, self.rest]
 
     def gather_norm(self) -> None:
-        grads = [p.grad.detach().float() for p in self.model.parameters() if p.grad is not None]
+        self.local = []
+        for p in self.model.parameters():
+            if p.grad is None:
+                continue
+            if isinstance(p, DTensor):
+                shard = p.to_local().detach()
+                shard.grad = p.grad.to_local()
+                p = shard
+            self.local.append(p)
+        grads = [p.grad.detach().float() for p in self.local]
         mine = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else self.rest.new_zeros(())
         total = mine.clone()
-        dist.all_reduce(total, group=self.model.group)
+        dist.all_reduce(total)  # every rank: each holds a disjoint part of the model's gradients
         self.rest.grad = (total - mine).clamp_min(0).sqrt().reshape(1)  # non-finite stays non-finite
 
 

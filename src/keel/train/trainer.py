@@ -73,7 +73,7 @@ class Trainer:
 
     def _build(self) -> None:
         c = self.config
-        pp = c.run.pp > 1  # pipeline stages (keel.scale.pipeline) instead of FSDP2
+        pp = c.run.pp > 1  # pipeline stages (keel.scale.pipeline); FSDP2 then only within a stage's dp group
         self.fsdp = self.world.distributed and not pp
         # under FSDP2, bf16 comes from its mixed-precision policy (bf16 weights) instead of autocast
         self.autocast = contextlib.nullcontext if self.fsdp else autocast_for(self.device, c.run.dtype)
@@ -109,8 +109,8 @@ class Trainer:
         else:
             self.model = build_model(c.model, c.run, self.device, fsdp=self.fsdp)
         self.optimizer = build_optimizer(self.model, c.optim)
-        # data-parallel replicas: every rank, or under pp one (all stages read the same batch)
-        self.replicas, replica = (1, 0) if pp else (self.world.size, self.world.rank)
+        # data-parallel replicas: every rank, or under pp the mesh's dp coordinate (a replica's stages read one batch)
+        self.replicas, replica = (self.model.dp_size, self.model.dp_rank) if pp else (self.world.size, self.world.rank)
         self.sampler = WindowSampler(self.data.train, c.run.seq_len, c.run.batch_size, seed=c.run.seed,
                                      rank=replica, world_size=self.replicas)
         self.guard = DivergenceGuard(c.guard, c.model.vocab_size)
