@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import inspect
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,3 +90,38 @@ def make_run():
         checkpoint.save(run_dir, 7, m, {}, {}, keep=1)
         return m
     return make
+
+
+@pytest.fixture(scope="session")
+def spawn():
+    """`spawn(worker, *args, nprocs=2)`: run `worker(rank, port, *args)` in `nprocs` fresh processes (a free
+    local port for their process group) and wait for all of them; a hung worker is killed at `timeout`."""
+    import torch.multiprocessing as mp
+
+    def run(worker, *args, nprocs: int = 2, timeout: float = 300):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        context = mp.start_processes(worker, args=(port, *args), nprocs=nprocs, join=False, start_method="spawn")
+        try:
+            while not context.join(timeout=timeout):
+                pass
+        finally:
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()
+    return run
+
+
+@pytest.fixture(scope="session")
+def torchrun():
+    """`torchrun(module, *args, nproc=2)`: `python -m torch.distributed.run ... -m module *args`, one thread per
+    process; asserts it exits 0 and returns the completed process."""
+    def run(module: str, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+               "-m", module, *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out
+    return run

@@ -1,17 +1,12 @@
 """Two processes on CPU (gloo) against one: FSDP2 gradients, sharded checkpoints, torchrun training and resume."""
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from keel.cli import main
 from keel.model.config import ModelConfig
@@ -30,12 +25,6 @@ TIMEOUT = 120
 pytestmark = pytest.mark.distributed
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.max_seq_len + 1), generator=g)
@@ -46,7 +35,7 @@ def clean(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "")
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, port: int, world: int, out: str) -> None:
     """One rank: an FSDP2 (+ activation checkpointing) step on its half of the global batch, a sharded
     checkpoint, and a bf16 forward whose residual stream is recorded."""
     torch.set_num_threads(1)
@@ -82,16 +71,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def two_ranks(tmp_path_factory, spawn):
     out = tmp_path_factory.mktemp("two_ranks")
-    context = mp.start_processes(_worker, args=(2, free_port(), str(out)), nprocs=2, join=False, start_method="spawn")
-    try:
-        while not context.join(timeout=TIMEOUT):
-            pass
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
+    spawn(_worker, 2, str(out), nprocs=2, timeout=TIMEOUT)
     return out, torch.load(out / "rank0.pt", weights_only=False)
 
 
@@ -163,15 +145,6 @@ def test_bf16_fsdp_keeps_the_residual_stream_float32(two_ranks):
 
 # ---- `keel train` under torchrun --------------------------------------------------------------------
 
-def torchrun(tmp_path: Path, corpus: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-           "-m", "keel.cli", "train", "--preset", "tiny", *common(tmp_path, corpus), *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
-
-
 def common(tmp_path: Path, corpus: Path) -> list[str]:
     return [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"run.out_dir={tmp_path / 'runs'}",
             "run.batch_size=2", "run.steps=8", "run.ckpt_every=4", "run.eval_every=0", "run.ac_every=2"]
@@ -182,16 +155,19 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in records if "loss" in r and "event" not in r]
 
 
-def test_torchrun_trains_resumes_and_matches_one_process(tmp_path, corpus):
+def test_torchrun_trains_resumes_and_matches_one_process(tmp_path, corpus, torchrun):
+    def train(*overrides):
+        return torchrun("keel.cli", "train", "--preset", "tiny", *common(tmp_path, corpus), *overrides,
+                        timeout=TIMEOUT)
     runs = tmp_path / "runs"
-    out = torchrun(tmp_path, corpus, "run.name=straight")
+    out = train("run.name=straight")
     assert out.stdout.count("memory per process") == 1  # rank 0 alone prints
     straight = losses(runs / "straight")
     assert len(straight) == 8
     # a run stopped after its step-4 checkpoint, resumed under torchrun: the same losses, bit for bit
     part = shutil.copytree(runs / "straight", runs / "part")
     shutil.rmtree(part / "checkpoints" / "step_00000008")
-    torchrun(tmp_path, corpus, f"resume={part}")
+    train(f"resume={part}")
     assert losses(part) == straight
     summary = json.loads((runs / "straight" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["tokens"] == 8 * 4 * 32

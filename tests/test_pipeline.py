@@ -4,18 +4,13 @@ stage) on the same global batch; checkpoints written by the stages load in one p
 under torchrun matches one process and resumes in one."""
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from keel.errors import ConfigError
 from keel.model import ModelConfig, TransformerLM
@@ -33,12 +28,6 @@ OPTIM = OptimConfig(lr=1e-2, warmup_steps=0)
 BATCH = 8  # sequences; micro-batches of 2 (4 per batch) or 1 (grad_accum=2: 8 per step)
 CLIP = 0.05  # below the gradient norm, so the clipped update shows whether the norm spans both stages
 TIMEOUT = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def batches(n: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -90,16 +79,9 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_stages(tmp_path_factory):
+def two_stages(tmp_path_factory, spawn):
     out = tmp_path_factory.mktemp("two_stages")
-    context = mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=2, join=False, start_method="spawn")
-    try:
-        while not context.join(timeout=TIMEOUT):
-            pass
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
+    spawn(_worker, str(out), nprocs=2, timeout=TIMEOUT)
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -188,15 +170,6 @@ def test_pp_outside_torchrun_is_refused():
 
 # ---- `keel train run.pp=2` under torchrun --------------------------------------------------------------------
 
-def torchrun(tmp_path: Path, corpus: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-           "-m", "keel.cli", "train", "--preset", "tiny", *common(tmp_path, corpus), "run.pp=2", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
-
-
 def common(tmp_path: Path, corpus: Path) -> list[str]:
     return [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"run.out_dir={tmp_path / 'runs'}",
             "run.batch_size=4", "run.steps=6", "run.ckpt_every=3", "run.eval_every=3", "run.pp_microbatches=2"]
@@ -209,9 +182,12 @@ def losses(run_dir: Path, key: str = "loss") -> list[float]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_torchrun_pp_trains_like_one_process_and_resumes_in_one(tmp_path, corpus):
+def test_torchrun_pp_trains_like_one_process_and_resumes_in_one(tmp_path, corpus, torchrun):
+    def train(*overrides):
+        torchrun("keel.cli", "train", "--preset", "tiny", *common(tmp_path, corpus), "run.pp=2", *overrides,
+                 timeout=TIMEOUT)
     runs = tmp_path / "runs"
-    torchrun(tmp_path, corpus, "run.name=piped")
+    train("run.name=piped")
     piped = losses(runs / "piped")
     assert len(piped) == 6
     summary = json.loads((runs / "piped" / "summary.json").read_text())
@@ -223,7 +199,7 @@ def test_torchrun_pp_trains_like_one_process_and_resumes_in_one(tmp_path, corpus
     assert losses(runs / "single", "val_loss") == pytest.approx(losses(runs / "piped", "val_loss"), rel=1e-5)
     # the stages' step-3 checkpoint resumed in one process, and under the pipeline again
     for name, resume in (("resumed", lambda d: Trainer(config, d).run(resume_from=d / "checkpoints" / "step_00000003")),
-                         ("piped-again", lambda d: torchrun(tmp_path, corpus, f"resume={d}"))):
+                         ("piped-again", lambda d: train(f"resume={d}"))):
         part = shutil.copytree(runs / "piped", runs / name)
         shutil.rmtree(part / "checkpoints" / "step_00000006")
         resume(part)
@@ -232,13 +208,9 @@ def test_torchrun_pp_trains_like_one_process_and_resumes_in_one(tmp_path, corpus
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_the_pipeline_benchmark_writes_its_tables(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m",
-           "keel.train.pipeline_step", "--out", str(tmp_path), "--n-blocks", "4", "--d-model", "32", "--batch-size",
-           "4", "--seq-len", "16", "--steps", "1", "--schedules", "1f1b,zbv"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_the_pipeline_benchmark_writes_its_tables(tmp_path, torchrun):
+    torchrun("keel.train.pipeline_step", "--out", str(tmp_path), "--n-blocks", "4", "--d-model", "32", "--batch-size",
+             "4", "--seq-len", "16", "--steps", "1", "--schedules", "1f1b,zbv", timeout=TIMEOUT)
     result = json.loads((tmp_path / "bench.json").read_text())
     assert [r["schedule"] for r in result["records"]] == ["1f1b", "zbv"]
     assert all(r["pipeline_s"] > 0 and r["one_process_s"] > 0 and r["one_process_threads"] == 2
@@ -293,16 +265,9 @@ def _dp_worker(rank: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def stages_and_replicas(tmp_path_factory):
+def stages_and_replicas(tmp_path_factory, spawn):
     out = tmp_path_factory.mktemp("stages_and_replicas")
-    context = mp.start_processes(_dp_worker, args=(free_port(), str(out)), nprocs=4, join=False, start_method="spawn")
-    try:
-        while not context.join(timeout=TIMEOUT):
-            pass
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
+    spawn(_dp_worker, str(out), nprocs=4, timeout=TIMEOUT)
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
 
 
