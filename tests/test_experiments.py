@@ -201,3 +201,18 @@ def test_a_sweep_directory_refuses_points_of_another_configuration(corpus_cfg, t
     longer = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]", "steps=4"])
     with pytest.raises(ValueError, match="differs in steps"):
         EXPERIMENTS["lr-sweep"][1](longer, tmp_path, "keel experiment lr-sweep --quick steps=4")
+
+
+def test_adding_seeds_to_a_sweep_runs_only_the_new_seeds(corpus_cfg, tmp_path):
+    one = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]"])
+    EXPERIMENTS["lr-sweep"][1](one, tmp_path, "keel experiment lr-sweep --quick seeds=[0]")
+    first = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "points").glob("*-seed0.json")}
+    two = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0,1]"])
+    points = EXPERIMENTS["lr-sweep"][1](two, tmp_path, "keel experiment lr-sweep --quick seeds=[0,1]")
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "points").glob("*-seed0.json")} == first
+    assert sorted(k.rsplit("-", 1)[1] for k in points) == ["seed0"] * 2 * len(one.lrs) + ["seed1"] * 2 * len(one.lrs)
+    assert json.loads((tmp_path / "points" / "config.json").read_text())["seeds"] == [0, 1]
+    # a seed-1-only rerun still reads its points and keeps the recorded union
+    EXPERIMENTS["lr-sweep"][1](build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[1]"]),
+                               tmp_path, "keel experiment lr-sweep --quick seeds=[1]")
+    assert json.loads((tmp_path / "points" / "config.json").read_text())["seeds"] == [0, 1]

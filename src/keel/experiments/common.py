@@ -208,7 +208,9 @@ def pm(values: list[float], digits: int = 3) -> str:
 @dataclass
 class Sweep:
     """Runs named points once each, keeping each result on disk as soon as it is done. The directory
-    records the experiment's config, so points from another configuration are never reused."""
+    records the experiment's config, so points from another configuration are never reused. The seed list
+    alone may differ: points are named by their seed, so adding seeds to a finished sweep runs only the new
+    ones (the recorded list becomes the union)."""
 
     out: Path
     config: object
@@ -216,12 +218,15 @@ class Sweep:
     def run(self, points: dict[str, Callable[[], dict]], desc: str) -> dict[str, dict]:
         (self.out / "points").mkdir(parents=True, exist_ok=True)
         recorded, mine = self.out / "points" / "config.json", json.loads(json.dumps(asdict(self.config)))
-        if recorded.exists() and json.loads(recorded.read_text()) != mine:
+        if recorded.exists():
             theirs = json.loads(recorded.read_text())
-            changed = sorted(k for k in mine if theirs.get(k) != mine[k])
-            raise ConfigError(f"{self.out}: holds points of another configuration (differs in {', '.join(changed)}); "
-                             "use another --out or delete that directory")
-        if not recorded.exists():
+            changed = sorted(k for k in mine.keys() | theirs.keys() if k != "seeds" and theirs.get(k) != mine.get(k))
+            if changed:
+                raise ConfigError(f"{self.out}: holds points of another configuration (differs in "
+                                  f"{', '.join(changed)}); use another --out or delete that directory")
+            if "seeds" in mine:
+                mine["seeds"] = sorted(set(theirs.get("seeds", [])) | set(mine["seeds"]))
+        if mine != (json.loads(recorded.read_text()) if recorded.exists() else None):
             recorded.write_text(json.dumps(mine, indent=1))
         results = {}
         bar = tqdm(points.items(), desc=desc, file=sys.stdout, dynamic_ncols=True)
