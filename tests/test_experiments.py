@@ -12,7 +12,7 @@ import torch
 
 from keel import TransformerLM, tiny
 from keel.data import DataConfig
-from keel.experiments import EXPERIMENTS
+from keel.experiments import EXPERIMENTS, precision
 from keel.experiments.cli import build
 from keel.experiments.common import fixed_batches, mean_sd, splits, unigram_loss
 from keel.experiments.detect import FailureRules
@@ -20,6 +20,7 @@ from keel.experiments.gradflow import measure
 from keel.experiments.maxlr import MaxLRConfig, verdict
 from keel.experiments.probes import branches_off, removed, residual_sizes
 from keel.experiments.regime import compare
+from keel.experiments.scaling import budget_point
 
 
 def rmsnorm(x):
@@ -157,6 +158,7 @@ QUICK = {
     "ablations": ["depth=4", "steps=3"],
     "redundancy": ["depth=4", "steps=3"],
     "regime": ["depth=4", "steps=4"],
+    "stream-precision": ["depth=4", "steps=3", "init_depths=[4,8]"],
 }
 
 
@@ -216,3 +218,43 @@ def test_adding_seeds_to_a_sweep_runs_only_the_new_seeds(corpus_cfg, tmp_path):
     EXPERIMENTS["lr-sweep"][1](build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[1]"]),
                                tmp_path, "keel experiment lr-sweep --quick seeds=[1]")
     assert json.loads((tmp_path / "points" / "config.json").read_text())["seeds"] == [0, 1]
+
+
+def test_bf16_sum_keeps_only_what_bf16_resolves():
+    # bf16 has 8 significant bits: between 256 and 512 its spacing is 2, so 256 + 0.5 rounds back to 256 (nothing
+    # survives) and 256 + 1.5 rounds up to 258 (the update arrives as 2: 4/3 of it)
+    ax = torch.full((4, 8), 256.0)
+    assert precision.survival(ax, torch.full((4, 8), 0.5)) == (0.0, 1.0)
+    share, err = precision.survival(ax, torch.full((4, 8), 1.5))
+    assert share == pytest.approx(2 / 1.5) and err == pytest.approx(0.5 / 1.5)
+    assert precision.survival(torch.ones(3), torch.full((3,), 0.5)) == (1.0, 0.0)  # 1.5 is exact in bf16
+
+
+def test_bf16_stream_rounds_every_shortcut_sum_and_the_stream():
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(n_blocks=3, d_model=32, n_heads=2))
+    x = torch.randint(0, 256, (2, 16))
+    plain, _ = model(x)
+    handles = precision.round_stream(model)
+    seen = []
+    for s in model.sublayers():
+        res = model.get_submodule(s.path)
+        res.register_forward_pre_hook(lambda m, args: seen.append(args[0]))  # after round_stream's own hook
+        if res.norm_out is not None:
+            res.norm_out.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    rounded, _ = model(x)
+    assert len(seen) > 6 and all(torch.equal(t, t.to(torch.bfloat16).float()) for t in seen)
+    assert not torch.allclose(plain, rounded, atol=1e-6)
+    for h in handles:
+        h.remove()
+    seen.clear()
+    again, _ = model(x)
+    assert torch.equal(again, plain)
+
+
+def test_a_prepared_budget_point_starts_from_the_same_init(corpus_cfg):
+    cfg = build("stream-precision", True, [*TINY, *QUICK["stream-precision"], *corpus_cfg, "curve_every=0"])
+    model_cfg = cfg.shape.model("keel", 4)
+    plain = budget_point(cfg, model_cfg, 3e-3, 1)
+    prepared = budget_point(cfg, model_cfg, 3e-3, 1, prepare=lambda m: None)
+    assert plain["losses"] == prepared["losses"] and plain["report_loss"] == prepared["report_loss"]

@@ -67,9 +67,10 @@ def branches_off(model, indices):
 
 
 @torch.no_grad()
-def residual_sizes(model, x: torch.Tensor) -> dict[str, list[float]]:
-    """Per sub-layer, on the batch `x`: rms of the branch output F, of the scaled shortcut alpha*x, and of
-    their sum (before norm_out). Needs a model without the fused junction (keel.scale.parallel)."""
+def residual_terms(model, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sub-layer, on the batch `x`: the two terms of its residual sum, (alpha * x, F), in float32, F after
+    norm_branch where the scheme has one (what is added to alpha * x). Needs a model without the fused
+    junction (keel.scale.parallel)."""
     seen: dict[int, dict] = {}
     hooks = []
     for s in model.sublayers():
@@ -90,16 +91,23 @@ def residual_sizes(model, x: torch.Tensor) -> dict[str, list[float]]:
         for h in hooks:
             h.remove()
         model.train(was_training)
-
-    def rms(t):
-        return t.pow(2).mean().sqrt().item()
-    out = {"rms_f": [], "rms_ax": [], "rms_sum": []}
+    terms = []
     for s in model.sublayers():
         res = model.get_submodule(s.path)
         h = seen[s.index]["f"]
         if res.norm_branch is not None:  # Peri-LN normalises F before the sum
-            h = res.norm_branch(h)
-        ax = res.alpha * seen[s.index]["x"]
+            h = res.norm_branch(h).float()
+        terms.append((res.alpha * seen[s.index]["x"], h))
+    return terms
+
+
+def residual_sizes(model, x: torch.Tensor) -> dict[str, list[float]]:
+    """Per sub-layer, on the batch `x`: rms of the branch output F, of the scaled shortcut alpha*x, and of
+    their sum (before norm_out)."""
+    def rms(t):
+        return t.pow(2).mean().sqrt().item()
+    out = {"rms_f": [], "rms_ax": [], "rms_sum": []}
+    for ax, h in residual_terms(model, x):
         out["rms_f"].append(rms(h))
         out["rms_ax"].append(rms(ax))
         out["rms_sum"].append(rms(ax + h))

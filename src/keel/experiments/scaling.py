@@ -15,8 +15,12 @@ steps of `batch_size x seq_len` tokens. The method (issue 10):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import torch
+from torch import nn
 
 from keel.data import DataConfig
 from keel.experiments.common import (
@@ -37,6 +41,7 @@ from keel.experiments.common import (
     write_outputs,
 )
 from keel.experiments.probes import branches_off, residual_sizes
+from keel.model import TransformerLM
 from keel.model.counting import count_params
 from keel.runtime import autocast_for
 from keel.train.config import OptimConfig
@@ -100,9 +105,18 @@ class DeepWideConfig(BudgetConfig):
                    seeds=[0, 1], steps=8, warmup_steps=2, eval_batches=1, curve_every=0, shape=TINY_SHAPE)
 
 
-def budget_point(cfg: BudgetConfig, model_cfg, lr: float, seed: int, shape: Shape | None = None) -> dict:
-    """Train one model; its losses on both validation halves, its curves, and (with cfg.probe) its probes."""
+def budget_point(cfg: BudgetConfig, model_cfg, lr: float, seed: int, shape: Shape | None = None,
+                 prepare: Callable[[nn.Module], object] | None = None,
+                 extra: Callable[[nn.Module, list], dict] | None = None) -> dict:
+    """Train one model; its losses on both validation halves, its curves, and (with cfg.probe) its probes.
+    `prepare(model)` changes the freshly initialised model before training (the init is the same as without
+    it); `extra(model, report_batches)` adds measurements of the trained model to the point."""
     shape = shape or cfg.shape
+    model = None
+    if prepare is not None:
+        torch.manual_seed(seed)  # train_curve seeds the same way before it would build the model
+        model = TransformerLM(model_cfg)
+        prepare(model)
     optim = OptimConfig(lr=lr, warmup_steps=cfg.warmup_steps)
     config = point_config(model_cfg, optim, cfg.steps, shape, cfg.data, seed, cfg, cfg.eval_batches)
     halves = splits(cfg.data)
@@ -115,7 +129,7 @@ def budget_point(cfg: BudgetConfig, model_cfg, lr: float, seed: int, shape: Shap
             evals["loss"].append(loss_on(model, curve_set, autocast_for(next(model.parameters()).device,
                                                                          cfg.run.dtype)))
         return False
-    curve, model = train_curve(config, cfg.eval_batches, on_step=on_step, eval_tokens=halves["select"])
+    curve, model = train_curve(config, cfg.eval_batches, model=model, on_step=on_step, eval_tokens=halves["select"])
     out = {"scheme": model_cfg.scheme, "n_sublayers": model_cfg.n_sublayers, "d_model": model_cfg.d_model,
            "alpha": model_cfg.alpha, "first_layer": model_cfg.first_layer, "lr": lr, "seed": seed,
            "select_loss": curve.val_loss, "report_loss": None, "losses": curve.losses, "evals": evals,
@@ -128,6 +142,8 @@ def budget_point(cfg: BudgetConfig, model_cfg, lr: float, seed: int, shape: Shap
     out["report_loss"] = loss_on(model, report, auto)
     if cfg.probe:
         out["probe"] = probe(model, report[:cfg.probe_batches], auto)
+    if extra is not None:
+        out |= extra(model, report)
     return out
 
 
