@@ -14,6 +14,7 @@ steps of `batch_size x seq_len` tokens. The method (issue 10):
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from keel.data import DataConfig
+from keel.errors import ConfigError
 from keel.experiments.common import (
     Engine,
     Shape,
@@ -70,6 +72,9 @@ TINY_SHAPE = Shape(d_model=32, n_heads=2, n_kv_heads=1, seq_len=32, batch_size=4
 class DepthConfig(BudgetConfig):
     depths: list[int] = field(default_factory=lambda: [8, 16, 32, 64])  # sub-layers, 8x span
     probe: bool = True
+    # "" (choose from `lrs`), or an earlier depth run's results.json: each arm then runs at the LR that run
+    # chose for it on the select half (tune on a short budget, train long), and `lrs` is not used
+    lr_from: str = ""
 
     @classmethod
     def quick(cls) -> DepthConfig:
@@ -166,19 +171,21 @@ def _loss(r: dict | None, key: str) -> float:
     return v if v is not None and math.isfinite(v) else float("inf")
 
 
-def select_then_seeds(cfg: BudgetConfig, out: Path, arms: dict, desc: str, shapes: dict | None = None) -> dict:
+def select_then_seeds(cfg: BudgetConfig, out: Path, arms: dict, desc: str, shapes: dict | None = None,
+                      grids: dict[str, list[float]] | None = None) -> dict:
     """Phase 1: every arm at every LR with the first seed; the LR with the lowest select-half loss is
     chosen. Phase 2: the other seeds at the chosen LR. Returns {points, chosen, arms}, where arms[label] has
-    the report-half losses of every seed at the chosen LR."""
+    the report-half losses of every seed at the chosen LR. `grids[label]` replaces `cfg.lrs` for an arm."""
     shapes = shapes or {}
+    grid = {label: (grids or {}).get(label, cfg.lrs) for label in arms}
     sweep, s0 = Sweep(out, cfg), cfg.seeds[0]
 
     def job(label, lr, seed):
         return lambda: budget_point(cfg, arms[label], lr, seed, shapes.get(label))
-    first = {f"{label}-lr{lr:g}-seed{s0}": job(label, lr, s0) for label in arms for lr in cfg.lrs}
+    first = {f"{label}-lr{lr:g}-seed{s0}": job(label, lr, s0) for label in arms for lr in grid[label]}
     points = sweep.run(first, f"{desc} (LR choice)")
-    chosen = {label: min(cfg.lrs, key=lambda lr, label=label: _loss(points[f"{label}-lr{lr:g}-seed{s0}"],
-                                                                     "select_loss"))
+    chosen = {label: min(grid[label], key=lambda lr, label=label: _loss(points[f"{label}-lr{lr:g}-seed{s0}"],
+                                                                        "select_loss"))
               for label in arms}
     rest = {f"{label}-lr{chosen[label]:g}-seed{s}": job(label, chosen[label], s)
             for label in arms for s in cfg.seeds[1:]}
@@ -191,9 +198,9 @@ def select_then_seeds(cfg: BudgetConfig, out: Path, arms: dict, desc: str, shape
         summary[label] = {"lr": chosen[label], "report_losses": losses, "mean": m, "sd": sd,
                           "diverged_seeds": sum(r["diverged"] for r in runs),
                           "select_by_lr": {f"{lr:g}": points[f"{label}-lr{lr:g}-seed{s0}"]["select_loss"]
-                                           for lr in cfg.lrs},
+                                           for lr in grid[label]},
                           "report_by_lr": {f"{lr:g}": points[f"{label}-lr{lr:g}-seed{s0}"]["report_loss"]
-                                           for lr in cfg.lrs}}
+                                           for lr in grid[label]}}
     return {"points": points, "chosen": chosen, "arms": summary}
 
 
@@ -219,9 +226,22 @@ def method_note(cfg: BudgetConfig) -> str:
             f"that LR; losses on the report half ({cfg.eval_batches} batches), mean ± SD over seeds.")
 
 
+def chosen_lrs(path: str, arms) -> dict[str, list[float]]:
+    """{arm: [LR]} from an earlier experiment's results.json (`results.chosen`), for every arm in `arms`."""
+    try:
+        chosen = json.loads(Path(path).read_text())["results"]["chosen"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"lr_from: cannot read the chosen LRs from {path} ({e})") from None
+    missing = [a for a in arms if a not in chosen]
+    if missing:
+        raise ConfigError(f"lr_from: {path} chose no LR for {', '.join(missing)}")
+    return {a: [float(chosen[a])] for a in arms}
+
+
 def run_depth(cfg: DepthConfig, out: Path, command: str) -> dict:
     arms = {f"{s}-{d}": cfg.shape.model(s, d) for d in cfg.depths for s in cfg.schemes}
-    res = select_then_seeds(cfg, out, arms, "depth")
+    grids = chosen_lrs(cfg.lr_from, arms) if cfg.lr_from else None
+    res = select_then_seeds(cfg, out, arms, "depth", grids=grids)
     a = res["arms"]
     rows, gaps = [], {}
     for d in cfg.depths:
@@ -239,7 +259,11 @@ def run_depth(cfg: DepthConfig, out: Path, command: str) -> dict:
     plots = [_plot_depth(cfg, res, unigram, out), _plot_curves(cfg, res, unigram, out)]
     if cfg.probe:
         plots.append(_plot_probe(cfg, res, out))
-    notes = method_note(cfg) + f" Unigram level on the report half: {unigram:.3f} nats.\n\n" + probes
+    method = method_note(cfg)
+    if cfg.lr_from:
+        method += (f" Here no LR is chosen: each arm runs at the LR chosen for it by {cfg.lr_from} "
+                   f"({', '.join(f'{a} {g[0]:g}' for a, g in grids.items())}).")
+    notes = method + f" Unigram level on the report half: {unigram:.3f} nats.\n\n" + probes
     write_outputs(out, "depth", cfg, command, {**res, "gaps": gaps, "unigram": unigram},
                   markdown_table(header, rows), plots, notes)
     return {"arms": a, "gaps": gaps}
