@@ -21,6 +21,7 @@ def one_line_error(capsys, needle: str) -> str:
     (["guard.spike_window=-1"], "guard.spike_window"),
     (["guard.spike_window=0"], "guard.spike_window"),
     (["guard.spike_min_history=-1"], "guard.spike_min_history"),
+    (["guard.spike_min_rise=-0.1"], "guard.spike_min_rise"),
     ([f"run.seed={2**70}"], "run.seed"),
     (["steps=10"], "did you mean run.steps"),
     (["model.alpha=-3"], "ModelConfig.alpha"),

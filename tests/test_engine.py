@@ -54,6 +54,20 @@ def test_guard_rules_on_synthetic_losses():
     assert early.check(100.0, 1.0) is None  # too little history to call a spike
 
 
+def test_spike_rule_needs_an_absolute_rise_too():
+    # a model that memorised its data: median 0.035, one batch at 0.113 is 3.2x the median but 0.08 nats
+    guard = DivergenceGuard(GuardConfig(spike_factor=3.0, spike_window=10, spike_min_history=5))
+    for _ in range(5):
+        assert guard.check(0.035, 1.0) is None
+    assert guard.check(0.113, 1.0) is None
+    assert guard.check(0.5, 1.0) is None  # 14x the median, but only 0.465 above it (< 0.5)
+    assert "loss spike" in guard.check(0.6, 1.0)  # 0.565 above: a real jump at low loss
+    strict = DivergenceGuard(GuardConfig(spike_factor=3.0, spike_window=10, spike_min_history=5, spike_min_rise=0))
+    for _ in range(5):
+        strict.check(0.035, 1.0)
+    assert "loss spike" in strict.check(0.113, 1.0)  # the factor alone, as before
+
+
 def test_top_k_and_top_p_filters():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[False, False, True, True]]

@@ -274,3 +274,17 @@ def test_depth_can_take_each_arms_lr_from_an_earlier_run(corpus_cfg, tmp_path):
         EXPERIMENTS["depth"][1](build("depth", True, [*TINY, *QUICK["depth"], *corpus_cfg, "depths=[16]",
                                                       f"lr_from={tmp_path / 'short' / 'results.json'}"]),
                                 tmp_path / "bad", "keel experiment depth --quick")
+
+
+def test_a_field_added_later_with_its_default_does_not_invalidate_a_sweep(corpus_cfg, tmp_path):
+    cfg = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]"])
+    EXPERIMENTS["lr-sweep"][1](cfg, tmp_path, "keel experiment lr-sweep --quick")
+    recorded = tmp_path / "points" / "config.json"
+    old = json.loads(recorded.read_text())
+    del old["guard"]["spike_min_rise"]  # as recorded before that field existed
+    recorded.write_text(json.dumps(old))
+    EXPERIMENTS["lr-sweep"][1](cfg, tmp_path, "keel experiment lr-sweep --quick")  # same default: reused
+    changed = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]", "guard.spike_min_rise=1"])
+    recorded.write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="differs in guard.spike_min_rise"):
+        EXPERIMENTS["lr-sweep"][1](changed, tmp_path, "keel experiment lr-sweep --quick")

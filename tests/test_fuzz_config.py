@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 KEYS = ["model.n_blocks", "model.d_model", "model.n_heads", "model.n_kv_heads", "model.scheme", "model.alpha",
         "model.first_layer", "model.norm_eps", "model.dropout", "model.vocab_size", "optim.lr", "optim.beta1",
         "optim.beta2", "optim.eps", "optim.weight_decay", "optim.warmup_steps", "optim.schedule", "optim.grad_clip",
-        "guard.policy", "guard.spike_window", "guard.spike_min_history", "guard.spike_factor", "guard.loss_ceiling",
+        "guard.policy", "guard.spike_window", "guard.spike_min_history", "guard.spike_factor", "guard.spike_min_rise",
+        "guard.loss_ceiling",
         "run.steps", "run.batch_size", "run.seq_len", "run.seed", "run.device", "run.dtype", "run.name",
         "run.grad_accum", "run.ac_every", "run.fused_junction", "data.val_fraction", "scheme", "steps", "bogus",
         "model", "run", "run.name.deeper"]

@@ -220,7 +220,8 @@ class Sweep:
         recorded, mine = self.out / "points" / "config.json", json.loads(json.dumps(asdict(self.config)))
         if recorded.exists():
             theirs = json.loads(recorded.read_text())
-            changed = sorted(k for k in mine.keys() | theirs.keys() if k != "seeds" and theirs.get(k) != mine.get(k))
+            changed = [k for k in _differences(mine, theirs, json.loads(json.dumps(asdict(type(self.config)()))))
+                       if k != "seeds"]
             if changed:
                 raise ConfigError(f"{self.out}: holds points of another configuration (differs in "
                                   f"{', '.join(changed)}); use another --out or delete that directory")
@@ -242,6 +243,21 @@ class Sweep:
             tmp.rename(path)  # a point is either finished on disk or not there
             results[key] = result
         return results
+
+
+def _differences(mine: dict, theirs: dict, defaults: dict, prefix: str = "") -> list[str]:
+    """Dotted names of the fields in which two recorded configs differ. A field `theirs` lacks (added to the
+    code after it was recorded) is no difference while `mine` holds its default, which keeps the old behaviour."""
+    out = []
+    for k in sorted(mine.keys() | theirs.keys()):
+        a, b, default = mine.get(k), theirs.get(k), (defaults or {}).get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, default if isinstance(default, dict) else {}, f"{prefix}{k}.")
+        elif k not in theirs and k in defaults and a == default:
+            continue
+        elif a != b:
+            out.append(prefix + k)
+    return out
 
 
 def write_outputs(out: Path, name: str, config, command: str, results: dict, table: str, plots: list[str],

@@ -54,7 +54,8 @@ class GuardConfig:
     policy: str = "stop"  # stop | rollback
     spike_factor: float = 3.0  # a spike is a loss above spike_factor x the running median ...
     spike_window: int = 50  # ... of the last spike_window losses ...
-    spike_min_history: int = 20  # ... once at least this many are known; 0 disables spike checks
+    spike_min_history: int = 20  # ... once at least this many are known; 0 disables spike checks ...
+    spike_min_rise: float = 0.5  # ... and at least this many nats above it (a near-zero loss tripling is no spike)
     # from the first step on: a loss above loss_ceiling x ln(vocab_size) (the loss of a uniform guess) is a
     # blow-up, before any history exists; 0 disables
     loss_ceiling: float = 3.0
@@ -316,6 +317,8 @@ def validate(c: TrainConfig) -> None:
         fail("guard.spike_factor", c.guard.spike_factor, "a finite number > 1")
     if c.guard.spike_window < 1:
         fail("guard.spike_window", c.guard.spike_window, "an integer >= 1 (guard.spike_min_history=0 disables spikes)")
+    if not 0 <= c.guard.spike_min_rise < float("inf"):
+        fail("guard.spike_min_rise", c.guard.spike_min_rise, "a finite number >= 0 (nats)")
     if not 0 <= c.guard.spike_min_history <= c.guard.spike_window:
         fail("guard.spike_min_history", c.guard.spike_min_history, "an integer in [0, guard.spike_window] (0 disables)")
     if c.guard.max_rollbacks < 0:

@@ -12,8 +12,10 @@ from keel.train.config import GuardConfig
 class DivergenceGuard:
     """Judges each step's loss and gradient norm before the optimiser step is taken.
 
-    Spike rule: a loss above `spike_factor` x the median of the last `spike_window` accepted losses,
-    once `spike_min_history` are known. The median, unlike the mean, is not dragged up by one bad step.
+    Spike rule: a loss above `spike_factor` x the median of the last `spike_window` accepted losses, and
+    at least `spike_min_rise` nats above it, once `spike_min_history` are known. The median, unlike the mean,
+    is not dragged up by one bad step; the absolute floor keeps a model that has memorised its data (loss
+    0.03, one batch at 0.1) from being called diverged.
     Ceiling rule (with `vocab_size`): a loss above `loss_ceiling` x ln(vocab_size) from the very first step.
     ln(V) is the loss of a uniform guess, where every run starts; a model that does several times worse has
     blown up, and this catches it before the spike rule has any history (a too-high LR can go from 5 to 50
@@ -36,8 +38,9 @@ class DivergenceGuard:
                     "(a uniform guess scores ln(vocab))")
         if self.cfg.spike_min_history and len(self.history) >= self.cfg.spike_min_history:
             median = statistics.median(self.history)
-            if loss > self.cfg.spike_factor * median:
-                return f"loss spike: {loss:.4g} > {self.cfg.spike_factor:g} x running median {median:.4g}"
+            if loss > self.cfg.spike_factor * median and loss - median > self.cfg.spike_min_rise:
+                return (f"loss spike: {loss:.4g} > {self.cfg.spike_factor:g} x running median {median:.4g} "
+                        f"(and more than {self.cfg.spike_min_rise:g} above it)")
         self.history.append(loss)
         return None
 
