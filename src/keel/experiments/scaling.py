@@ -376,8 +376,12 @@ def run_lr_sweep(cfg: LRSweepConfig, out: Path, command: str) -> dict:
     jobs = {f"{s}-lr{lr:g}-seed{seed}": (lambda s=s, lr=lr, seed=seed: budget_point(
         cfg, cfg.shape.model(s, cfg.depth), lr, seed)) for s in cfg.schemes for lr in cfg.lrs for seed in cfg.seeds}
     points = sweep.run(jobs, "lr-sweep")
-    rows = [[f"{lr:g}"] + [pm([points[f"{s}-lr{lr:g}-seed{seed}"]["report_loss"] for seed in cfg.seeds])
-                           for s in cfg.schemes] for lr in cfg.lrs]
+    def losses(s, lr):
+        return {"report_losses": [points[f"{s}-lr{lr:g}-seed{seed}"]["report_loss"] for seed in cfg.seeds]}
+    pair = [o for o in cfg.schemes if o != "keel"] if "keel" in cfg.schemes else []
+    rows = [[f"{lr:g}"] + [pm(losses(s, lr)["report_losses"]) for s in cfg.schemes]
+            + ["{:+.3f} ± {:.3f}".format(*paired_gap(losses("keel", lr), losses(o, lr))) for o in pair]
+            for lr in cfg.lrs]
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, s in enumerate(cfg.schemes):
@@ -391,7 +395,8 @@ def run_lr_sweep(cfg: LRSweepConfig, out: Path, command: str) -> dict:
     fig.tight_layout()
     fig.savefig(out / "lr-sweep.png", dpi=110)
     plt.close(fig)
-    table = markdown_table(["peak LR"] + [f"{s} report loss" for s in cfg.schemes], rows)
+    table = markdown_table(["peak LR"] + [f"{s} report loss" for s in cfg.schemes]
+                           + [f"keel - {o} (paired)" for o in pair], rows)
     write_outputs(out, "lr-sweep", cfg, command, {"points": points}, table, ["lr-sweep.png"],
                   method_note(cfg) + " Here every LR runs every seed.")
     return points
