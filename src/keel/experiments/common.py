@@ -218,8 +218,8 @@ class Sweep:
     def run(self, points: dict[str, Callable[[], dict]], desc: str) -> dict[str, dict]:
         (self.out / "points").mkdir(parents=True, exist_ok=True)
         recorded, mine = self.out / "points" / "config.json", json.loads(json.dumps(asdict(self.config)))
-        if recorded.exists():
-            theirs = json.loads(recorded.read_text())
+        theirs = json.loads(recorded.read_text()) if recorded.exists() else None
+        if theirs is not None:
             changed = [k for k in _differences(mine, theirs, json.loads(json.dumps(asdict(type(self.config)()))))
                        if k != "seeds"]
             if changed:
@@ -227,7 +227,7 @@ class Sweep:
                                   f"{', '.join(changed)}); use another --out or delete that directory")
             if "seeds" in mine:
                 mine["seeds"] = sorted(set(theirs.get("seeds", [])) | set(mine["seeds"]))
-        if mine != (json.loads(recorded.read_text()) if recorded.exists() else None):
+        if mine != theirs:
             recorded.write_text(json.dumps(mine, indent=1))
         results = {}
         bar = tqdm(points.items(), desc=desc, file=sys.stdout, dynamic_ncols=True)
@@ -250,7 +250,7 @@ def _differences(mine: dict, theirs: dict, defaults: dict, prefix: str = "") -> 
     code after it was recorded) is no difference while `mine` holds its default, which keeps the old behaviour."""
     out = []
     for k in sorted(mine.keys() | theirs.keys()):
-        a, b, default = mine.get(k), theirs.get(k), (defaults or {}).get(k)
+        a, b, default = mine.get(k), theirs.get(k), defaults.get(k)
         if isinstance(a, dict) and isinstance(b, dict):
             out += _differences(a, b, default if isinstance(default, dict) else {}, f"{prefix}{k}.")
         elif k not in theirs and k in defaults and a == default:

@@ -23,6 +23,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from keel.experiments.common import Sweep, fixed_batches, markdown_table, pm, pyplot, splits, write_outputs
@@ -186,7 +187,6 @@ def _plot_share(cfg, points, out) -> str:
 
 
 def _plot_curves(cfg, points, out) -> str:
-    import numpy as np
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, s in enumerate(cfg.schemes):
