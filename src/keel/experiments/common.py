@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from keel.data import DataConfig, WindowSampler, prepare
 from keel.data import eval_batches as spaced_batches
 from keel.errors import ConfigError
-from keel.model import ModelConfig, TransformerLM
+from keel.model import ModelConfig, TransformerLM, lm_loss
 from keel.runtime import autocast_for, machine, resolve_device
 from keel.train.config import GuardConfig, OptimConfig, RunConfig, Runtime, TrainConfig, validate
 from keel.train.evaluate import evaluate
@@ -142,15 +142,6 @@ def train_curve(config: TrainConfig, eval_batches: int = 8, after_backward: Call
     return Curve(losses, lrs, val, time.time() - start, stopped), model
 
 
-def evaluate_model(model, cfg, eval_batches: int, split: str = "val") -> float:
-    """Validation loss of a trained point's model, on the device and dtype it trained with; `split` is
-    "val" (all of it), "select" or "report" (its halves, see `splits`)."""
-    device = next(model.parameters()).device
-    tokens = corpus(cfg.data).val if split == "val" else splits(cfg.data)[split]
-    return evaluate(model, tokens, cfg.shape.seq_len, cfg.shape.batch_size, eval_batches, device,
-                    autocast_for(device, cfg.run.dtype))["val_loss"]
-
-
 def splits(data: DataConfig) -> dict[str, np.ndarray]:
     """The validation tokens cut in two halves by position: "select" (choose settings) and "report"
     (measure what is reported). Disjoint: evaluation windows are drawn inside one half."""
@@ -173,8 +164,7 @@ def loss_on(model, batches: list, autocast=contextlib.nullcontext) -> float:
     for x, y in batches:
         with autocast():
             logits, _ = model(x.to(device))
-        nll += torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(),
-                                                 reduction="sum").item()
+        nll += lm_loss(logits, y.to(device), reduction="sum").item()
         n += y.numel()
     model.train(was_training)
     return nll / max(1, n)

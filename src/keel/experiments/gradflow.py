@@ -41,7 +41,6 @@ from keel.model.transformer import TransformerLM
 from keel.scale.parallel import apply_fused_junction
 from keel.train.config import OptimConfig
 
-ALL_SCHEMES = ["post_ln", "deepnorm", "hybrid_norm", "mix_ln", "pre_ln", "peri_ln", "keel"]
 INITS = ("default", "matched")
 STYLES = ("-", "--", "-.", ":")  # schemes that coincide (DeepNorm and Keel near 1) stay visible
 

@@ -37,6 +37,7 @@ from keel.experiments.common import (
     write_outputs,
 )
 from keel.experiments.probes import branches_off, removed
+from keel.model import lm_loss
 from keel.runtime import autocast_for
 from keel.scale.parallel import apply_fused_junction
 from keel.train.config import OptimConfig
@@ -97,7 +98,7 @@ def hf_point(cfg: RedundancyConfig) -> dict:
         total, n = 0.0, 0
         for x, y in eval_batches(ids, cfg.shape.seq_len, cfg.shape.batch_size, cfg.eval_batches):
             logits = model(input_ids=x, use_cache=False).logits
-            total += nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").item()
+            total += lm_loss(logits, y, reduction="sum").item()
             n += y.numel()
         return total / n
     base = loss()

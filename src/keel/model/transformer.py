@@ -15,6 +15,13 @@ from keel.model.numerics import upcast
 from keel.model.schemes import SCHEMES, Residual, Scheme, SublayerSpec
 
 
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """The one next-token loss: cross-entropy of (B, T, V) logits against (B, T) targets, computed in float32
+    (bf16 logits would round the log-softmax); targets set to -100 are ignored. `targets` are the tokens to
+    predict, already shifted: position t's target is the token after position t."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
+
+
 def build_scheme(config: ModelConfig) -> Scheme:
     return SCHEMES[config.scheme](config.n_sublayers, **config.scheme_kwargs())
 
@@ -161,8 +168,7 @@ class TransformerLM(nn.Module):
         logits = self.lm_head(x.to(self.lm_head.weight.dtype))  # (B, T, V)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
-        return logits, loss
+        return logits, lm_loss(logits, targets)
 
     def passes(self, cache=None):
         """(block, later, cache) for each of the n_blocks blocks the stream goes through, in order: every

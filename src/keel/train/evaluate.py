@@ -7,10 +7,10 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from keel.data import eval_batches
 from keel.errors import DataError
+from keel.model import lm_loss
 
 
 def bytes_per_token(tokenizer) -> np.ndarray:
@@ -34,7 +34,7 @@ def evaluate(model, tokens, seq_len: int, batch_size: int, max_batches: int, dev
         x, y = x.to(device), y.to(device)
         with autocast():
             logits, _ = model(x)
-        nll += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+        nll += lm_loss(logits, y, reduction="sum").item()
         n_tokens += y.numel()
         if token_bytes is not None:
             n_bytes += int(token_bytes[y.cpu().numpy()].sum())
