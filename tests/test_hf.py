@@ -20,7 +20,10 @@ from keel.generate import generate
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from keel.hf import register  # noqa: E402
 from keel.hf.export import export_run  # noqa: E402
+
+register()  # KeelConfig / KeelForCausalLM with the Auto classes, so exports load without remote code
 
 TEXT = "def parse(line):\n    return [int(x) for x in line.split()]  # héllo wörld ✓ 日本\n"
 

@@ -1,9 +1,11 @@
-"""Keel: deep Transformer language models with the Keel residual connection and its baselines."""
+"""Keel: deep Transformer language models with the Keel residual connection and its baselines.
 
-__version__ = "0.1.0"
+`import keel` loads the model and nothing of Hugging Face: `keel.hf.register()` registers `KeelConfig` and
+`KeelForCausalLM` with `transformers`' Auto classes when you want them.
+"""
 
-from keel.hf import register_on_transformers_import  # noqa: E402
-from keel.model import (  # noqa: E402
+from keel._version import __version__
+from keel.model import (
     PRESETS,
     SCHEMES,
     ModelConfig,
@@ -19,8 +21,6 @@ from keel.model import (  # noqa: E402
     preset,
     tiny,
 )
-
-register_on_transformers_import()  # KeelConfig / KeelForCausalLM with the Auto classes, when transformers loads
 
 __all__ = [
     "ModelConfig", "TransformerLM", "SublayerInfo", "SCHEMES", "PRESETS", "preset", "tiny", "cpu_demo",

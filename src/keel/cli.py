@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from keel import __version__
+from keel._version import __version__
 from keel.errors import ConfigError, KeelError
 from keel.train.config import add_config_arguments
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from keel import __version__
+from keel._version import __version__
 from keel.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")

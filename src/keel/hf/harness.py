@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from keel.errors import ExportError
+from keel.hf import register
 from keel.hf.export import export_run
 
 
@@ -24,7 +25,7 @@ def _evaluate(hf_dir: Path, tasks: list[str], include_path: str | None, device: 
     except ImportError:
         raise ExportError("keel lm-eval needs lm-evaluation-harness: pip install -e \".[eval]\"") from None
 
-    import keel  # noqa: F401  (registers KeelForCausalLM with the Auto classes HFLM uses)
+    register()  # KeelForCausalLM with the Auto classes HFLM uses
 
     task_manager = None
     if include_path:  # indexing the harness's own thousands of task files takes ~20 s: skip it if we can

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from keel import __version__
+from keel._version import __version__
 from keel.model import CONFIG_FIELDS, ModelConfig, count_params, flops_per_token
 from keel.model.transformer import build_scheme
 from keel.runtime import use_bf16
