@@ -1,22 +1,84 @@
 """The package's architecture, checked from its source: what may import what, and where training happens."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import keel
 
 SRC = Path(keel.__file__).parent
 
+_BELOW_TRAIN = {"_version", "errors", "runtime", "model", "kernels", "data", "scale"}
+# What each part of the package may import from keel besides itself, lowest first; the README's file map lists
+# the parts in this order. `keel` itself (`__init__`) is the public API: nothing inside the package imports it.
+LAYERS = {
+    "_version": set(),
+    "errors": set(),
+    "runtime": {"_version", "errors"},
+    "model": set(),  # torch only: `export-hf` ships these files
+    "kernels": set(),  # torch and triton only: scale applies them, bench times them
+    "data": {"errors"},
+    "scale": {"errors", "runtime", "model", "kernels"},
+    "train": _BELOW_TRAIN,
+    "generate": {"model"},
+    "hf": _BELOW_TRAIN | {"train"},
+    "experiments": _BELOW_TRAIN | {"train"},
+    "bench": _BELOW_TRAIN | {"train"},
+    "cli": _BELOW_TRAIN | {"train", "generate", "hf", "experiments", "bench"},
+    "__init__": {"_version", "model"},
+}
+
 
 def imports(path: Path) -> set[str]:
-    """Every module a file imports (absolute names; `from . import x` does not occur in keel)."""
+    """Every module a file imports, as absolute names (relative imports resolved against its package)."""
+    package = ".".join(("keel", *path.relative_to(SRC).parent.parts))
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                names.add(f"{base}.{node.module}" if node.module else base)
+            else:
+                names.add(node.module)
     return names
+
+
+def part_of(path: Path) -> str:
+    """The entry of LAYERS a source file belongs to: its top-level package, or its own name at the top."""
+    relative = path.relative_to(SRC)
+    return relative.parts[0] if len(relative.parts) > 1 else relative.stem
+
+
+def keel_part(name: str) -> str | None:
+    """The part of keel a module name points into (`__init__` for `keel` itself); None outside keel."""
+    if name == "keel":
+        return "__init__"
+    return name.split(".")[1] if name.startswith("keel.") else None
+
+
+def test_every_import_inside_keel_follows_the_layer_table():
+    unknown = sorted({part_of(p) for p in SRC.rglob("*.py")} - set(LAYERS))
+    assert not unknown, f"add {unknown} to LAYERS here and to the README's file map"
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        part = part_of(path)
+        for name in sorted(imports(path)):
+            target = keel_part(name)
+            if target is not None and target != part and target not in LAYERS[part]:
+                bad.append(f"keel/{path.relative_to(SRC)} ({part}) imports {name}")
+    assert bad == []
+
+
+def test_the_layer_table_has_no_cycles():
+    """So it is an order: every part can be listed after everything it may import."""
+    placed: list[str] = []
+    while len(placed) < len(LAYERS):
+        ready = [p for p in LAYERS if p not in placed and LAYERS[p] <= set(placed)]
+        assert ready, f"a cycle among {sorted(set(LAYERS) - set(placed))}"
+        placed += ready
 
 
 def test_the_model_package_imports_only_torch_and_itself():
@@ -28,8 +90,6 @@ def test_the_model_package_imports_only_torch_and_itself():
             if top == "keel":
                 assert name == "keel.model" or name.startswith("keel.model."), f"{path.name} imports {name}"
             else:
-                import sys
-
                 assert top in sys.stdlib_module_names or top in allowed_third_party or top == "__future__", \
                     f"{path.name} imports {name}"
 
@@ -41,14 +101,21 @@ def test_nothing_imports_the_command_line():
     assert offenders == []
 
 
-def test_lower_layers_do_not_import_upper_ones():
-    """model < data < scale < train < experiments/hf < cli: each layer imports only those below it."""
-    order = ["model", "data", "scale", "train", "experiments"]
-    for i, layer in enumerate(order):
-        above = {f"keel.{u}" for u in order[i + 1:]} | {"keel.cli"}
-        for path in (SRC / layer).rglob("*.py"):
-            bad = {n for n in imports(path) if any(n == a or n.startswith(a + ".") for a in above)}
-            assert not bad, f"keel/{layer}/{path.name} imports {sorted(bad)}"
+def test_import_keel_loads_no_hugging_face_and_installs_no_import_hook():
+    """`import keel` is the model: no `transformers`, no `keel.hf`, and `sys.meta_path` left as it was
+    (registration with the Auto classes is `keel.hf.register()`, called by whoever wants it)."""
+    script = """
+import sys
+finders = list(sys.meta_path)
+import keel
+assert sys.meta_path == finders, f"sys.meta_path changed: {sys.meta_path}"
+loaded = sorted(m for m in sys.modules if m.split(".")[0] == "transformers" or m.startswith("keel.hf"))
+assert not loaded, f"import keel loaded {loaded[:5]}"
+import keel.hf
+assert sys.meta_path == finders and "transformers" not in sys.modules, "import keel.hf needs no transformers"
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_one_training_step_implementation():

@@ -185,8 +185,9 @@ print(tokenizer.decode(model.generate(ids, max_new_tokens=50, do_sample=False)[0
 `trust_remote_code=True` runs `modeling_keel.py`, `configuration_keel.py` and `keel_model.py` from this
 directory (generated from the `keel` package); with `keel` installed, `import keel.hf; keel.hf.register()`
 registers the same classes and no remote code is needed. The tokenizer needs it too, because `AutoTokenizer`
-in transformers 5 reads `config.json` (model type `keel`) first; `PreTrainedTokenizerFast.from_pretrained("<this directory>")`
-loads the same tokenizer without it. Batches must not be padded (equal-length rows only).
+in transformers 5 reads `config.json` (model type `keel`) first;
+`PreTrainedTokenizerFast.from_pretrained("<this directory>")` loads the same tokenizer without it.
+Batches must not be padded (equal-length rows only).
 """
 
 
