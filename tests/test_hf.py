@@ -89,6 +89,26 @@ def test_model_card_states_scheme_depth_alpha_and_data(tmp_path, make_run):
 
 
 @pytest.mark.slow
+def test_registration_with_the_auto_classes_is_explicit():
+    """`import keel` and `import transformers` leave the Auto classes alone; `keel.hf.register()` adds
+    KeelConfig and KeelForCausalLM, and a second call changes nothing."""
+    script = """
+import keel, keel.hf
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+assert "keel" not in CONFIG_MAPPING, "registered without being asked"
+keel.hf.register()
+keel.hf.register()
+from keel.hf.configuration_keel import KeelConfig
+from keel.hf.modeling_keel import KeelForCausalLM
+assert CONFIG_MAPPING["keel"] is KeelConfig
+assert type(AutoModelForCausalLM.from_config(KeelConfig(n_blocks=1, d_model=16, n_heads=2))) is KeelForCausalLM
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+@pytest.mark.slow
 def test_export_loads_with_remote_code_where_keel_is_not_installed(tmp_path, make_run):
     model = make_run(tmp_path / "run")
     export_run(tmp_path / "run", tmp_path / "hf")
