@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     from keel.experiments.cli import register as add_experiment_command
 
     add_experiment_command(sub)
-    from keel.experiments.bench import register as add_bench_command
+    from keel.bench.cli import register as add_bench_command
 
     add_bench_command(sub)
     return parser

@@ -1,0 +1,154 @@
+"""`keel bench`: its command line. The model, run and optimiser settings come from the one config merge
+(`--preset`, `--config`, `key=value`, as `keel train` takes them); the flags here are only what is bench's own
+(which schemes, how many timed steps, the depth series, the suites, where to write)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from keel.bench.core import check_schemes, compare, depth_series, scheme_config, to_markdown
+from keel.bench.cpu import cpu_markdown, cpu_suite
+from keel.bench.gpu import GPU_SECTIONS, GpuSuite, gpu_markdown, gpu_suite
+from keel.errors import ConfigError
+from keel.model import CONFIG_FIELDS
+from keel.runtime import machine, resolve_device, use_bf16
+from keel.train.config import add_config_arguments, load_config
+
+# What the comparison reads of the merged config (besides every model.* field): everything else given is refused
+RUN_FIELDS = ("batch_size", "seq_len", "grad_accum", "seed", "device", "dtype", "compile", "fused_junction",
+              "ac_every")
+OPTIM_FIELDS = ("lr", "beta1", "beta2", "eps", "weight_decay", "decay_norms_and_embeddings", "grad_clip")
+HINTS = {"model.scheme": "the schemes compared are --schemes; name it there too",
+         "run.steps": "timed steps are --steps", "run.out_dir": "the output directory is --out",
+         "run.name": "the output directory is --out", "data": "bench trains on synthetic batches",
+         "optim": "bench steps at the constant rate optim.lr", "run": "bench runs in one process and writes no run"}
+
+
+def given_keys(overrides, config_file: str | None) -> list[str]:
+    """The dotted keys a user set: those of the YAML file's leaves and of the overrides (a bare model field is
+    model.<field>, as in the merge)."""
+    keys = []
+    if config_file:  # the merge has read and checked it already
+
+        def leaves(node, prefix):
+            for k, v in node.items():
+                if OmegaConf.is_dict(v):
+                    yield from leaves(v, f"{prefix}{k}.")
+                else:
+                    yield f"{prefix}{k}"
+        keys += list(leaves(OmegaConf.load(config_file), ""))
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        keys.append(f"model.{key}" if key in CONFIG_FIELDS else key)
+    return keys
+
+
+def refuse_unused(keys: list[str], used, why: str) -> None:
+    """A ConfigError naming the first key that `used(key)` says bench does not read: never silently ignored."""
+    for key in keys:
+        if not used(key):
+            section = key.split(".", 1)[0]
+            hint = HINTS.get(key) or HINTS.get(section) or why
+            raise ConfigError(f"{key}: not used by keel bench ({hint})")
+
+
+def run_suite(args) -> dict:
+    out = Path(args.out) if args.out else None
+    used = {"cpu": (), "gpu": ("run.device",)}[args.suite]
+    refuse_unused(given_keys(args.overrides, args.config), lambda k: k in used,
+                  f"--suite {args.suite} is a fixed campaign" + ("; it takes run.device" if used else ""))
+    if args.suite == "cpu":
+        result = cpu_suite(args.steps, args.warmup, writer(out, cpu_markdown), args.idle_load, args.idle_wait)
+        print(cpu_markdown(result))
+        return result
+    device = resolve_device(load_config(args.overrides, args.config, args.preset).run.device)
+    if device.type != "cuda" and not args.toy:
+        raise ConfigError("--suite gpu: needs a CUDA device (its sizes are a GPU's); --toy runs it at toy size here")
+    sections = args.sections.split(",") if args.sections else list(GPU_SECTIONS)
+    unknown = set(sections) - set(GPU_SECTIONS)
+    if unknown:
+        raise ConfigError(f"--sections: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(GPU_SECTIONS)}")
+    result = gpu_suite(GpuSuite.toy() if args.toy else GpuSuite(), device, writer(out, gpu_markdown), sections)
+    print(gpu_markdown(result))
+    return result
+
+
+def run(args) -> dict:
+    """The comparison at the merged config's shape, then the depth series of the first scheme."""
+    if args.suite:
+        return run_suite(args)
+    config = load_config(args.overrides, args.config, args.preset)
+    schemes = args.schemes.split(",")
+    check_schemes(schemes)
+
+    def used(key):
+        section, _, name = key.partition(".")
+        if key == "model.scheme":  # the compared schemes are --schemes; model.scheme picks whose options apply
+            return config.model.scheme in schemes
+        return (section == "model" or (section == "run" and name in RUN_FIELDS)
+                or (section == "optim" and name in OPTIM_FIELDS))
+    refuse_unused(given_keys(args.overrides, args.config), used,
+                  f"it reads model.*, run.{{{','.join(RUN_FIELDS)}}} and optim.{{{','.join(OPTIM_FIELDS)}}}")
+    model, run_cfg, device = config.model, config.run, resolve_device(config.run.device)
+    result = {"machine": machine(device), "settings": {
+        "preset": args.preset, "config_file": args.config, "overrides": args.overrides, "schemes": schemes,
+        "steps": args.steps, "warmup": args.warmup, "n_sublayers": model.n_sublayers,
+        "dtype": "bfloat16 autocast" if use_bf16(device, run_cfg.dtype) else "float32", "model": asdict(model),
+        "run": {k: getattr(run_cfg, k) for k in RUN_FIELDS},
+        "optim": {k: getattr(config.optim, k) for k in OPTIM_FIELDS}}}
+    result["compare"] = compare(model, run_cfg, schemes, args.steps, args.warmup, config.optim, device)
+    depths = [int(d) for d in args.depths.split(",")] if args.depths else []
+    result["depth"] = depth_series(scheme_config(model, schemes[0]), run_cfg, depths, args.depth_steps,
+                                   config.optim, device)
+    table = to_markdown(result)
+    print(table)
+    if args.out:
+        writer(Path(args.out), to_markdown)(result)
+        print(f"written: {Path(args.out) / 'bench.json'}, {Path(args.out) / 'bench.md'}")
+    else:
+        print(json.dumps(result, indent=1))
+    return result
+
+
+def writer(out: Path | None, markdown):
+    def write(result: dict) -> None:
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "bench.json").write_text(json.dumps(result, indent=1))
+            (out / "bench.md").write_text(markdown(result))
+    return write
+
+
+def cmd_bench(args) -> int:
+    run(args)
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add `keel bench` to the `keel` command's subparsers."""
+    p = subparsers.add_parser(
+        "bench", help="time Keel against Pre-LN at identical shapes, and against depth",
+        description="Alternating training steps of each scheme after warm-up; JSON and a table. The shape, device, "
+                    "dtype, compile, checkpointing and optimiser are the merged config's (run.batch_size, "
+                    "run.seq_len, run.dtype, ...): an override bench does not read is refused.")
+    add_config_arguments(p)
+    p.add_argument("--schemes", default="keel,pre_ln", help="the schemes compared, by their registry names")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per scheme")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per scheme first")
+    p.add_argument("--depths", default="16,32,64,128,256,512,1024",
+                   help="sub-layer counts for the depth series of the first scheme (empty: none)")
+    p.add_argument("--depth-steps", type=int, default=3)
+    p.add_argument("--out", help="directory for bench.json and bench.md")
+    p.add_argument("--suite", choices=["cpu", "gpu"],
+                   help="a fixed campaign instead: cpu (compile and Keel/Pre-LN on CPU; uses --steps/--warmup), "
+                        "gpu (tests, d=1024 comparison, kernel, depth, deepest model; time-boxed)")
+    p.add_argument("--toy", action="store_true", help="--suite gpu at toy sizes, on any device (what CI runs)")
+    p.add_argument("--sections", help=f"--suite gpu: a comma-separated subset of {','.join(GPU_SECTIONS)}")
+    p.add_argument("--idle-load", type=float, default=0.5,
+                   help="--suite cpu: wait until the 1-minute load average is below this before timing")
+    p.add_argument("--idle-wait", type=float, default=900, help="--suite cpu: wait at most this many seconds")
+    p.set_defaults(func=cmd_bench)

@@ -1,0 +1,270 @@
+"""`keel bench --suite gpu`: the GPU campaign in one time-boxed command.
+
+Sections, in order: the `gpu` tests; Keel/Pre-LN eager, compiled and compiled+fused at d=1024; the junction
+kernel alone; time per sub-layer against depth; and the deepest model that trains. Each section is time-boxed
+and every result is written as soon as it exists, so a run cut off by its time limit still leaves data. `--toy`
+runs the same campaign at toy sizes on a CPU in seconds (what CI runs).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from keel.bench.core import Bench, attempt, compare, depth_series
+from keel.kernels.junction import can_fuse
+from keel.kernels.timing import copy_bandwidth, junction_bandwidth
+from keel.model import ModelConfig, count_params
+from keel.runtime import machine
+from keel.train.config import RunConfig
+
+
+@dataclass
+class GpuSuite:
+    """Sizes and time boxes (seconds) of `keel bench --suite gpu`; `toy()` is the same campaign at CPU-test size.
+
+    The defaults fit one 10-minute call on an 80 GB GPU: compare runs the paper's d=1024 shape (16 heads, 8 KV
+    heads, FFN 3x, vocabulary 32000) at seq 4096; from `ac_from` sub-layers on it checkpoints every block and
+    holds one model at a time (two 512-sub-layer models with AdamW state do not fit together). The depth
+    series runs at `depth_d_model` with checkpointing, so 1024 sub-layers fit too.
+    """
+
+    d_model: int = 1024
+    n_heads: int = 16
+    n_kv_heads: int = 8
+    vocab_size: int = 32000
+    seq_len: int = 4096
+    batch_size: int = 1
+    dtype: str = "bfloat16"
+    compile_backend: str = "inductor"
+    steps: int = 5
+    warmup: int = 2
+    compare_sublayers: tuple[int, ...] = (64, 512)
+    ac_from: int = 256
+    together_upto: int = 128
+    kernel_rows: int = 16384
+    kernel_widths: tuple[int, ...] = (1024, 2048, 4096)
+    kernel_calls: int = 20  # back-to-back calls per timing, `kernel_repeats` timings (median)
+    kernel_repeats: int = 5
+    depth_d_model: int = 512
+    depth_sublayers: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
+    depth_steps: int = 3
+    max_depth_from: int = 256
+    max_depth_upto: int = 4096
+    max_depth_resolution: int = 32
+    test_args: tuple[str, ...] = ("-m", "gpu", "tests")
+    boxes: dict[str, float] = field(default_factory=lambda: {
+        "tests": 150, "kernel": 50, "compare": 230, "depth": 50, "max_depth": 60})
+
+    @classmethod
+    def toy(cls) -> GpuSuite:
+        return cls(d_model=32, n_heads=2, n_kv_heads=1, vocab_size=256, seq_len=16, batch_size=2, dtype="auto",
+                   compile_backend="aot_eager", steps=2, warmup=1, compare_sublayers=(4, 8), ac_from=8,
+                   together_upto=4, kernel_rows=64, kernel_widths=(32, 48), kernel_calls=1, kernel_repeats=1,
+                   depth_d_model=32,
+                   depth_sublayers=(4, 8, 16), depth_steps=1, max_depth_from=4, max_depth_upto=16,
+                   max_depth_resolution=4, test_args=("-m", "gpu", "tests/test_junction.py"))
+
+    def model(self, n_sublayers: int, scheme: str = "keel", d_model: int | None = None) -> ModelConfig:
+        d = d_model or self.d_model
+        return ModelConfig(vocab_size=self.vocab_size, d_model=d, n_blocks=n_sublayers // 2,
+                           n_heads=self.n_heads * d // self.d_model, n_kv_heads=self.n_kv_heads * d // self.d_model,
+                           max_seq_len=self.seq_len, scheme=scheme)
+
+    def run(self, ac_every: int = 0, compile: bool = False, fused_junction: str = "auto") -> RunConfig:
+        return RunConfig(batch_size=self.batch_size, seq_len=self.seq_len, dtype=self.dtype, compile=compile,
+                         fused_junction=fused_junction, ac_every=ac_every)
+
+    def bench_options(self, device: torch.device) -> dict:
+        return {"device": device, "compile_backend": self.compile_backend, "init_on_device": device.type == "cuda"}
+
+
+GPU_SECTIONS = ("tests", "kernel", "compare", "depth", "max_depth")
+VARIANTS = {"eager": (False, "off"), "compiled": (True, "off"), "compiled+fused": (True, "on")}
+
+
+def gpu_suite(suite: GpuSuite, device: torch.device, write, sections=GPU_SECTIONS) -> dict:
+    """Run `sections` in order, each within its time box plus whatever earlier sections left unused."""
+    result = {"suite": "gpu", "machine": machine(device), "settings": asdict(suite), "status": {}, "sections": {}}
+    budget = 0.0
+    for name in sections:
+        budget += suite.boxes[name]
+        start = time.monotonic()
+        result["status"][name] = "running"
+        write(result)
+        status = SECTIONS[name](suite, device, result["sections"], start + budget, lambda: write(result))
+        result["status"][name] = status or "done"
+        budget -= time.monotonic() - start
+        write(result)
+    return result
+
+
+def _section_tests(suite, device, out, deadline, save):
+    """The `gpu`-marked tests, in a child process (they set up CUDA, compile and triton state of their own)."""
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", *suite.test_args, "-q", "-p", "no:cacheprovider"],
+                              capture_output=True, text=True, timeout=max(1.0, deadline - start))
+    except subprocess.TimeoutExpired as err:
+        partial = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else err.stdout or ""
+        out["tests"] = {"args": list(suite.test_args), "summary": "timed out", "seconds": time.monotonic() - start,
+                        "output_tail": partial[-2000:]}
+        return "time box reached"
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    out["tests"] = {"args": list(suite.test_args), "returncode": proc.returncode, "seconds": time.monotonic() - start,
+                    "summary": lines[-1].strip("= ") if lines else proc.stderr[-500:],
+                    "failures": [line for line in lines if line.startswith(("FAILED", "ERROR"))]}
+
+
+def _section_kernel(suite, device, out, deadline, save):
+    """The junction alone at `kernel_rows` rows of each width: fused, unfused and torch.compile'd."""
+    out["kernel"] = {"copy_GBps": copy_bandwidth(device, 1 << (30 if device.type == "cuda" else 24)) / 1e9, "rows": []}
+    for width in suite.kernel_widths:
+        if time.monotonic() > deadline:
+            return "time box reached"
+        f_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        out["kernel"]["rows"].append(junction_bandwidth(suite.kernel_rows, width, device, f_dtype,
+                                                        calls=suite.kernel_calls, repeats=suite.kernel_repeats,
+                                                        compile_backend=suite.compile_backend))
+        save()
+
+
+def _section_compare(suite, device, out, deadline, save):
+    """Keel against Pre-LN at each depth: eager, compiled, compiled with the fused junction."""
+    out["compare"] = {}
+    for n in suite.compare_sublayers:
+        torch._dynamo.reset()  # new constants (alpha = L) at each depth: keep well inside the recompile limit
+        rows = out["compare"][str(n)] = {"ac_every": 1 if n >= suite.ac_from else 0}
+        for variant, (compile, fused) in VARIANTS.items():
+            if time.monotonic() > deadline:
+                rows[variant] = {"skipped": "time box reached"}
+                continue
+            if fused == "on" and not can_fuse(device, suite.d_model):
+                rows[variant] = {"skipped": f"the fused junction cannot run on {device}"}
+                continue
+            def pair(n=n, ac_every=rows["ac_every"], compile=compile, fused=fused):
+                return compare(suite.model(n), suite.run(ac_every, compile, fused), ["keel", "pre_ln"], suite.steps,
+                               suite.warmup, together=n <= suite.together_upto, **suite.bench_options(device))
+
+            r = attempt(pair, device)
+            rows[variant] = r if isinstance(r, dict) else {"failed": r}
+            save()
+    if any(v == {"skipped": "time box reached"} for rows in out["compare"].values() for v in rows.values()):
+        return "time box reached"
+
+
+def _section_depth(suite, device, out, deadline, save):
+    """Time per sub-layer from the shallowest to the deepest model, eager, checkpointing every block."""
+    def on_row(rows):
+        out["depth"] = {"d_model": suite.depth_d_model, "ac_every": 1, "rows": rows}
+        save()
+
+    rows = depth_series(suite.model(2, d_model=suite.depth_d_model), suite.run(ac_every=1),
+                        list(suite.depth_sublayers), suite.depth_steps, deadline=deadline, on_row=on_row,
+                        **suite.bench_options(device))
+    on_row(rows)
+    if any("skipped" in r for r in rows):
+        return "time box reached"
+
+
+def _section_max_depth(suite, device, out, deadline, save):
+    """The most sub-layers that train (two steps) at d_model with checkpointing: doubling, then bisection."""
+    trials = []
+    out["max_depth"] = {"d_model": suite.d_model, "ac_every": 1, "trials": trials, "largest": None}
+
+    def trains(n):
+        def two_steps():
+            b = Bench(suite.model(n), suite.run(ac_every=1), **suite.bench_options(device))
+            b.step()
+            b.step()
+            return {"n_sublayers": n, "trains": True, "step_time_s": b.times[-1], "peak_memory_bytes": b.peak,
+                    "n_params": count_params(b.config)}
+        r = attempt(two_steps, device)
+        trials.append(r if isinstance(r, dict) else {"n_sublayers": n, "trains": False, "failed": r})
+        save()
+        return isinstance(r, dict)
+
+    good, bad, n = 0, None, suite.max_depth_from
+    while n <= suite.max_depth_upto and time.monotonic() < deadline:
+        if trains(n):
+            good, n = n, 2 * n
+        else:
+            bad = n
+            break
+    if good == 0 and bad is not None:  # even the first failed: halve down
+        n = bad // 2
+        while n >= 2 and time.monotonic() < deadline and not trains(n):
+            bad, n = n, n // 2
+        good = n if n >= 2 and trials[-1]["trains"] else 0
+    while bad is not None and good and bad - good > suite.max_depth_resolution and time.monotonic() < deadline:
+        mid = (good + bad) // 4 * 2  # an even number of sub-layers: whole blocks
+        good, bad = (mid, bad) if trains(mid) else (good, mid)
+    out["max_depth"]["largest"] = good or None
+    out["max_depth"]["first_failing"] = bad
+    if time.monotonic() > deadline:
+        return "time box reached"
+
+
+SECTIONS = {"tests": _section_tests, "kernel": _section_kernel, "compare": _section_compare,
+            "depth": _section_depth, "max_depth": _section_max_depth}
+
+
+def gpu_markdown(result: dict) -> str:
+    m, s, sec = result["machine"], result["settings"], result["sections"]
+    lines = [f"# keel bench --suite gpu ({m['gpu'] or m['cpu']}, torch {m['torch_version']})", "",
+             "Status: " + ", ".join(f"{k} {v}" for k, v in result["status"].items()), ""]
+    if "tests" in sec:
+        t = sec["tests"]
+        lines += [f"## Tests (`pytest {' '.join(t['args'])}`)", "", f"{t['summary']} ({t['seconds']:.0f} s)", ""]
+        lines += [f"- {f}" for f in t.get("failures", [])]
+    if "kernel" in sec:
+        k = sec["kernel"]
+        lines += ["## Junction kernel alone", "", f"Device copy bandwidth: {k['copy_GBps']:,.0f} GB/s. Effective "
+                  "GB/s = bytes that must move / time (forward: x, f read, y, u written).", "",
+                  "| rows x width | impl | forward (us) | forward GB/s | fwd+bwd (us) | fwd+bwd GB/s | fwd % of copy |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in k["rows"]:
+            for impl in ("fused", "unfused", "compiled"):
+                if impl in row:
+                    r = row[impl]
+                    lines.append(f"| {row['rows']} x {row['width']} | {impl} | {1e6 * r['fwd_s']:.1f} | "
+                                 f"{r['fwd_GBps']:,.1f} | {1e6 * r['fwd_bwd_s']:.1f} | {r['fwd_bwd_GBps']:,.1f} | "
+                                 f"{r['fwd_GBps'] / k['copy_GBps']:.0%} |")
+        lines.append("")
+    if "compare" in sec:
+        lines += [f"## Keel vs Pre-LN, d={s['d_model']}, seq {s['seq_len']}, batch {s['batch_size']}, {s['dtype']}",
+                  "", "| sub-layers | variant | scheme | step (ms) | tokens/s | MFU | peak memory (GiB) | warm-up (s) |"
+                  " Keel/Pre-LN |", "|---|---|---|---|---|---|---|---|---|"]
+        for n, rows in sec["compare"].items():
+            for variant, r in rows.items():
+                if variant == "ac_every":
+                    continue
+                if "keel" not in r:
+                    lines.append(f"| {n} | {variant} | - | {r.get('skipped') or r.get('failed')} | | | | | |")
+                    continue
+                for scheme in ("keel", "pre_ln"):
+                    x = r[scheme]
+                    mfu = f"{x['mfu']:.1%}" if x["mfu"] is not None else "n/a"
+                    mem = f"{x['peak_memory_bytes'] / 2**30:.1f}" if x["peak_memory_bytes"] else "n/a"
+                    ratio = f"**{r['keel_over_pre_ln_step_time']:.3f}**" if scheme == "keel" else ""
+                    lines.append(f"| {n}{' (AC)' if rows['ac_every'] else ''} | {variant} | {scheme} | "
+                                 f"{1e3 * x['step_time_s']:.1f} | {x['tokens_per_s']:,.0f} | {mfu} | {mem} | "
+                                 f"{x['warmup_s']:.1f} | {ratio} |")
+        lines.append("")
+    if "depth" in sec:
+        lines += [f"## Time per sub-layer (Keel, d={sec['depth']['d_model']}, eager, AC every block)", "",
+                  "| sub-layers | step (ms) | ms per sub-layer |", "|---|---|---|"]
+        lines += [f"| {r['n_sublayers']} | {1e3 * r['step_time_s']:.1f} | {r['ms_per_sublayer']:.3f} |"
+                  if "step_time_s" in r else f"| {r['n_sublayers']} | {r.get('skipped') or r.get('failed')} | |"
+                  for r in sec["depth"]["rows"]]
+        lines.append("")
+    if "max_depth" in sec:
+        d = sec["max_depth"]
+        lines += [f"## Deepest Keel that trains (d={d['d_model']}, AC every block)", "",
+                  f"Largest: **{d['largest']}** sub-layers; first failing: {d.get('first_failing')}. Trials: "
+                  + ", ".join(f"{t['n_sublayers']} {'ok' if t['trains'] else t['failed']}" for t in d["trials"]), ""]
+    return "\n".join(lines) + "\n"
