@@ -24,7 +24,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from torch import nn
 
-from keel.train import checkpoint
+from keel.train import checkpoint, untrusted
 from keel.train.checkpoint import CheckpointError
 
 
@@ -237,7 +237,7 @@ def test_a_sharded_checkpoint_with_a_matching_manifest_still_never_unpickles_cod
     warned = Warnings()
     assert checkpoint.latest_valid(run_dir, warn=warned) == ckpt(run_dir, 1) and len(warned) == 2
     # and should a file change between verify and load, loading itself never unpickles code either
-    monkeypatch.setattr(checkpoint, "_check_shards", lambda *args: None)
+    monkeypatch.setattr(untrusted, "check_shards", lambda *args: None)
     assert checkpoint.verify(shard_path) is None
     with pytest.raises(CheckpointError, match=f"checkpoint {shard_path}: "):
         checkpoint.load_sharded(shard_path, model, optimizer)

@@ -1,0 +1,233 @@
+"""The checks on checkpoint files, which may be damaged or hostile: nothing here runs code.
+
+What a loader trusts: only the manifest. Its "format" picks the loader (never the presence of some file:
+a stray `.metadata` once sent a safetensors checkpoint down the DCP path, which unpickles it), only the
+files it lists are opened, and each is checksummed against it before it is parsed. Manifests written
+before "format" existed are read by the files they list (`.metadata`: dcp, `model.safetensors`:
+safetensors). The checksums catch corruption; a hostile checkpoint with a consistent manifest is stopped
+by the parsers, none of which can run code: safetensors, JSON, `torch.load(weights_only=True)`, and, for
+DCP's pickled `.metadata` and the hyper-parameters DCP pickles into its shards, an unpickler that builds
+only DCP's own metadata classes and a weights-only load.
+
+What `verify` promises: after the checksums it parses every file's structure cheaply (the safetensors
+header, state.pt's archive and pickle with its tensors memory-mapped, meta.json, the DCP metadata and the
+shard extents it points to), so a checkpoint it passes loads unless it does not fit the model. That is
+what lets `latest_valid` fall back past a checkpoint whose checksums match content that is still broken
+(a writer that lost data without reporting it). Directories that are symlinks, and listed files that are
+not regular files (a FIFO would hang the reader), are refused, never followed.
+
+`Damaged` says what is wrong in a few words; `keel.train.checkpoint` turns it into a `CheckpointError`
+naming the checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import stat
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+FILES = ("model.safetensors", "state.pt", "meta.json")  # format "safetensors": exactly these
+DCP_METADATA = ".metadata"
+DCP_FILES = (DCP_METADATA, "state.pt", "meta.json")  # format "dcp": these and one or more shards
+SHARD = re.compile(r"__\d+_\d+\.distcp")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_SMALL = 64 << 20  # manifest.json, meta.json and .metadata are read whole; anything larger is not ours
+
+
+class Damaged(Exception):
+    """What is wrong with a checkpoint, in a few words: `verify` returns it, loaders raise it with the path."""
+
+
+# ---- reading files that may be hostile -------------------------------------------------------------
+def open_regular(path: Path):
+    """`path` opened for reading only if it is a regular file: a symlink is not followed, and a FIFO is
+    opened non-blocking and refused rather than waited on forever."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as err:
+        if err.errno == errno.ENOENT:
+            raise Damaged(f"{path.name} missing") from None
+        if err.errno == errno.ELOOP:
+            raise Damaged(f"{path.name} is a symbolic link") from None
+        raise Damaged(f"{path.name} unreadable ({err.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise Damaged(f"{path.name} is not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open_regular(path) as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _read_small(path: Path) -> bytes:
+    with open_regular(path) as f:
+        data = f.read(_SMALL + 1)
+    if len(data) > _SMALL:
+        raise Damaged(f"{path.name} is larger than {_SMALL >> 20} MiB")
+    return data
+
+
+def read_checked(path: Path, manifest: dict) -> bytes:
+    """A small listed file, checksummed from the very bytes that are then parsed."""
+    data = _read_small(path)
+    if hashlib.sha256(data).hexdigest() != manifest[path.name]:
+        raise Damaged(f"{path.name} does not match its checksum")
+    return data
+
+
+def one_line(err: BaseException) -> str:
+    text = str(err)
+    if "WeightsUnpickler error: " in text:  # torch.load(weights_only=True): the one informative sentence
+        text = text.split("WeightsUnpickler error: ", 1)[1].split(". ", 1)[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line = lines[-1] if lines else type(err).__name__
+    if len(line) > 160 and ". " in line[20:]:  # torch's long messages: the first sentence says it
+        line = line[:line.index(". ", 20)]
+    return line[:200]
+
+
+# ---- the manifest and the checks behind verify ------------------------------------------------------
+def read_manifest(path: Path) -> tuple[str, dict[str, str]]:
+    """(format, {file: SHA-256}) from `path`/manifest.json, checked for shape: every value a SHA-256 and
+    the files exactly those of its format, so nothing outside that list is ever opened."""
+    try:
+        raw = json.loads(_read_small(path / "manifest.json"))
+    except ValueError:
+        raise Damaged("manifest.json is not valid JSON") from None
+    if not isinstance(raw, dict):
+        raise Damaged(f"manifest.json holds {json.dumps(raw)[:40]}, not an object of checksums")
+    files = {name: sha for name, sha in raw.items() if name != "format"}
+    for name, sha in files.items():
+        if not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
+            raise Damaged(f"manifest.json: the checksum of {name!r} is not a SHA-256")
+    # before "format" existed: only what the manifest itself lists decides
+    fmt = raw.get("format", "dcp" if DCP_METADATA in files else "safetensors" if "model.safetensors" in files else None)
+    if fmt == "safetensors":
+        required, allowed = set(FILES), set(FILES)
+    elif fmt == "dcp":
+        required, allowed = set(DCP_FILES), set(DCP_FILES) | {name for name in files if SHARD.fullmatch(name)}
+    else:
+        raise Damaged(f"manifest.json names no known format ({fmt!r})")
+    if missing := sorted(required - set(files)):
+        raise Damaged(f"manifest.json does not list {missing[0]}")
+    if unexpected := sorted(set(files) - allowed):
+        raise Damaged(f"manifest.json lists {unexpected[0]!r}, which no {fmt} checkpoint holds")
+    if fmt == "dcp" and not any(SHARD.fullmatch(name) for name in files):
+        raise Damaged("manifest.json lists no .distcp shard")
+    return fmt, files
+
+
+def inspect_checkpoint(path: Path) -> tuple[str, dict[str, str]]:
+    """(format, manifest) once everything a load reads is checked; `Damaged` at the first problem."""
+    if path.is_symlink():
+        raise Damaged(f"is a symbolic link to {os.readlink(path)}, refused")
+    if not path.is_dir():
+        raise Damaged("is not a directory")
+    fmt, manifest = read_manifest(path)
+    for name, sha in manifest.items():  # every checksum before any parsing
+        if sha256(path / name) != sha:
+            raise Damaged(f"{name} does not match its checksum")
+    read_meta(path, manifest)
+    try:  # mmap: the archive and its pickle are parsed, the tensors are not read
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:
+        raise Damaged(f"state.pt cannot be read ({one_line(err)})") from None
+    if not isinstance(state, dict):
+        raise Damaged(f"state.pt holds {type(state).__name__}, not a dict")
+    if fmt == "safetensors":
+        try:  # validates the header: dtypes, shapes, and offsets that cover the file exactly
+            with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+                f.keys()
+        except SafetensorError as err:
+            raise Damaged(f"model.safetensors cannot be read ({one_line(err)})") from None
+    else:
+        try:  # the metadata's objects are DCP's classes, but their fields came from the file
+            check_shards(path, manifest, dcp_metadata(path, manifest))
+        except (AttributeError, TypeError, ValueError, OverflowError) as err:
+            raise Damaged(f".metadata is malformed ({one_line(err)})") from None
+    return fmt, manifest
+
+
+def read_meta(path: Path, manifest: dict) -> dict:
+    try:
+        meta = json.loads(read_checked(path / "meta.json", manifest))
+    except ValueError:
+        raise Damaged("meta.json is not valid JSON") from None
+    if not (isinstance(meta, dict) and type(meta.get("step")) is int):
+        raise Damaged("meta.json is not an object with an integer step")
+    return meta
+
+
+# DCP's .metadata is a pickle. These are the globals a genuine one names (torch 2.x); the dtypes are
+# allowed separately. A pickle naming anything else (builtins.open, os.system, ...) is refused before
+# that object is even looked up, let alone called.
+_DCP_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a lookup among torch's layouts by name
+    *((module, name) for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "WindowsPath")),
+}
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in _DCP_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata")
+
+
+def dcp_metadata(path: Path, manifest: dict):
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    data = read_checked(path / DCP_METADATA, manifest)
+    try:
+        metadata = _DcpMetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as err:
+        raise Damaged(f".metadata cannot be read ({one_line(err)})") from None
+    if not (isinstance(metadata, Metadata) and isinstance(metadata.storage_data, dict)):
+        raise Damaged(".metadata is not DCP metadata")
+    return metadata
+
+
+def check_shards(path: Path, manifest: dict, metadata) -> None:
+    """Every item the metadata points at lies inside a shard the manifest lists, and every non-tensor item
+    (DCP pickles those: optimiser hyper-parameters, a few bytes each) parses weights-only."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    sizes = {name: (path / name).stat().st_size for name in manifest if SHARD.fullmatch(name)}
+    for index, info in metadata.storage_data.items():
+        if not isinstance(info, _StorageInfo) or info.relative_path not in sizes:
+            raise Damaged(f".metadata points at {getattr(info, 'relative_path', info)!r}, not a listed shard")
+        if info.transform_descriptors:
+            raise Damaged(".metadata asks for DCP storage transforms, which keel never writes")
+        if not (type(info.offset) is int and type(info.length) is int and info.offset >= 0 and info.length >= 0
+                and info.offset + info.length <= sizes[info.relative_path]):
+            raise Damaged(f"{info.relative_path} is shorter than its .metadata says")
+        if isinstance(metadata.state_dict_metadata.get(getattr(index, "fqn", None)), BytesStorageMetadata):
+            with open_regular(path / info.relative_path) as f:
+                f.seek(info.offset)
+                value = io.BytesIO(f.read(info.length))
+            try:
+                torch.load(value, weights_only=True)
+            except Exception as err:
+                raise Damaged(f"{info.relative_path}: {index.fqn} cannot be read ({one_line(err)})") from None
