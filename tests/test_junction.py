@@ -78,6 +78,7 @@ def assert_close_to(got: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-5):
     torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=rtol * scale)
 
 
+@pytest.mark.slow  # the fixture runs the kernels in a child process under triton's interpreter (up to 600 s)
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_fused_matches_float64_reference(fused, index):
     assert fused[index]["auto_is_fused"], "impl='auto' did not take the fused path under the interpreter"
