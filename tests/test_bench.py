@@ -15,8 +15,9 @@ import torch
 
 from keel.bench import cli as bench_cli
 from keel.bench import core
+from keel.bench import cpu as bench_cpu
 from keel.bench.cli import register
-from keel.bench.core import Bench, compare
+from keel.bench.core import Bench, compare, depth_series
 from keel.bench.cpu import cpu_markdown, cpu_suite
 from keel.bench.gpu import GPU_SECTIONS, GpuSuite, gpu_markdown, gpu_suite
 from keel.cli import main
@@ -83,6 +84,15 @@ def test_tokens_per_second_and_mfu_are_those_of_the_clock(fake_clock, monkeypatc
     # = 129600 + 12 x 1 x 32 x 16 = 135744; MFU = 400 tokens/s x 135744 / 1e9
     assert out["pre_ln"]["mfu"] == pytest.approx(400 * 135744 / 1e9)
     assert len(fake_clock) == 2 * (3 + 1)
+
+
+def test_a_looped_model_is_timed_per_unrolled_sub_layer_and_counted_once(fake_clock):
+    config = ModelConfig(vocab_size=256, d_model=32, n_blocks=4, loop_blocks=2, n_heads=2, max_seq_len=16)
+    rows = depth_series(config, RunConfig(batch_size=2, seq_len=16, device="cpu"), [8], steps=1)
+    # a step runs all 8 sub-layers (2 blocks, twice): 8 x 0.05 s on the fake clock
+    assert rows[0]["n_sublayers"] == 8 and rows[0]["ms_per_sublayer"] == pytest.approx(50.0)
+    model = fake_clock[-1]["step"].model
+    assert rows[0]["n_params"] == sum(p.numel() for p in model.parameters())  # what the optimiser holds
 
 
 def test_the_table_matches_the_golden_file(fake_clock, monkeypatch, tmp_path):
@@ -195,15 +205,19 @@ def test_gpu_suite_at_full_size_needs_cuda():
         bench("--suite", "gpu")
 
 
-def test_cpu_suite_compares_compiled_and_eager_side_by_side(tmp_path):
+def test_cpu_suite_compares_compiled_and_eager_side_by_side(fake_clock, monkeypatch, tmp_path):
+    monkeypatch.setattr(bench_cpu, "machine", lambda device: {"cpu": "x86_64", "cpu_count": 2, "torch_threads": 2,
+                                                         "torch_version": "2.x"})
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.25, 0.5, 0.75))
     shapes = {"bench": ({"n_blocks": 2, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "max_seq_len": 16}, 2, 16)}
     writes = []
     result = cpu_suite(2, 1, writes.append, max_load=1e9, wait_s=0, shapes=shapes, compile_backend="eager")
     shape = result["shapes"]["bench"]
     assert set(shape["results"]) == {"keel/eager", "keel/compiled", "pre_ln/eager", "pre_ln/compiled"}
-    t = {k: r["step_time_s"] for k, r in shape["results"].items()}
-    assert shape["keel_over_pre_ln_step_time"]["compiled"] == t["keel/compiled"] / t["pre_ln/compiled"]
-    assert shape["compiled_speedup"]["keel"] == t["keel/eager"] / t["keel/compiled"]
-    assert len(shape["load_average"]["before"]) == 3 and result["idle_check"]["idle"]
-    assert set(result["targets"]["met"]) == {"compiled_keel_over_pre_ln_bench"}
-    assert "Keel / Pre-LN step time: eager" in cpu_markdown(result)
+    # 4 sub-layers: Keel 0.20 s, Pre-LN 0.16 s a step on the fake clock, compiled or not; 32 tokens a step
+    assert shape["results"]["keel/compiled"]["tokens_per_s"] == pytest.approx(160.0)
+    assert shape["keel_over_pre_ln_step_time"] == pytest.approx({"eager": 1.25, "compiled": 1.25})
+    assert shape["compiled_speedup"] == pytest.approx({"keel": 1.0, "pre_ln": 1.0})
+    assert result["idle_check"]["idle"] and set(result["targets"]["met"]) == {"compiled_keel_over_pre_ln_bench"}
+    assert len(writes) == 2  # after the shape, and with the targets
+    assert cpu_markdown(result) == (GOLDEN / "bench-cpu.md").read_text()
