@@ -146,3 +146,24 @@ def test_the_paths_contributing_names_exist():
     repo = SRC.parent.parent
     named = re.findall(r"`((?:src|tests|\.ci)/[\w./-]+)`", (repo / "CONTRIBUTING.md").read_text())
     assert named and [p for p in named if not (repo / p).exists()] == []
+
+
+def test_every_test_that_starts_the_triton_interpreter_is_slow():
+    """A child process under TRITON_INTERPRET=1 takes minutes on a small machine: not for the fast tier.
+    Checked from the test files: a test that starts one, itself or through a fixture of its file, is slow."""
+    def is_slow(node) -> bool:
+        return any("mark.slow" in ast.unparse(d) for d in node.decorator_list)
+
+    fast = []
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        if path.name == Path(__file__).name:  # this very test names the variable
+            continue
+        tree = ast.parse(path.read_text())
+        if any(isinstance(n, ast.Assign) and "pytestmark" in ast.unparse(n) and "slow" in ast.unparse(n)
+               for n in tree.body):
+            continue
+        functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+        starts = {f.name for f in functions if "TRITON_INTERPRET" in ast.unparse(f)}
+        fast += [f"{path.name}::{f.name}" for f in functions if f.name.startswith("test_") and not is_slow(f)
+                 and (f.name in starts or starts & {a.arg for a in f.args.args})]
+    assert fast == []
