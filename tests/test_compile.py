@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 from keel.model.config import ModelConfig
 from keel.scale.parallel import fused_junctions
-from keel.train.config import OptimConfig, Runtime
+from keel.train.config import OptimConfig, RunConfig
 from keel.train.optim import build_optimizer
 from keel.train.step import TrainStep, build_model
 
@@ -42,8 +42,8 @@ def graphs_after_warmup(scheme: str, backend: str, device: str = "cpu", fused: s
     counters.clear()
     torch.manual_seed(0)
     dev = torch.device(device)
-    model = build_model(replace(CONFIG, scheme=scheme),
-                        Runtime(device=device, compile=True, fused_junction=fused, **run), dev, compile_backend=backend)
+    run = RunConfig(device=device, compile=True, fused_junction=fused, **run)
+    model = build_model(replace(CONFIG, scheme=scheme), run, dev, compile_backend=backend)
     if fused == "on":
         assert fused_junctions(model) > 0
     step = TrainStep(model, build_optimizer(model, OptimConfig(lr=1e-3, warmup_steps=0)),
@@ -78,7 +78,7 @@ def test_compiled_training_matches_eager():
     def losses(compile: bool) -> list[float]:
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = build_model(CONFIG, Runtime(device="cpu", compile=compile), torch.device("cpu"))
+        model = build_model(CONFIG, RunConfig(device="cpu", compile=compile), torch.device("cpu"))
         step = TrainStep(model, build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=0)))
         return train_and_validate(step, batches(CONFIG.vocab_size, 4), torch.device("cpu"))
 

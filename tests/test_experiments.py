@@ -13,6 +13,7 @@ import torch
 from keel import TransformerLM, tiny
 from keel.data import DataConfig
 from keel.experiments import EXPERIMENTS, precision
+from keel.experiments.budget import budget_point
 from keel.experiments.cli import build
 from keel.experiments.common import fixed_batches, mean_sd, splits, unigram_loss
 from keel.experiments.detect import FailureRules
@@ -20,7 +21,6 @@ from keel.experiments.gradflow import measure
 from keel.experiments.maxlr import MaxLRConfig, verdict
 from keel.experiments.probes import branches_off, removed, residual_sizes
 from keel.experiments.regime import compare
-from keel.experiments.scaling import budget_point
 
 
 def rmsnorm(x):
@@ -132,7 +132,7 @@ def test_max_lr_is_the_lr_of_the_evaluation_before_the_failure():
     v = verdict(r, cfg)
     assert v["failed"] and v["rule"] == "collapse" and v["max_lr"] == pytest.approx(lrs[19])
     r["evals"]["loss"] = healthy
-    assert verdict(r, cfg)["max_lr"] == cfg.peak and not verdict(r, cfg)["failed"]
+    assert verdict(r, cfg)["max_lr"] == cfg.optim.lr and not verdict(r, cfg)["failed"]
 
 
 def test_regime_rules():
@@ -148,17 +148,17 @@ def test_mean_sd():
     assert mean_sd([1.0, None, float("nan")]) == (1.0, 0.0)
 
 
-TINY = ["shape.d_model=16", "shape.n_heads=2", "shape.n_kv_heads=1", "shape.seq_len=16", "shape.batch_size=2"]
+TINY = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16", "run.batch_size=2"]
 QUICK = {
-    "gradflow": ["schemes=[post_ln,keel]", "depths=[4]", "steps=3"],
-    "max-lr": ["schemes=[pre_ln,keel]", "depths=[4]", "steps=12"],
-    "depth": ["depths=[2,4]", "steps=3"],
-    "lr-sweep": ["depth=4", "steps=3"],
-    "deep-vs-wide": ["deep_sublayers=4", "wide_sublayers=2", "wide_d_model=32", "steps=3"],
-    "ablations": ["depth=4", "steps=3"],
-    "redundancy": ["depth=4", "steps=3"],
-    "regime": ["depth=4", "steps=4"],
-    "stream-precision": ["depth=4", "steps=3", "init_depths=[4,8]"],
+    "gradflow": ["schemes=[post_ln,keel]", "depths=[4]", "run.steps=3"],
+    "max-lr": ["schemes=[pre_ln,keel]", "depths=[4]", "run.steps=12"],
+    "depth": ["depths=[2,4]", "run.steps=3"],
+    "lr-sweep": ["depth=4", "run.steps=3"],
+    "deep-vs-wide": ["deep_sublayers=4", "wide_sublayers=2", "wide_d_model=32", "run.steps=3"],
+    "ablations": ["depth=4", "run.steps=3"],
+    "redundancy": ["depth=4", "run.steps=3"],
+    "regime": ["depth=4", "run.steps=4"],
+    "stream-precision": ["depth=4", "run.steps=3", "init_depths=[4,8]"],
 }
 
 
@@ -200,9 +200,9 @@ def test_bad_experiment_override_names_the_key():
 def test_a_sweep_directory_refuses_points_of_another_configuration(corpus_cfg, tmp_path):
     cfg = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]"])
     EXPERIMENTS["lr-sweep"][1](cfg, tmp_path, "keel experiment lr-sweep --quick")
-    longer = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]", "steps=4"])
-    with pytest.raises(ValueError, match="differs in steps"):
-        EXPERIMENTS["lr-sweep"][1](longer, tmp_path, "keel experiment lr-sweep --quick steps=4")
+    longer = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]", "run.steps=4"])
+    with pytest.raises(ValueError, match="differs in run.steps"):
+        EXPERIMENTS["lr-sweep"][1](longer, tmp_path, "keel experiment lr-sweep --quick run.steps=4")
 
 
 def test_adding_seeds_to_a_sweep_runs_only_the_new_seeds(corpus_cfg, tmp_path):
@@ -254,7 +254,7 @@ def test_bf16_stream_rounds_every_shortcut_sum_and_the_stream():
 
 def test_a_prepared_budget_point_starts_from_the_same_init(corpus_cfg):
     cfg = build("stream-precision", True, [*TINY, *QUICK["stream-precision"], *corpus_cfg, "curve_every=0"])
-    model_cfg = cfg.shape.model("keel", 4)
+    model_cfg = cfg.point_model("keel", 4)
     plain = budget_point(cfg, model_cfg, 3e-3, 1)
     prepared = budget_point(cfg, model_cfg, 3e-3, 1, prepare=lambda m: None)
     assert plain["losses"] == prepared["losses"] and plain["report_loss"] == prepared["report_loss"]
@@ -264,7 +264,7 @@ def test_depth_can_take_each_arms_lr_from_an_earlier_run(corpus_cfg, tmp_path):
     short = build("depth", True, [*TINY, *QUICK["depth"], *corpus_cfg, "seeds=[0]", "lrs=[1e-3,1e-2]"])
     EXPERIMENTS["depth"][1](short, tmp_path / "short", "keel experiment depth --quick")
     chosen = json.loads((tmp_path / "short" / "results.json").read_text())["results"]["chosen"]
-    long = build("depth", True, [*TINY, *QUICK["depth"], *corpus_cfg, "seeds=[0,1]", "steps=5",
+    long = build("depth", True, [*TINY, *QUICK["depth"], *corpus_cfg, "seeds=[0,1]", "run.steps=5",
                                  f"lr_from={tmp_path / 'short' / 'results.json'}"])
     res = EXPERIMENTS["depth"][1](long, tmp_path / "long", "keel experiment depth --quick")
     names = sorted(p.stem for p in (tmp_path / "long" / "points").glob("*-seed*.json"))

@@ -19,13 +19,13 @@ from keel.kernels.junction import available
 from keel.model.config import ModelConfig
 from keel.model.transformer import TransformerLM
 from keel.scale.parallel import apply_fused_junction, fused_junctions, junctions
-from keel.train.config import OptimConfig, Runtime
+from keel.train.config import OptimConfig, RunConfig
 from keel.train.optim import build_optimizer
 from keel.train.step import TrainStep, build_model
 
 # d=48 is not a power of two, so the kernel's masked lanes take part
 BASE = ModelConfig(n_blocks=3, d_model=48, n_heads=2, n_kv_heads=1, max_seq_len=16)
-# (name, config, Runtime fields, autocast bf16, compile backend, fused junctions expected)
+# (name, config, RunConfig fields, autocast bf16, compile backend, fused junctions expected)
 CASES = [
     ("keel-v2", BASE, {}, False, None, 4),  # sub-layer 0 has no LN_out: junctions 1-2, 2-3, 3-4, 4-5
     ("keel-first-none", replace(BASE, first_layer="none"), {}, False, None, 5),
@@ -44,7 +44,7 @@ def loss_and_grads(index: int, fused: str, device: str = "cpu", backend: str | N
     torch.manual_seed(0)
     torch._dynamo.reset()
     counters.clear()
-    model = build_model(config, Runtime(device=device, fused_junction=fused, **fields), torch.device(device),
+    model = build_model(config, RunConfig(device=device, fused_junction=fused, **fields), torch.device(device),
                         model=TransformerLM(config), compile_backend=backend or case_backend or "inductor")
     ids = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
@@ -61,7 +61,7 @@ def graphs_per_phase(fused: str) -> list[int]:
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = build_model(BASE, Runtime(device="cpu", compile=True, fused_junction=fused), torch.device("cpu"),
+    model = build_model(BASE, RunConfig(device="cpu", compile=True, fused_junction=fused), torch.device("cpu"),
                         compile_backend="aot_eager")
     step = TrainStep(model, build_optimizer(model, OptimConfig(lr=1e-3, warmup_steps=0)))
     ids = torch.randint(0, BASE.vocab_size, (4, 2, 17), generator=torch.Generator().manual_seed(2))
@@ -147,12 +147,12 @@ def test_auto_does_not_fuse_on_cpu_and_on_says_why():
     if available(torch.zeros(1, 8)):
         pytest.skip("triton's interpreter is on in this process")
     cpu = torch.device("cpu")
-    assert fused_junctions(build_model(BASE, Runtime(fused_junction="auto"), cpu)) == 0
-    assert fused_junctions(build_model(BASE, Runtime(fused_junction="off"), cpu)) == 0
+    assert fused_junctions(build_model(BASE, RunConfig(fused_junction="auto"), cpu)) == 0
+    assert fused_junctions(build_model(BASE, RunConfig(fused_junction="off"), cpu)) == 0
     with pytest.raises(ConfigError, match="fused_junction=on.*cannot run on cpu"):
-        build_model(BASE, Runtime(fused_junction="on"), cpu)
+        build_model(BASE, RunConfig(fused_junction="on"), cpu)
     # nothing to fuse is not an error
-    assert fused_junctions(build_model(replace(BASE, scheme="pre_ln"), Runtime(fused_junction="on"), cpu)) == 0
+    assert fused_junctions(build_model(replace(BASE, scheme="pre_ln"), RunConfig(fused_junction="on"), cpu)) == 0
 
 
 def pairs(config: ModelConfig, across_blocks: bool = True) -> list[tuple[int, int]]:

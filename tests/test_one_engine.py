@@ -1,29 +1,29 @@
 """One engine: `keel train`, the experiments and the bench share one step, one config merge, one run directory."""
 
 import json
+import shlex
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from keel.bench.core import Bench
 from keel.cli import main
-from keel.data import DataConfig
 from keel.errors import ConfigError, KeelError
-from keel.experiments.bench import Bench
 from keel.experiments.cli import build
-from keel.experiments.common import Engine, Shape, point_config, train_curve
+from keel.experiments.common import point_config, train_curve
 from keel.model import ModelConfig
 from keel.train import step as step_module
-from keel.train.config import PRESETS, OptimConfig, Runtime, load_config, to_yaml
+from keel.train.config import PRESETS, RunConfig, load_config, to_yaml
 from keel.train.run_dir import RunDir
 from keel.train.trainer import Trainer
 
 
-def experiment_point(corpus, tmp_path, **runtime):
-    shape = Shape(d_model=32, n_heads=2, n_kv_heads=1, seq_len=32, batch_size=4)
-    data = DataConfig(source=str(corpus), cache_dir=str(tmp_path / "cache"))
-    engine = Engine(run=Runtime(**runtime))
-    return point_config(shape.model("keel", 8), OptimConfig(lr=3e-3, warmup_steps=3), 12, shape, data, 7, engine)
+def experiment_point(corpus, tmp_path, **run):
+    cfg = build("depth", True, [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "run.steps=12",
+                                "optim.warmup_steps=3", *(f"run.{k}={v}" for k, v in run.items())])
+    return point_config(cfg, cfg.point_model("keel", 8), 7, lr=3e-3)
 
 
 @pytest.mark.slow
@@ -47,7 +47,8 @@ def test_every_path_trains_through_the_one_step(corpus, tmp_path, args, monkeypa
     monkeypatch.setattr(step_module.TrainStep, "__call__", counted)
     train_curve(experiment_point(corpus, tmp_path), eval_batches=0)
     assert len(calls) == 12
-    Bench(ModelConfig(n_blocks=1, d_model=32, n_heads=2, max_seq_len=16), 2, 16, torch.device("cpu")).step()
+    Bench(ModelConfig(n_blocks=1, d_model=32, n_heads=2, max_seq_len=16),
+          RunConfig(batch_size=2, seq_len=16, device="cpu")).step()
     assert len(calls) == 13
     Trainer(load_config(args("run.steps=3", "run.eval_every=0"), preset="tiny")).run()
     assert len(calls) == 16
@@ -65,8 +66,8 @@ def test_experiment_overrides_reach_the_engine(corpus, tmp_path, monkeypatch):
     cfg = build("depth", True, ["run.device=cpu", "run.dtype=bfloat16", "run.compile=false", "depths=[4]",
                                 f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}"])
     assert cfg.run.dtype == "bfloat16" and cfg.run.device == "cpu"
-    config = point_config(cfg.shape.model("keel", 4), OptimConfig(lr=1e-3, warmup_steps=1), 2, cfg.shape, cfg.data,
-                          0, cfg)
+    config = point_config(replace(cfg, run=replace(cfg.run, steps=2)), cfg.point_model("keel", 4), 0, lr=1e-3,
+                          warmup_steps=1)
     dtypes = []
     _, model = train_curve(config, eval_batches=1)
     assert seen == {"device": "cpu", "dtype": "bfloat16", "compile": False}
@@ -82,8 +83,8 @@ def test_experiment_overrides_reach_the_engine(corpus, tmp_path, monkeypatch):
     assert dtypes == [torch.float32, torch.bfloat16]
     if not torch.cuda.is_available():  # run.device=cuda reaches the engine, which refuses it here
         with pytest.raises(ConfigError, match="run.device"):
-            train_curve(point_config(cfg.shape.model("keel", 4), OptimConfig(), 1, cfg.shape, cfg.data, 0,
-                                     build("depth", True, ["run.device=cuda"])))
+            cuda = build("depth", True, ["run.device=cuda"])
+            train_curve(point_config(cuda, cuda.point_model("keel", 4), 0))
 
 
 @pytest.mark.slow
@@ -156,11 +157,90 @@ def test_only_keel_errors_become_one_line(monkeypatch, capsys):
 
 
 def test_experiments_take_a_config_file_like_train(tmp_path):
-    (tmp_path / "e.yaml").write_text("steps: 5\nrun:\n  compile: true\n")
-    cfg = build("depth", True, ["steps=6"], str(tmp_path / "e.yaml"))
-    assert cfg.steps == 6 and cfg.run.compile is True
+    (tmp_path / "e.yaml").write_text("depths: [2, 4]\nrun:\n  steps: 5\n  compile: true\n")
+    cfg = build("depth", True, ["run.steps=6"], str(tmp_path / "e.yaml"))
+    assert cfg.run.steps == 6 and cfg.run.compile is True and cfg.depths == [2, 4]
     with pytest.raises(ConfigError, match="depth: bogus"):
         build("depth", True, ["bogus=1"])
+
+
+def test_experiments_spell_every_knob_as_keel_train_does():
+    """One spelling: the old experiment-only names are refused with the section they now live in, and bare
+    model fields are model.<field> as in keel train."""
+    cfg = build("depth", False, ["run.steps=7", "optim.warmup_steps=3", "model.d_model=48", "run.seq_len=32",
+                                 "run.batch_size=2", "n_heads=8", "ffn=gelu"])
+    assert (cfg.run.steps, cfg.optim.warmup_steps, cfg.run.seq_len, cfg.run.batch_size) == (7, 3, 32, 2)
+    assert (cfg.model.d_model, cfg.model.n_heads, cfg.model.ffn) == (48, 8, "gelu")
+    point = cfg.point_model("pre_ln", 16)
+    assert (point.scheme, point.n_blocks, point.max_seq_len, point.d_model, point.ffn) == ("pre_ln", 8, 32, 48, "gelu")
+    with pytest.raises(ConfigError, match=r"did you mean run\.steps"):
+        build("depth", False, ["steps=7"])
+    with pytest.raises(ConfigError, match="has no field 'shape'"):
+        build("depth", False, ["shape.d_model=32"])
+
+
+@pytest.mark.parametrize("name, override, why", [
+    ("depth", "model.n_blocks=4", "set per point from depths"),
+    ("depth", "n_blocks=4", "set per point from depths"),
+    ("depth", "model.scheme=pre_ln", "set per point from schemes"),
+    ("depth", "optim.lr=1e-3", "set per point from lrs"),
+    ("depth", "run.seed=3", "set per point from seeds"),
+    ("depth", "run.name=x", "no run directory"),
+    ("depth", "run.eval_every=5", "no run directory"),
+    ("lr-sweep", "model.n_blocks=4", "from depth"),
+    ("ablations", "model.alpha=2", "the arms"),
+    ("max-lr", "optim.warmup_steps=10", "the ramp is the whole run"),
+    ("max-lr", "optim.schedule=cosine", "the ramp"),
+])
+def test_an_experiment_refuses_fields_it_does_not_use(name, override, why, tmp_path):
+    with pytest.raises(ConfigError, match=f"{override.split('=')[0]}: not used here.*{why}"):
+        build(name, False, [override])
+    key, value = override.split("=")
+    section, field = key.split(".") if "." in key else ("model", key)
+    (tmp_path / "e.yaml").write_text(f"{section}:\n  {field}: {value}\n")
+    with pytest.raises(ConfigError, match="not used here"):
+        build(name, False, [], str(tmp_path / "e.yaml"))
+    build(name, False, ["optim.grad_clip=0.5" if name == "max-lr" else "optim.warmup_steps=7"])  # a used field is fine
+
+
+RESULTS = Path(__file__).parent.parent / "results"
+
+
+@pytest.mark.parametrize("folder", sorted(p.parent.parent.name for p in RESULTS.glob("*/points/config.json"))
+                         if RESULTS.is_dir() else [])
+def test_committed_sweeps_are_this_configuration_in_todays_spelling(folder):
+    """Every committed sweep, its command re-spelled (steps -> run.steps, warmup_steps -> optim.warmup_steps),
+    builds a config with no difference from the one the sweep recorded in the old layout: so more seeds can
+    be added to it, and today's defaults are the ones its points ran with."""
+    from keel.experiments.common import _differences, upgrade_recorded
+
+    command = shlex.split(json.loads((RESULTS / folder / "results.json").read_text())["command"])
+    name, words = command[2], command[3:]
+    if "--out" in words:  # --out and its directory
+        del words[words.index("--out"):words.index("--out") + 2]
+    renamed = {"steps": "run.steps", "warmup_steps": "optim.warmup_steps"}
+    overrides = [renamed.get(w.split("=")[0], w.split("=")[0]) + "=" + w.split("=", 1)[1] for w in words]
+    cfg = build(name, False, overrides)
+    recorded = upgrade_recorded(json.loads((RESULTS / folder / "points" / "config.json").read_text()))
+    assert "shape" not in recorded and "steps" not in recorded
+    mine = json.loads(json.dumps(asdict(cfg)))
+    defaults = json.loads(json.dumps(asdict(type(cfg)())))
+    assert [k for k in _differences(mine, recorded, defaults) if k != "seeds"] == []
+    changed = build(name, False, [*overrides, "run.batch_size=3"])
+    assert "run.batch_size" in _differences(json.loads(json.dumps(asdict(changed))), recorded, defaults)
+
+
+@pytest.mark.slow
+def test_a_committed_point_reruns_to_its_recorded_losses():
+    """results/depth's 8-sub-layer Keel point at its chosen LR, seed 0, re-run in today's spelling: its first
+    steps' losses are the ones committed (float32 on CPU; the schedule depends on run.steps, so it is the same)."""
+    res = json.loads((RESULTS / "depth" / "results.json").read_text())
+    lr = res["results"]["chosen"]["keel-8"]
+    recorded = json.loads((RESULTS / "depth" / "points" / f"keel-8-lr{lr:g}-seed0.json").read_text())
+    cfg = build("depth", False, ["run.steps=300", "optim.warmup_steps=30"])
+    curve, _ = train_curve(point_config(cfg, cfg.point_model("keel", 8), 0, lr=lr), eval_batches=0,
+                           on_step=lambda i, model, result: i == 4)
+    assert curve.losses == pytest.approx(recorded["losses"][:5], rel=1e-5)
 
 
 def test_trainer_metrics_land_in_its_run_dir(args, tmp_path):

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
-from keel.experiments.common import Shape, markdown_table, pm, pyplot, write_outputs
-from keel.experiments.scaling import TINY_SHAPE, BudgetConfig, method_note, paired_gap, select_then_seeds
+from keel.experiments.budget import BudgetConfig, method_note, paired_gap, select_then_seeds
+from keel.experiments.common import ExperimentConfig, markdown_table, pm, pyplot, tiny_quick, write_outputs
 
 
 @dataclass
@@ -22,20 +23,22 @@ class AblationConfig(BudgetConfig):
     lrs: list[float] = field(default_factory=lambda: [3e-3, 1e-2])
     small_alpha: float = 2.0
     references: list[str] = field(default_factory=lambda: ["pre_ln"])  # baseline schemes run beside the variants
-    shape: Shape = field(default_factory=lambda: Shape(batch_size=8))
+
+    PER_POINT: ClassVar[dict[str, str]] = ExperimentConfig.PER_POINT | {
+        "model.n_blocks": "depth", "model.scheme": "the arms (keel variants and references)",
+        "model.alpha": "the arms", "model.first_layer": "the arms"}
 
     @classmethod
     def quick(cls) -> AblationConfig:
-        return cls(depth=4, lrs=[3e-3], seeds=[0, 1], steps=6, warmup_steps=2, eval_batches=1, curve_every=0,
-                   shape=TINY_SHAPE)
+        return tiny_quick(cls, 6, depth=4, lrs=[3e-3], seeds=[0, 1], curve_every=0)
 
     def arms(self) -> dict:
         variants = {"keel (alpha=L, v2)": {}, "alpha=sqrtL": {"alpha": "sqrtL"},
                     f"alpha={self.small_alpha:g}": {"alpha": self.small_alpha},
                     "first_layer=v1": {"first_layer": "v1"}, "first_layer=none": {"first_layer": "none"}}
-        arms = {label: self.shape.model("keel", self.depth, **extra) for label, extra in variants.items()}
+        arms = {label: self.point_model("keel", self.depth, **extra) for label, extra in variants.items()}
         for scheme in self.references:
-            arms[scheme] = self.shape.model(scheme, self.depth)
+            arms[scheme] = self.point_model(scheme, self.depth)
         return arms
 
 
@@ -62,7 +65,7 @@ def run(cfg: AblationConfig, out: Path, command: str) -> dict:
         ax.scatter([i] * len(a["report_losses"]), a["report_losses"], s=10, color=f"C{i}", alpha=0.5)
     ax.set_xticks(range(len(arms)), list(arms), rotation=20, fontsize=8)
     ax.set_ylabel("report-half loss (mean ± SD, dots = seeds)")
-    ax.set_title(f"Keel ablations, {cfg.depth} sub-layers, d={cfg.shape.d_model}", fontsize=10)
+    ax.set_title(f"Keel ablations, {cfg.depth} sub-layers, d={cfg.model.d_model}", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "ablations.png", dpi=110)
     plt.close(fig)

@@ -1,5 +1,5 @@
-"""What every experiment shares: its engine settings, training one point through the one training step,
-sweep bookkeeping, output.
+"""What every experiment shares: its config (`keel train`'s sections plus its own fields), training one point
+through the one training step, sweep bookkeeping, output.
 
 An experiment is a sweep of independent points (scheme x depth x LR x seed ...). Each point trains through
 keel.train.step.TrainStep, exactly as `keel train` does (`point_config` is the TrainConfig that `keel train`
@@ -23,8 +23,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -35,28 +36,17 @@ from keel.data import eval_batches as spaced_batches
 from keel.errors import ConfigError
 from keel.model import ModelConfig, TransformerLM, lm_loss
 from keel.runtime import autocast_for, machine, resolve_device
-from keel.train.config import GuardConfig, OptimConfig, RunConfig, Runtime, TrainConfig, validate
+from keel.train.config import GuardConfig, OptimConfig, RunConfig, TrainConfig, validate
 from keel.train.evaluate import evaluate
 from keel.train.guard import DivergenceGuard
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.step import TrainStep, build_model, on_device
 
 
-@dataclass
-class Shape:
-    """The model shape shared by an experiment's points; depth and scheme vary per point."""
-
-    d_model: int = 64
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    vocab_size: int = 256
-    seq_len: int = 64
-    batch_size: int = 4
-
-    def model(self, scheme: str, n_sublayers: int, **extra) -> ModelConfig:
-        return ModelConfig(vocab_size=self.vocab_size, d_model=self.d_model, n_blocks=n_sublayers // 2,
-                           n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, max_seq_len=self.seq_len,
-                           scheme=scheme, **extra)
+def experiment_model() -> ModelConfig:
+    """The base model of the science experiments: d=64, 4 query / 2 KV heads, bytes. Depth and scheme are
+    set per point."""
+    return ModelConfig(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, max_seq_len=64)
 
 
 def experiment_guard() -> GuardConfig:
@@ -64,13 +54,60 @@ def experiment_guard() -> GuardConfig:
     return GuardConfig(spike_min_history=0, loss_ceiling=0)
 
 
-@dataclass
-class Engine:
-    """The fields every experiment config has: how its points train (`run.*`, as in `keel train`) and when
-    one counts as diverged (`guard.*`)."""
+def experiment_run(**fields) -> RunConfig:
+    """An experiment point's run: 8 x 64 tokens per step; the fields a sweep does not use at their defaults."""
+    return RunConfig(**({"steps": 400, "batch_size": 8, "seq_len": 64, "eval_batches": 16} | fields))
 
-    run: Runtime = field(default_factory=Runtime)
+
+# run.* fields a sweep point has no use for (it writes no run directory, checkpoint or log of its own)
+_NO_RUN_DIR = ("run.out_dir", "run.name", "run.log_every", "run.eval_every", "run.ckpt_every", "run.keep_checkpoints",
+               "run.progress", "run.telemetry_every", "run.log_to", "run.fsdp_group", "run.pp", "run.pp_schedule",
+               "run.pp_microbatches")
+
+
+@dataclass
+class ExperimentConfig:
+    """Every experiment's config: `keel train`'s own sections (`model.*`, `data.*`, `optim.*`, `guard.*`,
+    `run.*`: the same fields, spelling and meaning) holding the experiment's defaults, plus the experiment's
+    own fields at the top level (`schemes`, `depths`, `lrs`, `seeds`, ...).
+
+    `model` is the base model every point starts from; each point sets its scheme and depth (and
+    `max_seq_len` = `run.seq_len`). Fields a point sets itself or has no use for are listed by
+    `fixed_fields()`; a YAML file or override that sets one is refused, never silently ignored.
+    """
+
+    model: ModelConfig = field(default_factory=experiment_model)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(warmup_steps=40))
     guard: GuardConfig = field(default_factory=experiment_guard)
+    run: RunConfig = field(default_factory=experiment_run)
+
+    # dotted field -> the experiment field that sets it per point (subclasses add theirs)
+    PER_POINT: ClassVar[dict[str, str]] = {"model.scheme": "schemes", "model.n_blocks": "depths",
+                                           "model.max_seq_len": "run.seq_len", "optim.lr": "lrs"}
+
+    def fixed_fields(self) -> dict[str, str]:
+        """{dotted field: why it cannot be set} for this experiment."""
+        out = {k: f"set per point from {v}" for k, v in self.PER_POINT.items()}
+        out |= {k: "a sweep point writes no run directory of its own" for k in _NO_RUN_DIR}
+        out["run.seed"] = "set per point from seeds"
+        return out
+
+    def point_model(self, scheme: str, n_sublayers: int, **fields) -> ModelConfig:
+        """The base model at `n_sublayers` with `scheme` (and any other field given)."""
+        return replace(self.model, scheme=scheme, n_blocks=n_sublayers // 2, max_seq_len=self.run.seq_len, **fields)
+
+    def tokens_per_step(self) -> int:
+        return self.run.batch_size * self.run.seq_len
+
+
+def tiny_quick(cls, steps: int, optim: dict | None = None, **fields):
+    """An experiment's --quick config: its defaults at d=32 (2 heads), 4 x 32 tokens per step, `steps` steps,
+    warm-up 2 (or `optim`'s fields), one evaluation batch."""
+    base = cls()
+    return cls(model=replace(base.model, d_model=32, n_heads=2, n_kv_heads=1, max_seq_len=32),
+               optim=replace(base.optim, **({"warmup_steps": 2} | (optim or {}))),
+               run=replace(base.run, steps=steps, batch_size=4, seq_len=32, eval_batches=1), **fields)
 
 
 @dataclass
@@ -93,17 +130,12 @@ def corpus(data: DataConfig):
     return _DATA_CACHE[key]
 
 
-def point_config(model_cfg: ModelConfig, optim: OptimConfig, steps: int, shape: Shape, data: DataConfig, seed: int,
-                 engine: Engine | None = None, eval_batches: int = 8) -> TrainConfig:
-    """The TrainConfig of one experiment point: `keel train` with it trains the same model on the same
-    batches and logs the same losses (a test checks this)."""
-    engine = engine or Engine()
-    r = engine.run
-    run = RunConfig(steps=steps, batch_size=shape.batch_size, seq_len=shape.seq_len, seed=seed, device=r.device,
-                    dtype=r.dtype, compile=r.compile, fused_junction=r.fused_junction, ac_every=r.ac_every,
-                    grad_accum=r.grad_accum, eval_every=0, eval_batches=max(1, eval_batches), ckpt_every=0,
-                    log_every=1, progress=False)
-    config = TrainConfig(model=model_cfg, data=data, optim=optim, guard=engine.guard, run=run)
+def point_config(cfg: ExperimentConfig, model_cfg: ModelConfig, seed: int, **optim) -> TrainConfig:
+    """The TrainConfig of one experiment point: `cfg`'s sections with the point's model, seed and optimiser
+    fields (`lr=...`); `keel train` with it trains the same model on the same batches and logs the same
+    losses (a test checks this)."""
+    run = replace(cfg.run, seed=seed, eval_every=0, ckpt_every=0, log_every=1, progress=False)
+    config = TrainConfig(model=model_cfg, data=cfg.data, optim=replace(cfg.optim, **optim), guard=cfg.guard, run=run)
     validate(config)
     return config
 
@@ -208,7 +240,7 @@ class Sweep:
     def run(self, points: dict[str, Callable[[], dict]], desc: str) -> dict[str, dict]:
         (self.out / "points").mkdir(parents=True, exist_ok=True)
         recorded, mine = self.out / "points" / "config.json", json.loads(json.dumps(asdict(self.config)))
-        theirs = json.loads(recorded.read_text()) if recorded.exists() else None
+        theirs = upgrade_recorded(json.loads(recorded.read_text())) if recorded.exists() else None
         if theirs is not None:
             changed = [k for k in _differences(mine, theirs, json.loads(json.dumps(asdict(type(self.config)()))))
                        if k != "seeds"]
@@ -233,6 +265,29 @@ class Sweep:
             tmp.rename(path)  # a point is either finished on disk or not there
             results[key] = result
         return results
+
+
+# Where each field of the configs recorded before experiments took keel train's sections now lives
+_MOVED = {"steps": "run.steps", "warmup_steps": "optim.warmup_steps", "eval_batches": "run.eval_batches",
+          "lr": "optim.lr", "peak": "optim.lr", "shape.d_model": "model.d_model", "shape.n_heads": "model.n_heads",
+          "shape.n_kv_heads": "model.n_kv_heads", "shape.vocab_size": "model.vocab_size",
+          "shape.seq_len": "run.seq_len", "shape.batch_size": "run.batch_size"}
+
+
+def upgrade_recorded(recorded: dict) -> dict:
+    """A sweep's recorded config in today's layout. Configs written before experiments took `keel train`'s
+    sections kept `steps`, `shape.*`, `lr` ... at the top level (`_MOVED`); their points are the same runs,
+    so a sweep recorded then can still take more seeds."""
+    if "shape" not in recorded and "steps" not in recorded:
+        return recorded
+    out = {k: v for k, v in recorded.items() if k not in ("shape", *_MOVED)}
+    flat = {k: v for k, v in recorded.items() if k in _MOVED}
+    flat |= {f"shape.{k}": v for k, v in recorded.get("shape", {}).items()}
+    for old, value in flat.items():
+        if old in _MOVED:
+            section, name = _MOVED[old].split(".")
+            out.setdefault(section, {})[name] = value
+    return out
 
 
 def _differences(mine: dict, theirs: dict, defaults: dict, prefix: str = "") -> list[str]:

@@ -19,48 +19,55 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
-from keel.data import DataConfig, eval_batches
+from keel.data import eval_batches
 from keel.experiments.common import (
-    Engine,
-    Shape,
+    ExperimentConfig,
     Sweep,
     corpus,
+    experiment_model,
+    experiment_run,
     markdown_table,
     pm,
     point_config,
     pyplot,
     splits,
+    tiny_quick,
     train_curve,
     write_outputs,
 )
 from keel.experiments.probes import residual_sizes
+from keel.model import ModelConfig
 from keel.model.transformer import TransformerLM
 from keel.scale.parallel import apply_fused_junction
-from keel.train.config import OptimConfig
+from keel.train.config import OptimConfig, RunConfig
 
 INITS = ("default", "matched")
 STYLES = ("-", "--", "-.", ":")  # schemes that coincide (DeepNorm and Keel near 1) stay visible
 
 
 @dataclass
-class GradflowConfig(Engine):
+class GradflowConfig(ExperimentConfig):
+    """The trained seeds train `run.steps` steps at `optim.lr`; d=32 so that 256 sub-layers stay cheap."""
+
+    model: ModelConfig = field(default_factory=lambda: replace(experiment_model(), d_model=32, n_heads=2,
+                                                               n_kv_heads=1))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20))
+    run: RunConfig = field(default_factory=lambda: experiment_run(steps=100, batch_size=4))
     schemes: list[str] = field(default_factory=lambda: ["post_ln", "deepnorm", "pre_ln", "keel"])
     depths: list[int] = field(default_factory=lambda: [16, 64, 256])  # sub-layers
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # at initialisation
-    trained_seeds: list[int] = field(default_factory=lambda: [0, 1])  # also trained for `steps` steps
-    steps: int = 100
-    lr: float = 1e-3
-    warmup_steps: int = 20
-    shape: Shape = field(default_factory=lambda: Shape(d_model=32, n_heads=2, n_kv_heads=1))
-    data: DataConfig = field(default_factory=DataConfig)
+    trained_seeds: list[int] = field(default_factory=lambda: [0, 1])  # also trained for `run.steps` steps
+
+    PER_POINT: ClassVar[dict[str, str]] = {"model.scheme": "schemes", "model.n_blocks": "depths",
+                                           "model.max_seq_len": "run.seq_len", "model.init_std": "the two inits"}
 
     @classmethod
     def quick(cls) -> GradflowConfig:
-        return cls(depths=[8, 16], seeds=[0, 1], trained_seeds=[0], steps=5,
-                   shape=Shape(d_model=32, n_heads=2, n_kv_heads=1, seq_len=32, batch_size=4))
+        return tiny_quick(cls, 5, optim={"warmup_steps": 20}, depths=[8, 16], seeds=[0, 1], trained_seeds=[0])
 
 
 def measure(model: TransformerLM, x: torch.Tensor, y: torch.Tensor) -> dict:
@@ -108,16 +115,15 @@ def measure(model: TransformerLM, x: torch.Tensor, y: torch.Tensor) -> dict:
 
 
 def point(cfg: GradflowConfig, scheme: str, depth: int, init: str, seed: int, train: bool) -> dict:
-    model_cfg = cfg.shape.model(scheme, depth)
+    model_cfg = cfg.point_model(scheme, depth)
     if init == "matched":
-        model_cfg = replace(model_cfg, init_std=1 / math.sqrt(cfg.shape.d_model))
+        model_cfg = replace(model_cfg, init_std=1 / math.sqrt(cfg.model.d_model))
     torch.manual_seed(seed)
     model = TransformerLM(model_cfg)
-    x, y = next(eval_batches(splits(cfg.data)["report"], cfg.shape.seq_len, cfg.shape.batch_size, 1))
+    x, y = next(eval_batches(splits(cfg.data)["report"], cfg.run.seq_len, cfg.run.batch_size, 1))
     out = {"scheme": scheme, "depth": depth, "init": init, "seed": seed, "at_init": measure(model, x, y)}
     if train:
-        optim = OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps)
-        config = point_config(model_cfg, optim, cfg.steps, cfg.shape, cfg.data, seed, cfg)
+        config = point_config(cfg, model_cfg, seed)
         curve, model = train_curve(config, eval_batches=0, model=model)
         out["trained"] = measure(model, x, y) if curve.stopped_at is None else None
         out["train_losses"] = curve.losses
@@ -148,7 +154,7 @@ def run(cfg: GradflowConfig, out: Path, command: str) -> dict:
                 if not sums:
                     continue
                 table[f"{s}-{d}-{init}-{stage}"] = sums
-                label = "init" if stage == "at_init" else f"after {cfg.steps} steps"
+                label = "init" if stage == "at_init" else f"after {cfg.run.steps} steps"
                 rows.append([s, d, f"{init} {label}", pm([x["median_f_over_x"] for x in sums], 3),
                              pm([x["mean_factor"] for x in sums], 4) if sums[0]["mean_factor"] else "- (1)",
                              _g(sums, "product_of_factors"), _g(sums, "grad_bottom_over_top")])
@@ -161,9 +167,9 @@ def run(cfg: GradflowConfig, out: Path, command: str) -> dict:
     notes = ("Shortcut factor = rms(alpha x)/rms(alpha x + F) per sub-layer with a norm_out; the paper's "
              "prediction with |F| = |x|: 1/sqrt(2) = 0.707 for Post-LN, L^0.25/sqrt(L^0.5+1) for DeepNorm, "
              "L/sqrt(L^2+1) for Keel. Bottom = sub-layer 2, top = L-1. 'default' init: N(0, 0.02^2); "
-             f"'matched': std 1/sqrt(d) = {1 / math.sqrt(cfg.shape.d_model):.3f}. d={cfg.shape.d_model}, one batch of "
-             f"{cfg.shape.batch_size}x{cfg.shape.seq_len} tokens from the report half; seeds at init {cfg.seeds}, "
-             f"trained {cfg.trained_seeds} ({cfg.steps} steps at LR {cfg.lr:g}).")
+             f"'matched': std 1/sqrt(d) = {1 / math.sqrt(cfg.model.d_model):.3f}. d={cfg.model.d_model}, one batch of "
+             f"{cfg.run.batch_size}x{cfg.run.seq_len} tokens from the report half; seeds at init {cfg.seeds}, "
+             f"trained {cfg.trained_seeds} ({cfg.run.steps} steps at LR {cfg.optim.lr:g}).")
     write_outputs(out, "gradflow", cfg, command, {"points": results, "summary": table},
                   markdown_table(header, rows), plots, notes)
     return table
@@ -197,7 +203,7 @@ def _plot(cfg, results, quantity, init, stage, out) -> str:
     axes[0][0].set_ylabel({"grad_stream": "|dL/dx| entering the sub-layer",
                            "factor": "rms(alpha x) / rms(alpha x + F)"}[quantity])
     axes[0][-1].legend(fontsize=8)
-    state = "at init" if stage == "at_init" else f"after {cfg.steps} steps"
+    state = "at init" if stage == "at_init" else f"after {cfg.run.steps} steps"
     fig.suptitle(f"{quantity}, {init} init, {state} (one line per seed)", fontsize=10)
     fig.tight_layout()
     name = f"gradflow-{quantity.replace('_', '-')}-{init}-{stage.replace('_', '-')}.png"

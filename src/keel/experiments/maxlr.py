@@ -1,13 +1,13 @@
 """max-lr (paper Table 1): the largest learning rate each scheme tolerates.
 
-The LR rises linearly from 0 to `peak` over `steps` steps (the paper: 0 -> 5e-2 over 5,000 steps). Every
+The LR rises linearly from 0 to `optim.lr` over `run.steps` steps (the paper: 0 -> 5e-2 over 5,000 steps). Every
 `eval_every` steps the model is scored on one fixed set of batches from the "select" half of the validation
 split; keel.experiments.detect judges that curve (non-finite, collapse to the unigram level, unrecovered
 rise above the running best; rules fixed before running), and the run stops once a failure is confirmed.
 The max tolerable LR is the LR at the last evaluation before the failure; a run that never fails is
 reported as ">= peak". Schemes listed in `no_clip` are also run without gradient clipping ("<scheme>/noclip").
 
-Resolution: one step moves the LR by peak/steps; the failure is located to within `eval_every` steps.
+Resolution: one step moves the LR by optim.lr / run.steps; the failure is located to within `eval_every` steps.
 The report states both against the smallest max LR measured (the issue asks for <= 1% per step).
 """
 
@@ -16,13 +16,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
-from keel.data import DataConfig
 from keel.experiments.common import (
-    Engine,
-    Shape,
+    ExperimentConfig,
     Sweep,
     corpus,
+    experiment_run,
     fixed_batches,
     loss_on,
     markdown_table,
@@ -30,45 +30,52 @@ from keel.experiments.common import (
     point_config,
     pyplot,
     splits,
+    tiny_quick,
     train_curve,
     unigram_loss,
     write_outputs,
 )
 from keel.experiments.detect import FailureRules, detect, smooth
 from keel.runtime import autocast_for
-from keel.train.config import OptimConfig
+from keel.train.config import OptimConfig, RunConfig
 
 
 @dataclass
-class MaxLRConfig(Engine):
+class MaxLRConfig(ExperimentConfig):
+    """The LR ramps linearly from 0 to `optim.lr` (the peak) over the whole run of `run.steps` steps; the
+    clipped arms clip at `optim.grad_clip`. `run.eval_batches` fixed batches of the select half are scored
+    every `eval_every` steps."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=8e-2))
+    run: RunConfig = field(default_factory=lambda: experiment_run(steps=1000, eval_batches=2))
     schemes: list[str] = field(default_factory=lambda: ["post_ln", "deepnorm", "pre_ln", "keel"])
     no_clip: list[str] = field(default_factory=lambda: ["pre_ln", "keel"])  # also run these without clipping
     depths: list[int] = field(default_factory=lambda: [16])  # sub-layers (paper: 64 and 512)
-    peak: float = 8e-2
-    steps: int = 1000  # the warm-up length = the whole run
     eval_every: int = 2
-    eval_batches: int = 2  # fixed batches of shape.batch_size x shape.seq_len from the select half
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    shape: Shape = field(default_factory=lambda: Shape(batch_size=8))
-    data: DataConfig = field(default_factory=DataConfig)
     rules: FailureRules = field(default_factory=FailureRules)
+
+    PER_POINT: ClassVar[dict[str, str]] = {
+        "model.scheme": "schemes", "model.n_blocks": "depths", "model.max_seq_len": "run.seq_len",
+        "optim.warmup_steps": "run.steps (the ramp is the whole run)", "optim.schedule": "the ramp (linear, no decay)",
+        "optim.min_lr": "the ramp (linear, no decay)", "optim.decay_fraction": "the ramp (linear, no decay)"}
 
     @classmethod
     def quick(cls) -> MaxLRConfig:
-        return cls(schemes=["post_ln", "keel"], no_clip=["keel"], depths=[4], steps=40, eval_every=2, seeds=[0],
-                   eval_batches=1, shape=Shape(d_model=32, n_heads=2, n_kv_heads=1, seq_len=32, batch_size=4),
-                   rules=FailureRules(confirm=4, stall=8))
+        return tiny_quick(cls, 40, schemes=["post_ln", "keel"], no_clip=["keel"], depths=[4], eval_every=2, seeds=[0],
+                          rules=FailureRules(confirm=4, stall=8))
 
     def arms(self) -> list[tuple[str, str, float]]:
         """(label, scheme, grad_clip) for every arm."""
-        return [(s, s, 1.0) for s in self.schemes] + [(f"{s}/noclip", s, 0.0) for s in self.no_clip]
+        clip = self.optim.grad_clip
+        return [(s, s, clip) for s in self.schemes] + [(f"{s}/noclip", s, 0.0) for s in self.no_clip]
 
 
 def point(cfg: MaxLRConfig, scheme: str, clip: float, depth: int, seed: int) -> dict:
-    batches = fixed_batches(splits(cfg.data)["select"], cfg.shape.seq_len, cfg.shape.batch_size, cfg.eval_batches)
+    batches = fixed_batches(splits(cfg.data)["select"], cfg.run.seq_len, cfg.run.batch_size, cfg.run.eval_batches)
     unigram = unigram_loss(corpus(cfg.data).train, batches)
-    optim = OptimConfig(lr=cfg.peak, warmup_steps=cfg.steps, schedule="constant", grad_clip=clip)
-    config = point_config(cfg.shape.model(scheme, depth), optim, cfg.steps, cfg.shape, cfg.data, seed, cfg)
+    config = point_config(cfg, cfg.point_model(scheme, depth), seed, warmup_steps=cfg.run.steps, schedule="constant",
+                          grad_clip=clip)
     evals: dict[str, list] = {"step": [], "lr": [], "loss": []}
     judged = []
 
@@ -117,7 +124,7 @@ def verdict(r: dict, cfg: MaxLRConfig) -> dict:
     noise = eval_noise(values[:hit.index] if hit else values, r["unigram"], cfg.rules)
     out = {"noise_sd": noise, "reliable": noise <= NOISE_LIMIT}
     if hit is None:
-        return out | {"max_lr": cfg.peak, "rule": None, "failed": False, "at_step": None}
+        return out | {"max_lr": cfg.optim.lr, "rule": None, "failed": False, "at_step": None}
     lrs = r["evals"]["lr"]
     return out | {"max_lr": lrs[hit.index - 1] if hit.index > 0 else 0.0, "rule": hit.rule, "failed": True,
                   "at_step": r["evals"]["step"][hit.index]}
@@ -145,14 +152,14 @@ def run(cfg: MaxLRConfig, out: Path, command: str) -> dict:
                          f"{failed}/{len(vs)}", rules, f"{m / pre:.2f}" if pre else "-",
                          f"{noise:.3f}" + ("" if noise <= NOISE_LIMIT else " (unreliable)")])
     smallest = min((v["max_lr"] for v in verdicts.values() if v["failed"] and v["max_lr"] > 0), default=None)
-    per_step = cfg.peak / cfg.steps
+    per_step = cfg.optim.lr / cfg.run.steps
     resolution = {"lr_per_step": per_step, "lr_per_eval": per_step * cfg.eval_every, "smallest_max_lr": smallest,
                   "per_step_fraction_of_smallest": per_step / smallest if smallest else None}
     plots = [_plot(cfg, results, verdicts, d, out) for d in cfg.depths]
-    notes = (f"LR: linear warm-up 0 -> {cfg.peak:g} over {cfg.steps} steps of {cfg.shape.batch_size}x"
-             f"{cfg.shape.seq_len} tokens, d={cfg.shape.d_model}; {len(cfg.seeds)} seeds; validation loss on "
-             f"{cfg.eval_batches} fixed batches of the select half every {cfg.eval_every} steps. One step moves the "
-             f"LR by {per_step:.3g}"
+    notes = (f"LR: linear warm-up 0 -> {cfg.optim.lr:g} over {cfg.run.steps} steps of {cfg.run.batch_size}x"
+             f"{cfg.run.seq_len} tokens, d={cfg.model.d_model}; {len(cfg.seeds)} seeds; validation loss on "
+             f"{cfg.run.eval_batches} fixed batches of the select half every {cfg.eval_every} steps. One step moves "
+             f"the LR by {per_step:.3g}"
              + (f" = {100 * per_step / smallest:.2f}% of the smallest max LR measured ({smallest:.3g})"
                 if smallest else "") + f"; failures are located to {cfg.eval_every} steps "
              f"({per_step * cfg.eval_every:.3g} in LR). Rules ({cfg.rules}): see keel/experiments/detect.py. "

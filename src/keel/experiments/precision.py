@@ -22,15 +22,28 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
 
-from keel.experiments.common import Sweep, fixed_batches, markdown_table, pm, pyplot, splits, write_outputs
+from keel.experiments.budget import BudgetConfig, budget_point, paired_gap, unigram_level
+from keel.experiments.common import (
+    ExperimentConfig,
+    Sweep,
+    experiment_run,
+    fixed_batches,
+    markdown_table,
+    pm,
+    pyplot,
+    splits,
+    tiny_quick,
+    write_outputs,
+)
 from keel.experiments.probes import residual_terms
-from keel.experiments.scaling import TINY_SHAPE, BudgetConfig, budget_point, paired_gap, unigram_level
 from keel.model import TransformerLM
 from keel.model.schemes import Residual
+from keel.train.config import OptimConfig, RunConfig
 
 STREAMS = ("float32", "bfloat16")
 
@@ -41,14 +54,16 @@ class PrecisionConfig(BudgetConfig):
     schemes: list[str] = field(default_factory=lambda: ["keel", "pre_ln"])
     # one LR per scheme, in `schemes` order (no choice here: each scheme's LR chosen at this depth by `depth`)
     lrs: list[float] = field(default_factory=lambda: [3e-3, 1e-3])
-    steps: int = 300
-    warmup_steps: int = 30
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(warmup_steps=30))
+    run: RunConfig = field(default_factory=lambda: experiment_run(steps=300))
     init_depths: list[int] = field(default_factory=lambda: [64, 256, 1024])
+
+    PER_POINT: ClassVar[dict[str, str]] = ExperimentConfig.PER_POINT | {
+        "model.n_blocks": "depth and init_depths", "optim.lr": "lrs (one per scheme)"}
 
     @classmethod
     def quick(cls) -> PrecisionConfig:
-        return cls(depth=4, seeds=[0, 1], steps=6, warmup_steps=2, eval_batches=1, curve_every=2, curve_batches=1,
-                   init_depths=[4, 16], shape=TINY_SHAPE)
+        return tiny_quick(cls, 6, depth=4, seeds=[0, 1], curve_every=2, curve_batches=1, init_depths=[4, 16])
 
 
 def to_bf16(t: torch.Tensor) -> torch.Tensor:
@@ -102,17 +117,17 @@ def run(cfg: PrecisionConfig, out: Path, command: str) -> dict:
     if len(cfg.lrs) != len(cfg.schemes):
         raise ValueError(f"lrs: one LR per scheme ({len(cfg.schemes)}), got {len(cfg.lrs)}")
     lr_of = dict(zip(cfg.schemes, cfg.lrs))
-    report = fixed_batches(splits(cfg.data)["report"], cfg.shape.seq_len, cfg.shape.batch_size, 1)
+    report = fixed_batches(splits(cfg.data)["report"], cfg.run.seq_len, cfg.run.batch_size, 1)
     x0 = report[0][0]
 
     def init_job(scheme, depth, seed):
         def job():
             torch.manual_seed(seed)
-            return survival_profile(TransformerLM(cfg.shape.model(scheme, depth)), x0)
+            return survival_profile(TransformerLM(cfg.point_model(scheme, depth)), x0)
         return job
 
     def train_job(scheme, stream, seed):
-        return lambda: budget_point(cfg, cfg.shape.model(scheme, cfg.depth), lr_of[scheme], seed,
+        return lambda: budget_point(cfg, cfg.point_model(scheme, cfg.depth), lr_of[scheme], seed,
                                     prepare=round_stream if stream == "bfloat16" else None,
                                     extra=lambda model, batches: {"survival": survival_profile(model, batches[0][0])})
 
@@ -155,8 +170,8 @@ def run(cfg: PrecisionConfig, out: Path, command: str) -> dict:
     train_table = markdown_table(["scheme", "LR", "float32 stream", "bf16 stream", "bf16 - float32 (paired)",
                                   "bf16 diverged"], train_rows)
     plots = [_plot_share(cfg, points, out), _plot_curves(cfg, points, out)]
-    note = (f"{cfg.depth} sub-layers, {cfg.steps} steps x {cfg.shape.batch_size}x{cfg.shape.seq_len} tokens, "
-            f"d={cfg.shape.d_model}, seeds {cfg.seeds}; losses on the report half ({cfg.eval_batches} batches). "
+    note = (f"{cfg.depth} sub-layers, {cfg.run.steps} steps x {cfg.run.batch_size}x{cfg.run.seq_len} tokens, "
+            f"d={cfg.model.d_model}, seeds {cfg.seeds}; losses on the report half ({cfg.run.eval_batches} batches). "
             "Arithmetic on one report-half batch; 'init' is the paper's N(0, 0.02^2) init.")
     write_outputs(out, "stream-precision", cfg, command, {"points": points, "arithmetic": arith, "arms": arms},
                   arith_table + "\n\n" + train_table, plots, note)

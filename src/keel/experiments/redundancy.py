@@ -16,16 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from keel.data import DataConfig, eval_batches
+from keel.data import eval_batches
 from keel.data.corpus import build_corpus
 from keel.experiments.common import (
-    Engine,
-    Shape,
+    ExperimentConfig,
     Sweep,
+    experiment_run,
     fixed_batches,
     loss_on,
     markdown_table,
@@ -33,6 +34,7 @@ from keel.experiments.common import (
     point_config,
     pyplot,
     splits,
+    tiny_quick,
     train_curve,
     write_outputs,
 )
@@ -40,37 +42,36 @@ from keel.experiments.probes import branches_off, removed
 from keel.model import lm_loss
 from keel.runtime import autocast_for
 from keel.scale.parallel import apply_fused_junction
-from keel.train.config import OptimConfig
+from keel.train.config import OptimConfig, RunConfig
 
 MODES = ("sublayer", "branch")
 
 
 @dataclass
-class RedundancyConfig(Engine):
+class RedundancyConfig(ExperimentConfig):
+    """Both schemes train at `optim.lr` (one LR, not tuned here); `run.eval_batches` report-half batches."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3, warmup_steps=40))
+    run: RunConfig = field(default_factory=lambda: experiment_run(eval_batches=8))
     schemes: list[str] = field(default_factory=lambda: ["pre_ln", "keel"])
     depth: int = 32  # sub-layers
-    steps: int = 400
-    lr: float = 3e-3  # one LR for both schemes (not tuned here)
-    warmup_steps: int = 40
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    eval_batches: int = 8
     hf_model: str = ""  # a Hugging Face causal LM directory: measure it instead of training
-    shape: Shape = field(default_factory=lambda: Shape(batch_size=8))
-    data: DataConfig = field(default_factory=DataConfig)
+
+    PER_POINT: ClassVar[dict[str, str]] = {"model.scheme": "schemes", "model.n_blocks": "depth",
+                                           "model.max_seq_len": "run.seq_len"}
 
     @classmethod
     def quick(cls) -> RedundancyConfig:
-        return cls(depth=4, steps=8, warmup_steps=2, eval_batches=1, seeds=[0, 1],
-                   shape=Shape(d_model=32, n_heads=2, n_kv_heads=1, seq_len=32, batch_size=4))
+        return tiny_quick(cls, 8, depth=4, seeds=[0, 1])
 
 
 def keel_point(cfg: RedundancyConfig, scheme: str, seed: int) -> dict:
-    model_cfg = cfg.shape.model(scheme, cfg.depth)
-    optim = OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps)
-    config = point_config(model_cfg, optim, cfg.steps, cfg.shape, cfg.data, seed, cfg)
+    model_cfg = cfg.point_model(scheme, cfg.depth)
+    config = point_config(cfg, model_cfg, seed)
     curve, model = train_curve(config, eval_batches=0)
     apply_fused_junction(model, "off")  # removing one sub-layer must not leave its fused junction behind
-    batches = fixed_batches(splits(cfg.data)["report"], cfg.shape.seq_len, cfg.shape.batch_size, cfg.eval_batches)
+    batches = fixed_batches(splits(cfg.data)["report"], cfg.run.seq_len, cfg.run.batch_size, cfg.run.eval_batches)
     auto = autocast_for(next(model.parameters()).device, cfg.run.dtype)
     base = loss_on(model, batches, auto)
     deltas = {m: [] for m in MODES}
@@ -96,7 +97,7 @@ def hf_point(cfg: RedundancyConfig) -> dict:
 
     def loss() -> float:
         total, n = 0.0, 0
-        for x, y in eval_batches(ids, cfg.shape.seq_len, cfg.shape.batch_size, cfg.eval_batches):
+        for x, y in eval_batches(ids, cfg.run.seq_len, cfg.run.batch_size, cfg.run.eval_batches):
             logits = model(input_ids=x, use_cache=False).logits
             total += lm_loss(logits, y, reduction="sum").item()
             n += y.numel()
@@ -143,9 +144,9 @@ def run(cfg: RedundancyConfig, out: Path, command: str) -> dict:
                             "mean delta, lower half (2..L/2-1)", "mean delta, upper half"], rows)
     plots = [_plot(cfg, results, groups, out)]
     notes = "" if cfg.hf_model else (
-        f"Models: {cfg.depth} sub-layers, d={cfg.shape.d_model}, trained {cfg.steps} steps x "
-        f"{cfg.shape.batch_size}x{cfg.shape.seq_len} tokens at LR {cfg.lr:g}, seeds {cfg.seeds}. Delta loss in "
-        f"nats on {cfg.eval_batches} batches of the report half; mean ± SD over seeds.")
+        f"Models: {cfg.depth} sub-layers, d={cfg.model.d_model}, trained {cfg.run.steps} steps x "
+        f"{cfg.run.batch_size}x{cfg.run.seq_len} tokens at LR {cfg.optim.lr:g}, seeds {cfg.seeds}. Delta loss in "
+        f"nats on {cfg.run.eval_batches} batches of the report half; mean ± SD over seeds.")
     write_outputs(out, "redundancy", cfg, command, {"points": results, "summary": summary}, table, plots, notes)
     return summary
 

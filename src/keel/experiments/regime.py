@@ -12,27 +12,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
-from keel.experiments.common import markdown_table, pm, pyplot, write_outputs
-from keel.experiments.scaling import TINY_SHAPE, BudgetConfig, method_note, select_then_seeds, unigram_level
+from keel.experiments.budget import BudgetConfig, method_note, select_then_seeds, unigram_level
+from keel.experiments.common import (
+    ExperimentConfig,
+    experiment_run,
+    markdown_table,
+    pm,
+    pyplot,
+    tiny_quick,
+    write_outputs,
+)
+from keel.train.config import OptimConfig, RunConfig
 
 
 @dataclass
 class RegimeConfig(BudgetConfig):
     depth: int = 32
     lrs: list[float] = field(default_factory=lambda: [3e-3])
-    steps: int = 2000
-    warmup_steps: int = 100
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(warmup_steps=100))
+    run: RunConfig = field(default_factory=lambda: experiment_run(steps=2000))
     curve_every: int = 50
     curve_batches: int = 4
     early_fraction: float = 0.1
 
+    PER_POINT: ClassVar[dict[str, str]] = ExperimentConfig.PER_POINT | {"model.n_blocks": "depth"}
+
     @classmethod
     def quick(cls) -> RegimeConfig:
-        return cls(depth=4, seeds=[0, 1], steps=8, warmup_steps=2, eval_batches=1, curve_every=2, curve_batches=1,
-                   shape=TINY_SHAPE)
+        return tiny_quick(cls, 8, depth=4, seeds=[0, 1], curve_every=2, curve_batches=1)
 
 
 def curves(res: dict, label: str, cfg: RegimeConfig) -> tuple[list[int], np.ndarray]:
@@ -54,7 +65,7 @@ def compare(k: np.ndarray, b: np.ndarray, steps: list[int], early_fraction: floa
 
 
 def run(cfg: RegimeConfig, out: Path, command: str) -> dict:
-    arms = {s: cfg.shape.model(s, cfg.depth) for s in cfg.schemes}
+    arms = {s: cfg.point_model(s, cfg.depth) for s in cfg.schemes}
     res = select_then_seeds(cfg, out, arms, "regime")
     rows, verdicts = [], {}
     if "keel" in arms:
@@ -81,7 +92,7 @@ def run(cfg: RegimeConfig, out: Path, command: str) -> dict:
     ax.set_xscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("report-half loss (band: seed min..max)")
-    ax.set_title(f"{cfg.depth} sub-layers, d={cfg.shape.d_model}, {cfg.steps} steps", fontsize=10)
+    ax.set_title(f"{cfg.depth} sub-layers, d={cfg.model.d_model}, {cfg.run.steps} steps", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "regime.png", dpi=110)

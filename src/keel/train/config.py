@@ -22,10 +22,10 @@ from keel.model.config import CONFIG_FIELDS, ModelConfig
 from keel.model.presets import PRESETS as MODEL_PRESETS
 from keel.model.presets import cpu_demo, tiny
 from keel.runtime import DEVICES, DTYPES
+from keel.scale.parallel import FUSED_JUNCTION, FUSED_JUNCTION_DEFAULT
 
 SCHEDULES = ("cosine", "wsd", "constant")
 GUARD_POLICIES = ("stop", "rollback")
-FUSED_JUNCTION = ("auto", "on", "off")
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv")  # keel.scale.pipeline's
 TRACKERS = ("tensorboard", "wandb")
 
@@ -73,7 +73,7 @@ class RunConfig:
     device: str = "auto"  # auto: cuda if available, else cpu
     dtype: str = "auto"  # auto: bf16 on cuda (autocast; under torchrun FSDP2 bf16 weights), float32 on cpu
     compile: bool = False  # torch.compile each block (regional; keel.scale.parallel)
-    fused_junction: str = "auto"  # auto: the fused Triton Keel junction where it can run (CUDA + triton); on | off
+    fused_junction: str = FUSED_JUNCTION_DEFAULT  # auto: the fused Triton Keel junction where it can run; on | off
     ac_every: int = 0  # activation checkpointing: 0 none, 1 every block, k every k-th block
     fsdp_group: int = 1  # under torchrun: blocks per FSDP2 unit (one all-gather each)
     pp: int = 1  # under torchrun: pipeline stages, one rank each (keel.scale.pipeline); 1 = no pipeline
@@ -90,19 +90,6 @@ class RunConfig:
     keep_checkpoints: int = 3
     progress: bool = True
     deterministic: bool = False  # torch.use_deterministic_algorithms
-
-
-@dataclass
-class Runtime:
-    """Where and how a model trains, for `keel experiment` and `keel bench` (their `run.*` fields): the
-    same fields, defaults and meaning as RunConfig's, so `run.device=cuda run.compile=true` works everywhere."""
-
-    device: str = "auto"
-    dtype: str = "auto"
-    compile: bool = False
-    fused_junction: str = "auto"
-    ac_every: int = 0
-    grad_accum: int = 1
 
 
 @dataclass
@@ -176,13 +163,27 @@ def merge(base, config_file: str | None = None, overrides=()):
             raise ConfigError(f"override {item!r}: expected key=value, e.g. {_example(base)}")
         if not item.isprintable():
             raise ConfigError(f"{item.split('=', 1)[0]}: the value holds control characters; allowed: printable text")
-    if isinstance(base, TrainConfig):  # shorthand: a bare model field (`scheme=pre_ln`) means model.<field>
-        overrides = [f"model.{o}" if o.split("=", 1)[0] in CONFIG_FIELDS else o for o in overrides]
+    if isinstance(getattr(base, "model", None), ModelConfig):  # shorthand: `scheme=pre_ln` means model.scheme
+        own = {f.name for f in fields(base)}
+        overrides = [f"model.{o}" if o.split("=", 1)[0] in set(CONFIG_FIELDS) - own else o for o in overrides]
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
     except Exception as err:  # OmegaConf's own errors, and YAML's for values it cannot read
         raise ConfigError(f"overrides: {str(err).splitlines()[0]}") from None
+    _refuse_fixed(base, layers[1:])
     return to_config(layers, type(base))
+
+
+def _refuse_fixed(base, layers) -> None:
+    """A command that does not use a field (an experiment sets `model.n_blocks` per point) refuses a file or
+    override that sets it, instead of ignoring it: `base.fixed_fields()` names them and says why."""
+    fixed = base.fixed_fields() if hasattr(base, "fixed_fields") else {}
+    for layer in layers:
+        for section, node in layer.items() if fixed else ():
+            keys = [f"{section}.{k}" for k in node] if OmegaConf.is_dict(node) else [str(section)]
+            for key in keys:
+                if key in fixed:
+                    raise ConfigError(f"{key}: not used here ({fixed[key]})")
 
 
 def _example(base) -> str:
@@ -226,7 +227,7 @@ def to_config(layers, schema=None):
         raise ConfigError(str(err)) from None
     if isinstance(config, TrainConfig):
         validate(config)
-    elif hasattr(config, "run") and isinstance(config.run, Runtime):
+    elif isinstance(getattr(config, "run", None), RunConfig):  # an experiment: its points validate the rest
         validate_runtime(config.run)
     return config
 
@@ -248,7 +249,7 @@ def load_config(overrides=(), config_file: str | None = None, preset: str = "cpu
 
 
 def validate_runtime(run) -> None:
-    """The fields RunConfig and Runtime share."""
+    """Where and how a model trains: the run fields an experiment point also uses."""
     if run.device.split(":")[0] not in DEVICES:
         raise ConfigError(f"run.device: got {run.device!r}; allowed: {', '.join(DEVICES)} (or cuda:<index>)")
     if run.dtype not in DTYPES:

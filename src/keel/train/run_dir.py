@@ -26,13 +26,11 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from keel.data.tokenizer import load_saved_tokenizer
 from keel.errors import ConfigError, DataError
 from keel.model import TransformerLM
 from keel.train import checkpoint
-from keel.train.config import TrainConfig, load_run_config, to_config, to_yaml
+from keel.train.config import TrainConfig, load_run_config, merge, to_yaml
 
 # fields a resumed run may change; anything else must match the run's config
 # run.batch_size may change when the number of processes does: the trainer checks that the global batch
@@ -268,11 +266,7 @@ class RunDir(os.PathLike):
     def resume_config(self, overrides=(), config_file: str | None = None) -> TrainConfig:
         """The run's own config with `overrides` merged in; changing anything but RESUMABLE is refused."""
         saved = self.config()
-        layers = [OmegaConf.structured(saved)]
-        if config_file:
-            layers.append(OmegaConf.load(config_file))
-        layers.append(OmegaConf.from_dotlist([o for o in overrides if not o.startswith("resume=")]))
-        resumed = to_config(layers)
+        resumed = merge(saved, config_file, [o for o in overrides if not o.startswith("resume=")])
         before, after = _flatten(asdict(saved)), _flatten(asdict(resumed))
         for key in before:
             if key not in RESUMABLE and before[key] != after[key]:
