@@ -11,15 +11,20 @@ import torch.distributed as dist
 from keel.cli import main
 from keel.model.config import ModelConfig
 from keel.model.transformer import TransformerLM
+from keel.scale import distributed
 from keel.scale.parallel import parallelize
 from keel.train import checkpoint
 from keel.train.config import OptimConfig, load_config
+from keel.train.evaluate import evaluate
 from keel.train.optim import build_optimizer
 from keel.train.trainer import Trainer
 
 CONFIG = ModelConfig(n_blocks=4, d_model=32, n_heads=2, max_seq_len=16)
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=0)
 GLOBAL_BATCH = 4
+# 3 validation windows of 16 tokens, evaluated one at a time: the ranks take 2 and 1 (and run one uncounted)
+EVAL_TOKENS = torch.randint(0, CONFIG.vocab_size, (3 * CONFIG.max_seq_len + 1,),
+                            generator=torch.Generator().manual_seed(2)).numpy()
 TIMEOUT = 120
 
 pytestmark = pytest.mark.distributed
@@ -52,6 +57,8 @@ def _worker(rank: int, port: int, world: int, out: str) -> None:
         optimizer = build_optimizer(model, OPTIM)
         optimizer.step()
         weights = {clean(n): p.full_tensor() for n, p in model.named_parameters()}
+        val = evaluate(model, EVAL_TOKENS, CONFIG.max_seq_len, 1, 3, torch.device("cpu"),
+                       world=distributed.World(rank, world), replica=rank, replicas=world)
         checkpoint.save_sharded(Path(out) / "run", 1, model, optimizer, {"marker": torch.tensor(7)}, {"draws": 1},
                                 keep=2, main=rank == 0)
 
@@ -63,7 +70,7 @@ def _worker(rank: int, port: int, world: int, out: str) -> None:
             block.attn.register_forward_hook(lambda m, args, output: branch.append((m.wq.weight.dtype, output.dtype)))
         _, bf16_loss = bf16(x[mine], y[mine])
         if rank == 0:
-            torch.save({"loss": loss.detach(), "grads": grads, "weights": weights, "stream": stream,
+            torch.save({"loss": loss.detach(), "grads": grads, "weights": weights, "stream": stream, "val": val,
                         "bf16_loss": bf16_loss.detach(), "branch": branch},
                        Path(out) / "rank0.pt")
     finally:
@@ -98,6 +105,16 @@ def test_fsdp_on_two_ranks_gives_the_loss_and_gradients_of_one_process(two_ranks
     assert got["grads"].keys() == grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_evaluation_on_two_ranks_splits_the_windows_of_one_process(two_ranks):
+    """`keel eval` and the trainer's validation: the same windows as one process, split over the ranks."""
+    _, got = two_ranks
+    model = TransformerLM(CONFIG)
+    model.load_state_dict(got["weights"])
+    one = evaluate(model, EVAL_TOKENS, CONFIG.max_seq_len, 1, 3, torch.device("cpu"))
+    assert got["val"]["val_tokens"] == one["val_tokens"] == 3 * CONFIG.max_seq_len
+    assert got["val"]["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
 
 
 def test_sharded_checkpoint_from_two_ranks_loads_in_one_process(two_ranks, one_process, tmp_path):

@@ -80,3 +80,22 @@ def test_inductor_compiled_blocks_match_eager():
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     for name, grad in eager.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_fused_junction_values_and_default_are_written_once_and_importing_them_is_light():
+    import inspect
+    import subprocess
+    import sys
+
+    from keel.scale import parallel
+    from keel.train import config
+
+    assert config.FUSED_JUNCTION is parallel.FUSED_JUNCTION
+    defaults = {inspect.signature(f).parameters["fused_junction" if f is parallel.parallelize else "mode"].default
+                for f in (parallel.parallelize, parallel.apply_fused_junction)}
+    assert defaults == {config.RunConfig().fused_junction} == {"auto"}
+    # the config reads these values: importing them must not import the kernel module (and triton)
+    code = ("import sys, keel.train.config, keel.scale.parallel\n"
+            "print(sorted(m for m in ('triton', 'keel.kernels.junction') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

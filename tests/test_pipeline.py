@@ -5,8 +5,8 @@ under torchrun matches one process and resumes in one."""
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,12 +15,13 @@ import torch.distributed as dist
 from keel.errors import ConfigError
 from keel.model import ModelConfig, TransformerLM
 from keel.scale import distributed
-from keel.scale.pipeline import SCHEDULES, build_pipeline, split_blocks
+from keel.scale.pipeline import SCHEDULES, split_blocks
 from keel.train import checkpoint
-from keel.train.config import OptimConfig, load_config
+from keel.train.config import OptimConfig, RunConfig, load_config
+from keel.train.evaluate import evaluate
 from keel.train.optim import build_optimizer
 from keel.train.pipeline_step import PipelineStep
-from keel.train.step import TrainStep
+from keel.train.step import TrainStep, build_model
 from keel.train.trainer import Trainer
 
 CONFIG = ModelConfig(n_blocks=4, d_model=32, n_heads=2, max_seq_len=16, init_std=0.1)
@@ -37,8 +38,8 @@ def batches(n: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def run_settings(schedule: str, grad_accum: int = 1):
-    return SimpleNamespace(pp=2, pp_schedule=schedule, pp_microbatches=4, batch_size=BATCH, grad_accum=grad_accum,
-                           ac_every=1 if schedule == "gpipe" else 0, compile=False, fused_junction="off")
+    return RunConfig(pp=2, pp_schedule=schedule, pp_microbatches=4, batch_size=BATCH, grad_accum=grad_accum,
+                     ac_every=1 if schedule == "gpipe" else 0, fused_junction="off")
 
 
 def one_step(step, grad_accum: int):
@@ -60,7 +61,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         got = {}
         for name, accum in CASES:
             torch.manual_seed(0)
-            model = build_pipeline(CONFIG, run_settings(name, accum), torch.device("cpu"))
+            model = build_model(CONFIG, run_settings(name, accum), torch.device("cpu"))
             optimizer = build_optimizer(model, OPTIM)
             step = PipelineStep(model, optimizer, grad_accum=accum, grad_clip=CLIP)
             result, grads = one_step(step, accum)
@@ -126,11 +127,31 @@ def test_a_checkpoint_of_two_stages_loads_in_one_process(two_stages):
     model = TransformerLM(CONFIG)
     optimizer = build_optimizer(model, OPTIM)
     checkpoint.load_sharded(path, model, optimizer)
-    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
-        torch.testing.assert_close(optimizer.state[p]["exp_avg"], reference_optimizer.state[q]["exp_avg"],
-                                   rtol=1e-4, atol=1e-8, msg=n)
+    assert_same_first_step(model, optimizer, reference, reference_optimizer)
     assert [g["weight_decay"] for g in optimizer.param_groups] == [OPTIM.weight_decay, 0.0]
+
+
+def assert_same_first_step(model, optimizer, reference, reference_optimizer):
+    """A checkpoint loaded into `model` holds the parameters and AdamW state one process reached in one step.
+
+    AdamW's first step moves each parameter by lr * g / (|g| + eps) (its bias-corrected moments are g and g^2):
+    about lr * sign(g) for any gradient above eps, so a gradient near zero whose sum ran in another order (other
+    processes, other reductions) can move its parameter by up to 2 lr, and a fixed atol then passes or fails with
+    the machine. The moments are compared tightly; each parameter may differ by what its own step's difference
+    explains, lr * |u - u_ref| with u computed from each side's moments, plus float32 rounding."""
+    beta1, beta2 = OPTIM.beta1, OPTIM.beta2
+    eps = OPTIM.eps
+
+    def update(state):  # the first step's update direction, from the moments AdamW kept
+        return (state["exp_avg"] / (1 - beta1)) / ((state["exp_avg_sq"] / (1 - beta2)).sqrt() + eps)
+
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        mine, theirs = optimizer.state[p], reference_optimizer.state[q]
+        torch.testing.assert_close(mine["exp_avg"], theirs["exp_avg"], rtol=1e-4, atol=1e-8, msg=n)
+        torch.testing.assert_close(mine["exp_avg_sq"], theirs["exp_avg_sq"], rtol=1e-4, atol=1e-12, msg=n)
+        explained = OPTIM.lr * (update(mine) - update(theirs)).abs()
+        excess = ((p - q).abs() - explained - 1e-6 - 1e-5 * q.abs()).max().item()
+        assert excess <= 0, f"{n}: parameters differ by {excess:.3g} more than their AdamW steps explain"
 
 
 def test_stages_are_contiguous_and_balanced_by_cost():
@@ -145,7 +166,6 @@ def test_stages_are_contiguous_and_balanced_by_cost():
 
 
 def replace_vocab(config: ModelConfig, vocab: int) -> ModelConfig:
-    from dataclasses import replace
     return replace(config, vocab_size=vocab)
 
 
@@ -165,7 +185,7 @@ def test_settings_a_pipeline_cannot_take_are_refused(override, needle):
 def test_pp_outside_torchrun_is_refused():
     config = load_config(["run.pp=2", "run.batch_size=4"], preset="tiny")
     with pytest.raises(ConfigError, match="launch with torchrun --nproc_per_node=2"):
-        build_pipeline(config.model, config.run, torch.device("cpu"))
+        build_model(config.model, config.run, torch.device("cpu"))
 
 
 # ---- `keel train run.pp=2` under torchrun --------------------------------------------------------------------
@@ -209,7 +229,7 @@ def test_torchrun_pp_trains_like_one_process_and_resumes_in_one(tmp_path, corpus
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_the_pipeline_benchmark_writes_its_tables(tmp_path, torchrun):
-    torchrun("keel.train.pipeline_step", "--out", str(tmp_path), "--n-blocks", "4", "--d-model", "32", "--batch-size",
+    torchrun("keel.bench.pipeline", "--out", str(tmp_path), "--n-blocks", "4", "--d-model", "32", "--batch-size",
              "4", "--seq-len", "16", "--steps", "1", "--schedules", "1f1b,zbv", timeout=TIMEOUT)
     result = json.loads((tmp_path / "bench.json").read_text())
     assert [r["schedule"] for r in result["records"]] == ["1f1b", "zbv"]
@@ -224,6 +244,9 @@ def test_the_pipeline_benchmark_writes_its_tables(tmp_path, torchrun):
 # ---- 2 stages x 2 data-parallel replicas (FSDP2 over the replicas) against one process -----------------------
 
 DP_CASES = ["1f1b", "zbv"] if "zbv" in SCHEDULES else ["1f1b"]
+# 3 validation windows of 16 tokens, evaluated one at a time: the replicas take 2 and 1 (and run one uncounted)
+EVAL_TOKENS = torch.randint(0, CONFIG.vocab_size, (3 * CONFIG.max_seq_len + 1,),
+                            generator=torch.Generator().manual_seed(2)).numpy()
 
 
 def full(named) -> dict[str, torch.Tensor]:
@@ -243,8 +266,8 @@ def _dp_worker(rank: int, port: int, out: str) -> None:
         got = {}
         for name in DP_CASES:
             torch.manual_seed(0)
-            run = SimpleNamespace(**{**vars(run_settings(name)), "pp_microbatches": 2, "batch_size": BATCH // 2})
-            model = build_pipeline(CONFIG, run, torch.device("cpu"))
+            run = replace(run_settings(name), pp_microbatches=2, batch_size=BATCH // 2)
+            model = build_model(CONFIG, run, torch.device("cpu"))
             assert (model.pp_rank, model.dp_rank, model.dp_size) == (rank // 2, replica, 2)
             optimizer = build_optimizer(model, OPTIM)
             step = PipelineStep(model, optimizer, grad_clip=CLIP, world=distributed.World(rank, 4))
@@ -254,8 +277,10 @@ def _dp_worker(rank: int, port: int, out: str) -> None:
             exp_avg = full((n, optimizer.state[p]["exp_avg"]) for n, p in model.named_parameters())
             with torch.no_grad():
                 logits, _ = model(x)
+            val = evaluate(model, EVAL_TOKENS, CONFIG.max_seq_len, 1, 3, torch.device("cpu"),
+                           world=distributed.World(rank, 4), replica=model.dp_rank, replicas=model.dp_size)
             got[name] = {"loss": result.loss, "grad_norm": result.grad_norm, "grads": grads, "exp_avg": exp_avg,
-                         "logits": logits}
+                         "logits": logits, "val": val, "weights": full(model.named_parameters())}
             if name == "1f1b":
                 checkpoint.save_sharded(Path(out) / "run", 1, model, optimizer, {}, {"draws": 1}, keep=1,
                                         main=rank == 0)
@@ -288,6 +313,14 @@ def test_two_stages_by_two_replicas_give_the_loss_gradients_and_update_of_one_pr
         for n, g in got["grads"].items():
             torch.testing.assert_close(g, grads[n], rtol=1e-4, atol=1e-6, msg=n)
             torch.testing.assert_close(got["exp_avg"][n], state[n], rtol=1e-4, atol=1e-8, msg=n)
+    # `keel eval`'s windows split over the replicas: the loss of one process on the same windows and weights
+    same = TransformerLM(CONFIG)
+    same.load_state_dict(ranks[0][name]["weights"] | ranks[2][name]["weights"])
+    one = evaluate(same, EVAL_TOKENS, CONFIG.max_seq_len, 1, 3, torch.device("cpu"))
+    assert one["val_tokens"] == 3 * CONFIG.max_seq_len
+    for got in (r[name]["val"] for r in ranks):
+        assert got["val_tokens"] == one["val_tokens"]
+        assert got["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
     # ranks 0, 1 (pp coordinate 0) hold one set of parameters, ranks 2, 3 the rest
     assert held[0] == held[1] and held[2] == held[3] and held[0].isdisjoint(held[2])
     assert held[0] | held[2] == set(grads)
@@ -301,10 +334,7 @@ def test_a_checkpoint_of_two_stages_by_two_replicas_loads_in_one_process(stages_
     model = TransformerLM(CONFIG)
     optimizer = build_optimizer(model, OPTIM)
     checkpoint.load_sharded(checkpoint.latest_valid(out / "run"), model, optimizer)
-    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
-        torch.testing.assert_close(optimizer.state[p]["exp_avg"], reference_optimizer.state[q]["exp_avg"],
-                                   rtol=1e-4, atol=1e-8, msg=n)
+    assert_same_first_step(model, optimizer, reference, reference_optimizer)
 
 
 def test_pp_with_processes_not_a_multiple_of_the_stages_is_refused(tmp_path):
@@ -312,6 +342,69 @@ def test_pp_with_processes_not_a_multiple_of_the_stages_is_refused(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         with pytest.raises(ConfigError, match="launch a multiple of 2"):
-            build_pipeline(config.model, config.run, torch.device("cpu"))
+            build_model(config.model, config.run, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+
+
+# ---- one builder: keel.scale.parallel.parallelize decides the pipeline's stages too --------------------------
+
+class _Plan:
+    """A PipelinePlan without a process group: two stages of CONFIG, both this rank's."""
+
+    dp_size = 1
+
+    def __init__(self):
+        self.spans, self.seen = split_blocks(CONFIG, 2), None
+
+    def cut(self, model):
+        from keel.scale.pipeline import Stage
+        self.seen = [type(b).__name__ for b in model.blocks]
+        return {s: Stage(model, span, first=s == 0, last=s == 1) for s, span in enumerate(self.spans)}
+
+    def assemble(self, model, stages):
+        return stages
+
+
+def test_parallelize_builds_stages_after_the_junction_checkpointing_and_compile(monkeypatch):
+    import keel.kernels.junction as kernel
+    from keel.scale.parallel import fused_junctions, junctions, parallelize
+    monkeypatch.setattr(kernel, "can_fuse", lambda device, width: True)  # as on a GPU; never called here
+    torch.manual_seed(0)
+    model, plan = TransformerLM(CONFIG), _Plan()
+    stages = parallelize(model, fused_junction="on", ac_every=2, pipeline=plan)
+    assert sorted(stages) == [0, 1]
+    assert plan.seen == ["CheckpointWrapper", "Block", "CheckpointWrapper", "Block"]  # AC before the cut
+    # within blocks only (Keel's block 0 has none): never across a stage boundary
+    assert fused_junctions(model) == len(junctions(model, across_blocks=False)) == CONFIG.n_blocks - 1
+
+
+def test_stages_run_the_models_own_pieces_and_chain_to_its_logits():
+    torch.manual_seed(0)
+    model = TransformerLM(CONFIG)
+    stages = _Plan().cut(model)
+    x, y = batches(1)[0]
+    with torch.no_grad():
+        logits, loss = model(x, y)
+        assert torch.equal(stages[1](stages[0](x)), logits)
+    assert {n for s in stages.values() for n, _ in s.named_parameters()} >= {"embed.weight", "lm_head.weight"}
+    assert not any("_model" in n for s in stages.values() for n, _ in s.named_modules())  # the model not registered
+
+
+def test_train_step_clips_by_the_norm_its_grad_norm_hook_gives():
+    """A model split over ranks clips by its own norm (PipelineModel.grad_norm): TrainStep calls the hook."""
+    from keel.train.step import total_grad_norm
+    x, y = batches(1)[0]
+    updates = {}
+    for factor in (1.0, 4.0):
+        torch.manual_seed(0)
+        model = TransformerLM(CONFIG)
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        step = TrainStep(model, optimizer, grad_clip=CLIP, grad_norm=lambda m, f=factor: f * total_grad_norm(m))
+        result = step(lambda: (x, y), 1.0)
+        updates[factor] = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])
+        assert result.grad_norm > 4 * CLIP
+    # clipped to CLIP by the norm the hook reports: four times that norm, a quarter of the step
+    assert updates[1.0].norm().item() == pytest.approx(CLIP, rel=1e-3)
+    assert updates[4.0].norm().item() == pytest.approx(CLIP / 4, rel=1e-3)

@@ -158,17 +158,28 @@ class TransformerLM(nn.Module):
         start = 0 if cache is None else cache.get_seq_length()  # position of idx's first token
         if start + T > self.config.max_seq_len:
             raise ValueError(f"sequence length {start + T} exceeds ModelConfig.max_seq_len={self.config.max_seq_len}")
-        x = upcast(self.embed(idx))  # (B, T, d): the stream is float32 from here to the head
-        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, hd) each
-        for block, later, view in self.passes(cache):
-            x = block(x, cos, sin, view, later=later)
-        if isinstance(x, tuple):  # a fused junction at a loop's end also computed the next pass's norm_in
-            x = x[0]
-        x = self.final_norm(x)
-        logits = self.lm_head(x.to(self.lm_head.weight.dtype))  # (B, T, V)
+        logits = self.head(self.run_blocks(self.embed_tokens(idx), self.passes(cache), start))  # (B, T, V)
         if targets is None:
             return logits, None
         return logits, lm_loss(logits, targets)
+
+    # forward's three pieces, which pipeline stages (keel.scale.pipeline) also run, each on its own share
+    def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        return upcast(self.embed(idx))  # (B, T, d): the stream is float32 from here to the head
+
+    def run_blocks(self, x: torch.Tensor, passes, start: int = 0) -> torch.Tensor:
+        """The stream `x` (B, T, d) through `passes`, (block, later, cache) triples as `passes()` yields them;
+        `start` is the position of x's first token."""
+        T = x.shape[1]
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, hd) each
+        for block, later, view in passes:
+            x = block(x, cos, sin, view, later=later)
+        if isinstance(x, tuple):  # a fused junction at a loop's end also computed the next pass's norm_in
+            x = x[0]
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.final_norm(x).to(self.lm_head.weight.dtype))  # (B, T, V)
 
     def passes(self, cache=None):
         """(block, later, cache) for each of the n_blocks blocks the stream goes through, in order: every

@@ -8,7 +8,12 @@
   activations  the tensors autograd keeps for the backward pass at this micro-batch, counted per
                token from the model's own operations (tests/test_memory.py checks the count against
                what autograd saves), plus, with checkpointing, one block recomputed in the backward.
-Allocator slack, the CUDA context, and temporaries inside a kernel are not included: leave ~10-20%.
+Blocks are counted by keel.model.counting.block_params, the one layer counter: a looped model holds its
+distinct blocks' states once and keeps activations for every pass. Under a pipeline (`pp` > 1) each rank holds
+its stages' states (sharded over the dp replicas, and then all gathered from a stage's first forward to its
+last backward), and the activations of the micro-batches it has in flight: all of them under GPipe, at most
+as many as there are stages from its own to the last under the 1F1B-like schedules. The plan is the busiest
+rank's. Allocator slack, the CUDA context, and temporaries inside a kernel are not included: leave ~10-20%.
 """
 
 from __future__ import annotations
@@ -17,21 +22,13 @@ import torch
 from torch import nn
 
 from keel.model.config import ModelConfig
-from keel.model.counting import count_params
+from keel.model.counting import block_params, count_param_tensors, root_params
 from keel.model.transformer import build_scheme
 
 
-def count_param_tensors(config: ModelConfig) -> int:
-    """Number of parameter tensors of `TransformerLM(config)` (AdamW keeps one step counter for each)."""
-    scheme = build_scheme(config)
-    per_block = 4 + (3 if scheme.qkv_norm else 0) + (3 if config.ffn == "swiglu" else 2)
-    norms = sum(spec.norm_in + spec.norm_out + spec.norm_branch
-                for spec in (scheme.spec(i, "attn" if i % 2 == 0 else "ffn") for i in range(config.n_sublayers)))
-    return config.n_blocks * per_block + norms + scheme.final_norm + 1 + (0 if config.tie_embeddings else 1)
-
-
 def _block_words(config: ModelConfig, index: int, branch_scale: float) -> float:
-    """4-byte words autograd saves per token in block `index` (branch tensors scaled by their dtype)."""
+    """4-byte words autograd saves per token in the block at unrolled position `index` (branch tensors scaled
+    by their dtype)."""
     d, kv, f, H = config.d_model, config.kv_heads * config.head_dim, config.ffn_dim, config.n_heads
     q = config.n_heads * config.head_dim
     scheme = build_scheme(config)
@@ -48,17 +45,20 @@ def _block_words(config: ModelConfig, index: int, branch_scale: float) -> float:
 
 
 def activation_bytes(config: ModelConfig, batch_size: int, seq_len: int, ac_every: int = 0,
-                     compute_bytes: int = 4, recompute: bool = True) -> int:
+                     compute_bytes: int = 4, recompute: bool = True, blocks: range | None = None,
+                     first: bool = True, last: bool = True) -> int:
     """Bytes autograd holds at the end of the forward pass, plus (`recompute`) the one block that
-    checkpointing recomputes at a time in the backward pass."""
+    checkpointing recomputes at a time in the backward pass. `blocks` (unrolled positions, default all), `first`
+    (the token ids the embedding keeps) and `last` (the final norm, the head, the loss) select a pipeline stage."""
     d, V = config.d_model, config.vocab_size
     scale = compute_bytes / 4
-    head = V * scale + (V if scale != 1 else 0) + d + 4  # logits (and their float32 copy), head input, ids
-    words = head + (2 * d + 1 if build_scheme(config).final_norm else 0)
+    words = 2.0 if first else 0.0  # int64 ids
+    if last:  # logits (and their float32 copy), the head's input, int64 targets
+        words += V * scale + (V if scale != 1 else 0) + d + 2 + (2 * d + 1 if build_scheme(config).final_norm else 0)
     recomputed = 0.0
-    for i in range(config.n_blocks):
+    for i in blocks if blocks is not None else range(config.n_blocks):
         full = _block_words(config, i, scale)
-        if ac_every and i % ac_every == 0:
+        if ac_every and (i % config.distinct_blocks) % ac_every == 0:  # apply_ac wraps blocks[i % k] of k
             words += d  # a checkpointed block keeps only its float32 input
             recomputed = max(recomputed, full)
         else:
@@ -66,25 +66,64 @@ def activation_bytes(config: ModelConfig, batch_size: int, seq_len: int, ac_ever
     return int(4 * (words + (recomputed if recompute else 0)) * batch_size * seq_len)
 
 
+def _states(n: float, tensors: int, shard: int) -> dict[str, int]:
+    return {"grads": int(4 * n / shard), "optimizer": int(8 * n / shard + 4 * tensors)}
+
+
 def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, ac_every: int = 0, world_size: int = 1,
-                    param_bytes: int = 4, fsdp_group: int = 0) -> dict[str, int]:
+                    param_bytes: int = 4, fsdp_group: int = 0, pp: int = 1, pp_schedule: str = "1f1b",
+                    pp_microbatches: int = 1, grad_accum: int = 1) -> dict[str, int]:
     """Bytes per process for one training step (see the module docstring); `fsdp_group` > 0 means
-    FSDP2 with that many blocks per unit, `param_bytes` 2 for bf16 mixed precision."""
-    n, tensors = count_params(config), count_param_tensors(config)
-    shard = n / world_size if fsdp_group else n
+    FSDP2 with that many blocks per unit, `param_bytes` 2 for bf16 mixed precision. `pp` > 1: a pipeline of
+    `pp` ranks per replica (world_size / pp replicas), `pp_microbatches` per batch of `batch_size`."""
+    if pp > 1:
+        return max(pipeline_memory(config, batch_size, seq_len, ac_every, world_size, param_bytes, pp, pp_schedule,
+                                   pp_microbatches, grad_accum), key=lambda m: m["total"])
+    blocks, root = block_params(config), root_params(config)
+    n = sum(blocks) + sum(root.values())
+    shard = world_size if fsdp_group else 1
     gathered = 0
     if fsdp_group:
-        d, V = config.d_model, config.vocab_size
-        root = V * d * (1 if config.tie_embeddings else 2) + (d if build_scheme(config).final_norm else 0)
-        per_block = (n - root) / config.n_blocks
-        gathered = param_bytes * (root + 2 * fsdp_group * per_block)
-    out = {
-        "params": int(4 * shard + gathered),
-        "grads": int(4 * shard),
-        "optimizer": int(8 * shard + 4 * tensors),
-        "activations": activation_bytes(config, batch_size, seq_len, ac_every, param_bytes),
-    }
+        per_block = sum(blocks) / len(blocks)
+        gathered = param_bytes * (sum(root.values()) + 2 * fsdp_group * per_block)
+    out = {"params": int(4 * n / shard + gathered), **_states(n, count_param_tensors(config), shard),
+           "activations": activation_bytes(config, batch_size, seq_len, ac_every, param_bytes)}
     out["total"] = sum(out.values())
+    return out
+
+
+def pipeline_memory(config: ModelConfig, batch_size: int, seq_len: int, ac_every: int = 0, world_size: int = 2,
+                    param_bytes: int = 4, pp: int = 2, pp_schedule: str = "1f1b", pp_microbatches: int = 1,
+                    grad_accum: int = 1) -> list[dict[str, int]]:
+    """`estimate_memory`'s parts for each pipeline rank (pp coordinate 0, 1, ...), as keel.scale.pipeline splits
+    the model: the rank's stages' parameters (over its dp replicas, sharded, plus the whole stages gathered in
+    `param_bytes`), and the activations of its micro-batches in flight."""
+    from keel.scale.pipeline import split_blocks, stage_placement  # noqa: PLC0415 (pipelining: only here)
+
+    placement = stage_placement(pp, pp_schedule)
+    n_stages, dp = len(placement), world_size // pp
+    spans, blocks = split_blocks(config, n_stages), block_params(config)
+    blocks_t, root, root_t = block_params(config, tensors=True), root_params(config), root_params(config, True)
+    micro, in_flight = batch_size // pp_microbatches, pp_microbatches * grad_accum
+    out = []
+    for rank in range(pp):
+        n = tensors = activations = recomputed = 0
+        for s in (s for s in placement if placement[s] == rank):
+            first, last = s == 0, s == n_stages - 1
+            n += sum(blocks[i] for i in spans[s]) + first * root["embed"] + last * (root["head"] + root["final_norm"])
+            tensors += sum(blocks_t[i] for i in spans[s]) + first * root_t["embed"]
+            tensors += last * (root_t["head"] + root_t["final_norm"])
+            held = in_flight if pp_schedule == "gpipe" else min(in_flight, n_stages - s)
+            activations += held * activation_bytes(config, micro, seq_len, ac_every, param_bytes, False, spans[s],
+                                                   first, last)
+            recomputed = max(recomputed, activation_bytes(config, micro, seq_len, ac_every, param_bytes, True,
+                                                          spans[s], False, False)
+                             - activation_bytes(config, micro, seq_len, ac_every, param_bytes, False, spans[s],
+                                                False, False))
+        m = {"params": int(4 * n / dp + (param_bytes * n if dp > 1 else 0)), **_states(n, tensors, dp),
+             "activations": activations + recomputed}
+        m["total"] = sum(m.values())
+        out.append(m)
     return out
 
 

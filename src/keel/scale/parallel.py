@@ -1,5 +1,5 @@
-"""The fused junction, activation checkpointing, regional compilation and FSDP2, applied to a built model
-from outside.
+"""The fused junction, activation checkpointing, regional compilation, pipeline stages and FSDP2, applied to a
+built model from outside: `parallelize` is the one place that decides them, for the plain and the pipelined model.
 
 The model (keel.model.transformer) is single-device code and knows nothing of this. `parallelize` applies, in
 this fixed order (torchtitan's, with the kernel swap first, as its model converters come first):
@@ -10,14 +10,16 @@ this fixed order (torchtitan's, with the kernel swap first, as its model convert
                      recomputed in the backward pass instead of kept);
   2. `apply_compile` compile each block on its own (regional compilation): blocks of the same shape
                      share one compiled graph, so compile time does not grow with depth;
-  3. `apply_fsdp`    shard the parameters over the ranks with FSDP2 (`fully_shard`), one unit per
-                     group of blocks, then the root (embedding, final norm, head).
+  3. pipeline        under run.pp > 1, cut the model into this rank's stages (keel.scale.pipeline);
+  4. `apply_fsdp`    shard the parameters over the ranks with FSDP2 (`fully_shard`), one unit per
+                     group of blocks, then the root (embedding, final norm, head): the whole model over
+                     every rank, or under a pipeline each stage over its data-parallel replicas.
 
 The junction goes first: it only points hooks at norm modules, which AC, compile and FSDP all keep (under
 FSDP only junctions inside one block are fused; see `apply_fused_junction`), and the compiler then sees the
 fused op as one node. AC goes inside compile so the compiler sees the checkpoint boundary, and both go inside
-FSDP so a unit's all-gather covers what the wrapped block computes. Each step keeps the parameter names of the
-state dict as they were (`checkpoint_wrapper` strips its prefix from state dicts; `Module.compile`
+the stages and FSDP so a unit's all-gather covers what the wrapped block computes. Each step keeps the parameter
+names of the state dict as they were (`checkpoint_wrapper` strips its prefix from state dicts; `Module.compile`
 compiles in place), so checkpoints are interchangeable between runs with and without any of them.
 """
 
@@ -30,11 +32,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from keel.errors import ConfigError
-from keel.kernels.junction import can_fuse, keel_junction
 from keel.model.layers import RMSNorm
 from keel.model.schemes import Residual
 
-FUSED_JUNCTION = ("auto", "on", "off")  # run.fused_junction's values
+# run.fused_junction's values and default, written here only (keel.train.config validates against them); the
+# kernel module (and triton) is imported only when a junction is fused, so reading a config stays light
+FUSED_JUNCTION = ("auto", "on", "off")
+FUSED_JUNCTION_DEFAULT = "auto"
 
 
 class FusedJunction:
@@ -46,10 +50,12 @@ class FusedJunction:
     """
 
     def __init__(self, alpha: float, norm_out: RMSNorm, next_norm_in: RMSNorm):
-        self.alpha, self.norm_out, self.next_norm_in = alpha, norm_out, next_norm_in
+        from keel.kernels.junction import keel_junction  # noqa: PLC0415 (triton: only when fusing)
+
+        self.alpha, self.norm_out, self.next_norm_in, self.op = alpha, norm_out, next_norm_in, keel_junction
 
     def __call__(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return keel_junction(x, h, self.alpha, self.norm_out.weight, self.next_norm_in.weight, self.norm_out.eps,
+        return self.op(x, h, self.alpha, self.norm_out.weight, self.next_norm_in.weight, self.norm_out.eps,
                              impl="triton")
 
 
@@ -74,7 +80,7 @@ def junctions(model: nn.Module, across_blocks: bool = True) -> list[tuple[Residu
             for a, b in successors.items() if len(b) == 1 and "" not in b]
 
 
-def apply_fused_junction(model: nn.Module, mode: str = "auto", across_blocks: bool = True) -> int:
+def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, across_blocks: bool = True) -> int:
     """Fuse every junction (`junctions`) with keel.kernels.junction; returns how many. Call before AC, compile
     and FSDP, on the model's final device.
 
@@ -83,16 +89,17 @@ def apply_fused_junction(model: nn.Module, mode: str = "auto", across_blocks: bo
     composition. A model without junctions (Pre-LN, Post-LN, ...) has nothing to fuse under any mode.
     Under FSDP2 pass `across_blocks=False`: a junction between two blocks would read the next block's
     norm weight while that block's parameters are still sharded. Applying again replaces what an earlier
-    call did ("off" removes it: tools that hook or swap single sub-layers want that).
+    call did ("off" removes it: tools that hook or swap single sub-layers want that). `mode` is one of
+    FUSED_JUNCTION, as keel.train.config checks.
     """
-    if mode not in FUSED_JUNCTION:
-        raise ConfigError(f"run.fused_junction: got {mode!r}; allowed: {', '.join(FUSED_JUNCTION)}")
     for m in model.modules():
         if isinstance(m, Residual):
             m.junction = None
     pairs = junctions(model, across_blocks)
     if mode == "off" or not pairs:
         return 0
+    from keel.kernels.junction import can_fuse  # noqa: PLC0415 (triton: only when there is something to fuse)
+
     device, width = next(model.parameters()).device, model.config.d_model
     problem = None
     if not can_fuse(device, width):
@@ -140,36 +147,52 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
         block.compile(backend=backend)
 
 
-def apply_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype | None = None, group: int = 1,
+def apply_fsdp(module: nn.Module, mesh, param_dtype: torch.dtype | None = None, group: int = 1,
                reshard_after_forward: bool = True) -> None:
-    """Shard with FSDP2: one unit per `group` consecutive blocks, then the root.
+    """Shard with FSDP2: one unit per `group` consecutive blocks of `module.blocks`, then `module` itself (the
+    whole model, or one pipeline stage: the embedding, final norm and head it holds).
 
     Mixed precision: `param_dtype` (e.g. bf16) is the dtype parameters are all-gathered in and the
     branches compute in; gradients are reduced in float32. `cast_forward_inputs=False` is essential:
     FSDP2's default casts every floating-point input of a unit to `param_dtype`, which would round
     the residual stream to bf16 at every block boundary and drop Keel's small updates (see
     keel.model.numerics). The model itself casts branch inputs to the weights' dtype.
+    `reshard_after_forward=False` keeps every block gathered from its forward to its backward (a pipeline
+    stage runs a forward per micro-batch before the backwards: resharding would gather each block again).
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    blocks = list(model.blocks)
+    blocks = list(module.blocks.values() if isinstance(module.blocks, nn.ModuleDict) else module.blocks)
     for start in range(0, len(blocks), group):
         unit = blocks[start:start + group]
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=policy,
                     reshard_after_forward=reshard_after_forward)
     # the root holds the embedding and the head; resharding it right before the backward needs it
     # again would only add an all-gather
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
 
 
-def parallelize(model: nn.Module, *, fused_junction: str = "off", ac_every: int = 0, compile: bool = False,
-                fsdp: bool = False, device_type: str = "cpu", param_dtype: torch.dtype | None = None,
-                fsdp_group: int = 1, compile_backend: str = "inductor") -> nn.Module:
-    """Apply the fused junction, AC, compile and FSDP2 in the documented order; returns the same (modified)
-    model, which must already be on its device."""
-    apply_fused_junction(model, fused_junction, across_blocks=not fsdp)
+def parallelize(model: nn.Module, *, fused_junction: str = FUSED_JUNCTION_DEFAULT, ac_every: int = 0,
+                compile: bool = False, fsdp: bool = False, pipeline=None, device_type: str = "cpu",
+                param_dtype: torch.dtype | None = None, fsdp_group: int = 1,
+                compile_backend: str = "inductor") -> nn.Module:
+    """Apply the fused junction, AC, compile and FSDP2 in the documented order to `model`, which must already be
+    on its device; returns it (modified), or with `pipeline` this rank's stages of it.
+
+    `pipeline` (a keel.scale.pipeline.PipelinePlan, for run.pp > 1) cuts the model into this rank's stages
+    after compile, shards each stage over its data-parallel group when there is more than one replica (FSDP2,
+    `fsdp` is then not used), and returns the `PipelineModel`. Under FSDP2 or a pipeline only junctions inside
+    one block are fused: a junction between two blocks would read a norm weight of another FSDP unit or stage.
+    """
+    apply_fused_junction(model, fused_junction, across_blocks=not (fsdp or pipeline is not None))
     apply_ac(model, ac_every)
     if compile:
         apply_compile(model, compile_backend)
+    if pipeline is not None:
+        stages = pipeline.cut(model)
+        if pipeline.dp_size > 1:
+            for stage in stages.values():
+                apply_fsdp(stage, pipeline.mesh["dp"], param_dtype, fsdp_group, reshard_after_forward=False)
+        return pipeline.assemble(model, stages)
     if fsdp:
         mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
         apply_fsdp(model, mesh, param_dtype, fsdp_group)

@@ -25,22 +25,44 @@ def bytes_per_token(tokenizer) -> np.ndarray:
 
 @torch.no_grad()
 def evaluate(model, tokens, seq_len: int, batch_size: int, max_batches: int, device,
-             autocast=contextlib.nullcontext, token_bytes: np.ndarray | None = None) -> dict:
-    """Mean next-token loss over evenly spaced windows of `tokens` (the same windows every call)."""
+             autocast=contextlib.nullcontext, token_bytes: np.ndarray | None = None, world=None, replica: int = 0,
+             replicas: int = 1) -> dict:
+    """Mean next-token loss over evenly spaced windows of `tokens` (the same windows every call).
+
+    The windows are `batch_size x max_batches` (keel.data.eval_batches) however many processes there are, so
+    one process, FSDP2 and a pipeline's replicas report the same loss: under torchrun (`world`) data-parallel
+    replica `replica` of `replicas` evaluates every `replicas`-th of them, and the sums are added over all
+    ranks. Every rank gets the result. Each rank runs as many forward passes as every other (a rank short of
+    windows runs one it does not count), since FSDP2 and the pipeline's stages gather and send in each."""
+    windows = list(eval_batches(tokens, seq_len, batch_size, max_batches))
+    if not windows:
+        raise DataError("validation split is too short for one window of run.seq_len tokens")
+    xs, ys = torch.cat([x for x, _ in windows]), torch.cat([y for _, y in windows])  # (windows, T) each
+    mine = torch.arange(replica, len(xs), replicas)
+    n_batches = math.ceil(math.ceil(len(xs) / replicas) / batch_size)
     was_training = model.training
     model.eval()
     nll, n_tokens, n_bytes = 0.0, 0, 0
-    for x, y in eval_batches(tokens, seq_len, batch_size, max_batches):
-        x, y = x.to(device), y.to(device)
+    for i in range(n_batches):
+        rows = mine[i * batch_size:(i + 1) * batch_size]
+        counted = len(rows) > 0
+        if not counted:
+            rows = torch.zeros(1, dtype=torch.long)
+        x, y = xs[rows].to(device), ys[rows].to(device)
         with autocast():
             logits, _ = model(x)
-        nll += lm_loss(logits, y, reduction="sum").item()
-        n_tokens += y.numel()
-        if token_bytes is not None:
-            n_bytes += int(token_bytes[y.cpu().numpy()].sum())
+        if counted:
+            nll += lm_loss(logits, y, reduction="sum").item()
+            n_tokens += y.numel()
+            if token_bytes is not None:
+                n_bytes += int(token_bytes[y.cpu().numpy()].sum())
     model.train(was_training)
-    if n_tokens == 0:
-        raise DataError("validation split is too short for one window of run.seq_len tokens")
+    if world is not None and world.distributed:
+        # every rank of a replica (its pipeline stages) counted the replica's windows: divide that out
+        sums = torch.tensor([nll, n_tokens, n_bytes], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(sums)
+        nll, n_tokens, n_bytes = (sums / (world.size // replicas)).tolist()
+        n_tokens, n_bytes = round(n_tokens), round(n_bytes)
     loss = nll / n_tokens
     out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": n_tokens}
     if token_bytes is not None and n_bytes:

@@ -49,13 +49,21 @@ def describe(config: ModelConfig) -> str:
 
 def memory_line(config, world_size: int = 1, device: torch.device | None = None) -> str:
     """One process's memory for a TrainConfig: parameters, gradients, AdamW state, activations."""
-    fsdp = world_size > 1
-    device = device or torch.device("cuda" if config.run.device.startswith("cuda") else "cpu")
-    m = estimate_memory(config.model, config.run.batch_size, config.run.seq_len, ac_every=config.run.ac_every,
-                        world_size=world_size, param_bytes=2 if fsdp and use_bf16(device, config.run.dtype) else 4,
-                        fsdp_group=config.run.fsdp_group if fsdp else 0)
+    m = memory_plan(config, world_size, device)
     parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in m.items() if k != "total")
     return f"{format_bytes(m['total'])} ({parts})"
+
+
+def memory_plan(config, world_size: int = 1, device: torch.device | None = None) -> dict[str, int]:
+    """keel.scale.memory.estimate_memory for a TrainConfig on `world_size` processes: FSDP2, or run.pp stages."""
+    r = config.run
+    world_size = max(world_size, r.pp)  # a plan made before launch: one replica of the pipeline
+    fsdp = world_size > 1 and r.pp == 1  # under a pipeline, FSDP2 shards stages over replicas, in float32
+    device = device or torch.device("cuda" if r.device.startswith("cuda") else "cpu")
+    return estimate_memory(config.model, r.batch_size, r.seq_len, ac_every=r.ac_every, world_size=world_size,
+                           param_bytes=2 if fsdp and use_bf16(device, r.dtype) else 4,
+                           fsdp_group=r.fsdp_group if fsdp else 0, pp=r.pp, pp_schedule=r.pp_schedule,
+                           pp_microbatches=r.pp_microbatches, grad_accum=r.grad_accum)
 
 
 def plan(config) -> str:

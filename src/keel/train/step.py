@@ -20,6 +20,7 @@ from keel.model import ModelConfig, TransformerLM
 from keel.runtime import autocast_for, resolve_device, use_bf16
 from keel.scale import distributed
 from keel.scale.parallel import parallelize
+from keel.scale.pipeline import plan_pipeline
 from keel.train.guard import DivergenceGuard
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -35,31 +36,43 @@ class StepResult:
 
 def build_model(config: ModelConfig, run, device: torch.device, fsdp: bool = False,
                 model: TransformerLM | None = None, compile_backend: str = "inductor") -> nn.Module:
-    """The model on `device`, with `run`'s fused junction, activation checkpointing and compile (and FSDP2
-    under torchrun) applied from outside, in keel.scale.parallel's order. `run` is a RunConfig or anything
-    with its `fused_junction`, `ac_every`, `compile`, `dtype` and `fsdp_group` fields (experiments pass
-    their `Runtime`). `compile_backend` is for tests and benchmarks that time Dynamo without code generation."""
+    """The model on `device`, with `run`'s fused junction, activation checkpointing, compile, pipeline stages
+    (run.pp > 1, under torchrun: a keel.scale.pipeline.PipelineModel) and FSDP2 (`fsdp`, or a pipeline's dp
+    replicas) applied from outside by keel.scale.parallel.parallelize, in its one order. `run` is a RunConfig.
+    `compile_backend` is for tests and benchmarks that time Dynamo without code generation."""
+    # the pipeline's plan first: its errors come before any allocation
+    pipeline = plan_pipeline(config, run, device) if getattr(run, "pp", 1) > 1 else None
     model = (model if model is not None else TransformerLM(config)).to(device)
-    # under FSDP2, bf16 comes from its mixed-precision policy (bf16 weights) instead of autocast
-    param_dtype = torch.bfloat16 if fsdp and use_bf16(device, run.dtype) else None
-    return parallelize(model, fused_junction=getattr(run, "fused_junction", "auto"), ac_every=run.ac_every,
-                       compile=run.compile, fsdp=fsdp, device_type=device.type, param_dtype=param_dtype,
+    # under FSDP2, bf16 comes from its mixed-precision policy (bf16 weights) instead of autocast; a pipeline's
+    # stages compute under autocast
+    param_dtype = torch.bfloat16 if fsdp and pipeline is None and use_bf16(device, run.dtype) else None
+    return parallelize(model, fused_junction=run.fused_junction, ac_every=run.ac_every, compile=run.compile,
+                       fsdp=fsdp, pipeline=pipeline, device_type=device.type, param_dtype=param_dtype,
                        fsdp_group=getattr(run, "fsdp_group", 1), compile_backend=compile_backend)
+
+
+def total_grad_norm(model: nn.Module) -> torch.Tensor:
+    """The 2-norm of `model`'s gradients (under FSDP2 over all shards: the same on every rank)."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 class TrainStep:
     """Forward and backward over `grad_accum` micro-batches, clip, ask the guard, then step the optimiser.
 
     `after_backward(model)` sees each step's gradients before clipping (experiments measure them there).
-    A step the guard rejects leaves the weights and the optimiser untouched.
+    `grad_norm(model)` is the norm clipping goes by, the whole model's on every rank: `total_grad_norm`, or
+    for a model split over ranks its own (keel.scale.pipeline.PipelineModel.grad_norm). A step the guard
+    rejects leaves the weights and the optimiser untouched.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, grad_accum: int = 1,
                  grad_clip: float = 1.0, autocast=contextlib.nullcontext, guard: DivergenceGuard | None = None,
-                 world: distributed.World | None = None, after_backward: Callable[[nn.Module], None] | None = None):
+                 world: distributed.World | None = None, after_backward: Callable[[nn.Module], None] | None = None,
+                 grad_norm: Callable[[nn.Module], torch.Tensor] = total_grad_norm):
         self.model, self.optimizer, self.grad_accum, self.autocast = model, optimizer, grad_accum, autocast
         self.clip = grad_clip if grad_clip > 0 else float("inf")
-        self.guard, self.world, self.after_backward = guard, world, after_backward
+        self.guard, self.world, self.after_backward, self.grad_norm = guard, world, after_backward, grad_norm
 
     def forward_backward(self, next_batch: Callable[[], Batch]) -> torch.Tensor:
         """Accumulate gradients over the micro-batches; the mean loss, on the device (no sync)."""
@@ -78,9 +91,12 @@ class TrainStep:
         loss = self.forward_backward(next_batch)
         if self.after_backward is not None:
             self.after_backward(self.model)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the norm over all shards
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = self.grad_norm(self.model)
+        # clip as clip_grad_norm_ does, each rank its own gradients (under FSDP2 its local shards)
+        scale = (self.clip / (grad_norm + 1e-6)).clamp(max=1.0)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).mul_(scale)
         if self.world is not None:  # the mean over ranks is the global batch's loss, the same on every rank
             loss = distributed.mean(loss, self.world)
         result = StepResult(loss.item(), grad_norm.item(), lr)
@@ -96,4 +112,4 @@ def on_device(batch: Batch, device: torch.device) -> Batch:
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-__all__ = ["StepResult", "TrainStep", "build_model", "on_device", "autocast_for", "resolve_device"]
+__all__ = ["StepResult", "TrainStep", "build_model", "on_device", "total_grad_norm", "autocast_for", "resolve_device"]

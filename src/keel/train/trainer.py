@@ -23,15 +23,14 @@ from keel.errors import ConfigError, DataError, KeelError
 from keel.model import count_params, flops_per_token
 from keel.runtime import autocast_for, device_memory, peak_flops, provenance, resolve_device
 from keel.scale import distributed
-from keel.scale.memory import estimate_memory, format_bytes
-from keel.scale.pipeline import build_pipeline
+from keel.scale.memory import format_bytes
 from keel.train import checkpoint, tracking
 from keel.train.config import TrainConfig
 from keel.train.evaluate import bytes_per_token, evaluate
 from keel.train.guard import DivergenceGuard
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.pipeline_step import PipelineStep
-from keel.train.plan import memory_line
+from keel.train.plan import memory_line, memory_plan
 from keel.train.run_dir import RunDir
 from keel.train.step import TrainStep, build_model, on_device
 from keel.train.telemetry import Telemetry
@@ -97,22 +96,19 @@ class Trainer:
         if tok.vocab_size > c.model.vocab_size:
             raise ConfigError(f"model.vocab_size: {c.model.vocab_size} is smaller than tokenizer {tok.name!r}'s "
                               f"vocabulary ({tok.vocab_size}); set model.vocab_size>={tok.vocab_size}")
-        need = estimate_memory(c.model, c.run.batch_size, c.run.seq_len, ac_every=c.run.ac_every,
-                               world_size=self.world.size, fsdp_group=c.run.fsdp_group if self.fsdp else 0)["total"]
+        need = memory_plan(c, self.world.size, self.device)["total"]
         have = device_memory(self.device)
         if have and need > have:  # refuse before anything is allocated or written, not with an allocator error
             raise ConfigError(f"run.batch_size: one training step needs about {format_bytes(need)} per process "
                               f"({self.memory_line()}), more than the {format_bytes(have)} of {self.device}; lower "
                               "run.batch_size or run.seq_len, or set run.ac_every=1")
-        if pp:
-            self.model = build_pipeline(c.model, c.run, self.device)
-        else:
-            self.model = build_model(c.model, c.run, self.device, fsdp=self.fsdp)
+        self.model = build_model(c.model, c.run, self.device, fsdp=self.fsdp)
         self.optimizer = build_optimizer(self.model, c.optim)
         # data-parallel replicas: every rank, or under pp the mesh's dp coordinate (a replica's stages read one batch)
-        self.replicas, replica = (self.model.dp_size, self.model.dp_rank) if pp else (self.world.size, self.world.rank)
+        self.replicas, self.replica = (self.model.dp_size, self.model.dp_rank) if pp else (self.world.size,
+                                                                                          self.world.rank)
         self.sampler = WindowSampler(self.data.train, c.run.seq_len, c.run.batch_size, seed=c.run.seed,
-                                     rank=replica, world_size=self.replicas)
+                                     rank=self.replica, world_size=self.replicas)
         self.guard = DivergenceGuard(c.guard, c.model.vocab_size)
         self.train_step = (PipelineStep if pp else TrainStep)(
             self.model, self.optimizer, grad_accum=c.run.grad_accum, grad_clip=c.optim.grad_clip,
@@ -364,7 +360,7 @@ class Trainer:
     def evaluate(self) -> dict:
         c = self.config
         return evaluate(self.model, self.data.val, c.run.seq_len, c.run.batch_size, c.run.eval_batches,
-                        self.device, self.autocast, self.token_bytes)
+                        self.device, self.autocast, self.token_bytes, self.world, self.replica, self.replicas)
 
     def handle_divergence(self, reason: str, loss: float, grad_norm: float, lr: float, first_draw: int) -> None:
         """Stop (raise Diverged) or roll back to the last good checkpoint, skipping this step's batches."""
