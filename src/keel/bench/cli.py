@@ -47,12 +47,12 @@ def given_keys(overrides, config_file: str | None) -> list[str]:
     return keys
 
 
-def refuse_unused(keys: list[str], used, why: str) -> None:
+def refuse_unused(keys: list[str], used, why: str, hints=HINTS) -> None:
     """A ConfigError naming the first key that `used(key)` says bench does not read: never silently ignored."""
     for key in keys:
         if not used(key):
             section = key.split(".", 1)[0]
-            hint = HINTS.get(key) or HINTS.get(section) or why
+            hint = hints.get(key) or hints.get(section) or why
             raise ConfigError(f"{key}: not used by keel bench ({hint})")
 
 
@@ -60,7 +60,7 @@ def run_suite(args) -> dict:
     out = Path(args.out) if args.out else None
     used = {"cpu": (), "gpu": ("run.device",)}[args.suite]
     refuse_unused(given_keys(args.overrides, args.config), lambda k: k in used,
-                  f"--suite {args.suite} is a fixed campaign" + ("; it takes run.device" if used else ""))
+                  f"--suite {args.suite} is a fixed campaign" + ("; it takes run.device" if used else ""), hints={})
     if args.suite == "cpu":
         result = cpu_suite(args.steps, args.warmup, writer(out, cpu_markdown), args.idle_load, args.idle_wait)
         print(cpu_markdown(result))
