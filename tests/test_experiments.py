@@ -172,9 +172,40 @@ def corpus_cfg(tmp_path_factory):
     return [f"data.source={root / 'text.txt'}", f"data.cache_dir={root / 'cache'}"]
 
 
+_S3, _K = ("post_ln", "pre_ln", "keel"), (0, 1)  # the quick configs' schemes and seeds where QUICK sets none
+# The points each QUICK configuration must produce, written out from its settings (not from the code's loops)
+QUICK_POINTS = {
+    "gradflow": [f"{s}-4-{init}-seed{k}" for s in ("post_ln", "keel") for init in ("default", "matched") for k in _K],
+    "max-lr": ["pre_ln-4-seed0", "keel-4-seed0", "keel-noclip-4-seed0"],
+    "depth": [f"{s}-{d}-lr{lr}-seed0" for s in _S3 for d in (2, 4) for lr in (0.003, 0.01)],  # seed 1: chosen LR
+    "lr-sweep": [f"{s}-lr{lr}-seed{k}" for s in ("pre_ln", "keel") for lr in (0.001, 0.01) for k in _K],
+    "deep-vs-wide": [f"{arm}-lr0.003-seed{k}" for arm in ("deep-pre_ln", "wide-pre_ln", "deep-keel") for k in _K],
+    "ablations": [f"{arm}-lr0.003-seed{k}" for k in _K for arm in (
+        "keelalphaL-v2", "alphasqrtL", "alpha2", "first_layerv1", "first_layernone", "pre_ln")],
+    "redundancy": [f"{s}-seed{k}" for s in ("pre_ln", "keel") for k in _K],
+    "regime": [f"{s}-lr0.003-seed{k}" for s in _S3 for k in _K],
+    "stream-precision": [f"init-{s}-{d}-seed{k}" for s in ("keel", "pre_ln") for d in (4, 8) for k in _K]
+    + [f"{s}-{p}-seed{k}" for s in ("keel", "pre_ln") for p in ("float32", "bfloat16") for k in _K],
+}
+
+
+def numbers(tree, where=""):
+    """(where, value) for every number in a JSON tree."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from numbers(value, f"{where}.{key}")
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            yield from numbers(value, f"{where}[{i}]")
+    elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
+        yield where, tree
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
 def test_quick_experiment_writes_results_plots_and_report(name, corpus_cfg, tmp_path):
+    from matplotlib.image import imread
+
     cfg = build(name, True, [*TINY, *QUICK[name], *corpus_cfg])
     assert isinstance(cfg.data, DataConfig)
     out = tmp_path / name
@@ -182,10 +213,23 @@ def test_quick_experiment_writes_results_plots_and_report(name, corpus_cfg, tmp_
     EXPERIMENTS[name][1](cfg, out, f"keel experiment {name} --quick")
     results = json.loads((out / "results.json").read_text())
     assert results["experiment"] == name and results["machine"]["torch_version"]
+    # every configured point is in results.json, and so is every point the sweep kept on disk
+    points = results["results"]["points"]
+    assert set(QUICK_POINTS[name]) <= set(points), sorted(set(QUICK_POINTS[name]) - set(points))
+    assert set(points) == {p.stem for p in (out / "points").glob("*.json")} - {"config"}
+    if name == "depth":  # the second seed runs once per scheme and depth, at the LR the first one chose
+        assert Counter(k.split("-lr")[0] for k in points if k.endswith("seed1")) == {
+            f"{s}-{d}": 1 for s in _S3 for d in (2, 4)}
+    found = list(numbers(results["results"]))
+    assert len(found) > 10 * len(points) and [(w, v) for w, v in found if not math.isfinite(v)] == []
     report = (out / "report.md").read_text()
     assert f"keel experiment {name} --quick" in report and "|---" in report
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert pngs and all(f"![{p}]({p})" in report for p in pngs)
+    for png in pngs:  # a PNG that decodes to an image with something drawn on it, not one flat colour
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        image = imread(out / png)
+        assert min(image.shape[:2]) > 100 and image[..., :3].std() > 0.01, png
     # a second run reuses every finished point instead of training again
     points = {p.name: p.stat().st_mtime_ns for p in (out / "points").glob("*.json")}
     EXPERIMENTS[name][1](cfg, out, f"keel experiment {name} --quick")
