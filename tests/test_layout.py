@@ -125,9 +125,11 @@ def test_one_training_step_implementation():
     found = {}
     for path in SRC.rglob("*.py"):
         text = path.read_text()
-        for needle in (".backward(", "clip_grad_norm_(", "clip_grads_with_norm_(", "optimizer.step()", "opt.step()"):
+        for needle in (".backward(", "clip_grad_norm_(", "clip_grads_with_norm_(", "self.clip", "optimizer.step()",
+                       "opt.step()"):
             if needle in text:
                 found.setdefault(needle, set()).add(str(path.relative_to(SRC)))
+    assert found["self.clip"] == {"train/step.py"}  # TrainStep scales the gradients by its clip itself
     assert found.get("clip_grad_norm_(", set()) | found.get("clip_grads_with_norm_(", set()) <= {"train/step.py"}
     assert found["optimizer.step()"] == {"train/step.py"} and "opt.step()" not in found
     assert found[".backward("] <= {"train/step.py", "experiments/gradflow.py", "kernels/junction.py"}
