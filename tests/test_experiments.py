@@ -159,6 +159,7 @@ QUICK = {
     "redundancy": ["depth=4", "run.steps=3"],
     "regime": ["depth=4", "run.steps=4"],
     "stream-precision": ["depth=4", "run.steps=3", "init_depths=[4,8]"],
+    "frontier": ["depths=[2,4]", "run.steps=3"],
 }
 
 
@@ -186,6 +187,8 @@ QUICK_POINTS = {
     "regime": [f"{s}-lr0.003-seed{k}" for s in _S3 for k in _K],
     "stream-precision": [f"init-{s}-{d}-seed{k}" for s in ("keel", "pre_ln") for d in (4, 8) for k in _K]
     + [f"{s}-{p}-seed{k}" for s in ("keel", "pre_ln") for p in ("float32", "bfloat16") for k in _K],
+    "frontier": [f"{s}-{d}-lr{lr}-seed{k}" for s, grid in (("post_ln", (0.001, 0.003)), ("keel", (0.003, 0.01)))
+                 for d in (2, 4) for lr in grid for k in _K],  # every LR with every seed
 }
 
 

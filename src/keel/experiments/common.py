@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import socket
 import statistics
 import sys
 import time
@@ -232,10 +234,12 @@ class Sweep:
     """Runs named points once each, keeping each result on disk as soon as it is done. The directory
     records the experiment's config, so points from another configuration are never reused. The seed list
     alone may differ: points are named by their seed, so adding seeds to a finished sweep runs only the new
-    ones (the recorded list becomes the union)."""
+    ones (the recorded list becomes the union). Several processes may run the same sweep at once: each point
+    is claimed by one of them (`_claim`) and the others wait for it."""
 
     out: Path
     config: object
+    poll_seconds: float = 30.0
 
     def run(self, points: dict[str, Callable[[], dict]], desc: str) -> dict[str, dict]:
         (self.out / "points").mkdir(parents=True, exist_ok=True)
@@ -250,21 +254,73 @@ class Sweep:
             if "seeds" in mine:
                 mine["seeds"] = sorted(set(theirs.get("seeds", [])) | set(mine["seeds"]))
         if mine != theirs:
-            recorded.write_text(json.dumps(mine, indent=1))
-        results = {}
-        bar = tqdm(points.items(), desc=desc, file=sys.stdout, dynamic_ncols=True)
-        for key, fn in bar:
-            path = self.out / "points" / f"{key}.json"
-            if path.exists():
+            _write_atomic(recorded, json.dumps(mine, indent=1))
+        results, pending = {}, dict(points)
+        bar = tqdm(total=len(points), desc=desc, file=sys.stdout, dynamic_ncols=True)
+        while pending:
+            elsewhere = {}  # points another process is running: read them when they are done
+            for key, fn in pending.items():
+                path = self.out / "points" / f"{key}.json"
+                if not path.exists():
+                    claim = self.out / "points" / f"{key}.claim"
+                    if not _claim(claim):
+                        elsewhere[key] = fn
+                        continue
+                    try:
+                        if not path.exists():  # finished by another process between our look and our claim
+                            bar.set_postfix_str(key)
+                            _write_atomic(path, json.dumps(fn()))  # a point is either finished on disk or not there
+                    finally:
+                        claim.unlink(missing_ok=True)
                 results[key] = json.loads(path.read_text())
-                continue
-            bar.set_postfix_str(key)
-            result = fn()
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(result))
-            tmp.rename(path)  # a point is either finished on disk or not there
-            results[key] = result
-        return results
+                bar.update()
+            if elsewhere and len(elsewhere) == len(pending):
+                bar.set_postfix_str(f"waiting for {len(elsewhere)} point(s) another process runs")
+                time.sleep(self.poll_seconds)
+            pending = elsewhere
+        bar.close()
+        return {key: results[key] for key in points}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _claim(path: Path) -> bool:
+    """Take the point `path` names for this process (a file created exclusively, holding host and pid), so two
+    processes running the same sweep (`keel experiment ...` started twice: two points at a time) never train
+    the same point. A claim left by a dead process on this host is taken over; one from another host is
+    respected (delete it by hand if that machine is gone)."""
+    me = f"{socket.gethostname()} {os.getpid()}"
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                host, pid = path.read_text().split()
+                alive = host != socket.gethostname() or _pid_alive(int(pid))
+            except (OSError, ValueError):  # torn or vanished: the owner is gone or just finished
+                alive = False
+            if alive:
+                return False
+            path.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        return True
+    return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # Where each field of the configs recorded before experiments took keel train's sections now lives

@@ -1,0 +1,68 @@
+"""The statistics every verdict uses: a paired two-sided t-test on per-seed differences (scipy's).
+
+A seed fixes the init and the batch order, so two arms run with the same seed differ only by what the arm
+changes; the per-seed differences are the sample. With n seeds the test has n - 1 degrees of freedom: with 3
+seeds a difference needs |t| > 4.30 to reach p < 0.05 (the old "beyond 2 SE" rule was |t| > 2, p ~ 0.18).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+ALPHA = 0.05  # the significance level every rule uses
+
+
+def paired(a: list[float | None], b: list[float | None]) -> dict:
+    """Paired two-sided t-test of a - b over the seeds where both are finite.
+
+    Returns n, the mean and SD of the differences, t, the two-sided p-value and the 95% confidence interval
+    of the mean difference. With fewer than 2 pairs, or differences that are all equal (SD 0), t and p are
+    None: no test is possible, which a verdict must read as inconclusive.
+    """
+    diffs = [x - y for x, y in zip(a, b) if _finite(x) and _finite(y)]
+    n = len(diffs)
+    out = {"n": n, "mean": statistics.fmean(diffs) if diffs else float("nan"), "sd": None, "t": None, "p": None,
+           "ci95": None}
+    if n < 2:
+        return out
+    sd = statistics.stdev(diffs)
+    out["sd"] = sd
+    if sd == 0:
+        return out
+    from scipy import stats  # noqa: PLC0415 (scipy takes a second to import; only verdicts need it)
+
+    se = sd / math.sqrt(n)
+    t = out["mean"] / se
+    half = stats.t.ppf(1 - ALPHA / 2, n - 1) * se
+    out |= {"t": t, "p": float(2 * stats.t.sf(abs(t), n - 1)), "ci95": [out["mean"] - half, out["mean"] + half]}
+    return out
+
+
+def significant(test: dict) -> bool:
+    return test["p"] is not None and test["p"] < ALPHA
+
+
+def verdict(test: dict, lower_is: str, higher_is: str) -> str:
+    """`lower_is` when a - b is significantly negative, `higher_is` when significantly positive, else
+    "inconclusive"."""
+    if not significant(test):
+        return "inconclusive"
+    return lower_is if test["mean"] < 0 else higher_is
+
+
+def describe(test: dict, digits: int = 3) -> str:
+    """'-0.123 [-0.2, -0.05], p=0.012 (n=3)' for a table cell."""
+    if not test["n"]:
+        return "-"
+    text = f"{test['mean']:+.{digits}f}"
+    if test["ci95"] is not None:
+        lo, hi = test["ci95"]
+        text += f" [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+    p = test["p"]
+    text += f", p={p:.2g}" if p is not None else ", p=n/a"
+    return text + f" (n={test['n']})"
+
+
+def _finite(v) -> bool:
+    return v is not None and math.isfinite(v)

@@ -1,0 +1,112 @@
+"""The verdict statistics against closed forms, and sweeps shared by several processes."""
+
+import math
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from keel.experiments import stats
+from keel.experiments.common import Sweep, _claim
+from keel.experiments.frontier import FrontierConfig, analyse, classify
+
+
+def test_paired_t_test_against_the_closed_form_for_two_degrees_of_freedom():
+    # differences 1, 2, 3: mean 2, SD 1, t = 2 / (1 / sqrt 3); with 2 degrees of freedom the t distribution
+    # has the closed form P(|T| > t) = 1 - t / sqrt(t^2 + 2)
+    test = stats.paired([11.0, 12.0, 13.0], [10.0, 10.0, 10.0])
+    t = 2 * math.sqrt(3)
+    assert test["n"] == 3 and test["mean"] == 2.0 and test["sd"] == 1.0
+    assert test["t"] == pytest.approx(t)
+    assert test["p"] == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-9)
+    # the 97.5% quantile of t(2) is sqrt(2) * q / sqrt(1 - q^2) with q = 2 * 0.975 - 1
+    q = 0.95
+    half = math.sqrt(2) * q / math.sqrt(1 - q * q) / math.sqrt(3)
+    assert test["ci95"] == pytest.approx([2 - half, 2 + half], rel=1e-9)
+    assert stats.verdict(test, "lower", "higher") == "inconclusive"  # p = 0.074: the old 2-SE rule said "beyond"
+
+
+def test_a_verdict_needs_p_below_005_and_gives_the_sign():
+    strong = stats.paired([1.0, 1.1, 0.9, 1.05, 0.95], [2.0, 2.0, 2.0, 2.0, 2.0])
+    assert strong["p"] < 1e-4 and stats.verdict(strong, "lower", "higher") == "lower"
+    assert stats.verdict(stats.paired([3.0, 3.1, 2.9], [1.0, 1.0, 1.0]), "lower", "higher") == "higher"
+
+
+def test_no_test_is_possible_without_two_pairs_or_without_spread():
+    assert stats.paired([1.0], [2.0])["p"] is None
+    assert stats.paired([1.0, None, float("nan")], [2.0, 2.0, 2.0])["n"] == 1
+    flat = stats.paired([2.0, 3.0], [1.0, 2.0])  # differences all 1: SD 0
+    assert flat["p"] is None and stats.verdict(flat, "lower", "higher") == "inconclusive"
+    assert "p=n/a" in stats.describe(flat)
+
+
+def test_frontier_classes_and_verdicts_from_known_points():
+    cfg = FrontierConfig(schemes=["pre_ln", "keel"], depths=[64, 1024], seeds=[0, 1, 2],
+                         lrs={"pre_ln": [1e-3, 3e-3, 1e-2], "keel": [1e-3, 3e-3, 1e-2]})
+    unigram = 3.3
+    assert classify([2.7, 2.8, 2.75], unigram, cfg) == "learns"
+    assert classify([3.25, 3.4, None], unigram, cfg) == "stuck"
+    assert classify([2.7, 3.25, 2.8], unigram, cfg) == "between"
+    loss = {("pre_ln", 64): [2.60, 2.62, 2.61], ("keel", 64): [2.58, 2.61, 2.60],
+            ("pre_ln", 1024): [3.28, 3.27, 3.29], ("keel", 1024): [2.70, 2.75, 2.72]}
+    points = {}
+    for (s, d), losses in loss.items():
+        for lr in cfg.grid(s, d):
+            for seed, v in enumerate(losses):
+                worse = 0.0 if lr == 1e-3 else 0.1  # the lowest LR is best on the select half
+                points[f"{s}-{d}-lr{lr:g}-seed{seed}"] = {"select_loss": v + worse, "report_loss": v + worse,
+                                                          "grad_bottom_over_top": 1.0}
+    res = analyse(cfg, points, unigram)
+    assert cfg.grid("keel", 1024) == [1e-3, 3e-3] and res["arms"]["keel-1024"]["lr"] == 1e-3
+    assert res["frontier"] == {"pre_ln": 64, "keel": 1024}
+    v = res["verdicts"]["pre_ln"]
+    assert v["trains_where_x_does_not"] == [1024]
+    # per seed: gap at 1024 = -0.58, -0.52, -0.57; gap at 64 = -0.02, -0.01, -0.01
+    assert v["advantage_grows"]["mean"] == pytest.approx((-0.56 - 0.51 - 0.56) / 3)
+    assert v["advantage_grows_verdict"] == "agrees (grows)"
+
+
+@dataclass
+class _Cfg:
+    seeds: list = field(default_factory=lambda: [0])
+
+
+def test_two_processes_running_one_sweep_train_each_point_once(tmp_path):
+    calls, lock = [], threading.Lock()
+
+    def job(name):
+        def run():
+            with lock:
+                calls.append(name)
+            time.sleep(0.05)
+            return {"name": name}
+        return run
+    points = {f"p{i}": job(f"p{i}") for i in range(8)}
+    results = [None, None]
+
+    def worker(i):
+        results[i] = Sweep(tmp_path, _Cfg(), poll_seconds=0.01).run(points, f"worker {i}")
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(calls) == sorted(points)  # every point trained exactly once between the two
+    assert results[0] == results[1] == {k: {"name": k} for k in points}
+    assert not list(tmp_path.glob("points/*.claim"))
+
+
+def test_a_claim_of_a_dead_process_is_taken_over_and_a_live_one_respected(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    claim = tmp_path / "p.claim"
+    claim.write_text(f"{socket.gethostname()} {dead.pid}")
+    assert _claim(claim) and claim.read_text().split()[1] != str(dead.pid)
+    claim.write_text(f"{socket.gethostname()} {subprocess.os.getppid()}")  # a live process
+    assert not _claim(claim)
+    claim.write_text("another-host 1")  # cannot be checked from here: respected
+    assert not _claim(claim)
