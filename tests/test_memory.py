@@ -3,9 +3,10 @@
 import pytest
 import torch
 
+from keel.model import lm_loss
 from keel.model.config import ModelConfig
 from keel.model.transformer import TransformerLM
-from keel.scale.memory import activation_bytes, estimate_memory, measured_bytes, saved_activation_bytes
+from keel.scale.memory import activation_bytes, estimate_memory, measured_bytes, pipeline_memory, saved_activation_bytes
 from keel.scale.parallel import apply_ac
 from keel.train.config import OptimConfig
 from keel.train.optim import build_optimizer
@@ -46,3 +47,66 @@ def test_sharding_divides_the_states_by_the_world_size():
     one, four = estimate_memory(cfg, 2, 32), estimate_memory(cfg, 2, 32, world_size=4, fsdp_group=1)
     assert four["grads"] == one["grads"] // 4
     assert four["optimizer"] < one["optimizer"] / 3
+
+
+LOOPED = [{"loop_blocks": 2}, {"loop_blocks": 1, "scheme": "pre_ln"}, {"loop_blocks": 2, "tie_embeddings": True}]
+
+
+@pytest.mark.parametrize("kw", LOOPED)
+def test_a_looped_model_holds_its_distinct_blocks_once_and_keeps_every_pass(kw):
+    cfg = ModelConfig(n_blocks=4, d_model=32, n_heads=4, max_seq_len=16, **kw)
+    model = TransformerLM(cfg)
+    optimizer = build_optimizer(model, OptimConfig())
+    ids = torch.randint(0, 256, (2, 16))
+    model(ids, ids)[1].backward()
+    optimizer.step()
+    estimate, measured = estimate_memory(cfg, 2, 16), measured_bytes(model, optimizer)
+    assert estimate["params"] == measured["params"] and estimate["optimizer"] == measured["optimizer"]
+    for ac_every in (0, 1, 2):
+        model = TransformerLM(cfg)
+        apply_ac(model, ac_every)
+        saved = saved_activation_bytes(model, ids, ids)
+        assert activation_bytes(cfg, 2, 16, ac_every, recompute=False) == pytest.approx(saved, rel=0.02), ac_every
+
+
+class _Last(torch.nn.Module):
+    """The last stage with the loss the pipeline schedule computes on its output."""
+
+    def __init__(self, stage):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, h, y):
+        return lm_loss(self.stage(h), y)
+
+
+@pytest.mark.parametrize("ac_every", [0, 1])
+def test_each_pipeline_stage_holds_what_the_plan_says(ac_every):
+    """pipeline_memory's per-rank parts against two stages of a real model (1F1B over 2 ranks, no replicas):
+    the states of each rank's stage, and per micro-batch in flight the activations its forward saves."""
+    from keel.scale.pipeline import Stage, split_blocks
+    cfg = ModelConfig(n_blocks=4, d_model=64, n_heads=4, max_seq_len=32, tie_embeddings=False)
+    model = TransformerLM(cfg)
+    apply_ac(model, ac_every)
+    spans = split_blocks(cfg, 2)
+    stages = [Stage(model, spans[0], True, False), Stage(model, spans[1], False, True)]
+    x, y = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
+    plan = pipeline_memory(cfg, 4, 32, ac_every, world_size=2, pp=2, pp_microbatches=2)  # micro-batches of 2
+    h = stages[0](x).detach().requires_grad_()
+    saved = [saved_activation_bytes(stages[0], x), saved_activation_bytes(_Last(stages[1]), h, y)]
+    in_flight = [2, 1]  # 1F1B: the first stage runs 2 forwards before its first backward, the last 1
+    for rank, stage in enumerate(stages):
+        optimizer = build_optimizer(stage, OptimConfig())
+        for p in stage.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        measured = measured_bytes(stage, optimizer)
+        assert plan[rank]["grads"] == measured["params"] and plan[rank]["optimizer"] == measured["optimizer"]
+        recompute = plan[rank]["activations"] - in_flight[rank] * saved[rank]
+        assert recompute == pytest.approx(0, abs=0.03 * plan[rank]["activations"]) if not ac_every else recompute > 0
+    # the plan is the busiest rank's; two replicas halve the states and gather the whole stage
+    assert estimate_memory(cfg, 4, 32, ac_every, world_size=2, pp=2, pp_microbatches=2) == max(
+        plan, key=lambda m: m["total"])
+    two = pipeline_memory(cfg, 4, 32, ac_every, world_size=4, pp=2, pp_microbatches=2)
+    assert [m["grads"] for m in two] == [m["grads"] // 2 for m in plan]
+    assert [m["params"] for m in two] == [m["params"] // 2 + m["params"] for m in plan]

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from keel.errors import ConfigError
 from keel.model import ModelConfig, TransformerLM
 from keel.scale import distributed
+from keel.scale.memory import measured_bytes, pipeline_memory
 from keel.scale.pipeline import SCHEDULES, split_blocks
 from keel.train import checkpoint
 from keel.train.config import OptimConfig, RunConfig, load_config
@@ -275,12 +276,13 @@ def _dp_worker(rank: int, port: int, out: str) -> None:
             step.after_backward = lambda m, into=grads: into.update(full((n, p.grad) for n, p in m.named_parameters()))
             result = step(lambda: mine, OPTIM.lr)
             exp_avg = full((n, optimizer.state[p]["exp_avg"]) for n, p in model.named_parameters())
-            with torch.no_grad():
+            weights, held = full(model.named_parameters()), measured_bytes(model, optimizer)  # before a forward
+            with torch.no_grad():  # (unshards the stages: without a backward they stay so)
                 logits, _ = model(x)
             val = evaluate(model, EVAL_TOKENS, CONFIG.max_seq_len, 1, 3, torch.device("cpu"),
                            world=distributed.World(rank, 4), replica=model.dp_rank, replicas=model.dp_size)
             got[name] = {"loss": result.loss, "grad_norm": result.grad_norm, "grads": grads, "exp_avg": exp_avg,
-                         "logits": logits, "val": val, "weights": full(model.named_parameters())}
+                         "logits": logits, "val": val, "weights": weights, "bytes": held}
             if name == "1f1b":
                 checkpoint.save_sharded(Path(out) / "run", 1, model, optimizer, {}, {"draws": 1}, keep=1,
                                         main=rank == 0)
@@ -321,6 +323,17 @@ def test_two_stages_by_two_replicas_give_the_loss_gradients_and_update_of_one_pr
     for got in (r[name]["val"] for r in ranks):
         assert got["val_tokens"] == one["val_tokens"]
         assert got["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
+    # the memory plan's states per rank: each stage's, halved over the two replicas (FSDP2's shards)
+    plan = pipeline_memory(CONFIG, BATCH // 2, CONFIG.max_seq_len, world_size=4, pp=2, pp_schedule=name,
+                           pp_microbatches=2)
+    for rank, got in enumerate(r[name] for r in ranks):
+        tensors = sum(1 for n in got["grads"])
+        assert got["bytes"]["params"] == pytest.approx(plan[rank // 2]["grads"], rel=0.05)
+        assert got["bytes"]["optimizer"] - 4 * tensors == pytest.approx(plan[rank // 2]["optimizer"] - 4 * tensors,
+                                                                        rel=0.05)
+    for pp_rank in (0, 1):
+        pair = [ranks[2 * pp_rank + r][name]["bytes"] for r in (0, 1)]
+        assert sum(b["params"] for b in pair) == 2 * plan[pp_rank]["grads"]
     # ranks 0, 1 (pp coordinate 0) hold one set of parameters, ranks 2, 3 the rest
     assert held[0] == held[1] and held[2] == held[3] and held[0].isdisjoint(held[2])
     assert held[0] | held[2] == set(grads)

@@ -212,117 +212,157 @@ class Trainer:
                 self.run_dir.unlock()
 
     def _run(self, resume_from: Path | None) -> dict:
-        c = self.config
+        """Start (or resume), train until run.steps, an interruption or a divergence, then write the summary."""
         if self.world.main:  # temporary checkpoint directories a killed process left behind
             checkpoint.clean_stale_tmp(self.run_dir)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
-            if self.step >= c.run.steps:
+            if self.step >= self.config.run.steps:
                 self.say(f"keel: {self.run_dir} already finished {self.step} steps; extend it with run.steps=N")
                 return self.run_dir.summary() or {"diverged": False, "interrupted": False}
-            if self.world.main:  # a changed run.steps must survive the next interruption
-                self.run_dir.truncate_log(self.step)
-                self.run_dir.write_config(c)
-            self.say(f"keel: resuming {self.run_dir} from step {self.step} ({resume_from.name})")
+            self._record_resume(resume_from)
         elif self.world.main:
-            info = provenance(c.run.seed, self.device) | {
-                "data": self.data.corpus_info, "tokenizer": self.data.tokenizer.name, "world_size": self.world.size,
-                "fsdp": self.fsdp}
-            try:
-                self.run_dir.write_config(c)
-                self.run_dir.write_provenance(info)
-                self.run_dir.save_tokenizer(self.data.tokenizer)
-            except (OSError, KeelError) as err:  # a full disk at start: leave nothing that blocks a retry
-                self.run_dir.discard_untrained()
-                if isinstance(err, KeelError):
-                    raise
-                raise DataError(f"{self.run_dir}: cannot write the run's files ({err.strerror or err})") from None
+            self._record_start()
+        self._start_tracking(first=resume_from is None)
+        start_wall, start_step = time.time(), self.step
+        outcome = self._loop()
+        return self._finish(outcome, time.time() - start_wall, start_step)
+
+    def _record_resume(self, resume_from: Path) -> None:
+        if self.world.main:  # a changed run.steps must survive the next interruption
+            self.run_dir.truncate_log(self.step)
+            self.run_dir.write_config(self.config)
+        self.say(f"keel: resuming {self.run_dir} from step {self.step} ({resume_from.name})")
+
+    def _record_start(self) -> None:
+        """Rank 0: what runs (config, provenance, tokenizer) into the new run directory."""
+        info = provenance(self.config.run.seed, self.device) | {
+            "data": self.data.corpus_info, "tokenizer": self.data.tokenizer.name, "world_size": self.world.size,
+            "fsdp": self.fsdp}
+        try:
+            self.run_dir.write_config(self.config)
+            self.run_dir.write_provenance(info)
+            self.run_dir.save_tokenizer(self.data.tokenizer)
+        except (OSError, KeelError) as err:  # a full disk at start: leave nothing that blocks a retry
+            self.run_dir.discard_untrained()
+            if isinstance(err, KeelError):
+                raise
+            raise DataError(f"{self.run_dir}: cannot write the run's files ({err.strerror or err})") from None
+
+    def _start_tracking(self, first: bool) -> None:
+        """Trackers, the rollback policy's first checkpoint, and the run's one-line description."""
+        c = self.config
         if self.world.main and c.run.log_to:
             self.trackers = Trackers(c.run.log_to, self.run_dir, c)
-        if resume_from is None and c.guard.policy == "rollback":
-                self.save_checkpoint()  # something to roll back to before the first periodic checkpoint
-        n_params = count_params(c.model)
+        if first and c.guard.policy == "rollback":
+            self.save_checkpoint()  # something to roll back to before the first periodic checkpoint
         on = f"{self.world.size} x {self.device.type} (FSDP2)" if self.fsdp else str(self.device)
+        n_params = count_params(c.model)
         self.say(f"keel: {c.model.scheme} model, {c.model.n_blocks} blocks = {c.model.n_sublayers} sub-layers, "
                  f"{n_params:,} parameters, {c.run.steps} steps of {self.tokens_per_step:,} tokens on {on}")
         self.say(f"keel: memory per process: {self.memory_line()}")
 
-        start_wall, start_step = time.time(), self.step
-        summary = {"diverged": False, "divergence_reason": None, "interrupted": False}
-        train_loss, val = float("nan"), {}
+    def _boundary(self) -> tuple:
+        """What a step draws from (sampler, draws, RNG): restored when an interruption tears a step."""
+        return self.sampler.state_dict(), self.draws, torch.get_rng_state()
+
+    def _loop(self) -> dict:
+        """Steps until run.steps; returns the outcome (diverged, interrupted, the last losses)."""
+        c = self.config
+        outcome = {"diverged": False, "divergence_reason": None, "interrupted": False, "train_loss": float("nan"),
+                   "val": {}}
         bar = tqdm(total=c.run.steps, initial=self.step, disable=not (c.run.progress and self.world.main),
-                   dynamic_ncols=True,
-                   desc="train", file=sys.stdout)
+                   dynamic_ncols=True, desc="train", file=sys.stdout)
         previous_handlers = self._defer_signals()
-        boundary = (self.sampler.state_dict(), self.draws, torch.get_rng_state())
+        boundary = self._boundary()
         try:
             self.t_last, self.step_last = time.time(), self.step
             while self.step < c.run.steps:
-                boundary = (self.sampler.state_dict(), self.draws, torch.get_rng_state())
+                boundary = self._boundary()
                 if self._stop_requested():  # only here, between steps: no step or checkpoint is ever torn
                     raise KeyboardInterrupt
                 for callback in self.callbacks:
                     callback(self, self.step)
                 first_draw = self.draws
-                probe = self.telemetry is not None and (self.step + 1) % c.run.telemetry_every == 0
-                if probe:
-                    self.telemetry.start()
-                    self.train_step.after_backward = self.telemetry.after_backward
-                try:
-                    result = self.train_step(self.next_batch, lr_at(self.step, c.run.steps, c.optim) * self.lr_scale)
-                finally:
-                    if probe:
-                        self.train_step.after_backward = None
-                        record = self.telemetry.finish(self.step + 1)
-                if probe and result.diverged is None and self.world.main:
-                    self.run_dir.log(record, "telemetry.jsonl")
-                train_loss, grad_norm, lr = result.loss, result.grad_norm, result.lr
+                result = self._step()
+                outcome["train_loss"] = result.loss
                 if result.diverged is not None:
-                    self.handle_divergence(result.diverged, train_loss, grad_norm, lr, first_draw)
+                    self.handle_divergence(result.diverged, result.loss, result.grad_norm, result.lr, first_draw)
                     continue
                 self.step += 1
-                boundary = (self.sampler.state_dict(), self.draws, torch.get_rng_state())
+                boundary = self._boundary()
                 bar.update(1)
-                if self.step % c.run.log_every == 0 or self.step == c.run.steps:
-                    now = time.time()
-                    tps = (self.step - self.step_last) * self.tokens_per_step / max(now - self.t_last, 1e-9)
-                    self.t_last, self.step_last = now, self.step
-                    record = {"step": self.step, "loss": train_loss, "lr": lr, "grad_norm": grad_norm,
-                              "tokens": self.step * self.tokens_per_step, "tokens_per_s": tps}
-                    postfix = {"loss": f"{train_loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tps:,.0f}"}
-                    if self.peak_flops:
-                        record["mfu"] = tps * self.flops_per_token / self.peak_flops
-                        postfix["mfu"] = f"{record['mfu']:.1%}"
-                    self.log(record)
-                    bar.set_postfix(postfix)
-                last = self.step == c.run.steps
-                if c.run.eval_every and (self.step % c.run.eval_every == 0 or last):
-                    val = self.evaluate()
-                    self.log({"step": self.step, **val})
-                    if self.world.main:
-                        bar.write(f"step {self.step}: val_loss {val['val_loss']:.4f}")
-                if last or (c.run.ckpt_every and self.step % c.run.ckpt_every == 0):
-                    self.save_checkpoint()
+                self._after_step(result, bar, outcome)
         except Diverged as err:
-            summary |= {"diverged": True, "divergence_reason": str(err)}
+            outcome |= {"diverged": True, "divergence_reason": str(err)}
         except KeyboardInterrupt:
-            summary["interrupted"] = True
-            # rewind what a half-done step drew, so the checkpoint sits exactly on a step boundary
-            sampler_state, self.draws, rng = boundary
-            self.sampler.load_state_dict(sampler_state)
-            torch.set_rng_state(rng)
-            self.optimizer.zero_grad(set_to_none=True)
-            self.save_checkpoint()
-            self.say(f"keel: interrupted at step {self.step}; checkpoint saved; continue with: "
-                     f"keel train resume={self.run_dir}")
+            outcome["interrupted"] = True
+            self._save_interrupted(boundary)
         finally:
             for signum, handler in previous_handlers.items():
                 signal.signal(signum, handler)
             bar.close()
-        wall = time.time() - start_wall
-        summary |= {
+        return outcome
+
+    def _step(self):
+        """One TrainStep, with the sub-layer probes attached on telemetry steps."""
+        c = self.config
+        probe = self.telemetry is not None and (self.step + 1) % c.run.telemetry_every == 0
+        if probe:
+            self.telemetry.start()
+            self.train_step.after_backward = self.telemetry.after_backward
+        try:
+            result = self.train_step(self.next_batch, lr_at(self.step, c.run.steps, c.optim) * self.lr_scale)
+        finally:
+            if probe:
+                self.train_step.after_backward = None
+                record = self.telemetry.finish(self.step + 1)
+        if probe and result.diverged is None and self.world.main:
+            self.run_dir.log(record, "telemetry.jsonl")
+        return result
+
+    def _after_step(self, result, bar, outcome: dict) -> None:
+        """The metrics record, validation and the checkpoint a finished step is due."""
+        c = self.config
+        if self.step % c.run.log_every == 0 or self.step == c.run.steps:
+            now = time.time()
+            tps = (self.step - self.step_last) * self.tokens_per_step / max(now - self.t_last, 1e-9)
+            self.t_last, self.step_last = now, self.step
+            record = {"step": self.step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+                      "tokens": self.step * self.tokens_per_step, "tokens_per_s": tps}
+            postfix = {"loss": f"{result.loss:.4f}", "lr": f"{result.lr:.2e}", "tok/s": f"{tps:,.0f}"}
+            if self.peak_flops:
+                record["mfu"] = tps * self.flops_per_token / self.peak_flops
+                postfix["mfu"] = f"{record['mfu']:.1%}"
+            self.log(record)
+            bar.set_postfix(postfix)
+        last = self.step == c.run.steps
+        if c.run.eval_every and (self.step % c.run.eval_every == 0 or last):
+            outcome["val"] = self.evaluate()
+            self.log({"step": self.step, **outcome["val"]})
+            if self.world.main:
+                bar.write(f"step {self.step}: val_loss {outcome['val']['val_loss']:.4f}")
+        if last or (c.run.ckpt_every and self.step % c.run.ckpt_every == 0):
+            self.save_checkpoint()
+
+    def _save_interrupted(self, boundary: tuple) -> None:
+        # rewind what a half-done step drew, so the checkpoint sits exactly on a step boundary
+        sampler_state, self.draws, rng = boundary
+        self.sampler.load_state_dict(sampler_state)
+        torch.set_rng_state(rng)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.save_checkpoint()
+        self.say(f"keel: interrupted at step {self.step}; checkpoint saved; continue with: "
+                 f"keel train resume={self.run_dir}")
+
+    def _finish(self, outcome: dict, wall: float, start_step: int) -> dict:
+        """summary.json, the trackers closed, curves drawn, the process group left; returns the summary."""
+        c, val = self.config, outcome["val"]
+        summary = {
+            "diverged": outcome["diverged"], "divergence_reason": outcome["divergence_reason"],
+            "interrupted": outcome["interrupted"],
             "run_dir": str(self.run_dir), "steps": self.step, "tokens": self.step * self.tokens_per_step,
-            "final_train_loss": train_loss, "final_val_loss": val.get("val_loss"),
+            "final_train_loss": outcome["train_loss"], "final_val_loss": val.get("val_loss"),
             "final_val_bits_per_byte": val.get("val_bits_per_byte"),
             "tokens_per_second": (self.step - start_step) * self.tokens_per_step / max(wall, 1e-9),
             "n_params": count_params(c.model), "n_sublayers": c.model.n_sublayers, "n_blocks": c.model.n_blocks,
