@@ -13,6 +13,18 @@ median's lag). The rules were written down before any max-lr run:
     (it stalled at the marginal; `stall` is long so that the plateau every run crosses early is not one).
   - unrecovered rise: the first evaluation k with v_k > b_k + rise, b_k = min(v_0..v_{k-1}) the running
     best, provided the next `confirm` evaluations all stay above b_k + rise / 2 (no recovery).
+  - stagnation (the paper's "early loss plateau" and "anomalously slow convergence"; `stagnation`, added
+    before any run of the paper's ramp): judged against the other schemes of the same depth and seed, so only
+    once all of them have run. r_k = the lowest of their running medians at evaluation k (same step, hence
+    same LR), each scheme's curve cut where its own failure (the rules above) starts, and never the judged
+    scheme's own (nor another arm of the same scheme). The first k with v_k > r_k + stagnation_gap for
+    `stagnation_hold` evaluations in a row, unless the curve later recovers: comes within
+    stagnation_recover of r for `stagnation_hold` evaluations in a row (a scheme that only starts slower and
+    then catches up has not failed; the search goes on after the recovery). Where no other scheme has a
+    healthy evaluation, r does not exist and the condition does not hold. No end-of-curve shortcut: the
+    gap must be seen for the full `stagnation_hold` evaluations. (Written after the 0 -> 8e-2 ramp's curves
+    had been seen, in which Keel and Pre-LN start slower than Post-LN at 16 sub-layers and catch up: that is
+    why it has the recovery clause.)
 "Confirm" means: held for `confirm` evaluations, or to the end of the curve if that comes first (and then
 for at least 2 evaluations; a single bad point at the very end is not enough). The failure is the
 earliest of these; the max tolerable LR is the LR at the last evaluation before it. A healthy curve has
@@ -33,12 +45,16 @@ class FailureRules:
     confirm: int = 20  # evaluations a failure must persist (at eval_every=2: 40 steps)
     window: int = 5  # evaluations in the running median
     stall: int = 100  # evaluations a never-learned run must sit at the unigram level (at eval_every=2: 200 steps)
+    stagnation_gap: float = 0.30  # nats above the best other scheme at the same step
+    stagnation_hold: int = 20  # evaluations the gap must hold (at eval_every=2: 40 steps), and a recovery too
+    stagnation_recover: float = 0.15  # nats: back within this of the best other scheme = recovered
 
 
 @dataclass
 class Failure:
     index: int  # the evaluation at which it starts
-    rule: str  # non-finite | collapse | unrecovered rise
+    rule: str  # non-finite | collapse | unrecovered rise | stagnation
+    reference: int | None = None  # stagnation: which of the other curves was the best at the onset
 
 
 def _held(values: list[float], k: int, ok, confirm: int, final: bool) -> bool:
@@ -84,6 +100,40 @@ def _rules(values: list[float], unigram: float, rules: FailureRules, final: bool
             break
         best = min(best, v)
     return min(found, key=lambda f: f.index) if found else None
+
+
+def stagnation(values: list[float], others: list[list[float]], rules: FailureRules) -> Failure | None:
+    """The first stagnation of `values` against `others` (the other schemes' validation curves at the same
+    evaluation steps, index-aligned from the first evaluation, each already cut where its own failure
+    starts; shorter curves end there), or None. `values` should be cut at its own failure too: what comes
+    after it is not judged."""
+    bad = next((k for k, v in enumerate(values) if not math.isfinite(v)), len(values))
+    v = smooth(values[:bad], rules.window)
+    refs = [smooth([u for u in o[:next((k for k, u in enumerate(o) if not math.isfinite(u)), len(o))]],
+                   rules.window) for o in others]
+    gaps, best = [], []
+    for k, x in enumerate(v):
+        alive = [(r[k], i) for i, r in enumerate(refs) if k < len(r)]
+        low = min(alive) if alive else None
+        best.append(low)
+        gaps.append(None if low is None else x - low[0])
+    hold = rules.stagnation_hold
+
+    def run_of(k: int, ok) -> bool:
+        window = gaps[k:k + hold]
+        return len(window) == hold and all(g is not None and ok(g) for g in window)
+
+    k = 0
+    while k < len(gaps):
+        if not run_of(k, lambda g: g > rules.stagnation_gap):
+            k += 1
+            continue
+        back = next((j for j in range(k + hold, len(gaps)) if run_of(j, lambda g: g <= rules.stagnation_recover)),
+                    None)
+        if back is None:
+            return Failure(max(0, k - rules.window // 2), "stagnation", best[k][1])
+        k = back + hold
+    return None
 
 
 def smooth(losses: list[float], window: int) -> list[float]:

@@ -1,11 +1,18 @@
 """max-lr (paper Table 1): the largest learning rate each scheme tolerates.
 
-The LR rises linearly from 0 to `optim.lr` over `run.steps` steps (the paper: 0 -> 5e-2 over 5,000 steps). Every
-`eval_every` steps the model is scored on one fixed set of batches from the "select" half of the validation
-split; keel.experiments.detect judges that curve (non-finite, collapse to the unigram level, unrecovered
-rise above the running best; rules fixed before running), and the run stops once a failure is confirmed.
-The max tolerable LR is the LR at the last evaluation before the failure; a run that never fails is
-reported as ">= peak". Schemes listed in `no_clip` are also run without gradient clipping ("<scheme>/noclip").
+The paper's protocol by default: the LR rises linearly from 0 to `optim.lr` = 5e-2 over `run.steps` = 5,000 steps,
+at 16 and 64 sub-layers, 3 seeds. Every `eval_every` steps the model is scored on one fixed set of batches
+from the "select" half of the validation split; keel.experiments.detect judges that curve (non-finite,
+collapse to the unigram level, unrecovered rise above the running best) while it runs, and the run stops
+once such a failure is confirmed, so most runs are short. Once every arm of a depth and seed has run, the
+verdict step adds the paper's third failure mode, stagnation / slow convergence against the best other
+scheme at the same step (detect.stagnation). The max tolerable LR is the LR at the last evaluation before the
+earliest failure; a run that never fails is reported as ">= peak". Schemes listed in `no_clip` are also run
+without gradient clipping ("<scheme>/noclip"; none by default, the paper clips); they are judged against the
+clipped arms but never serve as a reference.
+
+Keel / Pre-LN and Keel / Post-LN (Table 1: 1.32x and ~34x at 64 sub-layers) are judged by a paired two-sided
+t-test on the per-seed log max-LR ratios (experiments/stats.py; `ratio_verdict` for the censoring rules).
 
 Resolution: one step moves the LR by optim.lr / run.steps; the failure is located to within `eval_every` steps.
 The report states both against the smallest max LR measured (the issue asks for <= 1% per step).
@@ -18,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from keel.experiments import stats
 from keel.experiments.common import (
     ExperimentConfig,
     Sweep,
@@ -35,7 +43,7 @@ from keel.experiments.common import (
     unigram_loss,
     write_outputs,
 )
-from keel.experiments.detect import FailureRules, detect, smooth
+from keel.experiments.detect import FailureRules, detect, smooth, stagnation
 from keel.runtime import autocast_for
 from keel.train.config import OptimConfig, RunConfig
 
@@ -46,11 +54,11 @@ class MaxLRConfig(ExperimentConfig):
     clipped arms clip at `optim.grad_clip`. `run.eval_batches` fixed batches of the select half are scored
     every `eval_every` steps."""
 
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=8e-2))
-    run: RunConfig = field(default_factory=lambda: experiment_run(steps=1000, eval_batches=2))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-2))
+    run: RunConfig = field(default_factory=lambda: experiment_run(steps=5000, eval_batches=2))
     schemes: list[str] = field(default_factory=lambda: ["post_ln", "deepnorm", "pre_ln", "keel"])
-    no_clip: list[str] = field(default_factory=lambda: ["pre_ln", "keel"])  # also run these without clipping
-    depths: list[int] = field(default_factory=lambda: [16])  # sub-layers (paper: 64 and 512)
+    no_clip: list[str] = field(default_factory=list)  # also run these without clipping
+    depths: list[int] = field(default_factory=lambda: [16, 64])  # sub-layers (paper: 64 and 512)
     eval_every: int = 2
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     rules: FailureRules = field(default_factory=FailureRules)
@@ -63,7 +71,7 @@ class MaxLRConfig(ExperimentConfig):
     @classmethod
     def quick(cls) -> MaxLRConfig:
         return tiny_quick(cls, 40, schemes=["post_ln", "keel"], no_clip=["keel"], depths=[4], eval_every=2, seeds=[0],
-                          rules=FailureRules(confirm=4, stall=8))
+                          rules=FailureRules(confirm=4, stall=8, stagnation_hold=4))
 
     def arms(self) -> list[tuple[str, str, float]]:
         """(label, scheme, grad_clip) for every arm."""
@@ -100,29 +108,51 @@ def point(cfg: MaxLRConfig, scheme: str, clip: float, depth: int, seed: int) -> 
 NOISE_LIMIT = 0.05  # nats: the detector's tested range (tests/test_detect.py)
 
 
-def eval_noise(values: list[float], unigram: float, rules: FailureRules) -> float:
+def eval_noise(values: list[float], unigram: float, rules: FailureRules) -> float | None:
     """Robust SD (1.4826 x median absolute deviation) of the curve around its running median (window 9),
     from the first evaluation below the unigram level on: a rough size of the evaluation-to-evaluation
     noise the detector sees. Robust, so isolated spikes (events, not noise) do not count; the initial
-    descent, where a trailing median lags, is left out; slow correlated wander is underestimated."""
+    descent, where a trailing median lags, is left out; slow correlated wander is underestimated.
+    None (unknown, not 0) when fewer than 10 evaluations lie below the unigram level: a curve that never
+    learned, or failed right after learning, has no noise estimate, and its verdict is not "reliable"."""
     import statistics
 
     finite = [v for v in values if math.isfinite(v)]
     start = next((k for k, v in enumerate(finite) if v < unigram - rules.margin), len(finite))
     finite = finite[start:]
     if len(finite) < 10:
-        return 0.0
+        return None
     centre = smooth(finite, 9)
     residuals = [v - c for v, c in zip(finite[8:], centre[8:])]
     middle = statistics.median(residuals)
     return 1.4826 * statistics.median(abs(r - middle) for r in residuals)
 
 
-def verdict(r: dict, cfg: MaxLRConfig) -> dict:
+def healthy(r: dict, cfg: MaxLRConfig) -> list[float]:
+    """A point's validation curve up to where its own failure (detect's rules, not stagnation) starts."""
+    hit = detect(r["evals"]["loss"], r["unigram"], cfg.rules)
+    return r["evals"]["loss"][:hit.index if hit else None]
+
+
+def verdict(r: dict, cfg: MaxLRConfig, others: dict[str, dict] | None = None) -> dict:
+    """The failure and max LR of point `r`. `others`: {label: point} of the other schemes' clipped arms at the
+    same depth and seed (the stagnation rule's references; none: that rule is not applied)."""
     values = r["evals"]["loss"]
     hit = detect(values, r["unigram"], cfg.rules)
+    reference = None
+    if others:
+        labels, mine = list(others), healthy(r, cfg)
+        refs = [healthy(others[label], cfg) for label in labels]
+        for label, ref in zip(labels, refs):  # index-aligned curves: the same evaluation steps
+            n = min(len(mine), len(ref))
+            if others[label]["evals"]["step"][:n] != r["evals"]["step"][:n]:
+                raise ValueError(f"max-lr {label}: evaluated at other steps than the point it is compared with")
+        stuck = stagnation(mine, refs, cfg.rules)
+        if stuck is not None and (hit is None or stuck.index < hit.index):
+            hit, reference = stuck, labels[stuck.reference]
     noise = eval_noise(values[:hit.index] if hit else values, r["unigram"], cfg.rules)
-    out = {"noise_sd": noise, "reliable": noise <= NOISE_LIMIT}
+    out = {"noise_sd": noise, "reliable": noise is not None and noise <= NOISE_LIMIT,
+           "learned": min(values, default=math.inf) < r["unigram"] - cfg.rules.margin, "reference": reference}
     if hit is None:
         return out | {"max_lr": cfg.optim.lr, "rule": None, "failed": False, "at_step": None}
     lrs = r["evals"]["lr"]
@@ -130,11 +160,54 @@ def verdict(r: dict, cfg: MaxLRConfig) -> dict:
                   "at_step": r["evals"]["step"][hit.index]}
 
 
+PAPER_RATIOS = {"pre_ln": 1.32, "post_ln": 34.0}  # Table 1, Keel / X at 64 sub-layers
+
+
+def ratio_verdict(keel: list[dict], other: list[dict], paper: float) -> dict:
+    """The pre-registered Keel / X rule on per-seed verdicts (same seeds, in order): a paired two-sided t-test
+    of log(max LR) (stats.paired). A max LR is a lower bound when the run never failed (censored at the
+    peak) and an upper bound when the curve never learned; a verdict that such a bound could have produced
+    is not drawn: "agrees" needs Keel's values exact-or-lower-bounds and X's exact-or-upper-bounds,
+    "disagrees" the reverse. A curve noisier than NOISE_LIMIT makes the comparison inconclusive."""
+    def log(v):
+        return math.log(v["max_lr"]) if v["max_lr"] > 0 else None
+
+    test = stats.paired([log(v) for v in keel], [log(v) for v in other])
+    out = {"test": test, "ratio": math.exp(test["mean"]) if test["n"] else None,
+           "ratio_ci95": [math.exp(c) for c in test["ci95"]] if test["ci95"] else None, "paper": paper}
+    noisy = any(v["noise_sd"] is not None and v["noise_sd"] > NOISE_LIMIT for v in keel + other)
+    keel_low = any(not v["failed"] for v in keel)  # Keel's true max LR could be higher
+    keel_high = any(v["failed"] and not v["learned"] for v in keel)
+    other_low = any(not v["failed"] for v in other)
+    other_high = any(v["failed"] and not v["learned"] for v in other)
+    call = stats.verdict(test, "disagrees", "agrees")
+    if call != "inconclusive" and noisy:
+        call = "inconclusive (a curve noisier than the detector's tested range)"
+    elif call == "agrees" and (keel_high or other_low):
+        call = "inconclusive (a bound in the direction of the claim)"
+    elif call == "disagrees" and (keel_low or other_high):
+        call = "inconclusive (a bound in the direction of the claim)"
+    size = None
+    if out["ratio_ci95"] is not None:
+        lo, hi = out["ratio_ci95"]
+        size = "within the 95% CI" if lo <= paper <= hi else ("above the CI" if paper > hi else "below the CI")
+    return out | {"verdict": call, "paper_ratio_vs_ci": size}
+
+
 def run(cfg: MaxLRConfig, out: Path, command: str) -> dict:
     points = {f"{label.replace('/', '-')}-{d}-seed{seed}": (lambda s=s, c=c, d=d, seed=seed: point(cfg, s, c, d, seed))
               for d in cfg.depths for seed in cfg.seeds for label, s, c in cfg.arms()}
     results = Sweep(out, cfg).run(points, "max-lr")
-    verdicts = {k: verdict(r, cfg) for k, r in results.items()}
+
+    def key(label, d, seed):
+        return f"{label.replace('/', '-')}-{d}-seed{seed}"
+
+    verdicts = {}  # judged once every arm of a depth and seed has run: stagnation compares across schemes
+    for d in cfg.depths:
+        for seed in cfg.seeds:
+            for label, scheme, _ in cfg.arms():
+                others = {s: results[key(s, d, seed)] for s in cfg.schemes if s != scheme}
+                verdicts[key(label, d, seed)] = verdict(results[key(label, d, seed)], cfg, others)
     rows, table = [], {}
     for d in cfg.depths:
         pre = mean_sd([verdicts[f"pre_ln-{d}-seed{s}"]["max_lr"] for s in cfg.seeds])[0] \
@@ -145,12 +218,30 @@ def run(cfg: MaxLRConfig, out: Path, command: str) -> dict:
             m, sd = mean_sd(lrs)
             failed = sum(v["failed"] for v in vs)
             rules = ", ".join(sorted({v["rule"] for v in vs if v["rule"]})) or "-"
-            noise = max(v["noise_sd"] for v in vs)
+            known = [v["noise_sd"] for v in vs if v["noise_sd"] is not None]
+            noise = max(known, default=None)
+            unknown = len(vs) - len(known)
             table[f"{label}-{d}"] = {"mean": m, "sd": sd, "per_seed": lrs, "failed_seeds": failed, "rules": rules,
-                                     "max_noise_sd": noise}
-            rows.append([label, d, f"{m:.4g} ± {sd:.2g}", " / ".join(f"{v:.4g}" for v in lrs),
-                         f"{failed}/{len(vs)}", rules, f"{m / pre:.2f}" if pre else "-",
-                         f"{noise:.3f}" + ("" if noise <= NOISE_LIMIT else " (unreliable)")])
+                                     "max_noise_sd": noise, "seeds_without_noise_estimate": unknown,
+                                     "unreliable_seeds": sum(not v["reliable"] for v in vs)}
+            cell = "-" if noise is None else f"{noise:.3f}" + ("" if noise <= NOISE_LIMIT else " (unreliable)")
+            if unknown:
+                cell += f"; {unknown} seed(s) never learned: unreliable"
+            rows.append([label, d, f"{m:.4g} ± {sd:.2g}", " / ".join(
+                f"{v['max_lr']:.4g}" if v["failed"] else f">= {v['max_lr']:.4g}" for v in vs),
+                f"{failed}/{len(vs)}", rules, f"{m / pre:.2f}" if pre else "-", cell])
+    ratios, ratio_rows = {}, []
+    for d in cfg.depths:
+        for x, paper in PAPER_RATIOS.items():
+            if "keel" in cfg.schemes and x in cfg.schemes:
+                r = ratio_verdict([verdicts[key("keel", d, s)] for s in cfg.seeds],
+                                  [verdicts[key(x, d, s)] for s in cfg.seeds], paper)
+                ratios[f"keel/{x}-{d}"] = r
+                ci = "-" if r["ratio_ci95"] is None else f"[{r['ratio_ci95'][0]:.3g}, {r['ratio_ci95'][1]:.3g}]"
+                p = r["test"]["p"]
+                ratio_rows.append([f"keel / {x}", d, "-" if r["ratio"] is None else f"{r['ratio']:.3g}", ci,
+                                   "n/a" if p is None else f"{p:.2g}", r["test"]["n"], f"{paper:g}",
+                                   r["paper_ratio_vs_ci"] or "-", r["verdict"]])
     smallest = min((v["max_lr"] for v in verdicts.values() if v["failed"] and v["max_lr"] > 0), default=None)
     per_step = cfg.optim.lr / cfg.run.steps
     resolution = {"lr_per_step": per_step, "lr_per_eval": per_step * cfg.eval_every, "smallest_max_lr": smallest,
@@ -162,13 +253,20 @@ def run(cfg: MaxLRConfig, out: Path, command: str) -> dict:
              f"the LR by {per_step:.3g}"
              + (f" = {100 * per_step / smallest:.2f}% of the smallest max LR measured ({smallest:.3g})"
                 if smallest else "") + f"; failures are located to {cfg.eval_every} steps "
-             f"({per_step * cfg.eval_every:.3g} in LR). Rules ({cfg.rules}): see keel/experiments/detect.py. "
+             f"({per_step * cfg.eval_every:.3g} in LR). Rules ({cfg.rules}): see keel/experiments/detect.py; "
+             "stagnation is judged against the best other scheme (clipped arms) at the same step and seed. "
              "max LR = LR at the last evaluation before the failure; '>= peak' runs count as the peak in the mean. "
-             f"Eval noise SD above {NOISE_LIMIT} nats is outside the detector's tested range (marked unreliable).")
+             f"Eval noise SD above {NOISE_LIMIT} nats is outside the detector's tested range (marked unreliable); a "
+             "curve with fewer than 10 evaluations below the unigram level has no noise estimate (also unreliable). "
+             "Ratios: paired two-sided t-test on per-seed log(max LR) (experiments/stats.py), p < 0.05; a verdict a "
+             "censored ('>=') or never-learned bound could have produced is not drawn (maxlr.ratio_verdict).")
+    text = markdown_table(["arm", "sub-layers", "max LR (mean ± SD)", "per seed", "failed", "rules",
+                           "vs pre_ln", "eval noise SD (max)"], rows)
+    if ratio_rows:
+        text += "\n\n" + markdown_table(["ratio", "sub-layers", "geometric mean", "95% CI", "p (paired t, log)",
+                                          "seeds", "paper", "paper's ratio", "verdict"], ratio_rows)
     write_outputs(out, "max-lr", cfg, command, {"points": results, "verdicts": verdicts, "table": table,
-                                                "resolution": resolution},
-                  markdown_table(["arm", "sub-layers", "max LR (mean ± SD)", "per seed", "failed", "rules",
-                                  "vs pre_ln", "eval noise SD (max)"], rows), plots, notes)
+                                                "ratios": ratios, "resolution": resolution}, text, plots, notes)
     return table
 
 
