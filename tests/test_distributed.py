@@ -207,3 +207,40 @@ def test_torchrun_trains_resumes_and_matches_one_process(tmp_path, corpus, torch
     assert main(["train", f"resume={typed}", "run.batch_size=4", "run.progress=false"]) == 0
     assert losses(typed) == pytest.approx(straight, rel=1e-5)
     assert main(["train", f"resume={typed}", "run.batch_size=3", "run.steps=9"]) == 2  # another global batch
+
+
+def test_validation_is_the_global_batchs_in_one_process_under_fsdp_and_under_stages_by_replicas(tmp_path, corpus,
+                                                                                                torchrun):
+    """run.eval_batches x the global batch: the same windows, split over the ranks however the run is laid out.
+    A run of 2 ranks x 2 sequences logs the validation loss of one process of 4; `keel eval` gives that loss on its
+    checkpoint in one process, on 2 ranks (FSDP2) and on 2 stages x 2 replicas."""
+    from keel.train.evaluate import evaluate_run
+
+    settings = [*common(tmp_path, corpus), "run.steps=2", "run.ckpt_every=2", "run.eval_every=2", "run.eval_batches=3"]
+    torchrun("keel.cli", "train", "--preset", "tiny", *settings, "run.name=ranks", timeout=TIMEOUT)
+    config = load_config([*settings, "run.batch_size=4", "run.name=single"], preset="tiny")
+    Trainer(config, tmp_path / "runs" / "single").run()
+    logged = [json.loads(line) for line in (tmp_path / "runs" / "ranks" / "metrics.jsonl").read_text().splitlines()]
+    val = next(r for r in logged if "val_loss" in r)
+    single = json.loads((tmp_path / "runs" / "single" / "summary.json").read_text())["final_val_loss"]
+    assert val["val_loss"] == pytest.approx(single, rel=1e-5)
+
+    run_dir = tmp_path / "runs" / "ranks"
+    one = evaluate_run(run_dir)
+    assert one["val_tokens"] == val["val_tokens"] == 3 * 4 * config.run.seq_len
+    assert one["val_loss"] == pytest.approx(val["val_loss"], rel=1e-5)
+
+    def under_torchrun(nproc: int) -> dict:
+        torchrun("keel.cli", "eval", str(run_dir), "--json", nproc=nproc, timeout=TIMEOUT)
+        return json.loads((run_dir / "eval-step_00000002-val.json").read_text())
+
+    fsdp = under_torchrun(2)
+    saved = (run_dir / "config.yaml").read_text()
+    assert "  pp: 1\n" in saved and "  pp_microbatches: 4\n" in saved
+    (run_dir / "config.yaml").write_text(saved.replace("  pp: 1\n", "  pp: 2\n").replace(
+        "  pp_microbatches: 4\n", "  pp_microbatches: 2\n"))
+    stages_by_replicas = under_torchrun(4)  # 2 stages x 2 replicas, 6 windows each
+    for got in (fsdp, stages_by_replicas):
+        assert got["val_tokens"] == one["val_tokens"]
+        assert got["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
+        assert got["val_bits_per_byte"] == pytest.approx(one["val_bits_per_byte"], rel=1e-5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,22 +30,24 @@ def evaluate(model, tokens, seq_len: int, batch_size: int, max_batches: int, dev
              replicas: int = 1) -> dict:
     """Mean next-token loss over evenly spaced windows of `tokens` (the same windows every call).
 
-    The windows are `batch_size x max_batches` (keel.data.eval_batches) however many processes there are, so
-    one process, FSDP2 and a pipeline's replicas report the same loss: under torchrun (`world`) data-parallel
-    replica `replica` of `replicas` evaluates every `replicas`-th of them, and the sums are added over all
-    ranks. Every rank gets the result. Each rank runs as many forward passes as every other (a rank short of
-    windows runs one it does not count), since FSDP2 and the pipeline's stages gather and send in each."""
-    windows = list(eval_batches(tokens, seq_len, batch_size, max_batches))
+    The windows are `batch_size x max_batches` (keel.data.eval_batches), `batch_size` the global batch (all
+    replicas' sequences), so one process and a run of the same global batch under torchrun report the same
+    loss: data-parallel replica `replica` of `replicas` (`world`: the process group) evaluates every
+    `replicas`-th window, its share of a batch at a time, and the sums are added over all ranks. Every rank
+    gets the result. Each rank runs as many forward passes as every other (a rank short of windows runs one
+    it does not count), since FSDP2 and the pipeline's stages gather and send in each."""
+    windows = list(eval_batches(tokens, seq_len, batch_size * max_batches, 1))
     if not windows:
         raise DataError("validation split is too short for one window of run.seq_len tokens")
-    xs, ys = torch.cat([x for x, _ in windows]), torch.cat([y for _, y in windows])  # (windows, T) each
+    xs, ys = windows[0]  # (windows, T) each
     mine = torch.arange(replica, len(xs), replicas)
-    n_batches = math.ceil(math.ceil(len(xs) / replicas) / batch_size)
+    share = math.ceil(batch_size / replicas)  # sequences per forward pass
+    n_batches = math.ceil(math.ceil(len(xs) / replicas) / share)
     was_training = model.training
     model.eval()
     nll, n_tokens, n_bytes = 0.0, 0, 0
     for i in range(n_batches):
-        rows = mine[i * batch_size:(i + 1) * batch_size]
+        rows = mine[i * share:(i + 1) * share]
         counted = len(rows) > 0
         if not counted:
             rows = torch.zeros(1, dtype=torch.long)
@@ -72,18 +75,43 @@ def evaluate(model, tokens, seq_len: int, batch_size: int, max_batches: int, dev
 
 def evaluate_run(run_dir, checkpoint: str | None = None, split: str = "val", batches: int = 0,
                  device: str = "auto") -> dict:
-    """`keel eval`: a run's checkpoint on its own data split, with the run's sequence length and dtype."""
+    """`keel eval`: a run's checkpoint on its own data split, with the run's sequence length and dtype.
+
+    Under torchrun the model is built as the run trained (FSDP2, or run.pp stages by replicas) and the same
+    windows as in one process are split over the ranks, so the loss is one process's; every rank returns it."""
     from keel.data import prepare
+    from keel.model import TransformerLM
     from keel.runtime import autocast_for, resolve_device
+    from keel.scale import distributed
+    from keel.train import checkpoint as checkpoints
     from keel.train.run_dir import RunDir
+    from keel.train.step import build_model
 
     run = RunDir.open(run_dir)
-    config, model, tokenizer, path = run.load_model(checkpoint)
     dev = resolve_device(device)
-    data = prepare(config.data)
-    tokens = data.val if split == "val" else data.train
-    torch.manual_seed(0)
-    result = evaluate(model.to(dev), tokens, config.run.seq_len, config.run.batch_size,
-                      batches or config.run.eval_batches, dev, autocast_for(dev, config.run.dtype),
-                      bytes_per_token(tokenizer))
+    world = distributed.init(dev.type)
+    try:
+        if dev.type == "cuda" and world.distributed:
+            dev = torch.device("cuda", world.local_rank)
+        config, tokenizer = run.config(), run.tokenizer()
+        model = TransformerLM(config.model)
+        path = Path(checkpoint) if checkpoint else run.latest_checkpoint()
+        _, meta = checkpoints.load(path, model)
+        global_batch = meta.get("global_batch", config.run.batch_size)  # of the processes that trained it
+        data = prepare(config.data)
+        tokens = data.val if split == "val" else data.train
+        replica, replicas, autocast = 0, 1, autocast_for(dev, config.run.dtype)
+        model = model.to(dev)
+        if world.distributed:
+            pp = config.run.pp > 1
+            model = build_model(config.model, config.run, dev, fsdp=not pp, model=model)
+            replica, replicas = (model.dp_rank, model.dp_size) if pp else (world.rank, world.size)
+            if not pp:  # FSDP2's mixed-precision policy gives bf16 weights instead of autocast
+                autocast = contextlib.nullcontext
+        torch.manual_seed(0)
+        result = evaluate(model, tokens, config.run.seq_len, global_batch,
+                          batches or config.run.eval_batches, dev, autocast, bytes_per_token(tokenizer), world,
+                          replica, replicas)
+    finally:
+        distributed.close(world)
     return {"checkpoint": str(path), "split": split, **result}

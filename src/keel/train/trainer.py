@@ -399,7 +399,7 @@ class Trainer:
 
     def evaluate(self) -> dict:
         c = self.config
-        return evaluate(self.model, self.data.val, c.run.seq_len, c.run.batch_size, c.run.eval_batches,
+        return evaluate(self.model, self.data.val, c.run.seq_len, self.global_batch, c.run.eval_batches,
                         self.device, self.autocast, self.token_bytes, self.world, self.replica, self.replicas)
 
     def handle_divergence(self, reason: str, loss: float, grad_norm: float, lr: float, first_draw: int) -> None:
