@@ -1,1 +1,1 @@
-"""Scale: processes (torch.distributed), FSDP2 / activation checkpointing / compile, and the memory model."""
+"""Scale: processes (torch.distributed), the one builder (junction, AC, compile, pipeline, FSDP2), memory."""
