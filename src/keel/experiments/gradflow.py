@@ -1,14 +1,25 @@
 """gradflow: the quantities of the paper's gradient argument (section 3, Eq. 15/19), measured directly.
 
 Through a shortcut followed by a norm, y = LN(alpha * x + F), the gradient reaching x along the shortcut
-is scaled by about gamma * rms(alpha x) / rms(alpha x + F): 1/sqrt(2) for Post-LN when |F| = |x| (so
-(1/2)^(L/2) over L sub-layers, Eq. 15), and alpha / sqrt(alpha^2 + 1) for Keel (Eq. 19), which tends to 1.
-Per sub-layer i, on one fixed batch, measured here:
-  - factor[i] = rms(alpha x_i) / rms(alpha x_i + F_i), for sub-layers with a norm_out (None otherwise;
-    Pre-LN's shortcut is the identity, factor 1 by construction);
+is scaled by about gamma_l * alpha / rms(alpha x + F): with rms(x) = gamma_(l-1) and |F| = |x| that is
+gamma_l / (sqrt(2) gamma_(l-1)) for Post-LN (so (1/2)^(L/2) over L sub-layers, Eq. 15), and
+alpha / sqrt(alpha^2 + 1) for Keel (Eq. 19), which tends to 1.
+
+Which quantity the equations predict: the *shortcut factor*, the vector-Jacobian product of the stream's
+gradient through alpha*x -> norm_out alone, with the branch F held fixed. They do not predict the full
+stream factor |dL/dx_l| / |dL/dx_(l+1)|, which adds the gradient through F(norm_in(x)); that one is what
+decides whether the bottom of the stack receives gradient. Per sub-layer i (x_i = the stream entering it,
+g_i = dL/dx_i), on one fixed batch, measured here (`measure`):
+  - factor[i] = rms(alpha x_i) / rms(alpha x_i + F_i), the forward ratio, for sub-layers with a norm_out
+    (None otherwise; Pre-LN's shortcut is the identity). With gamma = 1 it is the shortcut factor's size
+    estimate, not a gradient;
+  - shortcut[i] = |g_(i+1) J_i| / |g_(i+1)|, J_i = d norm_out(alpha x_i + F_i) / dx_i with F_i fixed, by
+    autograd on the sub-layer's own Residual with its branch output replayed as a constant;
+  - jacobian[i] = |g_i| / |g_(i+1)|, from backward hooks (retained gradients) along the stream;
+  - predicted[i] = alpha / sqrt(alpha^2 + 1) behind a norm_out (1 without one): Eq. 15/19 at |F| = |x|, gamma = 1;
   - f_over_x[i] = rms(F_i) / rms(x_i), the size ratio the equations assume to be 1;
-  - grad_stream[i] = |dL/dx_i|, the gradient reaching sub-layer i's input on the residual stream;
-  - grad_params[i]: the gradient norm of sub-layer i's parameters.
+  - grad_stream[i] = |g_i|, grad_out[i] = |g_(i+1)|, grad_params[i] (sub-layer i's parameters), rms[i]
+    (the stream leaving sub-layer i).
 at initialisation (several seeds) under two inits: `default` (N(0, 0.02^2), the paper's) and `matched`
 (std = 1/sqrt(d_model), which makes |F| ~ |x|, the regime the equations assume), and after `steps`
 training steps from the default init. Tiny width, so depths up to 256 sub-layers are cheap.
@@ -16,6 +27,7 @@ training steps from the default init. Tiny width, so depths up to 256 sub-layers
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,6 +36,7 @@ from typing import ClassVar
 import torch
 
 from keel.data import eval_batches
+from keel.errors import ConfigError
 from keel.experiments.common import (
     ExperimentConfig,
     Sweep,
@@ -71,27 +84,40 @@ class GradflowConfig(ExperimentConfig):
 
 
 def measure(model: TransformerLM, x: torch.Tensor, y: torch.Tensor) -> dict:
-    """One forward/backward on (x, y): per-sub-layer stream gradient, parameter gradient, stream RMS, and
-    the shortcut quantities of Eq. 15/19."""
+    """One forward/backward on (x, y): per sub-layer i (x_i = the stream entering it, g_i = dL/dx_i), the
+    stream gradient |g_i| and |g_(i+1)|, the parameter gradient, the stream RMS, the forward ratio of
+    Eq. 15/19 (`factor`), and the two backward factors: `jacobian` = |g_i| / |g_(i+1)| (shortcut and branch)
+    and `shortcut` = |g_(i+1) d(x_(i+1))/d(x_i)| / |g_(i+1)| with F held fixed (the paper's factor);
+    `predicted` = Eq. 15/19 at |F| = |x|, gamma = 1."""
     apply_fused_junction(model, "off")  # the hooks below read one sub-layer at a time, not fused pairs
     subs = model.sublayers()
-    inputs, outputs, hooks = {}, {}, []
-    for s in subs:
-        module = model.get_submodule(s.path)
+    # in call order, so that a looped model's shared modules give one entry per unrolled sub-layer
+    inputs, outputs, branches, hooks = [], [], [], []
 
-        def pre(m, args, i=s.index):
-            args[0].retain_grad()
-            inputs[i] = args[0]
+    def pre(m, args):
+        args[0].retain_grad()
+        inputs.append(args[0])
 
-        def post(m, args, out, i=s.index):
-            outputs[i] = out.detach()
+    def post(m, args, out):
+        out.retain_grad()
+        outputs.append(out)
+
+    def branch_out(m, args, out):
+        branches.append(out.detach())
+    for path in dict.fromkeys(s.path for s in subs):
+        module = model.get_submodule(path)
         hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    for block in model.blocks:
+        hooks += [block.attn.register_forward_hook(branch_out), block.ffn.register_forward_hook(branch_out)]
     model.zero_grad(set_to_none=True)
     device = next(model.parameters()).device
-    _, loss = model(x.to(device), y.to(device))
-    loss.backward()
-    for h in hooks:
-        h.remove()
+    try:
+        _, loss = model(x.to(device), y.to(device))
+        loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(inputs) == len(outputs) == len(branches) == len(subs), "one call per sub-layer expected"
     grad_params = []
     for s in subs:
         block = model.blocks[s.block]
@@ -99,6 +125,10 @@ def measure(model: TransformerLM, x: torch.Tensor, y: torch.Tensor) -> dict:
         sq = sum(p.grad.pow(2).sum().item() for part in parts for p in part.parameters() if p.grad is not None)
         grad_params.append(math.sqrt(sq))
     model.zero_grad(set_to_none=True)
+    grad_in = [t.grad.norm().item() for t in inputs]
+    grad_out = [t.grad.norm().item() for t in outputs]
+    shortcut = [_shortcut_factor(model.get_submodule(s.path), xi.detach(), h, out.grad)
+                for s, xi, h, out in zip(subs, inputs, branches, outputs)]
     sizes = residual_sizes(model, x)
     factor, f_over_x = [], []
     for s, f, ax, total in zip(subs, sizes["rms_f"], sizes["rms_ax"], sizes["rms_sum"]):
@@ -106,12 +136,34 @@ def measure(model: TransformerLM, x: torch.Tensor, y: torch.Tensor) -> dict:
         f_over_x.append(f * s.alpha / ax if ax > 0 else float("inf"))
     return {
         "loss": loss.item(),
-        "grad_stream": [inputs[s.index].grad.norm().item() for s in subs],
+        "grad_stream": grad_in,
+        "grad_out": grad_out,
         "grad_params": grad_params,
-        "rms": [outputs[s.index].pow(2).mean().sqrt().item() for s in subs],
+        "rms": [t.detach().pow(2).mean().sqrt().item() for t in outputs],
         "factor": factor,
         "f_over_x": f_over_x,
+        "jacobian": [gi / go if go > 0 else float("inf") for gi, go in zip(grad_in, grad_out)],
+        "shortcut": shortcut,
+        "predicted": [predicted_factor(s) for s in subs],
     }
+
+
+def predicted_factor(s) -> float:
+    """Eq. 15/19's per-sub-layer shortcut factor with |F| = |x| and every gamma = 1: alpha / sqrt(alpha^2 + 1)
+    behind a norm_out (1/sqrt(2) for Post-LN, L/sqrt(L^2 + 1) for Keel), alpha (= 1) without one (Pre-LN)."""
+    return s.alpha / math.sqrt(s.alpha**2 + 1) if s.norm_out else s.alpha
+
+
+def _shortcut_factor(res, x: torch.Tensor, h: torch.Tensor, g: torch.Tensor) -> float:
+    """|g J| / |g| for J = d norm_out(alpha x + h) / dx with the branch output h held fixed: the gradient
+    through the shortcut alone (the sub-layer's own Residual, its branch replaced by the recorded h).
+    Dropout, where a model has it, is not replayed (the experiments use none)."""
+    with torch.enable_grad():
+        x = x.clone().requires_grad_(True)
+        y = res(x, lambda u, *args: h)
+        (gx,) = torch.autograd.grad(y, x, g)
+    norm = g.norm().item()
+    return gx.norm().item() / norm if norm > 0 else float("inf")
 
 
 def point(cfg: GradflowConfig, scheme: str, depth: int, init: str, seed: int, train: bool) -> dict:
@@ -131,12 +183,22 @@ def point(cfg: GradflowConfig, scheme: str, depth: int, init: str, seed: int, tr
 
 
 def summary(m: dict, n: int) -> dict:
-    """Sub-layer 2 ("bottom", past Keel's special first pair and the embedding-scale input) against L-1."""
-    factors = [f for f in m["factor"][2:] if f is not None]
-    return {"grad_bottom_over_top": m["grad_stream"][2] / m["grad_stream"][n - 1],
-            "product_of_factors": math.prod(factors) if factors else None,
-            "mean_factor": sum(factors) / len(factors) if factors else None,
-            "median_f_over_x": sorted(m["f_over_x"][2:])[(n - 2) // 2]}
+    """Sub-layers 2..L-1 (past Keel's special first pair and the embedding-scale input): means and products of
+    the three factors, each factor's geometric-mean ratio to Eq. 15/19's, and |g_2| / |g_(L-1)|."""
+    keep = range(2, n)
+    factors = [m["factor"][i] for i in keep if m["factor"][i] is not None]
+    out = {"grad_bottom_over_top": m["grad_stream"][2] / m["grad_stream"][n - 1],
+           "product_of_factors": math.prod(factors) if factors else None,
+           "mean_factor": sum(factors) / len(factors) if factors else None,
+           "median_f_over_x": sorted(m["f_over_x"][2:])[(n - 2) // 2]}
+    for key in ("shortcut", "jacobian", "predicted"):
+        vals = [m[key][i] for i in keep]
+        out[f"mean_{key}"] = sum(vals) / len(vals)
+        out[f"product_{key}"] = math.prod(vals)
+    for key in ("factor", "shortcut", "jacobian"):
+        logs = [math.log(m[key][i] / m["predicted"][i]) for i in keep if m[key][i] is not None]
+        out[f"{key}_over_predicted"] = math.exp(sum(logs) / len(logs)) if logs else None
+    return out
 
 
 def run(cfg: GradflowConfig, out: Path, command: str) -> dict:
@@ -144,6 +206,7 @@ def run(cfg: GradflowConfig, out: Path, command: str) -> dict:
     points = {f"{s}-{d}-{init}-seed{seed}": (lambda s=s, d=d, init=init, seed=seed: point(
         cfg, s, d, init, seed, init == "default" and seed in cfg.trained_seeds))
         for d in cfg.depths for s in cfg.schemes for init in INITS for seed in cfg.seeds}
+    _refuse_points_without_backward_factors(out, points)
     results = Sweep(out, cfg).run(points, "gradflow")
     rows, table = [], {}
     for d in cfg.depths:
@@ -156,23 +219,50 @@ def run(cfg: GradflowConfig, out: Path, command: str) -> dict:
                 table[f"{s}-{d}-{init}-{stage}"] = sums
                 label = "init" if stage == "at_init" else f"after {cfg.run.steps} steps"
                 rows.append([s, d, f"{init} {label}", pm([x["median_f_over_x"] for x in sums], 3),
+                             f"{sums[0]['mean_predicted']:.4f}",
                              pm([x["mean_factor"] for x in sums], 4) if sums[0]["mean_factor"] else "- (1)",
-                             _g(sums, "product_of_factors"), _g(sums, "grad_bottom_over_top")])
-    header = ["scheme", "sub-layers", "state", "median rms(F)/rms(x)", "mean shortcut factor",
-              "product of factors 2..L-1 (geo. mean over seeds)", "|dL/dx_2| / |dL/dx_(L-1)| (geo. mean)"]
+                             pm([x["mean_shortcut"] for x in sums], 4), pm([x["mean_jacobian"] for x in sums], 4),
+                             f"{sums[0]['product_predicted']:.3g}", _g(sums, "product_of_factors"),
+                             _g(sums, "product_shortcut"), _g(sums, "product_jacobian")])
+    header = ["scheme", "sub-layers", "state", "median rms(F)/rms(x)", "Eq. 15/19 factor (rms F = rms x, gamma=1)",
+              "forward ratio rms(alpha x)/rms(alpha x+F), mean", "shortcut factor (backward, F fixed), mean",
+              "Jacobian factor abs(g_i)/abs(g_i+1), mean", "Eq. 15/19 product 2..L-1",
+              "forward ratio product (geo. mean over seeds)", "shortcut factor product (geo. mean)",
+              "Jacobian factor product = abs(g_2)/abs(g_L) (geo. mean)"]
     plots = [_plot(cfg, results, quantity, init, stage, out)
              for quantity, init, stage in (("grad_stream", "default", "at_init"), ("grad_stream", "matched", "at_init"),
                                            ("grad_stream", "default", "trained"), ("factor", "matched", "at_init"),
-                                           ("factor", "default", "trained"))]
-    notes = ("Shortcut factor = rms(alpha x)/rms(alpha x + F) per sub-layer with a norm_out; the paper's "
-             "prediction with |F| = |x|: 1/sqrt(2) = 0.707 for Post-LN, L^0.25/sqrt(L^0.5+1) for DeepNorm, "
-             "L/sqrt(L^2+1) for Keel. Bottom = sub-layer 2, top = L-1. 'default' init: N(0, 0.02^2); "
+                                           ("factor", "default", "trained"), ("shortcut", "matched", "at_init"),
+                                           ("shortcut", "default", "trained"), ("jacobian", "matched", "at_init"),
+                                           ("jacobian", "default", "trained"))]
+    notes = ("Three per-sub-layer factors, x_i the stream entering sub-layer i and g_i = dL/dx_i (backward hooks "
+             "on one batch): the forward ratio rms(alpha x)/rms(alpha x + F) (sub-layers with a norm_out); the "
+             "shortcut factor |g_(i+1) J_i| / |g_(i+1)|, J_i = d norm_out(alpha x_i + F)/dx_i with F held fixed "
+             "(the gradient through the shortcut alone); and the Jacobian factor |g_i| / |g_(i+1)|, shortcut and "
+             "branch together. Eq. 15/19 predict the shortcut factor: gamma_l/(sqrt(2) gamma_(l-1)) for Post-LN "
+             "and alpha/sqrt(alpha^2+1) for Keel (L/sqrt(L^2+1); DeepNorm L^0.25/sqrt(L^0.5+1); Pre-LN 1), "
+             "assuming |F| = |x| and gamma = 1, so they apply to the 'matched' init, not to the default one, where "
+             "|F| << |x|. They say nothing about the branch's share of g_i, which the Jacobian factor includes: a "
+             "Jacobian factor above 1 means the gradient grows towards the bottom. Means and products over "
+             "sub-layers 2..L-1 (past Keel's special first pair and the embedding-scale input); the product of "
+             "Jacobian factors is |g_2|/|g_L|. results.json also has each factor's geometric-mean ratio to the "
+             "prediction (`*_over_predicted`). 'default' init: N(0, 0.02^2); "
              f"'matched': std 1/sqrt(d) = {1 / math.sqrt(cfg.model.d_model):.3f}. d={cfg.model.d_model}, one batch of "
              f"{cfg.run.batch_size}x{cfg.run.seq_len} tokens from the report half; seeds at init {cfg.seeds}, "
              f"trained {cfg.trained_seeds} ({cfg.run.steps} steps at LR {cfg.optim.lr:g}).")
     write_outputs(out, "gradflow", cfg, command, {"points": results, "summary": table},
                   markdown_table(header, rows), plots, notes)
     return table
+
+
+def _refuse_points_without_backward_factors(out: Path, points: dict) -> None:
+    """Points measured before `measure` had the backward factors would be reused by the sweep and leave
+    the new columns empty; refuse them rather than report a mix."""
+    for key in points:
+        path = out / "points" / f"{key}.json"
+        if path.exists() and "shortcut" not in json.loads(path.read_text())["at_init"]:
+            raise ConfigError(f"{out}: {path.name} was measured before gradflow had its backward factors; "
+                              "use another --out or delete that directory's points/ to measure again")
 
 
 def _g(sums: list[dict], key: str) -> str:
@@ -195,13 +285,15 @@ def _plot(cfg, results, quantity, init, stage, out) -> str:
                 vals = [v if v is not None else float("nan") for v in m[quantity]]
                 ax.plot(range(d), vals, color=f"C{i}", lw=0.9, alpha=0.8, ls=STYLES[i % len(STYLES)],
                         label=s if j == 0 else None)
-        if quantity == "factor":
-            ax.axhline(1 / math.sqrt(2), color="grey", ls=":", lw=0.8, label="1/sqrt(2)")
+        if quantity in ("factor", "shortcut"):
+            ax.axhline(1 / math.sqrt(2), color="grey", ls=":", lw=0.8, label="1/sqrt(2) (Eq. 15)")
         ax.set_yscale("log")
         ax.set_title(f"{d} sub-layers", fontsize=9)
         ax.set_xlabel("sub-layer index (0 = bottom)")
     axes[0][0].set_ylabel({"grad_stream": "|dL/dx| entering the sub-layer",
-                           "factor": "rms(alpha x) / rms(alpha x + F)"}[quantity])
+                           "factor": "rms(alpha x) / rms(alpha x + F)",
+                           "shortcut": "|g J_shortcut| / |g|, F fixed",
+                           "jacobian": "|dL/dx_i| / |dL/dx_(i+1)|"}[quantity])
     axes[0][-1].legend(fontsize=8)
     state = "at init" if stage == "at_init" else f"after {cfg.run.steps} steps"
     fig.suptitle(f"{quantity}, {init} init, {state} (one line per seed)", fontsize=10)
