@@ -160,6 +160,22 @@ def verdict(r: dict, cfg: MaxLRConfig, others: dict[str, dict] | None = None) ->
                   "at_step": r["evals"]["step"][hit.index]}
 
 
+def key(label: str, depth: int, seed: int) -> str:
+    return f"{label.replace('/', '-')}-{depth}-seed{seed}"
+
+
+def judge(results: dict[str, dict], cfg: MaxLRConfig) -> dict[str, dict]:
+    """Every point's verdict, once every arm of its depth and seed has run (stagnation compares across
+    schemes): each arm against the clipped arms of the *other* schemes, never against an arm of its own."""
+    verdicts = {}
+    for d in cfg.depths:
+        for seed in cfg.seeds:
+            for label, scheme, _ in cfg.arms():
+                others = {s: results[key(s, d, seed)] for s in cfg.schemes if s != scheme}
+                verdicts[key(label, d, seed)] = verdict(results[key(label, d, seed)], cfg, others)
+    return verdicts
+
+
 PAPER_RATIOS = {"pre_ln": 1.32, "post_ln": 34.0}  # Table 1, Keel / X at 64 sub-layers
 
 
@@ -195,25 +211,16 @@ def ratio_verdict(keel: list[dict], other: list[dict], paper: float) -> dict:
 
 
 def run(cfg: MaxLRConfig, out: Path, command: str) -> dict:
-    points = {f"{label.replace('/', '-')}-{d}-seed{seed}": (lambda s=s, c=c, d=d, seed=seed: point(cfg, s, c, d, seed))
+    points = {key(label, d, seed): (lambda s=s, c=c, d=d, seed=seed: point(cfg, s, c, d, seed))
               for d in cfg.depths for seed in cfg.seeds for label, s, c in cfg.arms()}
     results = Sweep(out, cfg).run(points, "max-lr")
-
-    def key(label, d, seed):
-        return f"{label.replace('/', '-')}-{d}-seed{seed}"
-
-    verdicts = {}  # judged once every arm of a depth and seed has run: stagnation compares across schemes
-    for d in cfg.depths:
-        for seed in cfg.seeds:
-            for label, scheme, _ in cfg.arms():
-                others = {s: results[key(s, d, seed)] for s in cfg.schemes if s != scheme}
-                verdicts[key(label, d, seed)] = verdict(results[key(label, d, seed)], cfg, others)
+    verdicts = judge(results, cfg)
     rows, table = [], {}
     for d in cfg.depths:
         pre = mean_sd([verdicts[f"pre_ln-{d}-seed{s}"]["max_lr"] for s in cfg.seeds])[0] \
             if "pre_ln" in cfg.schemes else None
         for label, _, _ in cfg.arms():
-            vs = [verdicts[f"{label.replace('/', '-')}-{d}-seed{s}"] for s in cfg.seeds]
+            vs = [verdicts[key(label, d, s)] for s in cfg.seeds]
             lrs = [v["max_lr"] for v in vs]
             m, sd = mean_sd(lrs)
             failed = sum(v["failed"] for v in vs)
@@ -277,8 +284,7 @@ def _plot(cfg: MaxLRConfig, results: dict, verdicts: dict, depth: int, out: Path
     unigram = next(iter(results.values()))["unigram"]
     for ax, (label, _, _) in zip(axes[0], arms):
         for j, seed in enumerate(cfg.seeds):
-            key = f"{label.replace('/', '-')}-{depth}-seed{seed}"
-            e, v = results[key]["evals"], verdicts[key]
+            e, v = results[key(label, depth, seed)]["evals"], verdicts[key(label, depth, seed)]
             ax.plot(e["lr"], e["loss"], color=f"C{j}", lw=0.9, label=f"seed {seed}")
             if v["failed"]:
                 ax.axvline(v["max_lr"], color=f"C{j}", ls=":", lw=1)
