@@ -21,12 +21,13 @@ LAYERS = {
     "kernels": set(),  # torch and triton only: scale applies them, bench times them
     "data": {"errors"},
     "scale": {"errors", "runtime", "model", "kernels"},
-    "train": _BELOW_TRAIN,
+    "evals": {"errors", "runtime", "model", "data"},
+    "train": _BELOW_TRAIN | {"evals"},
     "generate": {"model"},
-    "hf": _BELOW_TRAIN | {"train"},
-    "experiments": _BELOW_TRAIN | {"train"},
-    "bench": _BELOW_TRAIN | {"train"},
-    "cli": _BELOW_TRAIN | {"train", "generate", "hf", "experiments", "bench"},
+    "hf": _BELOW_TRAIN | {"train", "evals"},
+    "experiments": _BELOW_TRAIN | {"train", "evals"},
+    "bench": _BELOW_TRAIN | {"train", "evals"},
+    "cli": _BELOW_TRAIN | {"train", "generate", "hf", "experiments", "bench", "evals"},
     "__init__": {"_version", "model"},
 }
 

@@ -1,0 +1,126 @@
+"""Task names and what they stand for: the built-in probes (items cached per corpus) and lm-evaluation-harness tasks.
+
+`resolve` turns the names of a config field into `Task`s without touching a model or the data, so a bad name
+is reported before training starts. A probe's items are generated on first use into
+`<data cache>/evals/<key>/<probe>.jsonl`, the key hashing the corpus fingerprint, the tokenizer's name and the
+probe's version (bump `version` whenever a generator's output changes), like the token-shard cache.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from keel.data.corpus import DataConfig, build_corpus, cache_root
+from keel.errors import ConfigError
+from keel.evals import probes
+
+STORED = 1000  # items written per probe; scoring keeps the first max_items (every prefix is balanced)
+HARNESS_PREFIX = "lm_eval:"
+
+
+@dataclass(frozen=True)
+class Task:
+    """One entry of `run.eval_tasks`. `chance` is the accuracy of a uniform random pick (None for a harness
+    task until it is scored: it depends on the task's choices)."""
+
+    name: str
+    chance: float | None
+    description: str
+
+
+@dataclass(frozen=True)
+class Probe(Task):
+    """A built-in probe: multiple choice from the validation split, scored by total log-likelihood."""
+
+    version: int = 1
+    generate: object = None  # (validation docs, random.Random, cap) -> items; see keel.evals.probes
+
+    def items(self, data: DataConfig, tokenizer) -> list[dict]:
+        """Every stored item (generated and cached on the first call for this corpus and tokenizer)."""
+        corpus = build_corpus(data)
+        key = hashlib.sha256(f"{corpus.fingerprint}|{tokenizer.name}|{self.name}|{self.version}".encode())
+        path = cache_root(data) / "evals" / key.hexdigest()[:16] / f"{self.name}.jsonl"
+        if path.is_file():
+            return [json.loads(line) for line in path.read_text().splitlines()]
+        rng = random.Random(f"{self.name}:{self.version}:{corpus.fingerprint}")
+        items = [{"version": self.version, "task": self.name, **item}
+                 for item in self.generate(list(corpus.documents("val")), rng, STORED)]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:  # ranks that generate at once write the same items; a reader sees a whole file or none
+            tmp.write_text("".join(json.dumps(item) + "\n" for item in items))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return items
+
+
+@dataclass(frozen=True)
+class HarnessTask(Task):
+    """An lm-evaluation-harness task: registered by name, or read from a local YAML file whose folder becomes
+    the harness's include path."""
+
+    task: str = ""
+    include_path: str | None = None
+
+
+PROBES = {p.name: p for p in (
+    Probe("brackets", 1 / probes.K, "which of ) ] } or a quote closes the open bracket or string here",
+          version=1, generate=probes.brackets),
+    Probe("indent", 1 / probes.K, "the indentation of the line after a block opener (a line ending in ':')",
+          version=1, generate=probes.indent),
+    Probe("identifiers", 1 / probes.K, "repeat a name the file defined earlier (induction/copy)",
+          version=1, generate=probes.identifiers),
+    Probe("next_line", 1 / probes.K, "the true next line of a held-out file against lines from elsewhere",
+          version=1, generate=probes.next_line),
+)}
+
+
+def resolve(names: list[str], field: str = "run.eval_tasks") -> list[Task]:
+    """The tasks `names` stand for: a probe name (see PROBES), `lm_eval:<task>` or `lm_eval:<path to a task
+    YAML>`. Cheap: no model, no data, no harness import. A bad name raises a one-line ConfigError naming
+    `field` and what is allowed."""
+    allowed = f"{', '.join(PROBES)}, lm_eval:<task>, lm_eval:<task.yaml>"
+    tasks = []
+    for name in names:
+        if not isinstance(name, str):
+            raise ConfigError(f"{field}: got {name!r}; allowed: {allowed}")
+        if name in PROBES:
+            tasks.append(PROBES[name])
+        elif name.startswith(HARNESS_PREFIX):
+            tasks.append(_harness_task(name, field))
+        else:
+            close = difflib.get_close_matches(name, list(PROBES), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{field}: unknown task {name!r}{hint}; allowed: {allowed}")
+    if len({t.name for t in tasks}) < len(tasks):
+        raise ConfigError(f"{field}: a task is named twice in {names}")
+    return tasks
+
+
+def _harness_task(name: str, field: str) -> HarnessTask:
+    spec = name.removeprefix(HARNESS_PREFIX)
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError(f"{field}: {name!r} needs lm-evaluation-harness, which is not installed: "
+                          "pip install -e \".[eval]\"")
+    if not spec.endswith((".yaml", ".yml")):
+        if not spec:
+            raise ConfigError(f"{field}: {name!r} names no task; allowed: lm_eval:<task>, lm_eval:<task.yaml>")
+        return HarnessTask(name, None, f"lm-evaluation-harness task {spec}", task=spec)
+    path = Path(spec).expanduser()
+    try:  # a regex, not a YAML parser: harness files use tags (!function) that safe_load refuses
+        found = re.search(r"^task:[ \t]*['\"]?([\w.-]+)", path.read_text(), re.M)
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{field}: {name!r}: cannot read the task file ({type(err).__name__})") from None
+    if not found:
+        raise ConfigError(f"{field}: {path} has no 'task: <name>' line")
+    return HarnessTask(name, None, f"lm-evaluation-harness task {found[1]} from {path}", task=found[1],
+                       include_path=str(path.resolve().parent))
