@@ -18,7 +18,7 @@ from keel.experiments.cli import build
 from keel.experiments.common import fixed_batches, mean_sd, splits, unigram_loss
 from keel.experiments.detect import FailureRules
 from keel.experiments.gradflow import measure
-from keel.experiments.maxlr import MaxLRConfig, verdict
+from keel.experiments.maxlr import MaxLRConfig, judge, ratio_verdict, verdict
 from keel.experiments.probes import branches_off, removed, residual_sizes
 from keel.experiments.regime import compare
 
@@ -133,6 +133,54 @@ def test_max_lr_is_the_lr_of_the_evaluation_before_the_failure():
     assert v["failed"] and v["rule"] == "collapse" and v["max_lr"] == pytest.approx(lrs[19])
     r["evals"]["loss"] = healthy
     assert verdict(r, cfg)["max_lr"] == cfg.optim.lr and not verdict(r, cfg)["failed"]
+
+
+def test_max_lr_a_curve_that_never_learned_has_no_noise_estimate_and_is_unreliable():
+    cfg = MaxLRConfig()
+    stuck = [5.5 - 0.2 * k for k in range(12)] + [3.35] * 300  # never below the unigram level
+    r = {"evals": {"lr": [1e-5 * k for k in range(312)], "loss": stuck, "step": list(range(312))}, "unigram": 3.3}
+    v = verdict(r, cfg)
+    assert v["noise_sd"] is None and not v["reliable"] and not v["learned"] and v["rule"] == "collapse"
+    learned = list(2.5 + np.random.default_rng(0).normal(0, 0.02, 312))
+    v = verdict(r | {"evals": r["evals"] | {"loss": learned}}, cfg)
+    assert v["reliable"] and v["learned"] and 0.0 < v["noise_sd"] <= 0.05
+
+
+def test_max_lr_stagnation_is_judged_against_the_other_schemes_only():
+    cfg = MaxLRConfig(schemes=["pre_ln", "keel"], no_clip=["keel"], depths=[4], seeds=[0])
+    n = 300
+    steps, lrs = [2 * k + 1 for k in range(n)], [1e-5 * (2 * k + 2) for k in range(n)]
+    learning = [2.2 + 3.3 * math.exp(-k / 30) for k in range(n)]
+    plateau = [max(2.9, v) for v in learning]
+
+    def point(loss):
+        return {"evals": {"step": steps, "lr": lrs, "loss": loss}, "unigram": 3.3}
+    results = {"pre_ln-4-seed0": point(plateau), "keel-4-seed0": point(learning), "keel-noclip-4-seed0": point(plateau)}
+    v = judge(results, cfg)
+    gap_from = next(k for k in range(n) if plateau[k] - learning[k] > cfg.rules.stagnation_gap)
+    assert v["pre_ln-4-seed0"]["rule"] == "stagnation" and v["pre_ln-4-seed0"]["reference"] == "keel"
+    assert abs(v["pre_ln-4-seed0"]["at_step"] - steps[gap_from]) <= 2 * (cfg.rules.window // 2 + 1)
+    assert not v["keel-4-seed0"]["failed"]
+    # keel/noclip is judged against pre_ln only, never against keel (its own scheme): no stagnation
+    assert not v["keel-noclip-4-seed0"]["failed"]
+    alone = judge({"keel-4-seed0": point(plateau)}, MaxLRConfig(schemes=["keel"], no_clip=[], depths=[4], seeds=[0]))
+    assert not alone["keel-4-seed0"]["failed"]  # nothing to compare with
+
+
+def test_max_lr_ratio_verdict_rules():
+    def v(lr, failed=True, learned=True):
+        return {"max_lr": lr, "failed": failed, "learned": learned, "noise_sd": 0.03}
+    keel = [v(1.0e-2), v(1.1e-2), v(0.95e-2)]
+    pre = [v(7.6e-3), v(8.0e-3), v(7.4e-3)]
+    r = ratio_verdict(keel, pre, 1.32)
+    assert r["verdict"] == "agrees" and r["test"]["p"] < 0.05 and r["paper_ratio_vs_ci"] == "within the 95% CI"
+    logs = [math.log(a["max_lr"] / b["max_lr"]) for a, b in zip(keel, pre)]
+    assert r["ratio"] == pytest.approx(math.exp(sum(logs) / 3))
+    assert ratio_verdict(pre, keel, 1.32)["verdict"] == "disagrees"
+    censored = [v(7.6e-3), v(8.0e-3), v(5e-2, failed=False)]  # a Pre-LN seed never failed: a lower bound
+    assert ratio_verdict(keel, censored[:2] + [v(7.4e-3)], 1.32)["verdict"] == "agrees"
+    assert ratio_verdict([v(5e-2), v(5.5e-2), v(4.5e-2)], censored, 1.32)["verdict"].startswith("inconclusive")
+    assert ratio_verdict(keel, [v(7.6e-3), v(1.1e-2), v(6e-3)], 1.32)["verdict"] == "inconclusive"
 
 
 def test_regime_rules():
