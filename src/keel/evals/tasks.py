@@ -2,8 +2,8 @@
 
 `resolve` turns the names of a config field into `Task`s without touching a model or the data, so a bad name
 is reported before training starts. A probe's items are generated on first use into
-`<data cache>/evals/<key>/<probe>.jsonl`, the key hashing the corpus fingerprint, the tokenizer's name and the
-probe's version (bump `version` whenever a generator's output changes), like the token-shard cache.
+`<data cache>/evals/<key>/<probe>-v<version>.jsonl`, the key hashing the corpus fingerprint and the tokenizer's
+name, like the token-shard cache (bump a probe's `version` whenever its generator's output changes).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class Probe(Task):
     def items(self, data: DataConfig, tokenizer) -> list[dict]:
         """Every stored item (generated and cached on the first call for this corpus and tokenizer)."""
         corpus = build_corpus(data)
-        key = hashlib.sha256(f"{corpus.fingerprint}|{tokenizer.name}|{self.name}|{self.version}".encode())
-        path = cache_root(data) / "evals" / key.hexdigest()[:16] / f"{self.name}.jsonl"
+        key = hashlib.sha256(f"{corpus.fingerprint}|{tokenizer.name}".encode()).hexdigest()[:16]
+        path = cache_root(data) / "evals" / key / f"{self.name}-v{self.version}.jsonl"
         if path.is_file():
             return [json.loads(line) for line in path.read_text().splitlines()]
         rng = random.Random(f"{self.name}:{self.version}:{corpus.fingerprint}")
