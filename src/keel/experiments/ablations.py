@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from keel.experiments.budget import BudgetConfig, method_note, paired_gap, select_then_seeds
-from keel.experiments.common import ExperimentConfig, markdown_table, pm, pyplot, tiny_quick, write_outputs
+from keel.experiments.common import ExperimentConfig, markdown_table, pm, pyplot, save, tiny_quick, write_outputs
 
 
 @dataclass
@@ -66,9 +66,7 @@ def run(cfg: AblationConfig, out: Path, command: str) -> dict:
     ax.set_xticks(range(len(arms)), list(arms), rotation=20, fontsize=8)
     ax.set_ylabel("report-half loss (mean ± SD, dots = seeds)")
     ax.set_title(f"Keel ablations, {cfg.depth} sub-layers, d={cfg.model.d_model}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out / "ablations.png", dpi=110)
-    plt.close(fig)
+    save(fig, out, "ablations.png")
     write_outputs(out, "ablations", cfg, command, {**res, "labels": keys}, table, ["ablations.png"], method_note(cfg))
     return res
 

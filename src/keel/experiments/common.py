@@ -386,6 +386,14 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def save(fig, out: Path, name: str) -> str:
+    """Write `fig` as out/<name> (tight layout, 110 dpi), close it, and return the name for the report."""
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    pyplot().close(fig)
+    return name
+
+
 def pyplot():
     import matplotlib
 

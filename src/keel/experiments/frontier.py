@@ -34,6 +34,7 @@ from keel.experiments.common import (
     markdown_table,
     pm,
     pyplot,
+    save,
     tiny_quick,
     write_outputs,
 )
@@ -194,7 +195,4 @@ def _plot(cfg: FrontierConfig, res: dict, out: Path) -> str:
         ax.set_xlabel("sub-layers (L)")
         ax.legend(fontsize=8)
     fig.suptitle(f"depth frontier, d={cfg.model.d_model}, {tokens(cfg):,} tokens per run", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out / "frontier.png", dpi=110)
-    plt.close(fig)
-    return "frontier.png"
+    return save(fig, out, "frontier.png")

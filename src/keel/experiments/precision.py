@@ -36,6 +36,7 @@ from keel.experiments.common import (
     markdown_table,
     pm,
     pyplot,
+    save,
     splits,
     tiny_quick,
     write_outputs,
@@ -195,10 +196,7 @@ def _plot_share(cfg, points, out) -> str:
     ax.set_ylabel("share of F that survives a bf16 sum")
     ax.set_title(f"seed {cfg.seeds[0]}", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "stream-share.png", dpi=110)
-    plt.close(fig)
-    return "stream-share.png"
+    return save(fig, out, "stream-share.png")
 
 
 def _plot_curves(cfg, points, out) -> str:
@@ -220,7 +218,4 @@ def _plot_curves(cfg, points, out) -> str:
     ax.set_xlabel("step")
     ax.set_ylabel("report-half loss (band: seed min..max)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "stream-curves.png", dpi=110)
-    plt.close(fig)
-    return "stream-curves.png"
+    return save(fig, out, "stream-curves.png")

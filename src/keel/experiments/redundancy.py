@@ -33,6 +33,7 @@ from keel.experiments.common import (
     pm,
     point_config,
     pyplot,
+    save,
     splits,
     tiny_quick,
     train_curve,
@@ -170,7 +171,4 @@ def _plot(cfg, results, groups, out) -> str:
         ax.set_xlabel("sub-layer index (0 = bottom)")
         ax.legend(fontsize=8)
     axes[0].set_ylabel("delta loss, nats (band: seed min..max)")
-    fig.tight_layout()
-    fig.savefig(out / "redundancy.png", dpi=110)
-    plt.close(fig)
-    return "redundancy.png"
+    return save(fig, out, "redundancy.png")

@@ -23,6 +23,7 @@ from keel.experiments.common import (
     markdown_table,
     pm,
     pyplot,
+    save,
     tiny_quick,
     write_outputs,
 )
@@ -94,9 +95,7 @@ def run(cfg: RegimeConfig, out: Path, command: str) -> dict:
     ax.set_ylabel("report-half loss (band: seed min..max)")
     ax.set_title(f"{cfg.depth} sub-layers, d={cfg.model.d_model}, {cfg.run.steps} steps", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "regime.png", dpi=110)
-    plt.close(fig)
+    save(fig, out, "regime.png")
     write_outputs(out, "regime", cfg, command, {**res, "verdicts": verdicts}, table + "\n\n" + finals,
                   ["regime.png"], method_note(cfg))
     return verdicts

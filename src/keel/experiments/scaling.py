@@ -26,6 +26,7 @@ from keel.experiments.common import (
     mean_sd,
     pm,
     pyplot,
+    save,
     tiny_quick,
     write_outputs,
 )
@@ -158,10 +159,7 @@ def _plot_depth(cfg, res, unigram, out) -> str:
     ax.set_ylabel("report-half loss (chosen LR; mean ± SD, dots = seeds)")
     ax.set_title(f"depth, d={cfg.model.d_model}, {tokens(cfg):,} tokens per run", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "depth.png", dpi=110)
-    plt.close(fig)
-    return "depth.png"
+    return save(fig, out, "depth.png")
 
 
 def _plot_curves(cfg, res, unigram, out) -> str:
@@ -186,10 +184,7 @@ def _plot_curves(cfg, res, unigram, out) -> str:
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("report-half loss (band: seed min..max)")
     axes[0][0].set_ylim(None, unigram + 1.0)  # the first evaluations (~5.5 nats) would flatten the rest
-    fig.tight_layout()
-    fig.savefig(out / "depth-curves.png", dpi=110)
-    plt.close(fig)
-    return "depth-curves.png"
+    return save(fig, out, "depth-curves.png")
 
 
 def _plot_probe(cfg, res, out) -> str:
@@ -216,10 +211,7 @@ def _plot_probe(cfg, res, out) -> str:
     for ax in axes:
         ax.legend(fontsize=8)
     fig.suptitle(f"effective depth, {d} sub-layers, every seed", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out / "depth-probe.png", dpi=110)
-    plt.close(fig)
-    return "depth-probe.png"
+    return save(fig, out, "depth-probe.png")
 
 
 def run_lr_sweep(cfg: LRSweepConfig, out: Path, command: str) -> dict:
@@ -244,9 +236,7 @@ def run_lr_sweep(cfg: LRSweepConfig, out: Path, command: str) -> dict:
     ax.set_ylabel("report-half loss (mean ± SD over seeds)")
     ax.set_title(f"{cfg.depth} sub-layers, d={cfg.model.d_model}, {tokens(cfg):,} tokens", fontsize=10)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "lr-sweep.png", dpi=110)
-    plt.close(fig)
+    save(fig, out, "lr-sweep.png")
     table = markdown_table(["peak LR"] + [f"{s} report loss" for s in cfg.schemes]
                            + [f"keel - {o} (paired)" for o in pair], rows)
     write_outputs(out, "lr-sweep", cfg, command, {"points": points}, table, ["lr-sweep.png"],
@@ -272,8 +262,6 @@ def run_deep_vs_wide(cfg: DeepWideConfig, out: Path, command: str) -> dict:
     ax.set_xticks(range(len(arms)), list(arms))
     ax.set_ylabel("report-half loss (mean ± SD, dots = seeds)")
     ax.set_title(f"equal parameters, {tokens(cfg):,} tokens", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out / "deep-vs-wide.png", dpi=110)
-    plt.close(fig)
+    save(fig, out, "deep-vs-wide.png")
     write_outputs(out, "deep-vs-wide", cfg, command, res, table, ["deep-vs-wide.png"], method_note(cfg))
     return res

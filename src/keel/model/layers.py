@@ -13,17 +13,21 @@ from keel.model.config import ModelConfig
 from keel.model.numerics import upcast
 
 
-class RMSNorm(nn.Module):
-    """`x / rms(x) * gain`, learnable gain, no bias; computed in float32 (as Llama does).
-
-    The output stays float32 for a float32 input even when the gain is bf16, so a norm on the
-    residual stream never drops the stream to low precision.
-    """
+class _GainNorm(nn.Module):
+    """A norm's parameters: a learnable gain (init 1), no bias, and eps."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+
+
+class RMSNorm(_GainNorm):
+    """`x / rms(x) * gain`, learnable gain, no bias; computed in float32 (as Llama does).
+
+    The output stays float32 for a float32 input even when the gain is bf16, so a norm on the
+    residual stream never drops the stream to low precision.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = upcast(x)
@@ -31,13 +35,8 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(_GainNorm):
     """LayerNorm with learnable gain and no bias, computed in float32."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = upcast(x)

@@ -295,39 +295,36 @@ def validate(c: TrainConfig) -> None:
     validate_runtime(c.run)
     if c.optim.schedule not in SCHEDULES:
         fail("optim.schedule", c.optim.schedule, ", ".join(SCHEDULES))
-    if not 0 < c.optim.lr < float("inf"):
-        fail("optim.lr", c.optim.lr, "a finite number > 0")
-    for name in ("beta1", "beta2"):
-        if not 0 <= getattr(c.optim, name) < 1:
-            fail(f"optim.{name}", getattr(c.optim, name), "a number in [0, 1)")
-    if not 0 < c.optim.eps < float("inf"):
-        fail("optim.eps", c.optim.eps, "a finite number > 0")
-    if not 0 <= c.optim.weight_decay < float("inf"):
-        fail("optim.weight_decay", c.optim.weight_decay, "a finite number >= 0")
-    if not 0 <= c.optim.min_lr <= c.optim.lr:
-        fail("optim.min_lr", c.optim.min_lr, "between 0 and optim.lr")
-    if c.optim.warmup_steps < 0:
-        fail("optim.warmup_steps", c.optim.warmup_steps, "an integer >= 0")
-    if not 0 <= c.optim.decay_fraction <= 1:
-        fail("optim.decay_fraction", c.optim.decay_fraction, "a number in [0, 1]")
-    if not 0 <= c.optim.grad_clip < float("inf"):
-        fail("optim.grad_clip", c.optim.grad_clip, "a finite number >= 0 (0 disables)")
     if c.guard.policy not in GUARD_POLICIES:
         fail("guard.policy", c.guard.policy, ", ".join(GUARD_POLICIES))
-    if not 1 < c.guard.spike_factor < float("inf"):
-        fail("guard.spike_factor", c.guard.spike_factor, "a finite number > 1")
-    if c.guard.spike_window < 1:
-        fail("guard.spike_window", c.guard.spike_window, "an integer >= 1 (guard.spike_min_history=0 disables spikes)")
-    if not 0 <= c.guard.spike_min_rise < float("inf"):
-        fail("guard.spike_min_rise", c.guard.spike_min_rise, "a finite number >= 0 (nats)")
-    if not 0 <= c.guard.spike_min_history <= c.guard.spike_window:
-        fail("guard.spike_min_history", c.guard.spike_min_history, "an integer in [0, guard.spike_window] (0 disables)")
-    if c.guard.max_rollbacks < 0:
-        fail("guard.max_rollbacks", c.guard.max_rollbacks, "an integer >= 0")
-    if not c.guard.loss_ceiling >= 0 or c.guard.loss_ceiling == float("inf"):
-        fail("guard.loss_ceiling", c.guard.loss_ceiling, "a finite number >= 0 (0 disables)")
-    if not 0 < c.guard.rollback_lr_factor <= 1:
-        fail("guard.rollback_lr_factor", c.guard.rollback_lr_factor, "a number in (0, 1]")
+    for name, ok, allowed in _RANGES:
+        section, field_name = name.split(".")
+        value = getattr(getattr(c, section), field_name)
+        if not ok(value, c):
+            fail(name, value, allowed)
+
+
+_INF = float("inf")
+# (field, holds(value, config), the allowed values as the error states them)
+_RANGES = [
+    ("optim.lr", lambda v, c: 0 < v < _INF, "a finite number > 0"),
+    ("optim.beta1", lambda v, c: 0 <= v < 1, "a number in [0, 1)"),
+    ("optim.beta2", lambda v, c: 0 <= v < 1, "a number in [0, 1)"),
+    ("optim.eps", lambda v, c: 0 < v < _INF, "a finite number > 0"),
+    ("optim.weight_decay", lambda v, c: 0 <= v < _INF, "a finite number >= 0"),
+    ("optim.min_lr", lambda v, c: 0 <= v <= c.optim.lr, "between 0 and optim.lr"),
+    ("optim.warmup_steps", lambda v, c: v >= 0, "an integer >= 0"),
+    ("optim.decay_fraction", lambda v, c: 0 <= v <= 1, "a number in [0, 1]"),
+    ("optim.grad_clip", lambda v, c: 0 <= v < _INF, "a finite number >= 0 (0 disables)"),
+    ("guard.spike_factor", lambda v, c: 1 < v < _INF, "a finite number > 1"),
+    ("guard.spike_window", lambda v, c: v >= 1, "an integer >= 1 (guard.spike_min_history=0 disables spikes)"),
+    ("guard.spike_min_rise", lambda v, c: 0 <= v < _INF, "a finite number >= 0 (nats)"),
+    ("guard.spike_min_history", lambda v, c: 0 <= v <= c.guard.spike_window,
+     "an integer in [0, guard.spike_window] (0 disables)"),
+    ("guard.max_rollbacks", lambda v, c: v >= 0, "an integer >= 0"),
+    ("guard.loss_ceiling", lambda v, c: 0 <= v < _INF, "a finite number >= 0 (0 disables)"),
+    ("guard.rollback_lr_factor", lambda v, c: 0 < v <= 1, "a number in (0, 1]"),
+]
 
 
 def to_yaml(config: TrainConfig) -> str:
