@@ -233,7 +233,7 @@ def run(cfg: MaxLRConfig, out: Path, command: str) -> dict:
                                      "unreliable_seeds": sum(not v["reliable"] for v in vs)}
             cell = "-" if noise is None else f"{noise:.3f}" + ("" if noise <= NOISE_LIMIT else " (unreliable)")
             if unknown:
-                cell += f"; {unknown} seed(s) never learned: unreliable"
+                cell += f"; {unknown} seed(s) with < 10 evaluations below the unigram level: unreliable"
             rows.append([label, d, f"{m:.4g} ± {sd:.2g}", " / ".join(
                 f"{v['max_lr']:.4g}" if v["failed"] else f">= {v['max_lr']:.4g}" for v in vs),
                 f"{failed}/{len(vs)}", rules, f"{m / pre:.2f}" if pre else "-", cell])
