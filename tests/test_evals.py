@@ -179,6 +179,12 @@ def train(model: TransformerLM, data: DataConfig, steps: int) -> TransformerLM:
 
 @pytest.mark.slow
 def test_a_trained_tiny_model_beats_chance_and_an_untrained_one_does_not(data):
+    """indent and next_line put a random-init model at chance exactly (it prefers short continuations, and the
+    answer is each length rank equally often). brackets and identifiers are not a uniform guess for one random
+    init on this small repetitive corpus: its preference follows the last few characters, which repeat here, so
+    it is right or wrong on whole groups of items (seeds 0-4: brackets 0.08-0.45, mean 0.25; identifiers
+    0.22-0.40, mean 0.33, a bag-of-context bias toward names present in the context); they are printed, not
+    asserted, for the untrained model."""
     tasks = evals.resolve(list(evals.PROBES))
     untrained = evals.score(tiny(), tasks, data, ByteTokenizer(), max_items=200, device="cpu")
     trained = evals.score(train(tiny(), data, 300), tasks, data, ByteTokenizer(), max_items=200, device="cpu")
@@ -186,6 +192,8 @@ def test_a_trained_tiny_model_beats_chance_and_an_untrained_one_does_not(data):
         print(f"{name:12s} n={trained[name]['n']:3d} chance {trained[name]['chance']:.2f}  untrained "
               f"{untrained[name]['acc']:.3f}  trained {trained[name]['acc']:.3f} (norm {trained[name]['acc_norm']:.3f})")
     for name, s in untrained.items():
+        if name in ("brackets", "identifiers"):
+            continue
         noise = math.sqrt(s["chance"] * (1 - s["chance"]) / s["n"])
         assert abs(s["acc"] - s["chance"]) < 4 * noise, (name, s)
     above = [name for name, s in trained.items()
