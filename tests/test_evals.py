@@ -189,8 +189,9 @@ def test_a_trained_tiny_model_beats_chance_and_an_untrained_one_does_not(data):
     untrained = evals.score(tiny(), tasks, data, ByteTokenizer(), max_items=200, device="cpu")
     trained = evals.score(train(tiny(), data, 300), tasks, data, ByteTokenizer(), max_items=200, device="cpu")
     for name in evals.PROBES:
-        print(f"{name:12s} n={trained[name]['n']:3d} chance {trained[name]['chance']:.2f}  untrained "
-              f"{untrained[name]['acc']:.3f}  trained {trained[name]['acc']:.3f} (norm {trained[name]['acc_norm']:.3f})")
+        t = trained[name]
+        print(f"{name:12s} n={t['n']:3d} chance {t['chance']:.2f}  untrained {untrained[name]['acc']:.3f}  "
+              f"trained {t['acc']:.3f} (norm {t['acc_norm']:.3f})")
     for name, s in untrained.items():
         if name in ("brackets", "identifiers"):
             continue

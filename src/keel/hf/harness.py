@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from keel.errors import ExportError
+from keel.evals.harness import find_tasks
 from keel.hf import register
 from keel.hf.export import export_run
 
@@ -21,19 +22,12 @@ def _evaluate(hf_dir: Path, tasks: list[str], include_path: str | None, device: 
     try:
         from lm_eval import simple_evaluate
         from lm_eval.models.huggingface import HFLM
-        from lm_eval.tasks import TaskManager
     except ImportError:
         raise ExportError("keel lm-eval needs lm-evaluation-harness: pip install -e \".[eval]\"") from None
 
     register()  # KeelForCausalLM with the Auto classes HFLM uses
 
-    task_manager = None
-    if include_path:  # indexing the harness's own thousands of task files takes ~20 s: skip it if we can
-        task_manager = TaskManager(include_path=include_path, include_defaults=False)
-        if not all(task_manager.match_tasks([t]) for t in tasks):
-            task_manager = None
-    task_manager = task_manager or TaskManager(include_path=include_path)
-    unknown = [t for t in tasks if not task_manager.match_tasks([t])]
+    task_manager, unknown = find_tasks(tasks, include_path)
     if unknown:
         where = f" (also looked in {include_path})" if include_path else " (add --include-path DIR for your own)"
         raise ExportError(f"--tasks: unknown task {unknown[0]!r}{where}")
