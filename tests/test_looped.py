@@ -122,7 +122,10 @@ def test_the_hugging_face_export_carries_the_loop(tmp_path, make_run):
     from transformers import AutoModelForCausalLM
 
     from keel.generate import generate
+    from keel.hf import register
     from keel.hf.export import export_run
+
+    register()  # KeelConfig / KeelForCausalLM with the Auto classes, as `keel.hf.register()` documents
 
     model = make_run(tmp_path / "run", loop_blocks=1)  # 3 passes of one block
     out = export_run(tmp_path / "run", tmp_path / "hf")
