@@ -170,3 +170,16 @@ def test_every_test_that_starts_the_triton_interpreter_is_slow():
         fast += [f"{path.name}::{f.name}" for f in functions if f.name.startswith("test_") and not is_slow(f)
                  and (f.name in starts or starts & {a.arg for a in f.args.args})]
     assert fast == []
+
+
+def test_the_readmes_layer_table_is_this_one():
+    """The README's file map states the layer table in words; it must say exactly what LAYERS enforces."""
+    readme = (SRC.parent.parent / "README.md").read_text()
+    section = readme[readme.index("| part | may import |"):]
+    rows = {}
+    for line in section.splitlines()[2:]:
+        if not line.startswith("| `"):
+            break
+        part, allowed = (cell.strip() for cell in line.strip("|").split("|"))
+        rows[re.findall(r"`([^`]+)`", part)[0]] = set(re.findall(r"`([^`]+)`", allowed))
+    assert rows == LAYERS
