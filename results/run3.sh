@@ -6,7 +6,7 @@
 set -euo pipefail
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 cd "$(dirname "$0")/.."
-LONG="depths=[8,64] steps=2000 warmup_steps=100 curve_every=100 lr_from=results/depth/results.json"
+LONG="depths=[8,64] run.steps=2000 optim.warmup_steps=100 curve_every=100 lr_from=results/depth/results.json"
 case "${1:-}" in
   a) keel experiment depth --out results/depth-long $LONG seeds=[0,1] ;;
   b)

@@ -8,7 +8,7 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 cd "$(dirname "$0")/.."
 ARGS="depth=256 schemes=[keel] lrs=[0.003] init_depths=[256]"
 # rule 14: the 32-sub-layer point of depth at 1M tokens (c and d side by side, then merge32)
-LONG32="depths=[32] steps=2000 warmup_steps=100 curve_every=100 lr_from=results/depth/results.json"
+LONG32="depths=[32] run.steps=2000 optim.warmup_steps=100 curve_every=100 lr_from=results/depth/results.json"
 case "${1:-}" in
   a) keel experiment stream-precision --out results/stream-precision-256 $ARGS seeds=[0,1] ;;
   b) keel experiment stream-precision --out results/stream-precision-256-s2 $ARGS seeds=[2] ;;
