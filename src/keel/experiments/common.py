@@ -64,7 +64,7 @@ def experiment_run(**fields) -> RunConfig:
 # run.* fields a sweep point has no use for (it writes no run directory, checkpoint or log of its own)
 _NO_RUN_DIR = ("run.out_dir", "run.name", "run.log_every", "run.eval_every", "run.ckpt_every", "run.keep_checkpoints",
                "run.progress", "run.telemetry_every", "run.log_to", "run.fsdp_group", "run.pp", "run.pp_schedule",
-               "run.pp_microbatches")
+               "run.pp_microbatches", "run.eval_tasks", "run.eval_tasks_every", "run.eval_tasks_items")
 
 
 @dataclass

@@ -86,6 +86,10 @@ class RunConfig:
     log_to: list[str] = field(default_factory=list)  # also send metrics to: tensorboard, wandb (optional extras)
     eval_every: int = 100  # 0 disables periodic validation
     eval_batches: int = 20
+    # downstream tasks scored during training (keel.evals: brackets, indent, identifiers, next_line, lm_eval:<task>)
+    eval_tasks: list[str] = field(default_factory=list)
+    eval_tasks_every: int = 0  # 0: only at the end; N: every N steps and at the end
+    eval_tasks_items: int = 200  # items per task and evaluation: bounds its cost
     ckpt_every: int = 200  # 0: only at the end
     keep_checkpoints: int = 3
     progress: bool = True
@@ -282,9 +286,17 @@ def validate(c: TrainConfig) -> None:
     for tracker in c.run.log_to:
         if tracker not in TRACKERS:
             fail("run.log_to", tracker, ", ".join(TRACKERS))
-    for name in ("eval_every", "ckpt_every", "ac_every", "telemetry_every"):
+    for name in ("eval_every", "eval_tasks_every", "ckpt_every", "ac_every", "telemetry_every"):
         if getattr(c.run, name) < 0:
             fail(f"run.{name}", getattr(c.run, name), "an integer >= 0 (0 disables)")
+    if c.run.eval_tasks_items < 1:
+        fail("run.eval_tasks_items", c.run.eval_tasks_items, "an integer >= 1")
+    if c.run.eval_tasks:  # names only: a bad one fails here, before any data or model work
+        from keel.evals import resolve  # noqa: PLC0415
+
+        resolve(c.run.eval_tasks, "run.eval_tasks")
+        if c.run.pp > 1:
+            fail("run.eval_tasks", c.run.eval_tasks, "[] under run.pp > 1 (a pipeline stage holds no whole model)")
     if c.run.seq_len > c.model.max_seq_len:
         fail("run.seq_len", c.run.seq_len, f"<= model.max_seq_len ({c.model.max_seq_len})")
     if not 0 <= c.run.seed < 2**63:
