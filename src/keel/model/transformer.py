@@ -102,8 +102,10 @@ class TransformerLM(nn.Module):
     """A causal language model whose residual/normalisation scheme is `config.scheme`.
 
     `forward(idx, targets=None, cache=None)` takes token ids (B, T) and returns `(logits, loss)`; loss is
-    the mean next-token cross-entropy when `targets` (B, T) is given (positions set to -100 are ignored),
-    else None. With a `KVCache` (or a `transformers` DynamicCache), `idx` continues the sequence the cache
+    `lm_loss(logits, targets)` when `targets` (B, T) is given, else None. `targets` are the next tokens,
+    already shifted (forward does not shift them): position t's target is the token after idx[:, t], so for
+    a batch of sequences `seq` (B, T + 1) call `model(seq[:, :-1], targets=seq[:, 1:])`; positions set to
+    -100 are ignored. With a `KVCache` (or a `transformers` DynamicCache), `idx` continues the sequence the cache
     holds: its keys and values are reused and `idx`'s are appended. The residual stream is float32
     throughout, also under autocast.
 
