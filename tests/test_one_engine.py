@@ -252,3 +252,11 @@ def test_trainer_metrics_land_in_its_run_dir(args, tmp_path):
     trainer.run()
     assert isinstance(trainer.run_dir, RunDir) and Path(trainer.run_dir) == tmp_path / "runs" / "run"
     assert json.loads((trainer.run_dir / "summary.json").read_text())["steps"] == 2
+
+
+def test_keel_summary_refuses_overrides_it_does_not_read(capsys):
+    assert main(["summary", "--preset", "tiny", "run.steps=5"]) == 2
+    assert capsys.readouterr().err.strip() == ("keel: error: run.steps: not used by keel summary (it describes the "
+                                               "model: model.* fields only)")
+    assert main(["summary", "--preset", "tiny", "model.n_blocks=3", "scheme=pre_ln"]) == 0
+    assert "pre_ln" in capsys.readouterr().out

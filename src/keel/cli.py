@@ -34,9 +34,14 @@ def _config_for(args):
 
 
 def cmd_summary(args) -> int:
+    from keel.errors import ConfigError
     from keel.train.plan import describe
 
-    print(describe(_config_for(args).model))
+    config = _config_for(args)
+    for key in (o.split("=", 1)[0] for o in args.overrides):
+        if "." in key and not key.startswith("model."):  # one merge, but summary reads the model only
+            raise ConfigError(f"{key}: not used by keel summary (it describes the model: model.* fields only)")
+    print(describe(config.model))
     return 0
 
 
