@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from keel import evals
 from keel.data import WindowSampler, prepare
 from keel.data.tokenizer import planned_vocab_size
 from keel.errors import ConfigError, DataError, KeelError
@@ -31,6 +32,7 @@ from keel.train.guard import DivergenceGuard
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.pipeline_step import PipelineStep
 from keel.train.plan import memory_line, memory_plan
+from keel.train.report import flat_scores, task_line
 from keel.train.run_dir import RunDir
 from keel.train.step import TrainStep, build_model, on_device
 from keel.train.telemetry import Telemetry
@@ -87,6 +89,9 @@ class Trainer:
         if not self.world.main:  # rank 0 tokenises into the cache first; the others then read it
             distributed.barrier(self.world)
         self.data = prepare(c.data)
+        # the probes' items too (cut from the validation split), so a corpus too small for one fails now
+        self.eval_tasks = evals.resolve(c.run.eval_tasks)
+        evals.prepare(self.eval_tasks, c.data, self.data.tokenizer)
         if self.world.main:
             distributed.barrier(self.world)
         if c.run.eval_every and len(self.data.val) < c.run.seq_len + 1:
@@ -261,6 +266,10 @@ class Trainer:
         self.say(f"keel: {c.model.scheme} model, {c.model.n_blocks} blocks = {c.model.n_sublayers} sub-layers, "
                  f"{n_params:,} parameters, {c.run.steps} steps of {self.tokens_per_step:,} tokens on {on}")
         self.say(f"keel: memory per process: {self.memory_line()}")
+        if self.eval_tasks:
+            when = f"every {c.run.eval_tasks_every} steps and at the end" if c.run.eval_tasks_every else "at the end"
+            self.say(f"keel: tasks {', '.join(t.name for t in self.eval_tasks)}: up to {c.run.eval_tasks_items} "
+                     f"items each, {when}")
 
     def _boundary(self) -> tuple:
         """What a step draws from (sampler, draws, RNG): restored when an interruption tears a step."""
@@ -270,7 +279,7 @@ class Trainer:
         """Steps until run.steps; returns the outcome (diverged, interrupted, the last losses)."""
         c = self.config
         outcome = {"diverged": False, "divergence_reason": None, "interrupted": False, "train_loss": float("nan"),
-                   "val": {}}
+                   "val": {}, "tasks": {}}
         bar = tqdm(total=c.run.steps, initial=self.step, disable=not (c.run.progress and self.world.main),
                    dynamic_ncols=True, desc="train", file=sys.stdout)
         previous_handlers = self._defer_signals()
@@ -342,6 +351,9 @@ class Trainer:
             self.log({"step": self.step, **outcome["val"]})
             if self.world.main:
                 bar.write(f"step {self.step}: val_loss {outcome['val']['val_loss']:.4f}")
+        every = c.run.eval_tasks_every
+        if self.eval_tasks and (last or (every and self.step % every == 0)):
+            outcome["tasks"] = self.score_tasks(bar)
         if last or (c.run.ckpt_every and self.step % c.run.ckpt_every == 0):
             self.save_checkpoint()
 
@@ -363,7 +375,7 @@ class Trainer:
             "interrupted": outcome["interrupted"],
             "run_dir": str(self.run_dir), "steps": self.step, "tokens": self.step * self.tokens_per_step,
             "final_train_loss": outcome["train_loss"], "final_val_loss": val.get("val_loss"),
-            "final_val_bits_per_byte": val.get("val_bits_per_byte"),
+            "final_val_bits_per_byte": val.get("val_bits_per_byte"), **flat_scores(outcome["tasks"]),
             "tokens_per_second": (self.step - start_step) * self.tokens_per_step / max(wall, 1e-9),
             "n_params": count_params(c.model), "n_sublayers": c.model.n_sublayers, "n_blocks": c.model.n_blocks,
             "scheme": c.model.scheme, "rollbacks": self.rollbacks, "wall_seconds": wall,
@@ -401,6 +413,20 @@ class Trainer:
         c = self.config
         return evaluate(self.model, self.data.val, c.run.seq_len, self.global_batch, c.run.eval_batches,
                         self.device, self.autocast, self.token_bytes, self.world, self.replica, self.replicas)
+
+    def score_tasks(self, bar) -> dict[str, dict]:
+        """Score run.eval_tasks on every rank (keel.evals splits the items) and log them; the model's mode and
+        the random generators are restored, so training goes on exactly as if nothing had been scored."""
+        c = self.config
+        start = time.time()
+        scores = evals.score(self.model, self.eval_tasks, c.data, self.data.tokenizer,
+                             max_items=c.run.eval_tasks_items, device=self.device, autocast=self.autocast)
+        seconds = time.time() - start
+        self.t_last += seconds  # not counted against the next record's tokens_per_s
+        self.log({"step": self.step, **flat_scores(scores), "eval_tasks_seconds": seconds})
+        if self.world.main:
+            bar.write(task_line(self.step, scores, seconds))
+        return scores
 
     def handle_divergence(self, reason: str, loss: float, grad_norm: float, lr: float, first_draw: int) -> None:
         """Stop (raise Diverged) or roll back to the last good checkpoint, skipping this step's batches."""
