@@ -80,14 +80,14 @@ def cmd_train(args) -> int:
 
 
 def cmd_runs(args) -> int:
-    from keel.train.report import table
+    from keel.train.report import table, task_columns
     from keel.train.run_dir import find_runs
 
-    rows = [r.describe() for r in find_runs(args.dir)]
+    rows = [r.describe() | task_columns(r.metrics()) for r in find_runs(args.dir)]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(table(rows, ["run", "scheme", "sub-layers", "d_model", "steps", "val_loss", "status"]))
+        print(table(rows, ["run", "scheme", "sub-layers", "d_model", "steps", "val_loss", "task_acc", "status"]))
     return 0
 
 
