@@ -1,7 +1,8 @@
 """`keel plot RUN [RUN ...]`: one PNG comparing runs, and each run's per-sub-layer telemetry as heatmaps.
 
-Top row: training loss and validation loss against tokens seen (runs overlaid, so runs of different batch
-sizes line up); second row: learning rate and gradient norm against step. For every run with
+Top row: training loss against tokens seen (runs overlaid, so runs of different batch sizes line up),
+validation loss against step and, for runs that scored `run.eval_tasks`, task accuracy against step (one
+line per task, chance dotted); second row: learning rate and gradient norm against step. For every run with
 telemetry.jsonl, a row of depth x step heatmaps: per-sub-layer gradient norm, stream RMS and |F| / |alpha x|
 (log colour scale; sub-layer 0 at the bottom, as in the paper's figures).
 """
@@ -17,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
-from keel.train.report import cell  # noqa: E402
+from keel.train.report import cell, task_scores  # noqa: E402
 from keel.train.run_dir import RunDir  # noqa: E402
 
 HEATMAPS = (("grad_norm", "gradient norm of the sub-layer's parameters"), ("stream_rms", "stream RMS after it"),
@@ -29,6 +30,33 @@ def _series(records: list[dict], key: str, x: str = "step") -> tuple[list, list]
     points = [(r[x], r[key]) for r in records if key in r and x in r and "event" not in r
               and isinstance(r[key], (int, float)) and math.isfinite(r[key])]
     return [p[0] for p in points], [p[1] for p in points]
+
+
+def _task_panel(ax, runs) -> bool:
+    """Task accuracy against step, one line per task (and run), each chance level dotted; False if no run
+    scored tasks."""
+    chances, drawn = set(), False
+    for r in runs:
+        series: dict[str, tuple[list, list]] = {}
+        for record in r.metrics():
+            for name, s in task_scores(record).items():
+                if "acc" in s and "step" in record:
+                    series.setdefault(name, ([], []))[0].append(record["step"])
+                    series[name][1].append(s["acc"])
+                    if s.get("chance") is not None:
+                        chances.add(s["chance"])
+        for name, (xs, ys) in series.items():
+            ax.plot(xs, ys, marker="o", ms=3, lw=1.2, label=name if len(runs) == 1 else f"{r.name}: {name}")
+            drawn = True
+    if not drawn:
+        return False
+    for chance in sorted(chances):
+        ax.axhline(chance, color="grey", ls=":", lw=1.2)
+    ax.set_ylim(0, 1)
+    ax.set_title("task accuracy (dotted: chance)")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=8)
+    return True
 
 
 def plot_runs(run_dirs, out) -> Path:
@@ -49,10 +77,11 @@ def plot_runs(run_dirs, out) -> Path:
             ax.set_xlabel("tokens seen" if x == "tokens" else "step")
     axes[1][1].set_yscale("log")
     axes[0][0].legend(fontsize=8)
-    for ax in (axes[0][2], axes[1][2]):
-        ax.axis("off")
+    if not _task_panel(axes[0][2], runs):
+        axes[0][2].axis("off")
+    axes[1][2].axis("off")
     summary = [f"{r.name}: {cell((r.summary() or {}).get('final_val_loss'))}" for r in runs]
-    axes[0][2].text(0, 1, "final validation loss\n" + "\n".join(summary), va="top", family="monospace", fontsize=8)
+    axes[1][2].text(0, 1, "final validation loss\n" + "\n".join(summary), va="top", family="monospace", fontsize=8)
     for row, r in enumerate(probed, start=2):
         telemetry = r.telemetry()
         steps = [t["step"] for t in telemetry]
