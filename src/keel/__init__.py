@@ -1,28 +1,27 @@
 """Keel: deep Transformer language models with the Keel residual connection and its baselines.
 
-`import keel` loads the model and nothing of Hugging Face: `keel.hf.register()` registers `KeelConfig` and
-`KeelForCausalLM` with `transformers`' Auto classes when you want them.
+`import keel` loads nothing heavy: the names below come from `keel.model` (and torch) on first use, and
+nothing of Hugging Face loads until `keel.hf.register()` registers `KeelConfig` and `KeelForCausalLM` with
+`transformers`' Auto classes when you want them.
 """
 
 from keel._version import __version__
-from keel.model import (
-    PRESETS,
-    SCHEMES,
-    ModelConfig,
-    SublayerInfo,
-    TransformerLM,
-    count_params,
-    cpu_demo,
-    flops_per_token,
-    paper_64,
-    paper_128,
-    paper_512,
-    paper_1024,
-    preset,
-    tiny,
-)
 
 __all__ = [
     "ModelConfig", "TransformerLM", "SublayerInfo", "SCHEMES", "PRESETS", "preset", "tiny", "cpu_demo",
     "paper_64", "paper_128", "paper_512", "paper_1024", "count_params", "flops_per_token", "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # keel.model (and torch with it) loads on first use, not on `import keel`: the `keel` command imports
+    # this package before it can catch Ctrl-C, and torch takes seconds to import
+    if name in __all__:
+        from keel import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module 'keel' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -11,12 +11,14 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
 from keel._version import __version__
 from keel.errors import ConfigError, KeelError
-from keel.train.config import add_config_arguments
+
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, as shells report Ctrl-C
 
 
 def _config_for(args):
@@ -229,6 +231,8 @@ def add_hf_commands(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from keel.train.config import add_config_arguments  # imports torch: inside main's Ctrl-C handling
+
     parser = argparse.ArgumentParser(prog="keel", description="Deep Transformer LMs with the Keel residual.")
     parser.add_argument("--version", action="version", version=f"keel {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -296,6 +300,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Ctrl-C or SIGTERM at any moment, also while torch imports (seconds), is one line and exit 130; a
+    # training run handles them itself (a checkpoint at the step boundary), this is for everything around it
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    except ValueError:  # main() called off the main thread: leave signals alone
+        previous = None
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the message short
+        print("keel: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     # key=value overrides may come before or after options (`keel experiment depth --quick steps=9`):
     # argparse stops collecting a positional list at the first option, so gather the rest here
