@@ -99,7 +99,7 @@ def cmd_plot(args) -> int:
 
     runs = [RunDir.open(r) for r in args.runs]
     if args.out:
-        out = Path(args.out)
+        out = _output_path(args.out, "--out", PLOT_FORMATS, owned=[r.path for r in runs])
     elif len(runs) == 1:
         out = runs[0] / "curves.png"
     else:  # beside the runs compared
@@ -117,8 +117,10 @@ def cmd_eval(args) -> int:
 
     result = evaluate_run(args.run_dir, args.checkpoint, args.split, args.batches, args.device)
     print(json.dumps(result, indent=1) if args.json else key_values(result, EVAL_KEYS))
+    from keel.train import safe_io
+
     name = Path(result["checkpoint"]).name
-    (Path(args.run_dir) / f"eval-{name}-{args.split}.json").write_text(json.dumps(result, indent=1))
+    safe_io.write_text(args.run_dir, Path(args.run_dir) / f"eval-{name}-{args.split}.json", json.dumps(result, indent=1))
     return 0
 
 
@@ -136,6 +138,8 @@ def cmd_generate(args) -> int:
         raise ConfigError(f"--top-p: got {args.top_p}; allowed: a number in (0, 1] (1 = off)")
     if args.top_k < 0:
         raise ConfigError(f"--top-k: got {args.top_k}; allowed: an integer >= 0 (0 = off)")
+    if not 0 <= args.seed < 2**63:
+        raise ConfigError(f"--seed: got {args.seed}; allowed: an integer in [0, 2**63)")
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
@@ -156,10 +160,76 @@ def cmd_tokenizer(args) -> int:
     from keel.data.tokenizer import train_bpe
     from keel.train.config import merge
 
+    out = _output_path(args.out, "--out", (".json",))
     corpus = build_corpus(merge(DataConfig(), None, args.overrides))
     tok = train_bpe(corpus.documents("train"), args.vocab_size, Path(args.out))
     print(f"trained a byte-level BPE with {tok.vocab_size} tokens on {corpus.fingerprint[:12]}: {args.out}")
     return 0
+
+
+PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def _output_path(value: str, flag: str, suffixes, owned=()) -> Path:
+    """An output file named on the command line, checked before any work: a known format, an existing
+    parent directory, not a directory, and never a file inside someone's run directory (a run's files are
+    written only by the command that owns them)."""
+    out = Path(value)
+    if out.suffix.lower() not in suffixes:
+        raise ConfigError(f"{flag} {value}: unknown format {out.suffix or '(none)'!r}; allowed: {', '.join(suffixes)}")
+    if not out.parent.is_dir():
+        raise ConfigError(f"{flag} {value}: no such directory {out.parent}")
+    if out.is_dir():
+        raise ConfigError(f"{flag} {value}: is a directory; give a file name")
+    for parent in (out.parent, out.parent.parent):
+        if any(parent.resolve() == Path(o).resolve() for o in owned):
+            continue
+        if (parent / "config.yaml").exists() and (parent / "checkpoints").exists() or (parent / "run.json").exists():
+            raise ConfigError(f"{flag} {value}: inside the run directory {parent}; keel does not overwrite a run's files")
+    return out
+
+
+def _check_config_file(value: str) -> None:
+    """--config: a regular YAML file of sane size, without duplicate keys (YAML would keep the last one)."""
+    import stat
+
+    import yaml
+
+    try:
+        info = os.stat(value)
+    except OSError as err:
+        raise ConfigError(f"config file {value}: {err.strerror.lower()}") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a device, FIFO or socket"
+        raise ConfigError(f"config file {value}: not a regular file ({kind})")
+    if info.st_size > 16 << 20:
+        raise ConfigError(f"config file {value}: larger than 16 MiB, refused")
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise ConfigError(f"config file {value}: line {key_node.start_mark.line + 1}: "
+                                      f"duplicate key {key!r}")
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    try:
+        with open(value, "rb") as f:
+            yaml.load(f, Loader=Loader)
+    except (yaml.YAMLError, TypeError):  # TypeError: a mapping used as a key
+        pass  # the config layer reports a YAML error in its own words
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one `keel: error:` line and exit 2 (sub-commands inherit it)."""
+
+    def error(self, message):
+        print(f"keel: error: {self.prog.removeprefix('keel ')}: {message}" if self.prog != "keel"
+              else f"keel: error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _needs(extra: str, module: str) -> None:
@@ -233,7 +303,7 @@ def add_hf_commands(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from keel.train.config import add_config_arguments  # imports torch: inside main's Ctrl-C handling
 
-    parser = argparse.ArgumentParser(prog="keel", description="Deep Transformer LMs with the Keel residual.")
+    parser = _Parser(prog="keel", description="Deep Transformer LMs with the Keel residual.")
     parser.add_argument("--version", action="version", version=f"keel {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -331,6 +401,8 @@ def _main(argv: list[str] | None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     try:
+        if getattr(args, "config", None):
+            _check_config_file(args.config)
         return args.func(args)
     except KeelError as err:  # ConfigError, DataError, CheckpointError, ExportError: one line naming the field/file
         print(f"keel: error: {err}", file=sys.stderr)

@@ -44,6 +44,7 @@ from keel.errors import CheckpointError
 from keel.train.untrusted import (
     FILES,
     Damaged,
+    check_training_state,
     dcp_metadata,
     inspect_checkpoint,
     one_line,
@@ -58,7 +59,12 @@ _LEFTOVER = re.compile(r"\.(tmp|old)-(step_\d+)(-.*)?")  # what save and _commit
 
 # ---- finding checkpoints ---------------------------------------------------------------------------
 def checkpoint_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    """`run_dir`/checkpoints, refused when it is a symlink: saving would write, and pruning delete, outside
+    the run directory."""
+    root = Path(run_dir) / "checkpoints"
+    if root.is_symlink():
+        raise CheckpointError(f"{root}: is a symbolic link to {os.readlink(root)}; keel does not follow it")
+    return root
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -115,7 +121,7 @@ def load(path: Path, model: nn.Module) -> tuple[dict, dict]:
     if missing or unexpected:
         names = ", ".join(sorted(missing or unexpected)[:3])
         raise CheckpointError(f"checkpoint {path}: weights do not fit the model ({names})")
-    return _state_and_meta(path, manifest)
+    return _state_and_meta(path, manifest, model)
 
 
 def load_sharded(path: Path, model: nn.Module, optimizer=None) -> tuple[dict, dict]:
@@ -136,12 +142,19 @@ def _verified(path: Path) -> tuple[str, dict[str, str]]:
         raise CheckpointError(f"checkpoint {path}: {err}") from None
 
 
-def _state_and_meta(path: Path, manifest: dict) -> tuple[dict, dict]:
+def _state_and_meta(path: Path, manifest: dict, model: nn.Module) -> tuple[dict, dict]:
+    """state.pt and meta.json, their content checked against `model` (the checksums also match what a buggy
+    or hostile writer re-checksummed, so types and shapes are checked too), and the weights finite."""
     try:
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-        return state, read_meta(path, manifest)
-    except Exception as err:  # replaced since verify
+        meta = read_meta(path, manifest)
+        check_training_state(state, meta, model)
+    except Exception as err:  # Damaged, or replaced since verify
         raise CheckpointError(f"checkpoint {path}: {one_line(err)}") from None
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"checkpoint {path} (step {meta['step']}): weight {name} holds NaN or inf")
+    return state, meta
 
 
 def _load_dcp(path: Path, manifest: dict, model: nn.Module, optimizer) -> tuple[dict, dict]:
@@ -200,7 +213,7 @@ def _load_dcp(path: Path, manifest: dict, model: nn.Module, optimizer) -> tuple[
             if inner is err:
                 raise
             raise CheckpointError(f"checkpoint {path}: cannot be read ({one_line(inner)})") from None
-    return _state_and_meta(path, manifest)
+    return _state_and_meta(path, manifest, model)
 
 
 def export_safetensors(path: Path, model: nn.Module, out: Path) -> Path:
@@ -209,6 +222,8 @@ def export_safetensors(path: Path, model: nn.Module, out: Path) -> Path:
     load(Path(path), model)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_symlink():
+        raise CheckpointError(f"{out}: is a symbolic link; refused to write through it")
     save_model(model, str(out))
     return out
 

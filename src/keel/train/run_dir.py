@@ -29,7 +29,7 @@ from pathlib import Path
 from keel.data.tokenizer import load_saved_tokenizer
 from keel.errors import ConfigError, DataError
 from keel.model import TransformerLM
-from keel.train import checkpoint
+from keel.train import checkpoint, safe_io
 from keel.train.config import TrainConfig, load_run_config, merge, to_yaml
 
 # fields a resumed run may change; anything else must match the run's config
@@ -99,7 +99,7 @@ class RunDir(os.PathLike):
     def open(cls, path) -> RunDir:
         """An existing run; a directory without config.yaml is named as not being one."""
         path = Path(path)
-        if not (path / "config.yaml").is_file():
+        if not os.path.lexists(path / "config.yaml"):  # a planted link or FIFO is named when read, not here
             raise ConfigError(f"{path}: not a Keel run directory (no config.yaml)")
         return cls(path)
 
@@ -109,18 +109,18 @@ class RunDir(os.PathLike):
         kernel drops it with the process). A second trainer on the same run gets one clear error."""
         import fcntl
 
-        f = open(self.path / LOCK, "a+")
+        f = safe_io.open_lock(self.path, self.path / LOCK)  # a planted link, directory or FIFO: one line
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             f.seek(0)
-            holder = f.read().strip() or "another process"
+            holder = f.read(200).decode("utf-8", "replace").strip() or "another process"
             f.close()
             raise ConfigError(f"run directory {self.path} is in use by {holder}; wait for it to finish "
                               "or stop it first") from None
         f.seek(0)
         f.truncate()
-        f.write(f"keel process {os.getpid()}")
+        f.write(f"keel process {os.getpid()}".encode())
         f.flush()
         self._lock = f
 
@@ -134,12 +134,18 @@ class RunDir(os.PathLike):
         import fcntl
 
         lock = self.path / LOCK
-        if self._lock is None and lock.is_file():
-            with open(lock) as f:
+        if self._lock is None and lock.is_file() and not lock.is_symlink():
+            try:
+                fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                fd = None
+            if fd is not None:
                 try:
-                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 except OSError:
                     return "running"
+                finally:
+                    os.close(fd)
         summary = self.summary()
         if summary is not None:
             if summary.get("diverged"):
@@ -166,8 +172,10 @@ class RunDir(os.PathLike):
         self.unlock()
         if self.path.is_dir() and all(p.name == LOCK for p in self.path.iterdir()):
             for p in self.path.iterdir():
-                p.unlink()
-            self.path.rmdir()
+                if p.is_symlink() or p.is_file():  # unlink removes a link itself, never its target
+                    p.unlink()
+            if not any(self.path.iterdir()):
+                self.path.rmdir()
 
     def discard_untrained(self) -> None:
         """Remove a run that has not trained a step (no checkpoints, no metrics): what a start that failed
@@ -179,6 +187,8 @@ class RunDir(os.PathLike):
 
     # ---- what it holds --------------------------------------------------------------------------
     def config(self) -> TrainConfig:
+        # refused here when a link, FIFO or oversized; load_run_config then parses the regular file
+        safe_io.read_bytes(self.path, self.path / "config.yaml", safe_io.CAP_SMALL)
         return load_run_config(self.path)
 
     def write_config(self, config: TrainConfig) -> None:
@@ -188,18 +198,17 @@ class RunDir(os.PathLike):
         self._write("run.json", json.dumps(info, indent=1, default=str))
 
     def provenance(self) -> dict:
-        path = self.path / "run.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
+        text = safe_io.read_text(self.path, self.path / "run.json", safe_io.CAP_SMALL)
+        return json.loads(text) if text is not None else {}
 
     def save_tokenizer(self, tokenizer) -> None:
-        tokenizer.save(self.path / "tokenizer")
+        tokenizer.save(safe_io.check_dir(self.path, self.path / "tokenizer"))
 
     def tokenizer(self):
-        return load_saved_tokenizer(self.path / "tokenizer")
+        return load_saved_tokenizer(safe_io.check_dir(self.path, self.path / "tokenizer"))
 
     def log(self, record: dict, name: str = "metrics.jsonl") -> None:
-        with open(self.path / name, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        safe_io.append_text(self.path, self.path / name, json.dumps(record) + "\n")
 
     def metrics(self) -> list[dict]:
         return [record for _, record in self._records()]
@@ -212,9 +221,10 @@ class RunDir(os.PathLike):
         """(line, record) of a JSON-lines log. A torn last line (a process killed mid-write) is dropped with a
         note; a damaged line before it is an error naming the file and line."""
         path = self.path / name
-        if not path.exists():
+        text = safe_io.read_text(self.path, path, safe_io.CAP_LOG)  # a link, FIFO or oversized log: one line
+        if text is None:
             return []
-        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        lines = [line for line in text.splitlines() if line.strip()]
         out = []
         for n, line in enumerate(lines, 1):
             try:
@@ -241,8 +251,8 @@ class RunDir(os.PathLike):
         self._write("summary.json", json.dumps(summary, indent=1))
 
     def summary(self) -> dict | None:
-        path = self.path / "summary.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+        text = safe_io.read_text(self.path, self.path / "summary.json", safe_io.CAP_SMALL)
+        return json.loads(text) if text is not None else None
 
     def write_diverged(self, diagnostic: dict) -> None:
         self._write("diverged.json", json.dumps(diagnostic, indent=1))
@@ -276,14 +286,7 @@ class RunDir(os.PathLike):
 
     def _write(self, name: str, text: str) -> None:
         """Write a whole file atomically: a full disk or a kill leaves the old file (or none), never half."""
-        path = self.path / name
-        tmp = path.with_name(f".{name}.tmp-{os.getpid()}")
-        try:
-            tmp.write_text(text)
-            os.replace(tmp, path)
-        except OSError as err:
-            tmp.unlink(missing_ok=True)
-            raise DataError(f"{path}: cannot write ({err.strerror or err})") from None
+        safe_io.write_text(self.path, self.path / name, text)  # never through a planted link
 
     # ---- path-likeness --------------------------------------------------------------------------
     def __fspath__(self) -> str:
@@ -318,15 +321,15 @@ def find_runs(root) -> list[RunDir]:
     root = Path(root)
     if not root.is_dir():
         raise ConfigError(f"{root}: no such directory of runs")
-    runs = [RunDir(p) for p in root.iterdir() if (p / "config.yaml").is_file()]
-    return sorted(runs, key=lambda r: (r.path / "config.yaml").stat().st_mtime)
+    runs = [RunDir(p) for p in root.iterdir() if os.path.lexists(p / "config.yaml")]
+    return sorted(runs, key=lambda r: (r.path / "config.yaml").lstat().st_mtime)
 
 
 def latest_run(root) -> RunDir:
     """The most recently active run under `root` (`resume=latest`)."""
     def activity(r: RunDir) -> float:
-        return max((r.path / n).stat().st_mtime for n in ("config.yaml", "metrics.jsonl", "summary.json")
-                   if (r.path / n).exists())
+        return max((r.path / n).lstat().st_mtime for n in ("config.yaml", "metrics.jsonl", "summary.json")
+                   if os.path.lexists(r.path / n))
     runs = find_runs(root)
     if not runs:
         raise ConfigError(f"resume=latest: no runs in {root}")

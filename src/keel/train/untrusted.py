@@ -231,3 +231,72 @@ def check_shards(path: Path, manifest: dict, metadata) -> None:
                 torch.load(value, weights_only=True)
             except Exception as err:
                 raise Damaged(f"{info.relative_path}: {index.fqn} cannot be read ({one_line(err)})") from None
+
+
+# ---- content that passed its checksums ----------------------------------------------------------------
+# A checksum proves only that the bytes are what the writer listed; a buggy or hostile writer lists wrong
+# content. Each field a resume restores is checked here for type (and the optimiser's tensors for shape),
+# so a bad one is refused at load in one line, never as a TypeError at restore or a RuntimeError at the
+# first step. Fields are checked when present: checkpoints without training state (keel import-hf) load.
+def _count(v) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _rng(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1
+
+
+_META = {
+    "draws": (_count, "an integer >= 0"),
+    "rollbacks": (_count, "an integer >= 0"),
+    "global_batch": (_count, "an integer >= 0"),
+    "world_size": (_count, "an integer >= 0"),
+    "lr_scale": (lambda v: type(v) in (int, float) and 0 < v < float("inf"), "a positive number"),
+    "skip_draws": (lambda v: isinstance(v, list) and all(map(_count, v)), "a list of integers >= 0"),
+    "guard": (lambda v: isinstance(v, dict) and isinstance(v.get("history", []), list)
+              and all(type(x) in (int, float) for x in v.get("history", [])), "an object with a list of numbers"),
+}
+
+
+def check_training_state(state: dict, meta: dict, model) -> None:
+    """Raise `Damaged` naming the first field of meta.json or state.pt of the wrong type or shape."""
+    for key, (ok, allowed) in _META.items():
+        if key in meta and not ok(meta[key]):
+            raise Damaged(f"meta.json: {key} is {json.dumps(meta[key])[:40]}, not {allowed}")
+    for key in ("torch_rng", "cuda_rng"):
+        if key in state and not _rng(state[key]):
+            raise Damaged(f"state.pt: {key} is not a random-generator state (a 1-D uint8 tensor)")
+    if "sampler" in state:
+        sampler = state["sampler"]
+        if not (isinstance(sampler, dict) and _rng(sampler.get("generator")) and _count(sampler.get("step"))):
+            raise Damaged("state.pt: sampler is not {generator: uint8 tensor, step: integer >= 0}")
+    if "optimizer" in state:
+        _check_optimizer(state["optimizer"], model)
+
+
+def _check_optimizer(opt, model) -> None:
+    """The AdamW state keel.train.optim writes for `model`: one entry per trainable parameter, each tensor
+    the parameter's shape. Its groups are [decay, no_decay]: the parameters in model order, or, with norms
+    and embeddings undecayed, the weight matrices first."""
+    from torch import nn
+
+    groups = opt.get("param_groups") if isinstance(opt, dict) else None
+    if not (isinstance(groups, list) and isinstance(opt.get("state"), dict)
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+        raise Damaged("state.pt: optimizer is not an optimiser state dict")
+    ids = [i for g in groups for i in g["params"]]
+    params = [p for p in model.parameters() if p.requires_grad]
+    if len(ids) != len(params) or len(set(ids)) != len(ids):
+        raise Damaged(f"state.pt: optimizer holds {len(ids)} parameters; the model has {len(params)}")
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    matrices = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
+    if [len(g["params"]) for g in groups] != [len(params), 0]:
+        params = matrices + [p for p in params if not (p.dim() >= 2 and id(p) not in embeddings)]
+    shapes = dict(zip(ids, (tuple(p.shape) for p in params)))
+    for key, entry in opt["state"].items():
+        if key not in shapes or not isinstance(entry, dict):
+            raise Damaged(f"state.pt: optimizer state names parameter {key!r}, which the model does not have")
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != shapes[key]:
+                raise Damaged(f"state.pt: optimizer {name} of parameter {key} has shape {tuple(value.shape)}, "
+                              f"not {shapes[key]}")

@@ -1,0 +1,151 @@
+"""Reading and writing files in a run directory that may come from someone else.
+
+Run directories travel (shared drives, downloaded runs), so every entry in one may be a planted symlink, a
+FIFO, a directory or a huge file. The rules, for every path under a run directory `root`:
+- nothing between `root` and the file may be a symlink (a symlinked `checkpoints/` or `tokenizer/` is
+  refused, not followed), and the path must stay inside `root` once resolved;
+- a write goes to a fresh temporary file created with O_EXCL|O_NOFOLLOW beside the target, renamed into
+  place (rename never follows a link); a target that is a symlink is refused, never written through;
+- an append opens with O_APPEND|O_NOFOLLOW and must land on a regular file;
+- a read opens with O_NOFOLLOW|O_NONBLOCK (a FIFO never blocks), requires a regular file, and refuses
+  one over its size cap before reading a byte.
+Symlinked files are refused, not read even when they point inside the run: keel never writes one, so a
+symlink there was planted. Every refusal is one `DataError` line naming the file.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from pathlib import Path
+
+from keel.errors import DataError
+
+MiB = 1 << 20
+CAP_LOG = 256 * MiB  # metrics.jsonl, telemetry.jsonl
+CAP_SMALL = 16 * MiB  # config.yaml, run.json, summary.json, tokenizer_config.json, .lock
+CAP_TOKENIZER = 64 * MiB  # tokenizer.json
+
+
+def inside(root, path) -> Path:
+    """`path`, checked to lie under `root` with no symlink between them (the final entry may be one:
+    callers open it with O_NOFOLLOW). Raises DataError naming the entry."""
+    root, path = Path(root), Path(path)
+    try:
+        rel = path.relative_to(root)
+    except ValueError:
+        raise DataError(f"{path}: outside the run directory {root}, refused") from None
+    if ".." in rel.parts:
+        raise DataError(f"{path}: outside the run directory {root}, refused")
+    here = root
+    for part in rel.parts[:-1]:
+        here = here / part
+        if here.is_symlink():
+            raise DataError(f"{here}: is a symbolic link; keel does not follow links inside a run directory")
+    if os.path.lexists(path.parent) and not path.parent.resolve().is_relative_to(root.resolve()):
+        raise DataError(f"{path}: resolves outside the run directory {root}, refused")
+    return path
+
+
+def _refuse(path: Path, err: OSError, doing: str) -> DataError:
+    if err.errno == errno.ELOOP or (err.errno == errno.ENOTDIR and Path(path).is_symlink()):
+        return DataError(f"{path}: is a symbolic link; keel does not follow links inside a run directory")
+    if err.errno == errno.EISDIR:
+        return DataError(f"{path}: is a directory, not a file")
+    if err.errno == errno.ENOSPC:
+        return DataError(f"{path}: cannot {doing}: no space left on {path.parent}")
+    return DataError(f"{path}: cannot {doing} ({err.strerror or err})")
+
+
+def _regular(fd: int, path: Path) -> None:
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise DataError(f"{path}: is {kind}; keel reads and writes only regular files in a run directory")
+
+
+def write_bytes(root, path, data: bytes) -> Path:
+    """Write `path` (under `root`) whole and atomically, never through a link."""
+    path = inside(root, path)
+    if path.is_symlink():
+        raise DataError(f"{path}: is a symbolic link; refused to write through it")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as err:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise _refuse(path, err, "write") from None
+    return path
+
+
+def write_text(root, path, text: str) -> Path:
+    return write_bytes(root, path, text.encode("utf-8"))
+
+
+def append_text(root, path, text: str) -> None:
+    """Append to `path` (created if missing): a regular file, never a link or FIFO."""
+    path = inside(root, path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        raise _refuse(path, err, "append to it") from None
+    _regular(fd, path)
+    with os.fdopen(fd, "a") as f:
+        f.write(text)
+
+
+def open_lock(root, path):
+    """The lock file opened read-write (created if missing) as a binary file object; a link, directory or
+    FIFO is refused."""
+    path = inside(root, path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        raise _refuse(path, err, "open the lock") from None
+    _regular(fd, path)
+    return os.fdopen(fd, "r+b")
+
+
+def read_bytes(root, path, cap: int) -> bytes | None:
+    """The bytes of `path` (under `root`), None if it does not exist. Refuses a link, a non-regular file, or
+    one larger than `cap`, before reading it."""
+    path = inside(root, path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise _refuse(path, err, "read it") from None
+    _regular(fd, path)
+    with os.fdopen(fd, "rb") as f:
+        if os.fstat(f.fileno()).st_size > cap:
+            raise DataError(f"{path}: larger than {cap // MiB} MiB, refused")
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        raise DataError(f"{path}: larger than {cap // MiB} MiB, refused")
+    return data
+
+
+def read_text(root, path, cap: int) -> str | None:
+    data = read_bytes(root, path, cap)
+    return None if data is None else data.decode("utf-8", errors="replace")
+
+
+def check_dir(root, path) -> Path:
+    """`path` (under `root`), refused when it is a symlink or exists as something other than a directory;
+    for the directories keel writes into (checkpoints/, tokenizer/, tensorboard/, wandb/)."""
+    path = inside(root, path)
+    if path.is_symlink():
+        raise DataError(f"{path}: is a symbolic link; keel does not follow links inside a run directory")
+    if os.path.lexists(path) and not path.is_dir():
+        raise DataError(f"{path}: exists and is not a directory")
+    return path
