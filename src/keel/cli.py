@@ -120,7 +120,8 @@ def cmd_eval(args) -> int:
     from keel.train import safe_io
 
     name = Path(result["checkpoint"]).name
-    safe_io.write_text(args.run_dir, Path(args.run_dir) / f"eval-{name}-{args.split}.json", json.dumps(result, indent=1))
+    out = Path(args.run_dir) / f"eval-{name}-{args.split}.json"
+    safe_io.write_text(args.run_dir, out, json.dumps(result, indent=1))  # never through a planted link
     return 0
 
 
@@ -160,7 +161,7 @@ def cmd_tokenizer(args) -> int:
     from keel.data.tokenizer import train_bpe
     from keel.train.config import merge
 
-    out = _output_path(args.out, "--out", (".json",))
+    _output_path(args.out, "--out", (".json",))
     corpus = build_corpus(merge(DataConfig(), None, args.overrides))
     tok = train_bpe(corpus.documents("train"), args.vocab_size, Path(args.out))
     print(f"trained a byte-level BPE with {tok.vocab_size} tokens on {corpus.fingerprint[:12]}: {args.out}")
@@ -176,7 +177,8 @@ def _output_path(value: str, flag: str, suffixes, owned=()) -> Path:
     written only by the command that owns them)."""
     out = Path(value)
     if out.suffix.lower() not in suffixes:
-        raise ConfigError(f"{flag} {value}: unknown format {out.suffix or '(none)'!r}; allowed: {', '.join(suffixes)}")
+        raise ConfigError(f"{flag} {value}: unknown format {out.suffix or '(none)'!r}; "
+                          f"allowed: {', '.join(suffixes)}")
     if not out.parent.is_dir():
         raise ConfigError(f"{flag} {value}: no such directory {out.parent}")
     if out.is_dir():
@@ -184,8 +186,9 @@ def _output_path(value: str, flag: str, suffixes, owned=()) -> Path:
     for parent in (out.parent, out.parent.parent):
         if any(parent.resolve() == Path(o).resolve() for o in owned):
             continue
-        if (parent / "config.yaml").exists() and (parent / "checkpoints").exists() or (parent / "run.json").exists():
-            raise ConfigError(f"{flag} {value}: inside the run directory {parent}; keel does not overwrite a run's files")
+        if (parent / "run.json").exists() or (parent / "config.yaml").exists() and (parent / "checkpoints").exists():
+            raise ConfigError(f"{flag} {value}: inside the run directory {parent}; "
+                              "keel does not overwrite a run's files")
     return out
 
 

@@ -6,10 +6,11 @@ cache keys are built from), `encode`, `decode`, `encode_batch` (bulk, to numpy) 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
-import shutil
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from keel.errors import DataError
+from keel.train import safe_io
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>")
 DEFAULT_BPE_VOCAB = 4096
@@ -48,16 +50,16 @@ class ByteTokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         config = {"tokenizer_class": "ByteTokenizer", "keel_tokenizer": "bytes", "vocab_size": self.vocab_size}
-        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+        safe_io.write_text(directory, directory / "tokenizer_config.json", json.dumps(config, indent=1) + "\n")
 
 
 class HFTokenizer:
     """A Hugging Face `tokenizers.Tokenizer` read from a tokenizer.json file."""
 
-    def __init__(self, path):
+    def __init__(self, path, follow_links: bool = True):
         self.path = Path(path)
         try:
-            raw = self.path.read_bytes()
+            raw = _read_capped(self.path, follow_links)
         except FileNotFoundError:
             raise DataError(f"{self.path}: no such tokenizer file; data.tokenizer must be {SPEC_HELP}") from None
         except OSError as err:
@@ -84,7 +86,8 @@ class HFTokenizer:
     def save(self, directory) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(self.path, directory / "tokenizer.json")
+        # never through a link planted at the destination (a run directory from elsewhere)
+        safe_io.write_bytes(directory, directory / "tokenizer.json", _read_capped(self.path))
 
     def token_byte_lengths(self) -> np.ndarray | None:
         """UTF-8 bytes each id stands for, for byte-level BPE (one symbol of its alphabet = one byte;
@@ -145,14 +148,37 @@ def load_tokenizer(spec: str, cache_dir, corpus=None):
     return HFTokenizer(path / "tokenizer.json" if path.is_dir() else path)
 
 
+MAX_TOKENIZER_BYTES = 64 << 20  # a real tokenizer.json is a few MiB; parsing costs ~2x its size in memory
+
+
+def _read_capped(path: Path, follow_links: bool = True) -> bytes:
+    """The bytes of a tokenizer file: a regular file (a FIFO is refused, not waited on) of at most
+    MAX_TOKENIZER_BYTES, checked before reading. Without `follow_links` a symlink is refused (a run
+    directory's files: keel never writes a link there)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise DataError(f"{path}: is a symbolic link; keel does not follow links inside a run directory") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise DataError(f"{path}: not a regular file")
+        if info.st_size > MAX_TOKENIZER_BYTES:
+            raise DataError(f"{path}: larger than {MAX_TOKENIZER_BYTES >> 20} MiB, refused")
+        return f.read(MAX_TOKENIZER_BYTES)
+
+
 def load_saved_tokenizer(directory):
-    """The tokenizer a run saved with `save(directory)`."""
+    """The tokenizer a run saved with `save(directory)`; its files are read only if regular, not links."""
     directory = Path(directory)
-    if (directory / "tokenizer.json").is_file():
-        return HFTokenizer(directory / "tokenizer.json")
+    if os.path.lexists(directory / "tokenizer.json"):
+        return HFTokenizer(directory / "tokenizer.json", follow_links=False)
     config = directory / "tokenizer_config.json"
     try:
-        kind = json.loads(config.read_text()).get("keel_tokenizer")
+        kind = json.loads(_read_capped(config, follow_links=False)).get("keel_tokenizer")
     except (OSError, ValueError, AttributeError):
         kind = None
     if kind == "bytes":

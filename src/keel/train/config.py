@@ -270,6 +270,8 @@ def validate(c: TrainConfig) -> None:
     def fail(name, got, allowed):
         raise ConfigError(f"{name}: got {got!r}; allowed: {allowed}")
 
+    if c.run.steps > 2**40:  # beyond any run; past 2**63 the step counters and checkpoint names overflow
+        fail("run.steps", c.run.steps, "an integer in [1, 2**40]")
     for name in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_batches", "keep_checkpoints"):
         if getattr(c.run, name) < 1:
             fail(f"run.{name}", getattr(c.run, name), "an integer >= 1")

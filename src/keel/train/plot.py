@@ -9,6 +9,7 @@ telemetry.jsonl, a row of depth x step heatmaps: per-sub-layer gradient norm, st
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 
@@ -18,6 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
+from keel.train import safe_io  # noqa: E402
 from keel.train.report import cell, task_scores  # noqa: E402
 from keel.train.run_dir import RunDir  # noqa: E402
 
@@ -100,6 +102,8 @@ def plot_runs(run_dirs, out) -> Path:
             ax.set_ylabel("sub-layer (0 = bottom)")
     fig.tight_layout()
     out = Path(out)
-    fig.savefig(out, dpi=100)
+    png = io.BytesIO()  # drawn in memory, then written without following a link planted at `out`
+    fig.savefig(png, dpi=100, format=out.suffix.lstrip(".").lower() or "png")
     plt.close(fig)
+    safe_io.write_bytes(out.parent, out, png.getvalue())
     return out
