@@ -32,3 +32,75 @@ def test_signal_at_any_moment_is_one_line_and_exit_130(tmp_path, signum):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 130, (delay, proc.returncode, err[-2000:])
         assert "Traceback" not in err and len(err.strip().splitlines()) <= 2, (delay, err[-2000:])
+
+
+# ---- damaged logs -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished 4-step tiny run with validation and telemetry, copied by each test before damaging it."""
+    out = tmp_path_factory.mktemp("runs")
+    assert main(["train", "--preset", "tiny", "run.steps=4", "run.eval_every=2", "run.telemetry_every=2",
+                 "run.progress=false", f"run.out_dir={out}", "run.name=clean"]) == 0
+    return out / "clean"
+
+
+def _append(name, text):
+    return lambda run: (run / name).open("a").write(text)
+
+
+def _metrics_dir(run):
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").mkdir()
+
+
+DAMAGE = {
+    "string loss": _append("metrics.jsonl", '{"step": 3, "loss": "nan-ish", "lr": 0.001}\n'),
+    "string val_loss": _append("metrics.jsonl", '{"step": 4, "val_loss": "5.1"}\n'),
+    "no step": _append("metrics.jsonl", '{"loss": 5.0, "lr": 0.001}\n'),
+    "null step": _append("metrics.jsonl", '{"step": null, "loss": 5.0}\n'),
+    "string step": _append("metrics.jsonl", '{"step": "3", "loss": 5.0}\n'),
+    "list record, then a good one": _append("metrics.jsonl", '[1, 2]\n{"step": 4, "loss": 5.0}\n'),
+    "binary line in the middle": _append("metrics.jsonl", '\x00\xff{{\n{"step": 4, "loss": 5.0}\n'),
+    "metrics.jsonl is a directory": _metrics_dir,
+    "torn summary": lambda run: (run / "summary.json").write_text('{"final_val_loss": 5.'),
+    "binary summary": lambda run: (run / "summary.json").write_bytes(b"\x80\x00\xfe"),
+    "list summary": lambda run: (run / "summary.json").write_text("[1, 2]"),
+    "telemetry without step": _append("telemetry.jsonl", '{"grad_norm": [1.0, 2.0, 3.0, 4.0]}\n'),
+    "telemetry scalar": _append("telemetry.jsonl", '{"step": 4, "grad_norm": 3.0}\n'),
+    "telemetry string list": _append("telemetry.jsonl", '{"step": 4, "grad_norm": ["a", "b"]}\n'),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_logs_are_skipped_with_one_note(trained, tmp_path, capsys, damage):
+    """keel runs, keel plot and keel train resume= on a run whose logs were damaged: no traceback; a damaged
+    record is skipped with one note naming the file, an unusable file is ignored (runs, plot) or refused in
+    one line (resume cannot rewrite a directory)."""
+    import shutil
+
+    runs = tmp_path / "runs"
+    run = runs / "clean"
+    shutil.copytree(trained, run)
+    DAMAGE[damage](run)
+    capsys.readouterr()
+
+    assert main(["runs", str(runs), "--json"]) == 0
+    out, err = capsys.readouterr()
+    row = json.loads(out)[0]
+    assert row["run"] == "clean" and row["steps"] == ("0/4" if damage == "metrics.jsonl is a directory" else "4/4")
+    assert len(err.strip().splitlines()) <= 1 and "Traceback" not in err
+    notes = err
+
+    assert main(["plot", str(run), "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 0
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) <= 2 and "Traceback" not in err
+    notes += err  # keel runs reads no telemetry; plot does (a note is printed once per process)
+    damaged = next((name for name in ("summary.json", "telemetry.jsonl") if name.split(".")[0] in damage),
+                   "metrics.jsonl")
+    assert notes.count(damaged) == 1, notes
+
+    code = main(["train", f"resume={run}", "run.steps=6", "run.progress=false"])
+    err = capsys.readouterr().err
+    assert code == (2 if damage == "metrics.jsonl is a directory" else 0), err
+    assert len(err.strip().splitlines()) <= 2 and "Traceback" not in err

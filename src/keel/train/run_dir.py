@@ -162,7 +162,7 @@ class RunDir(os.PathLike):
         config = self.config()
         records = self.metrics()
         steps = max((r["step"] for r in records if "loss" in r and "event" not in r), default=0)
-        val = [r["val_loss"] for r in records if "val_loss" in r]
+        val = [r["val_loss"] for r in records if _number(r.get("val_loss"))]
         return {"run": self.name, "scheme": config.model.scheme, "sub-layers": config.model.n_sublayers,
                 "d_model": config.model.d_model, "steps": f"{steps}/{config.run.steps}",
                 "val_loss": round(val[-1], 4) if val else None, "status": self.status(), "path": str(self.path)}
@@ -198,8 +198,7 @@ class RunDir(os.PathLike):
         self._write("run.json", json.dumps(info, indent=1, default=str))
 
     def provenance(self) -> dict:
-        text = safe_io.read_text(self.path, self.path / "run.json", safe_io.CAP_SMALL)
-        return json.loads(text) if text is not None else {}
+        return _read_json_object(self.path / "run.json") or {}
 
     def save_tokenizer(self, tokenizer) -> None:
         tokenizer.save(safe_io.check_dir(self.path, self.path / "tokenizer"))
@@ -218,25 +217,34 @@ class RunDir(os.PathLike):
         return [record for _, record in self._records("telemetry.jsonl")]
 
     def _records(self, name: str = "metrics.jsonl") -> list[tuple[str, dict]]:
-        """(line, record) of a JSON-lines log. A torn last line (a process killed mid-write) is dropped with a
-        note; a damaged line before it is an error naming the file and line."""
+        """(line, record) of a JSON-lines log. A line that is not a record of the file's shape (torn by a kill,
+        damaged, a string where a number belongs, no integer step) is skipped with one note naming the file
+        and lines; an unreadable file (a directory, no permission) is skipped with one note."""
         path = self.path / name
-        text = safe_io.read_text(self.path, path, safe_io.CAP_LOG)  # a link, FIFO or oversized log: one line
-        if text is None:
+        try:
+            text = safe_io.read_text(self.path, path, safe_io.CAP_LOG)  # a link, FIFO or oversized log: one line
+            if text is None:
+                return []
+        except DataError as err:  # a planted link, FIFO or directory: noted, never followed or waited on
+            _note(f"{str(err).removeprefix('keel: ')}; skipped")
             return []
-        lines = [line for line in text.splitlines() if line.strip()]
-        out = []
-        for n, line in enumerate(lines, 1):
+        except OSError as err:
+            _note(f"{path}: cannot read ({err.strerror or err}); skipped")
+            return []
+        out, bad = [], []
+        for n, line in enumerate((line for line in text.splitlines() if line.strip()), 1):
             try:
                 record = json.loads(line)
-                if not isinstance(record, dict):
-                    raise ValueError("not a JSON object")
-            except ValueError as err:
-                if n == len(lines):
-                    print(f"keel: {path}: dropped a torn last line ({str(err).splitlines()[0]})", file=sys.stderr)
-                    break
-                raise DataError(f"{path}: line {n} is not a JSON record ({str(err).splitlines()[0]})") from None
-            out.append((line, record))
+            except ValueError:
+                record = None
+            if _valid_record(record, name):
+                out.append((line, record))
+            else:
+                bad.append(n)
+        if bad:
+            lines = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            _note(f"{path}: skipped {len(bad)} damaged record{'s' if len(bad) > 1 else ''} (line "
+                  f"{lines}: not JSON, no integer step, or a value of the wrong type)")
         return out
 
     def truncate_log(self, step: int) -> None:
@@ -251,8 +259,8 @@ class RunDir(os.PathLike):
         self._write("summary.json", json.dumps(summary, indent=1))
 
     def summary(self) -> dict | None:
-        text = safe_io.read_text(self.path, self.path / "summary.json", safe_io.CAP_SMALL)
-        return json.loads(text) if text is not None else None
+        """summary.json, or None if there is none; a damaged one (torn, not a JSON object) is noted and None."""
+        return _read_json_object(self.path / "summary.json")
 
     def write_diverged(self, diagnostic: dict) -> None:
         self._write("diverged.json", json.dumps(diagnostic, indent=1))
@@ -334,6 +342,57 @@ def latest_run(root) -> RunDir:
     if not runs:
         raise ConfigError(f"resume=latest: no runs in {root}")
     return max(runs, key=activity)
+
+
+_TEXT_FIELDS = {"event", "reason"}  # metrics.jsonl's only text; every other value is a number (or null)
+_noted: set[str] = set()
+
+
+def _note(message: str) -> None:
+    """Print a note about a damaged file once per process (a command reads a log more than once)."""
+    if message not in _noted:
+        _noted.add(message)
+        print(f"keel: {message}", file=sys.stderr)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _valid_record(record, name: str) -> bool:
+    """A record of `name` readers can use: an object with an integer step >= 0 and values of the right type
+    (metrics: numbers or null, text only under _TEXT_FIELDS; telemetry: one list of numbers per quantity)."""
+    if not isinstance(record, dict):
+        return False
+    step = record.get("step")
+    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+        return False
+    values = [(k, v) for k, v in record.items() if k != "step"]
+    if name == "telemetry.jsonl":
+        return all(isinstance(v, list) and v and all(map(_number, v)) for _, v in values)
+    return all(v is None or _number(v) or (k in _TEXT_FIELDS and isinstance(v, str)) for k, v in values)
+
+
+def _read_json_object(path: Path) -> dict | None:
+    """A JSON object file, or None if absent; one that is unreadable, torn or not an object is noted, None."""
+    try:  # a link, FIFO or oversized file is refused in one line (keel.train.safe_io)
+        text = safe_io.read_text(path.parent, path, safe_io.CAP_SMALL)
+        if text is None:
+            return None
+        value = json.loads(text)
+    except DataError as err:  # a planted link, FIFO or directory: noted, never followed or waited on
+        _note(f"{err}; ignored")
+        return None
+    except OSError as err:
+        _note(f"{path}: cannot read ({err.strerror or err}); ignored")
+        return None
+    except ValueError as err:
+        _note(f"{path}: not valid JSON ({str(err).splitlines()[0]}); ignored")
+        return None
+    if not isinstance(value, dict):
+        _note(f"{path}: not a JSON object; ignored")
+        return None
+    return value
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
