@@ -196,3 +196,19 @@ def test_a_killed_and_resumed_run_repeats_the_uninterrupted_run_scores_included(
     assert losses(killed.run_dir) == losses(straight_dir) and len(losses(straight_dir)) == 20
     assert [s for s, _ in scored(straight_dir)] == [5, 10, 15, 20]
     assert scored(killed.run_dir) == scored(straight_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_under_torchrun_the_ranks_score_what_one_process_scores_of_the_same_weights(targs, tmp_path, torchrun):
+    out = torchrun("keel.cli", "train", *targs("run.batch_size=2", "run.steps=6", "run.eval_every=0",
+                                               "run.eval_tasks=[brackets,next_line]", "run.eval_tasks_every=3",
+                                               "run.eval_tasks_items=24", name="ranks"), timeout=300)
+    assert out.stdout.count(": tasks: ") == 2  # steps 3 and 6, printed by rank 0 alone
+    run_dir = tmp_path / "runs" / "ranks"
+    history = scored(run_dir)
+    assert [s for s, _ in history] == [3, 6]
+    config, model, tokenizer, path = RunDir.open(run_dir).load_model()
+    assert path.name == "step_00000006"
+    alone = evals.score(model, evals.resolve(TASKS), config.data, tokenizer, max_items=24, device="cpu")
+    assert task_scores(flat_scores(alone)) == history[-1][1]
