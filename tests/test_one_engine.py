@@ -260,3 +260,18 @@ def test_keel_summary_refuses_overrides_it_does_not_read(capsys):
                                                "model: model.* fields only)")
     assert main(["summary", "--preset", "tiny", "model.n_blocks=3", "scheme=pre_ln"]) == 0
     assert "pre_ln" in capsys.readouterr().out
+
+
+def test_resume_goes_through_the_one_merge(tmp_path, make_run):
+    """Resume merges like train: the bare-field shorthand and the checks apply, scoring fields may change, a
+    model field may not."""
+    from keel.train.run_dir import RunDir
+
+    make_run(tmp_path / "run")
+    run = RunDir.open(tmp_path / "run")
+    resumed = run.resume_config(["run.eval_tasks=[brackets]", "run.steps=7"])
+    assert resumed.run.eval_tasks == ["brackets"] and resumed.run.steps == 7
+    with pytest.raises(ConfigError, match="model.n_blocks=5 differs"):
+        run.resume_config(["n_blocks=5"])  # shorthand reaches the model section, and is refused there
+    with pytest.raises(ConfigError, match="did you mean run.steps"):
+        run.resume_config(["steps=7"])
