@@ -104,3 +104,72 @@ def test_damaged_logs_are_skipped_with_one_note(trained, tmp_path, capsys, damag
     err = capsys.readouterr().err
     assert code == (2 if damage == "metrics.jsonl is a directory" else 0), err
     assert len(err.strip().splitlines()) <= 2 and "Traceback" not in err
+
+
+# ---- presets and summaries that must not mislead ----------------------------------------------------------
+def test_dry_run_warns_of_a_warmup_never_left_and_a_tokenizer_far_smaller_than_the_vocabulary(capsys):
+    assert main(["train", "--preset", "paper-512", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if line.startswith("keel: warning:")]
+    assert len(warnings) == 2, out[-1500:]
+    assert "optim.warmup_steps=2500 >= run.steps=1000" in warnings[0]
+    assert "256 tokens" in warnings[1] and "model.vocab_size=32,000" in warnings[1]
+
+    # a self-consistent recipe (the README's main job) is not warned about
+    assert main(["train", "--dry-run"]) == 0
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_training_start_warns_once_when_warmup_outlasts_the_run(tmp_path, capsys):
+    assert main(["train", "--preset", "tiny", "run.steps=2", "optim.warmup_steps=5", "run.progress=false",
+                 f"run.out_dir={tmp_path}", "run.eval_every=0"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("optim.warmup_steps=5 >= run.steps=2") == 1, err
+
+
+@pytest.mark.parametrize("command", [["summary"], ["train", "--dry-run"]])
+def test_summary_prints_the_resolved_alpha_and_first_layer_rule(capsys, command):
+    """cpu-demo is a Keel model with 32 sub-layers and the defaults alpha=L, first_layer=v2: the listing says
+    so (not `None`), and leaves out the options of other schemes."""
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    assert "alpha = L = 32" in out and "first_layer = v2 (default)" in out, out[:1500]
+    assert "= None" not in out.split("blocks:")[0].replace("loop_blocks = None", "")
+    assert main([*command, "model.alpha=sqrtL", "model.first_layer=v1"]) == 0
+    out = capsys.readouterr().out
+    assert "alpha = sqrtL = 5.65685" in out and "first_layer = 'v1'" in out
+
+
+def test_an_imported_run_is_listed_as_imported_and_never_resumed_as_latest(trained, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from keel.data.tokenizer import train_bpe
+
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    train_bpe(["def f(x):\n    return x + 1\n" * 50], 300, tmp_path / "llama" / "tokenizer.json")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    import shutil
+
+    shutil.copytree(trained, runs / "trained")
+    assert main(["import-hf", str(tmp_path / "llama"), str(runs / "imported")]) == 0
+    capsys.readouterr()
+    assert main(["runs", str(runs), "--json"]) == 0
+    status = {row["run"]: row["status"] for row in json.loads(capsys.readouterr().out)}
+    assert status == {"trained": "finished", "imported": "imported"}
+
+    from keel.train.run_dir import latest_run
+
+    assert latest_run(runs).name == "trained"  # the imported run is the newest, yet not a run to continue
+
+
+def test_eval_json_is_printed_by_rank_0_only(trained, capsys, monkeypatch):
+    """Under torchrun every rank runs `keel eval`; only rank 0 prints (one JSON document in the output)."""
+    for rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["eval", str(trained), "--json", "--batches", "1"]) == 0
+        out = capsys.readouterr().out
+        assert bool(out.strip()) == printed, (rank, out)
+        if printed:
+            assert json.loads(out)["val_loss"] > 0

@@ -49,7 +49,7 @@ def cmd_summary(args) -> int:
 
 def cmd_train(args) -> int:
     from keel.train.config import load_config, to_yaml
-    from keel.train.plan import plan
+    from keel.train.plan import plan, recipe_warnings
     from keel.train.run_dir import RunDir, latest_run
     from keel.train.trainer import DIVERGED_EXIT, INTERRUPTED_EXIT, Trainer
 
@@ -66,6 +66,9 @@ def cmd_train(args) -> int:
         print(plan(config))
         return 0
     trainer = Trainer(config)
+    if os.environ.get("RANK", "0") == "0":  # after the trainer's checks: a refused config gets one line
+        for line in recipe_warnings(config):
+            print(line, file=sys.stderr)
     summary = trainer.run(resume_from)
     if summary["diverged"]:
         print(f"keel: {summary['divergence_reason']} (diagnostic: {trainer.run_dir / 'diverged.json'})",
@@ -116,6 +119,8 @@ def cmd_eval(args) -> int:
     from keel.train.report import EVAL_KEYS, key_values
 
     result = evaluate_run(args.run_dir, args.checkpoint, args.split, args.batches, args.device)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun every rank evaluated its share; rank 0 reports
+        return 0
     print(json.dumps(result, indent=1) if args.json else key_values(result, EVAL_KEYS))
     from keel.train import safe_io
 

@@ -10,6 +10,7 @@ import torch
 
 from keel._version import __version__
 from keel.model import CONFIG_FIELDS, ModelConfig, count_params, flops_per_token
+from keel.model.schemes import SCHEME_OPTIONS, SCHEMES
 from keel.model.transformer import build_scheme
 from keel.runtime import use_bf16
 from keel.scale.memory import estimate_memory, format_bytes
@@ -21,7 +22,8 @@ def describe(config: ModelConfig) -> str:
     scheme = build_scheme(config)
     specs = [scheme.spec(i, "attn" if i % 2 == 0 else "ffn") for i in range(config.n_sublayers)]
     lines = [f"keel {__version__}", "", "config:"]
-    lines += [f"  {name} = {getattr(config, name)!r}" for name in CONFIG_FIELDS]
+    lines += [f"  {name} = {_resolved(config, scheme, name)}" for name in CONFIG_FIELDS
+              if name not in SCHEME_OPTIONS or name in SCHEMES[config.scheme].options]  # only the scheme's own
     n_total, n_body = count_params(config), count_params(config, embedding=False)
     lines += [
         "",
@@ -45,6 +47,41 @@ def describe(config: ModelConfig) -> str:
             blocks = ""
         first = b + 1
     return "\n".join(lines)
+
+
+# what a scheme option left unset (None) means; alpha is read from the built scheme
+_OPTION_DEFAULTS = {"first_layer": "v2", "mix_ln_fraction": 0.25, "deepnorm_beta": "deepnet"}
+
+
+def _resolved(config: ModelConfig, scheme, name: str) -> str:
+    """A config field as the model uses it: `alpha = L = 32`, `first_layer = v2 (default)`, not None."""
+    value = getattr(config, name)
+    if name == "alpha":
+        mode = "L" if value is None else value
+        text = f"{mode} = {scheme.alpha:g}" if mode in ("L", "sqrtL") else f"{scheme.alpha:g}"
+        return text + (" (default)" if value is None else "")
+    if value is None and name in _OPTION_DEFAULTS:
+        return f"{_OPTION_DEFAULTS[name]} (default)"
+    return repr(value)
+
+
+def recipe_warnings(config) -> list[str]:
+    """One line for each setting that makes a run other than it looks: a warm-up the run never leaves, or a
+    tokenizer whose vocabulary fills a small part of model.vocab_size (the rest of the embedding and head
+    never trains). Printed by the dry run and before training starts."""
+    from keel.data.tokenizer import planned_vocab_size
+
+    out = []
+    r, o = config.run, config.optim
+    if o.warmup_steps >= r.steps:
+        out.append(f"keel: warning: optim.warmup_steps={o.warmup_steps} >= run.steps={r.steps}: the learning rate "
+                   f"never leaves warm-up or reaches optim.lr={o.lr:g}; lower optim.warmup_steps or raise run.steps")
+    tokens = planned_vocab_size(config.data.tokenizer)
+    if tokens is not None and 2 * tokens <= config.model.vocab_size:
+        out.append(f"keel: warning: data.tokenizer={config.data.tokenizer!r} has {tokens:,} tokens, "
+                   f"{tokens / config.model.vocab_size:.1%} of model.vocab_size={config.model.vocab_size:,}; set "
+                   f"model.vocab_size={tokens} or a tokenizer of that size (data.tokenizer=bpe:<vocab_size>)")
+    return out
 
 
 def memory_line(config, world_size: int = 1, device: torch.device | None = None) -> str:
@@ -76,4 +113,5 @@ def plan(config) -> str:
         f"(per process), lr {config.optim.lr:g}, {config.optim.schedule} after {config.optim.warmup_steps} warm-up "
         f"steps, data {config.data.source!r}",
         f"memory per process (single process, {r.dtype} on {r.device}): {memory_line(config)}",
+        *recipe_warnings(config),
     ])

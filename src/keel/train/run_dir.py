@@ -131,7 +131,8 @@ class RunDir(os.PathLike):
             self._lock = None
 
     def status(self) -> str:
-        """running (another process holds the lock), finished, diverged, interrupted, or new (nothing trained)."""
+        """running (another process holds the lock), finished, diverged, interrupted, imported (by keel import-hf,
+        never trained here), or new (nothing trained)."""
         import fcntl
 
         lock = self.path / LOCK
@@ -156,6 +157,8 @@ class RunDir(os.PathLike):
             return "finished"
         if (self.path / "diverged.json").exists():
             return "diverged"
+        if "imported_from" in self.provenance() and not (self.path / "metrics.jsonl").exists():
+            return "imported"  # keel import-hf: weights to evaluate, not a training run to continue
         return "interrupted" if self.checkpoints() or (self.path / "metrics.jsonl").exists() else "new"
 
     def describe(self) -> dict:
@@ -335,11 +338,11 @@ def find_runs(root) -> list[RunDir]:
 
 
 def latest_run(root) -> RunDir:
-    """The most recently active run under `root` (`resume=latest`)."""
+    """The most recently active run under `root` (`resume=latest`); imported runs are not training runs."""
     def activity(r: RunDir) -> float:
         return max((r.path / n).lstat().st_mtime for n in ("config.yaml", "metrics.jsonl", "summary.json")
                    if os.path.lexists(r.path / n))
-    runs = find_runs(root)
+    runs = [r for r in find_runs(root) if r.status() != "imported"]
     if not runs:
         raise ConfigError(f"resume=latest: no runs in {root}")
     return max(runs, key=activity)
