@@ -47,6 +47,7 @@ from keel.experiments.common import (
     pm,
     point_config,
     pyplot,
+    save,
     splits,
     tiny_quick,
     train_curve,
@@ -297,8 +298,4 @@ def _plot(cfg, results, quantity, init, stage, out) -> str:
     axes[0][-1].legend(fontsize=8)
     state = "at init" if stage == "at_init" else f"after {cfg.run.steps} steps"
     fig.suptitle(f"{quantity}, {init} init, {state} (one line per seed)", fontsize=10)
-    fig.tight_layout()
-    name = f"gradflow-{quantity.replace('_', '-')}-{init}-{stage.replace('_', '-')}.png"
-    fig.savefig(out / name, dpi=110)
-    plt.close(fig)
-    return name
+    return save(fig, out, f"gradflow-{quantity.replace('_', '-')}-{init}-{stage.replace('_', '-')}.png")

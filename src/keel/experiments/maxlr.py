@@ -37,6 +37,7 @@ from keel.experiments.common import (
     mean_sd,
     point_config,
     pyplot,
+    save,
     splits,
     tiny_quick,
     train_curve,
@@ -295,8 +296,4 @@ def _plot(cfg: MaxLRConfig, results: dict, verdicts: dict, depth: int, out: Path
     axes[0][0].set_ylabel("validation loss (select half)")
     axes[0][-1].legend(fontsize=7)
     fig.suptitle(f"max-lr, {depth} sub-layers (dotted: max LR per seed)", fontsize=10)
-    fig.tight_layout()
-    name = f"maxlr-{depth}.png"
-    fig.savefig(out / name, dpi=110)
-    plt.close(fig)
-    return name
+    return save(fig, out, f"maxlr-{depth}.png")
