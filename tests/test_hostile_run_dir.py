@@ -223,3 +223,20 @@ def test_config_files_that_are_not_regular_or_have_duplicate_keys(tmp_path, caps
     dup = tmp_path / "dup.yaml"
     dup.write_text("run:\n  steps: 5\n  steps: 6\n")
     refused(capsys, "duplicate key 'steps'", "train", "--config", dup, "--dry-run")
+
+
+def test_a_symlinked_tensorboard_dir_is_refused(tmp_path):
+    """TensorBoard's event files would land wherever a planted `tensorboard` link points."""
+    from keel.errors import DataError
+    from keel.train.config import TrainConfig
+    from keel.train.tracking import Trackers
+
+    pytest.importorskip("torch.utils.tensorboard")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "tensorboard").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(DataError, match="symbolic link"):
+        Trackers(["tensorboard"], run, TrainConfig())
+    assert list(outside.iterdir()) == []

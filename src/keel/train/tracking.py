@@ -10,8 +10,10 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import asdict
+from pathlib import Path
 
 from keel.errors import ConfigError
+from keel.train.safe_io import check_dir
 
 MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}
 
@@ -32,12 +34,14 @@ class Trackers:
         if "tensorboard" in names:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            # a planted link would send the event files outside the run directory
+            self.tensorboard = SummaryWriter(log_dir=str(check_dir(run_dir, Path(run_dir) / "tensorboard")))
             self.writers.append(self._tensorboard)
         if "wandb" in names:
             import wandb
 
             # one W&B run per run directory, so a resumed run continues its own curves
+            check_dir(run_dir, Path(run_dir) / "wandb")
             self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "keel"), name=run_dir.name,
                                     id=run_dir.name.replace("/", "-"), resume="allow", dir=str(run_dir),
                                     config=asdict(config), mode=os.environ.get("WANDB_MODE", "offline"))
