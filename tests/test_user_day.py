@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from keel.cli import main
 
@@ -173,3 +175,41 @@ def test_eval_json_is_printed_by_rank_0_only(trained, capsys, monkeypatch):
         assert bool(out.strip()) == printed, (rank, out)
         if printed:
             assert json.loads(out)["val_loss"] > 0
+
+
+# ---- the log readers under fuzzed input ------------------------------------------------------------------
+_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=4),
+                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                   max_size=3), max_leaves=6)
+_keys = st.sampled_from(["step", "loss", "val_loss", "lr", "grad_norm", "tokens", "event", "reason", "stream_rms"])
+_lines = st.lists(st.one_of(st.dictionaries(_keys, _values, max_size=5).map(json.dumps), _values.map(json.dumps),
+                            st.text(max_size=12)), max_size=6)
+
+
+@settings(max_examples=80, deadline=None)
+@given(metrics=_lines, telemetry=_lines, summary=st.one_of(_values.map(json.dumps), st.text(max_size=12)))
+def test_log_readers_never_raise_on_any_lines(trained, metrics, telemetry, summary):
+    """Whatever the lines of metrics.jsonl / telemetry.jsonl and summary.json hold (any JSON, huge integers,
+    NaN, text), the readers return only well-typed records and `keel runs`' row and status never raise."""
+    import contextlib
+    import io
+    import tempfile
+
+    from keel.train.run_dir import RunDir, latest_run
+
+    with tempfile.TemporaryDirectory() as root, contextlib.redirect_stderr(io.StringIO()):
+        run = Path(root) / "fuzzed"
+        run.mkdir()
+        (run / "config.yaml").write_text((trained / "config.yaml").read_text())
+        (run / "metrics.jsonl").write_text("\n".join(metrics))
+        (run / "telemetry.jsonl").write_text("\n".join(telemetry))
+        (run / "summary.json").write_text(summary)
+        r = RunDir.open(run)
+        for record in r.metrics() + r.telemetry():
+            assert isinstance(record["step"], int) and record["step"] >= 0
+        for record in r.metrics():
+            assert all(isinstance(v, (int, float, type(None))) or k in ("event", "reason") for k, v in record.items())
+        assert r.summary() is None or isinstance(r.summary(), dict)
+        row = r.describe()
+        assert row["status"] in ("finished", "diverged", "interrupted")
+        assert latest_run(root) == r
