@@ -10,16 +10,17 @@ import keel
 
 SRC = Path(keel.__file__).parent
 
-_BELOW_TRAIN = {"_version", "errors", "runtime", "model", "kernels", "data", "scale"}
+_BELOW_TRAIN = {"_version", "errors", "safe_io", "runtime", "model", "kernels", "data", "scale"}
 # What each part of the package may import from keel besides itself, lowest first; the README's file map lists
 # the parts in this order. `keel` itself (`__init__`) is the public API: nothing inside the package imports it.
 LAYERS = {
     "_version": set(),
     "errors": set(),
+    "safe_io": {"errors"},
     "runtime": {"_version", "errors"},
     "model": set(),  # torch only: `export-hf` ships these files
     "kernels": set(),  # torch and triton only: scale applies them, bench times them
-    "data": {"errors"},
+    "data": {"errors", "safe_io"},
     "scale": {"errors", "runtime", "model", "kernels"},
     "evals": {"errors", "runtime", "model", "data"},
     "train": _BELOW_TRAIN | {"evals"},
@@ -43,6 +44,9 @@ def imports(path: Path) -> set[str]:
             if node.level:
                 base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
                 names.add(f"{base}.{node.module}" if node.module else base)
+            elif node.module == "keel":  # `from keel import evals` imports the submodule keel.evals (or the API)
+                names |= {f"keel.{a.name}" if (SRC / a.name).is_dir() or (SRC / f"{a.name}.py").exists() else "keel"
+                          for a in node.names}
             else:
                 names.add(node.module)
     return names

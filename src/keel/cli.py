@@ -122,7 +122,7 @@ def cmd_eval(args) -> int:
     if os.environ.get("RANK", "0") != "0":  # under torchrun every rank evaluated its share; rank 0 reports
         return 0
     print(json.dumps(result, indent=1) if args.json else key_values(result, EVAL_KEYS))
-    from keel.train import safe_io
+    from keel import safe_io
 
     name = Path(result["checkpoint"]).name
     out = Path(args.run_dir) / f"eval-{name}-{args.split}.json"

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from keel import safe_io
 from keel.errors import DataError
-from keel.train import safe_io
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>")
 DEFAULT_BPE_VOCAB = 4096

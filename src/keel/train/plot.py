@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import LogNorm  # noqa: E402
 
-from keel.train import safe_io  # noqa: E402
+from keel import safe_io  # noqa: E402
 from keel.train.report import cell, task_scores  # noqa: E402
 from keel.train.run_dir import RunDir  # noqa: E402
 

@@ -26,10 +26,11 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from keel import safe_io
 from keel.data.tokenizer import load_saved_tokenizer
 from keel.errors import ConfigError, DataError
 from keel.model import TransformerLM
-from keel.train import checkpoint, safe_io
+from keel.train import checkpoint
 from keel.train.config import TrainConfig, load_run_config, merge, to_yaml
 
 # fields a resumed run may change; anything else must match the run's config
@@ -379,7 +380,7 @@ def _valid_record(record, name: str) -> bool:
 
 def _read_json_object(path: Path) -> dict | None:
     """A JSON object file, or None if absent; one that is unreadable, torn or not an object is noted, None."""
-    try:  # a link, FIFO or oversized file is refused in one line (keel.train.safe_io)
+    try:  # a link, FIFO or oversized file is refused in one line (keel.safe_io)
         text = safe_io.read_text(path.parent, path, safe_io.CAP_SMALL)
         if text is None:
             return None

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from keel.errors import ConfigError
-from keel.train.safe_io import check_dir
+from keel.safe_io import check_dir
 
 MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}
 
