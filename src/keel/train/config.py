@@ -22,11 +22,10 @@ from keel.model.config import CONFIG_FIELDS, ModelConfig
 from keel.model.presets import PRESETS as MODEL_PRESETS
 from keel.model.presets import cpu_demo, tiny
 from keel.runtime import DEVICES, DTYPES
-from keel.scale.parallel import FUSED_JUNCTION, FUSED_JUNCTION_DEFAULT
+from keel.scale.parallel import FUSED_JUNCTION, FUSED_JUNCTION_DEFAULT, PP_SCHEDULES
 
 SCHEDULES = ("cosine", "wsd", "constant")
 GUARD_POLICIES = ("stop", "rollback")
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv")  # keel.scale.pipeline's
 TRACKERS = ("tensorboard", "wandb")
 
 
