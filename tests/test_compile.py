@@ -94,3 +94,39 @@ def test_no_recompiles_after_warmup_on_cuda_with_the_fused_junction():
     pytest.importorskip("triton")
     warm, later = graphs_after_warmup("keel", "inductor", device="cuda", fused="on")
     assert warm == 6 and later == 0  # block 0, the middle blocks, the last block; in train and in eval mode
+
+
+@pytest.mark.parametrize("n_blocks", [4, 16])
+def test_compiled_keel_fuses_every_junction_across_blocks_with_graphs_flat_in_depth(n_blocks):
+    """On CPU, `run.compile=true` (fused_junction auto) moves each next sub-layer's LN_in into the compiled block
+    that ends with LN_out (`ComposedJunction`), so the junction between two blocks is one compiled graph's work.
+    It computes what the plain eager model does, and the number of compiled graphs does not grow with depth:
+    block 0 (first-layer rule), the middle blocks (stream and branch input in and out), the last block."""
+    torch._dynamo.reset()
+    counters.clear()
+    config = replace(CONFIG, n_blocks=n_blocks)
+    ids = batches(config.vocab_size, 1)[0]
+    out = {}
+    for compiled in (True, False):
+        torch.manual_seed(0)
+        model = build_model(config, RunConfig(compile=compiled, fused_junction="auto" if compiled else "off"),
+                            torch.device("cpu"), compile_backend="aot_eager")
+        # Keel v2: sub-layer 0 has no LN_out, the last one no successor: junctions 1-2, ..., (L-2)-(L-1)
+        assert fused_junctions(model) == (2 * n_blocks - 2 if compiled else 0)
+        _, loss = model(*ids)
+        loss.backward()
+        out[compiled] = [loss.detach()] + [p.grad for p in model.parameters()]
+    assert counters["stats"]["unique_graphs"] == 3
+    assert sum(counters["graph_break"].values()) == 0
+    for a, b in zip(out[True], out[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_fused_junction_on_without_compile_on_cpu_says_how():
+    from keel.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="fused_junction=on.*run.compile=true"):
+        build_model(CONFIG, RunConfig(fused_junction="on"), torch.device("cpu"))
+    model = build_model(CONFIG, RunConfig(fused_junction="on", compile=True), torch.device("cpu"),
+                        compile_backend="eager")
+    assert fused_junctions(model) == 2 * CONFIG.n_blocks - 2

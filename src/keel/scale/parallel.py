@@ -62,6 +62,22 @@ class FusedJunction:
                              impl="triton")
 
 
+class ComposedJunction:
+    """The `Residual.junction` hook for a compiled model where the Triton kernel cannot run (CPU): the same two
+    norms, `(x, h) -> (norm_out(alpha*x + h), next_norm_in(...))`, composed from the modules themselves, so it
+    computes exactly what the plain model does (any norm type). Its point is where it runs: inside the compiled
+    block that ends with `norm_out`, so the compiler fuses the shortcut sum, `LN_out` and the next block's
+    `LN_in` into one pass, where per-block compilation would otherwise cut the stream between two graphs at
+    every block boundary and read it back for the next `LN_in`."""
+
+    def __init__(self, alpha: float, norm_out: nn.Module, next_norm_in: nn.Module):
+        self.alpha, self.norm_out, self.next_norm_in = alpha, norm_out, next_norm_in
+
+    def __call__(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.norm_out(self.alpha * x + h.to(x.dtype))
+        return y, self.next_norm_in(y)
+
+
 def junctions(model: nn.Module, across_blocks: bool = True) -> list[tuple[Residual, Residual]]:
     """Every pair of consecutive sub-layers where the first has a norm_out and the second a norm_in: Keel's
     junctions (also Mix-LN's one Post-LN to Pre-LN boundary). `across_blocks=False`: only pairs in one block.
@@ -83,11 +99,15 @@ def junctions(model: nn.Module, across_blocks: bool = True) -> list[tuple[Residu
             for a, b in successors.items() if len(b) == 1 and "" not in b]
 
 
-def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, across_blocks: bool = True) -> int:
-    """Fuse every junction (`junctions`) with keel.kernels.junction; returns how many. Call before AC, compile
-    and FSDP, on the model's final device.
+def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, across_blocks: bool = True,
+                         compiled: bool = False) -> int:
+    """Fuse every junction (`junctions`); returns how many. Call before AC, compile and FSDP, on the model's
+    final device.
 
-    mode: "auto" fuses on CUDA where the kernel can run (never on CPU, not even under triton's
+    Where the Triton kernel (keel.kernels.junction) can run (CUDA), it computes each junction. Elsewhere, for a
+    model about to be compiled (`compiled`), the junction is fused by the compiler instead: a
+    `ComposedJunction` moves the next sub-layer's `LN_in` into the compiled block that ends with `LN_out`.
+    mode: "auto" fuses wherever one of the two can (the kernel never on CPU, not even under triton's
     interpreter), "on" fuses or raises a ConfigError saying why it cannot, "off" leaves the plain
     composition. A model without junctions (Pre-LN, Post-LN, ...) has nothing to fuse under any mode.
     Under FSDP2 pass `across_blocks=False`: a junction between two blocks would read the next block's
@@ -112,9 +132,14 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     elif len({n.eps for a, b in pairs for n in (a.norm_out, b.norm_in)}) > 1:
         problem = "the kernel takes one eps for both norms"
     if problem is not None or (mode == "auto" and device.type != "cuda"):
-        if mode == "on":
-            raise ConfigError(f"run.fused_junction=on: {problem}; allowed here: auto or off")
-        return 0
+        if not compiled:
+            if mode == "on":
+                raise ConfigError(f"run.fused_junction=on: {problem} and run.compile is off (with run.compile=true "
+                                  "the compiler fuses it); allowed here: auto or off")
+            return 0
+        for a, b in pairs:
+            a.junction = ComposedJunction(a.alpha, a.norm_out, b.norm_in)
+        return len(pairs)
     for a, b in pairs:
         a.junction = FusedJunction(a.alpha, a.norm_out, b.norm_in)
     return len(pairs)
@@ -186,7 +211,8 @@ def parallelize(model: nn.Module, *, fused_junction: str = FUSED_JUNCTION_DEFAUL
     `fsdp` is then not used), and returns the `PipelineModel`. Under FSDP2 or a pipeline only junctions inside
     one block are fused: a junction between two blocks would read a norm weight of another FSDP unit or stage.
     """
-    apply_fused_junction(model, fused_junction, across_blocks=not (fsdp or pipeline is not None))
+    apply_fused_junction(model, fused_junction, across_blocks=not (fsdp or pipeline is not None),
+                         compiled=compile)
     apply_ac(model, ac_every)
     if compile:
         apply_compile(model, compile_backend)
