@@ -1,0 +1,126 @@
+"""Plots a person can read at once: curves.png has one x-axis, no empty panels, no blank third and titles that
+fit; a quick experiment's report and figures say they are a smoke test, and its y-limits hold every point."""
+
+import json
+import math
+import shutil
+
+import pytest
+from matplotlib.collections import PathCollection
+
+from keel.cli import main
+from keel.experiments import common, scaling
+from keel.experiments.cli import build
+from keel.train.plot import build_figure
+
+TRAIN = ["--preset", "tiny", "run.steps=12", "run.telemetry_every=4", "run.eval_every=1000", "run.progress=false"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A trained run, and a copy without any validation record (as before its first evaluation), under a
+    name long enough to push a heatmap title past its panel if titles were not fitted."""
+    root = tmp_path_factory.mktemp("plot")
+    assert main(["train", *TRAIN, f"run.out_dir={root}", "run.name=a"]) == 0
+    noval = root / "a-run-whose-name-is-long-enough-to-overflow-a-heatmap-title"
+    shutil.copytree(root / "a", noval)
+    lines = (root / "a" / "metrics.jsonl").read_text().splitlines()
+    kept = [line for line in lines if "val_loss" not in json.loads(line)]
+    assert len(kept) < len(lines)  # the trained run did evaluate: the copy really loses its validation records
+    (noval / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    (noval / "summary.json").unlink()
+    return root / "a", noval
+
+
+def data_axes(fig):
+    return [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
+
+
+def has_data(ax) -> bool:
+    return any(len(line.get_xdata()) for line in ax.lines) or bool(ax.images) or bool(ax.collections)
+
+
+def test_a_run_without_validation_has_no_empty_panel_and_says_why(runs):
+    fig = build_figure([runs[1]])
+    assert [ax.get_title() for ax in data_axes(fig) if not has_data(ax)] == []
+    assert "validation loss" not in [ax.get_title() for ax in fig.axes]
+    assert "no validation loss yet" in fig._suptitle.get_text()
+
+
+def test_every_panel_is_against_the_step_over_one_range(runs):
+    fig = build_figure(list(runs))
+    axes = data_axes(fig)
+    assert len(axes) == 4 + 2 * 3  # loss, validation, lr, gradient norm; three heatmaps per run
+    assert {ax.get_xlabel() for ax in axes} == {"step"}
+    assert len({tuple(round(x, 6) for x in ax.get_xlim()) for ax in axes}) == 1
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_the_figure_fills_the_canvas_and_every_title_fits(runs, which):
+    fig = build_figure([runs[which]])
+    renderer = fig.canvas.get_renderer()
+    fig.canvas.draw()
+    tight, width = fig.get_tightbbox(renderer), fig.get_size_inches()[0]
+    assert tight.width >= 0.95 * width, (tight.width, width)  # no blank third on the right
+    canvas = fig.bbox
+    for ax in data_axes(fig):
+        title = ax.title.get_window_extent(renderer)
+        assert canvas.x0 <= title.x0 and title.x1 <= canvas.x1, ax.get_title()
+        assert title.width <= ax.get_window_extent(renderer).width * 1.05, ax.get_title()
+
+
+def _tiny_depth(corpus):
+    return build("depth", True, ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16",
+                                 "run.batch_size=2", "depths=[2,4]", "run.steps=3", "seeds=[0]", *corpus])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    import argparse
+    import inspect
+
+    root = tmp_path_factory.mktemp("text")
+    (root / "text.txt").write_text(inspect.getsource(argparse) * 2)
+    return [f"data.source={root / 'text.txt'}", f"data.cache_dir={root / 'cache'}"]
+
+
+def _run_depth(corpus, out, quick: bool, monkeypatch):
+    """The depth experiment as `keel experiment depth [--quick]` runs it; every figure it saves is kept."""
+    figures = []
+    real = common.save
+
+    def keep(fig, out, name):
+        fig.canvas.draw()
+        figures.append((name, fig))
+        return real(fig, out, name)
+
+    monkeypatch.setattr(scaling, "save", keep)
+    with common.smoke_test(quick):
+        scaling.run_depth(_tiny_depth(corpus), out, "keel experiment depth" + (" --quick" if quick else ""))
+    return figures
+
+
+def test_a_quick_report_and_its_figures_say_smoke_test(corpus, tmp_path, monkeypatch):
+    figures = _run_depth(corpus, tmp_path / "quick", True, monkeypatch)
+    report = (tmp_path / "quick" / "report.md").read_text()
+    assert common.SMOKE_TEST_BANNER in report.splitlines()[0]
+    assert figures and all(common.SMOKE_TEST_BANNER in fig._suptitle.get_text() for _, fig in figures)
+    for name, fig in figures:  # every plotted point lies inside its axes' y-limits
+        for ax in fig.axes:
+            lo, hi = sorted(ax.get_ylim())
+            ys = [y for line in ax.lines if line.get_linestyle() != "None" or line.get_marker() not in ("", "None")
+                  for y in line.get_ydata() if math.isfinite(y)]
+            for c in ax.collections:  # scatter dots sit at their offsets; bands and error bars are data paths
+                points = c.get_offsets() if isinstance(c, PathCollection) else [v for p in c.get_paths()
+                                                                                for v in p.vertices]
+                ys += [y for _, y in points if math.isfinite(y)]
+            if ax.get_yscale() == "log":
+                ys = [y for y in ys if y > 0]
+            assert all(lo <= y <= hi for y in ys), (name, ax.get_title(), (lo, hi), min(ys), max(ys))
+
+
+def test_a_full_report_carries_no_banner(corpus, tmp_path, monkeypatch):
+    figures = _run_depth(corpus, tmp_path / "full", False, monkeypatch)
+    assert common.SMOKE_TEST_BANNER not in (tmp_path / "full" / "report.md").read_text()
+    assert not any(fig._suptitle is not None and common.SMOKE_TEST_BANNER in fig._suptitle.get_text()
+                   for _, fig in figures)
