@@ -5,6 +5,7 @@ test_detect.py.)"""
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -300,12 +301,15 @@ def test_a_sweep_directory_refuses_points_of_another_configuration(corpus_cfg, t
         EXPERIMENTS["lr-sweep"][1](longer, tmp_path, "keel experiment lr-sweep --quick run.steps=4")
 
 
-def test_adding_seeds_to_a_sweep_runs_only_the_new_seeds(corpus_cfg, tmp_path):
+def test_adding_seeds_to_a_sweep_runs_only_the_new_seeds(corpus_cfg, tmp_path, capsys):
     one = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]"])
     EXPERIMENTS["lr-sweep"][1](one, tmp_path, "keel experiment lr-sweep --quick seeds=[0]")
+    assert "reused" not in capsys.readouterr().out  # nothing was saved before
     first = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "points").glob("*-seed0.json")}
     two = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0,1]"])
     points = EXPERIMENTS["lr-sweep"][1](two, tmp_path, "keel experiment lr-sweep --quick seeds=[0,1]")
+    n = 2 * len(one.lrs)  # two schemes x the LR grid, per seed
+    assert f"reused {n} of {2 * n} saved points from {tmp_path / 'points'}" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "points").glob("*-seed0.json")} == first
     assert sorted(k.rsplit("-", 1)[1] for k in points) == ["seed0"] * 2 * len(one.lrs) + ["seed1"] * 2 * len(one.lrs)
     assert json.loads((tmp_path / "points" / "config.json").read_text())["seeds"] == [0, 1]
@@ -383,3 +387,26 @@ def test_a_field_added_later_with_its_default_does_not_invalidate_a_sweep(corpus
     recorded.write_text(json.dumps(old))
     with pytest.raises(ValueError, match="differs in guard.spike_min_rise"):
         EXPERIMENTS["lr-sweep"][1](changed, tmp_path, "keel experiment lr-sweep --quick")
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_a_bare_experiment_command_never_writes_into_the_committed_results(quick, tmp_path, monkeypatch):
+    """`keel experiment depth` as the README writes it, in a clone whose results/depth holds committed points of
+    another configuration: the run goes to runs/experiments/depth (runs/quick/depth with --quick), and only a
+    --quick run is marked as a smoke test."""
+    from keel.cli import main
+    from keel.experiments import common
+
+    (tmp_path / "results" / "depth" / "points").mkdir(parents=True)
+    (tmp_path / "results" / "depth" / "points" / "config.json").write_text('{"depths": [8, 32, 64]}')
+    monkeypatch.chdir(tmp_path)
+    seen = []
+
+    def fake_run(cfg, out, command):
+        seen.append((out, common._SMOKE_TEST.get()))
+        (out / "report.md").write_text("# depth\n")
+
+    monkeypatch.setitem(EXPERIMENTS, "depth", (EXPERIMENTS["depth"][0], fake_run))
+    assert main(["experiment", "depth", *(["--quick"] if quick else [])]) == 0
+    assert seen == [(Path("runs/quick/depth" if quick else "runs/experiments/depth"), quick)]
+    assert sorted(p.name for p in (tmp_path / "results" / "depth").rglob("*")) == ["config.json", "points"]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from keel.errors import ConfigError
 from keel.experiments import EXPERIMENTS
+from keel.experiments.common import smoke_test
 from keel.train.config import merge
 
 
@@ -16,8 +17,8 @@ def register(subparsers) -> None:
                                           "schemes=[keel,pre_ln] steps=200 shape.d_model=64 data.source=stdlib.")
     p.add_argument("name", choices=list(EXPERIMENTS))
     p.add_argument("--quick", action="store_true", help="a CPU-sized version that runs in seconds to minutes")
-    p.add_argument("--out", help="output directory (default results/<name>; with --quick runs/quick/<name>, so a "
-                                 "smoke test never lands among the committed results)")
+    p.add_argument("--out", help="output directory (default runs/experiments/<name>; with --quick "
+                                 "runs/quick/<name>; --out results/<name> adds to the committed results)")
     p.add_argument("--config", help="a YAML file with any of the experiment's fields")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.set_defaults(func=cmd_experiment)
@@ -32,14 +33,21 @@ def build(name: str, quick: bool, overrides: list[str], config_file: str | None 
         raise ConfigError(f"{name}: {err}") from None
 
 
+def default_out(name: str, quick: bool) -> str:
+    """Where a run goes without --out: never results/<name>, whose committed points belong to the configuration
+    that produced them (a new run with other settings would be refused there)."""
+    return f"runs/quick/{name}" if quick else f"runs/experiments/{name}"
+
+
 def cmd_experiment(args) -> int:
     cfg = build(args.name, args.quick, args.overrides, args.config)
-    out = Path(args.out or (f"runs/quick/{args.name}" if args.quick else f"results/{args.name}"))
+    out = Path(args.out or default_out(args.name, args.quick))
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["keel experiment", args.name] + (["--quick"] if args.quick else [])
                        + ([f"--out {shlex.quote(args.out)}"] if args.out else [])
                        + [shlex.quote(o) for o in args.overrides])
-    EXPERIMENTS[args.name][1](cfg, out, command)
+    with smoke_test(args.quick):
+        EXPERIMENTS[args.name][1](cfg, out, command)
     print(f"wrote {out}/results.json, {out}/report.md and plots")
     print((out / "report.md").read_text())
     return 0

@@ -17,6 +17,7 @@ straddles the cut, so no token of the report half is ever seen while choosing.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import math
 import os
@@ -255,6 +256,9 @@ class Sweep:
                 mine["seeds"] = sorted(set(theirs.get("seeds", [])) | set(mine["seeds"]))
         if mine != theirs:
             _write_atomic(recorded, json.dumps(mine, indent=1))
+        saved = sum((self.out / "points" / f"{key}.json").exists() for key in points)
+        if saved:
+            print(f"{desc}: reused {saved} of {len(points)} saved points from {self.out / 'points'}", flush=True)
         results, pending = {}, dict(points)
         bar = tqdm(total=len(points), desc=desc, file=sys.stdout, dynamic_ncols=True)
         while pending:
@@ -361,15 +365,34 @@ def _differences(mine: dict, theirs: dict, defaults: dict, prefix: str = "") -> 
     return out
 
 
+SMOKE_TEST_BANNER = "SMOKE TEST, NOT A RESULT"
+_SMOKE_TEST = contextvars.ContextVar("smoke_test", default=False)
+
+
+@contextlib.contextmanager
+def smoke_test(on: bool = True):
+    """While open (and `on`), every report.md starts with SMOKE_TEST_BANNER and every figure `save` writes
+    carries it in its title: `--quick` numbers come from a tiny model trained a few steps and read like
+    findings if nothing says otherwise."""
+    token = _SMOKE_TEST.set(on)
+    try:
+        yield
+    finally:
+        _SMOKE_TEST.reset(token)
+
+
 def write_outputs(out: Path, name: str, config, command: str, results: dict, table: str, plots: list[str],
                   notes: str = "") -> None:
-    """results.json (numbers + config + machine) and report.md (command, table, plots, notes)."""
+    """results.json (numbers + config + machine) and report.md (command, table, plots, notes; under
+    `smoke_test()` the banner first)."""
     payload = {"experiment": name, "command": command, "config": asdict(config),
                "machine": machine(resolve_device(getattr(getattr(config, "run", None), "device", "cpu"))),
                "results": results,
-               "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+               "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")} | ({"smoke_test": True} if _SMOKE_TEST.get() else {})
     (out / "results.json").write_text(json.dumps(payload, indent=1, default=float))
-    lines = [f"# {name}", "", "Produced by:", "", "```bash", command, "```", "", table, ""]
+    lines = [f"> **{SMOKE_TEST_BANNER}**: `--quick` trains a tiny model for a few steps to check that the "
+             "experiment runs end to end; its numbers say nothing about the schemes.", ""] if _SMOKE_TEST.get() else []
+    lines += [f"# {name}", "", "Produced by:", "", "```bash", command, "```", "", table, ""]
     lines += [f"![{p}]({p})" for p in plots]
     if notes:
         lines += ["", notes]
@@ -387,11 +410,25 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 
 def save(fig, out: Path, name: str) -> str:
-    """Write `fig` as out/<name> (tight layout, 110 dpi), close it, and return the name for the report."""
+    """Write `fig` as out/<name> (tight layout, 110 dpi; under `smoke_test()` the banner in its title), close
+    it, and return the name for the report."""
+    if _SMOKE_TEST.get():
+        title = fig._suptitle.get_text() if fig._suptitle is not None else ""
+        fig.suptitle(f"{SMOKE_TEST_BANNER}" + (f"\n{title}" if title else ""), fontsize=10, color="firebrick")
     fig.tight_layout()
     fig.savefig(out / name, dpi=110)
     pyplot().close(fig)
     return name
+
+
+def loss_axis(ax) -> None:
+    """A log y-axis with plain numbers, for loss curves: every point stays in view (the first evaluations at
+    ~5.5 nats included) while the gaps near the end, where schemes differ, keep their height."""
+    from matplotlib.ticker import FormatStrFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
 
 
 def pyplot():

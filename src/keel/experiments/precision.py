@@ -33,6 +33,7 @@ from keel.experiments.common import (
     Sweep,
     experiment_run,
     fixed_batches,
+    loss_axis,
     markdown_table,
     pm,
     pyplot,
@@ -214,7 +215,7 @@ def _plot_curves(cfg, points, out) -> str:
             ax.fill_between(steps, v.min(0), v.max(0), color=f"C{i}", alpha=0.15)
     unigram = unigram_level(cfg)
     ax.axhline(unigram, color="grey", ls=":", lw=0.8, label="unigram level")
-    ax.set_ylim(None, unigram + 1.0)
+    loss_axis(ax)
     ax.set_xlabel("step")
     ax.set_ylabel("report-half loss (band: seed min..max)")
     ax.legend(fontsize=8)

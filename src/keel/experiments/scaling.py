@@ -22,6 +22,7 @@ from keel.experiments.budget import (
 from keel.experiments.common import (
     ExperimentConfig,
     Sweep,
+    loss_axis,
     markdown_table,
     mean_sd,
     pm,
@@ -183,7 +184,7 @@ def _plot_curves(cfg, res, unigram, out) -> str:
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("report-half loss (band: seed min..max)")
-    axes[0][0].set_ylim(None, unigram + 1.0)  # the first evaluations (~5.5 nats) would flatten the rest
+    loss_axis(axes[0][0])  # shared by every panel
     return save(fig, out, "depth-curves.png")
 
 
