@@ -71,7 +71,8 @@ def test_the_figure_fills_the_canvas_and_every_title_fits(runs, which):
 
 def _tiny_depth(corpus):
     return build("depth", True, ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16",
-                                 "run.batch_size=2", "depths=[2,4]", "run.steps=3", "seeds=[0]", *corpus])
+                                 "run.batch_size=2", "depths=[2,4]", "run.steps=4", "curve_every=2", "seeds=[0]",
+                                 *corpus])
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,10 @@ def test_a_quick_report_and_its_figures_say_smoke_test(corpus, tmp_path, monkeyp
     figures = _run_depth(corpus, tmp_path / "quick", True, monkeypatch)
     report = (tmp_path / "quick" / "report.md").read_text()
     assert common.SMOKE_TEST_BANNER in report.splitlines()[0]
+    assert "Every report loss is above the unigram level" in report  # 4 steps learn nothing: the gaps are noise
     assert figures and all(common.SMOKE_TEST_BANNER in fig._suptitle.get_text() for _, fig in figures)
+    curves = dict(figures)["depth-curves.png"]
+    assert all(len(ax.lines) > 1 for ax in curves.axes)  # curves drawn (beside the unigram line), not empty frames
     for name, fig in figures:  # every plotted point lies inside its axes' y-limits
         for ax in fig.axes:
             lo, hi = sorted(ax.get_ylim())

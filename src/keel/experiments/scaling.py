@@ -5,6 +5,7 @@ the budget method of keel.experiments.budget.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -118,6 +119,11 @@ def run_depth(cfg: DepthConfig, out: Path, command: str) -> dict:
         method += (f" Here no LR is chosen: each arm runs at the LR chosen for it by {cfg.lr_from} "
                    f"({', '.join(f'{a} {g[0]:g}' for a, g in grids.items())}).")
     notes = method + f" Unigram level on the report half: {unigram:.3f} nats.\n\n" + probes
+    losses = [v for arm in a.values() for v in arm["report_losses"] if v is not None and math.isfinite(v)]
+    if losses and min(losses) > unigram:
+        notes = (f"**Every report loss is above the unigram level ({unigram:.3f} nats)**: no arm has learned more "
+                 "than the token frequencies, so the gaps in the table are not evidence about the schemes.\n\n"
+                 + notes)
     write_outputs(out, "depth", cfg, command, {**res, "gaps": gaps, "unigram": unigram},
                   markdown_table(header, rows), plots, notes)
     return {"arms": a, "gaps": gaps}
@@ -156,6 +162,8 @@ def _plot_depth(cfg, res, unigram, out) -> str:
             ax.scatter([d] * len(x["report_losses"]), [v for v in x["report_losses"]], s=8, color=f"C{i}", alpha=0.5)
     ax.axhline(unigram, color="grey", ls="--", lw=0.8, label="unigram level")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(cfg.depths, [str(d) for d in cfg.depths])
+    ax.minorticks_off()
     ax.set_xlabel("sub-layers (L)")
     ax.set_ylabel("report-half loss (chosen LR; mean ± SD, dots = seeds)")
     ax.set_title(f"depth, d={cfg.model.d_model}, {tokens(cfg):,} tokens per run", fontsize=10)
@@ -179,10 +187,14 @@ def _plot_curves(cfg, res, unigram, out) -> str:
             v = np.array([r["evals"]["loss"] for r in runs])
             ax.plot(steps, v.mean(0), color=f"C{i}", label=f"{s} @ {lr:g}")
             ax.fill_between(steps, v.min(0), v.max(0), color=f"C{i}", alpha=0.2)
-        ax.axhline(unigram, color="grey", ls="--", lw=0.8)
+        ax.axhline(unigram, color="grey", ls="--", lw=0.8, label="unigram level")
         ax.set_title(f"{d} sub-layers", fontsize=9)
         ax.set_xlabel("step")
-        ax.legend(fontsize=7)
+        if len(ax.get_legend_handles_labels()[0]) > 1:
+            ax.legend(fontsize=7)
+        else:  # say why the frame is empty rather than leave it to be read as a result
+            ax.text(0.5, 0.5, f"no curve: no evaluation within {cfg.run.steps} steps\n(curve_every={cfg.curve_every})"
+                    " or every run diverged", transform=ax.transAxes, ha="center", va="center", fontsize=8)
     axes[0][0].set_ylabel("report-half loss (band: seed min..max)")
     loss_axis(axes[0][0])  # shared by every panel
     return save(fig, out, "depth-curves.png")
