@@ -8,11 +8,11 @@ set -euo pipefail
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  depth) keel experiment depth depths=[8,32,64] run.steps=300 optim.warmup_steps=30 ;;
+  depth) keel experiment depth --out results/depth depths=[8,32,64] run.steps=300 optim.warmup_steps=30 ;;
   rest)
-    keel experiment max-lr optim.lr=0.08 run.steps=1000 depths=[16] no_clip=[pre_ln,keel]
-    keel experiment ablations seeds=[0,1] references=[] run.steps=300 optim.warmup_steps=30
-    keel experiment redundancy run.steps=300 optim.warmup_steps=30
-    keel experiment gradflow trained_seeds=[0] ;;
+    keel experiment max-lr --out results/max-lr optim.lr=0.08 run.steps=1000 depths=[16] no_clip=[pre_ln,keel]
+    keel experiment ablations --out results/ablations seeds=[0,1] references=[] run.steps=300 optim.warmup_steps=30
+    keel experiment redundancy --out results/redundancy run.steps=300 optim.warmup_steps=30
+    keel experiment gradflow --out results/gradflow trained_seeds=[0] ;;
   *) echo "usage: $0 depth|rest" >&2; exit 2 ;;
 esac

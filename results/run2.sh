@@ -9,16 +9,16 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 cd "$(dirname "$0")/.."
 REGIME="run.steps=6000 optim.warmup_steps=200 curve_every=100 curve_batches=4"
 case "${1:-}" in
-  a) keel experiment regime $REGIME seeds=[0,1] ;;
+  a) keel experiment regime --out results/regime $REGIME seeds=[0,1] ;;
   b)
-    keel experiment ablations seeds=[0,1,2] references=[] run.steps=300 optim.warmup_steps=30
+    keel experiment ablations --out results/ablations seeds=[0,1,2] references=[] run.steps=300 optim.warmup_steps=30
     keel experiment max-lr --out results/max-lr-64 optim.lr=0.08 run.steps=1000 depths=[64] schemes=[post_ln,pre_ln,keel] no_clip=[] seeds=[0,1,2]
     keel experiment regime --out results/regime-s2 $REGIME seeds=[2]
-    keel experiment lr-sweep run.steps=300 optim.warmup_steps=30
-    keel experiment deep-vs-wide run.steps=300 optim.warmup_steps=30
-    keel experiment stream-precision ;;
+    keel experiment lr-sweep --out results/lr-sweep run.steps=300 optim.warmup_steps=30
+    keel experiment deep-vs-wide --out results/deep-vs-wide run.steps=300 optim.warmup_steps=30
+    keel experiment stream-precision --out results/stream-precision ;;
   merge)
     cp -n results/regime-s2/points/*-seed2.json results/regime/points/
-    keel experiment regime $REGIME seeds=[0,1,2] ;;
+    keel experiment regime --out results/regime $REGIME seeds=[0,1,2] ;;
   *) echo "usage: $0 a|b|merge" >&2; exit 2 ;;
 esac

@@ -12,7 +12,7 @@ case "${1:-}" in
   b)
     keel experiment depth --out results/depth-long-s2 $LONG seeds=[2]
     rm -rf results/gradflow/points  # its points record trained_seeds=[0]; every point is re-measured
-    keel experiment gradflow trained_seeds=[0,1,2] ;;
+    keel experiment gradflow --out results/gradflow trained_seeds=[0,1,2] ;;
   merge)
     cp -n results/depth-long-s2/points/*-seed2.json results/depth-long/points/
     keel experiment depth --out results/depth-long $LONG seeds=[0,1,2] ;;
