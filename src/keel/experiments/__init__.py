@@ -1,6 +1,6 @@
 """The paper's experiments as commands: `keel experiment <name> [--quick] [key=value ...]`."""
 
-from keel.experiments import ablations, frontier, gradflow, maxlr, precision, redundancy, regime, scaling
+from keel.experiments import ablations, downstream, frontier, gradflow, maxlr, precision, redundancy, regime, scaling
 
 # name -> (config class, run function); each run writes results.json, PNG plots and report.md
 EXPERIMENTS = {
@@ -14,4 +14,5 @@ EXPERIMENTS = {
     "regime": (regime.RegimeConfig, regime.run),
     "stream-precision": (precision.PrecisionConfig, precision.run),
     "frontier": (frontier.FrontierConfig, frontier.run),
+    "downstream": (downstream.DownstreamConfig, downstream.run),
 }

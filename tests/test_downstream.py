@@ -1,0 +1,161 @@
+"""keel experiment downstream (rule 18): the report's numbers recomputed from the points' JSON by other means
+(numpy's interpolation, scipy's paired t-test), and the default config is the committed runs' configuration."""
+
+import argparse
+import ast
+import calendar
+import configparser
+import csv
+import dataclasses
+import difflib
+import fractions
+import gettext
+import inspect
+import json
+import pathlib
+import shlex
+import string
+import textwrap
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from keel.experiments import EXPERIMENTS
+from keel.experiments.cli import build
+from keel.experiments.common import point_config, train_curve
+from keel.experiments.downstream import WIDE, score_at
+
+
+def test_score_at_reads_the_curve_where_the_loss_first_reaches_the_level():
+    losses, scores = [5.0, 3.0, 2.0, 1.5, 1.7, 1.2], [0.25, 0.3, 0.5, 0.6, 0.1, 0.7]
+    assert score_at(losses, scores, 2.5) == pytest.approx(0.4)  # halfway between (3.0, 0.3) and (2.0, 0.5)
+    assert score_at(losses, scores, 1.6) == pytest.approx(0.58)  # the first crossing, not the bump at 1.7
+    assert score_at(losses, scores, 2.0) == pytest.approx(0.5)  # exactly at an evaluation
+    assert score_at(losses, scores, 5.0) == 0.25
+    assert score_at(losses, scores, 6.0) is None  # started below the level
+    assert score_at(losses, scores, 1.0) is None  # never reached
+
+
+def independent_score_at(losses, scores, level):
+    """np.interp on the two evaluations around the first one at or below `level`."""
+    below = np.flatnonzero(np.asarray(losses) <= level)
+    k = int(below[0])
+    if k == 0:
+        return scores[0]
+    return float(np.interp(level, [losses[k], losses[k - 1]], [scores[k], scores[k - 1]]))
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """The --quick experiment on a directory of standard-library modules (a quarter of them validation)."""
+    root = tmp_path_factory.mktemp("downstream")
+    tree = root / "tree"
+    tree.mkdir()
+    for m in (argparse, ast, calendar, configparser, csv, dataclasses, difflib, fractions, gettext, json, pathlib,
+              shlex, string, textwrap):
+        (tree / f"{m.__name__.replace('.', '_')}.py").write_text(inspect.getsource(m))
+    cfg = build("downstream", True, [f"data.source={tree}", "data.val_fraction=0.25",
+                                     f"data.cache_dir={root / 'cache'}"])
+    out = root / "out"
+    out.mkdir()
+    EXPERIMENTS["downstream"][1](cfg, out, "keel experiment downstream --quick")
+    return cfg, out, json.loads((out / "results.json").read_text())["results"]
+
+
+@pytest.mark.slow
+def test_quick_points_are_every_arm_and_seed_with_curves(quick):
+    cfg, out, res = quick
+    arms = [f"{s}-{d}" for s in ("post_ln", "pre_ln", "keel") for d in (4, 8)] + [WIDE]  # written out
+    assert set(res["points"]) == {f"{a}-lr0.003-seed{s}" for a in arms for s in (0, 1)}
+    assert {p.stem for p in (out / "points").glob("*.json")} - {"config"} == set(res["points"])
+    for p in res["points"].values():
+        c = p["curve"]
+        assert c["step"] == [0, 4, 8]
+        assert set(c["acc"]) == {"brackets", "indent", "identifiers", "next_line"}
+        assert c["score"] == pytest.approx([np.mean([c["acc"][t][i] for t in c["acc"]]) for i in range(3)])
+        # 8 items per task: every accuracy is a count over 8
+        assert all(abs(a * 8 - round(a * 8)) < 1e-9 for accs in c["acc"].values() for a in accs)
+    wide = res["points"][f"{WIDE}-lr0.003-seed0"]
+    assert (wide["n_sublayers"], wide["d_model"]) == (2, 64)
+    assert "![downstream.png](downstream.png)" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_equal_loss_comparisons_match_an_independent_recomputation(quick):
+    cfg, out, res = quick
+    report = (out / "report.md").read_text()
+    points = res["points"]
+    assert set(res["equal_loss"]) == {f"keel-{d} vs {o}-{d}" for d in (4, 8) for o in ("pre_ln", "post_ln")}
+    for name, c in {**res["equal_loss"], **res["deep_vs_wide_equal_loss"]}.items():
+        a, b = name.split(" vs ")
+        runs = {arm: [points[f"{arm}-lr0.003-seed{s}"] for s in (0, 1)] for arm in (a, b)}
+        level = max(p["curve"]["loss"][-1] for arm in (a, b) for p in runs[arm])
+        assert c["level"] == pytest.approx(level)
+        at = {arm: [independent_score_at(p["curve"]["loss"], p["curve"]["score"], level) for p in runs[arm]]
+              for arm in (a, b)}
+        assert c["score_at_level"][a] == pytest.approx(at[a]) and c["score_at_level"][b] == pytest.approx(at[b])
+        # the run whose final loss is the level is read at its last evaluation: its final score
+        top = max((p for arm in (a, b) for p in runs[arm]), key=lambda p: p["curve"]["loss"][-1])
+        arm = a if top in runs[a] else b
+        assert c["score_at_level"][arm][runs[arm].index(top)] == pytest.approx(top["curve"]["score"][-1])
+        diffs = np.subtract(at[a], at[b])
+        assert c["test"]["mean"] == pytest.approx(diffs.mean())
+        if np.ptp(diffs) > 0:
+            p = scipy_stats.ttest_rel(at[a], at[b]).pvalue
+            assert c["test"]["p"] == pytest.approx(p, rel=1e-6)
+            assert f"p={p:.2g}" in report
+            chance_moot = all(np.mean(at[x]) < 0.25 + cfg.chance_margin for x in (a, b))
+            expected = ("inconclusive (both at chance)" if chance_moot else "inconclusive" if p >= 0.05
+                        else "agrees (scores higher)" if diffs.mean() > 0 else "disagrees (scores lower)")
+            assert c["verdict"] == expected
+
+
+@pytest.mark.slow
+def test_deep_vs_wide_rankings_match_scipy(quick):
+    cfg, out, res = quick
+    points = res["points"]
+    pairs = res["deep_vs_wide"]["pairs"]
+    assert set(pairs) == {"keel-4 vs pre_ln-4", f"keel-4 vs {WIDE}", f"pre_ln-4 vs {WIDE}"}
+    reversed_any = False
+    for name, v in pairs.items():
+        a, b = name.split(" vs ")
+        for what, sign in (("loss", -1), ("score", 1)):
+            xa = [points[f"{a}-lr0.003-seed{s}"]["curve"][what][-1] for s in (0, 1)]
+            xb = [points[f"{b}-lr0.003-seed{s}"]["curve"][what][-1] for s in (0, 1)]
+            p = scipy_stats.ttest_rel(xa, xb).pvalue if np.ptp(np.subtract(xa, xb)) > 0 else None
+            assert (v[what]["p"] is None) == (p is None) and (p is None or v[what]["p"] == pytest.approx(p))
+            rank = 0 if p is None or p >= 0.05 else sign * int(np.sign(np.mean(np.subtract(xa, xb))))
+            assert v[f"by_{what}"] == rank
+        reversed_any |= v["by_loss"] * v["by_score"] == -1
+    if reversed_any:
+        assert res["deep_vs_wide"]["verdict"].startswith("agrees")
+
+
+@pytest.mark.slow
+def test_the_default_runs_are_the_committed_depth_long_runs():
+    """Keel at 32 sub-layers, seed 0, as this experiment's defaults configure it, logs the first losses that
+    results/depth-long-32 committed for the same run (same LR, steps, warm-up, batches): the LRs are the committed
+    sweeps' and the runs are comparable with them."""
+    from pathlib import Path
+
+    cfg = build("downstream", False, [])
+    assert cfg.lrs["keel-32"] == 3e-3 and cfg.lrs["pre_ln-64"] == 1e-3 and cfg.seeds == [0, 1, 2, 3, 4]
+    recorded = json.loads((Path(__file__).parent.parent / "results" / "depth-long-32" / "points"
+                           / "keel-32-lr0.003-seed0.json").read_text())
+    config = point_config(cfg, cfg.point_model("keel", 32), 0, lr=cfg.lrs["keel-32"])
+    curve, _ = train_curve(config, eval_batches=0, on_step=lambda i, model, result: i == 3)
+    assert curve.losses == pytest.approx(recorded["losses"][:4], rel=1e-5)
+
+
+def test_downstream_takes_the_task_fields_and_refuses_a_bad_task():
+    cfg = build("downstream", False, ["run.eval_tasks=[brackets,indent]", "run.eval_tasks_items=50"])
+    assert cfg.run.eval_tasks == ["brackets", "indent"] and cfg.run.eval_tasks_items == 50
+    with pytest.raises(ValueError, match="set per point from lrs"):
+        build("downstream", False, ["optim.lr=1e-3"])
+    bad = build("downstream", True, ["run.eval_tasks=[bracket]"])
+    with pytest.raises(ValueError, match="did you mean 'brackets'"):
+        EXPERIMENTS["downstream"][1](bad, None, "")
+    no_lr = build("downstream", True, ["depths=[4,16]"])
+    with pytest.raises(ValueError, match="lrs: no LR for post_ln-16, pre_ln-16, keel-16"):
+        EXPERIMENTS["downstream"][1](no_lr, None, "")
