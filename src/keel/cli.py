@@ -157,8 +157,16 @@ def cmd_generate(args) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     out = generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                    generator=generator, eos_id=tokenizer.eos_id, use_cache=not args.no_cache)
-    print(tokenizer.decode(out[0].tolist()))
+    text = tokenizer.decode(out[0].tolist())
+    print(text if args.raw else printable(text))
     return 0
+
+
+def printable(text: str) -> str:
+    """`text` with control characters other than newline and tab escaped (`\\r`, `\\x1b`): a model's output
+    must not move the cursor, clear the screen or retitle the terminal."""
+    return "".join(ch if ch.isprintable() or ch in "\n\t" else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
 
 
 def cmd_tokenizer(args) -> int:
@@ -252,8 +260,10 @@ def _needs(extra: str, module: str) -> None:
 
 def cmd_export_hf(args) -> int:
     _needs("hf", "transformers")
+    from keel.hf import quiet_progress
     from keel.hf.export import export_run
 
+    quiet_progress()
     out = export_run(args.run_dir, args.out_dir, args.checkpoint)
     print(f"exported {args.run_dir} to {out} (load with AutoModelForCausalLM.from_pretrained)")
     return 0
@@ -272,8 +282,10 @@ def cmd_lm_eval(args) -> int:
 
     _needs("eval", "transformers")
     _needs("eval", "lm_eval")
+    from keel.hf import quiet_progress
     from keel.hf.harness import run_lm_eval
 
+    quiet_progress()
     tasks = [t for t in args.tasks.split(",") if t]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     results, out = run_lm_eval(args.path, tasks, args.include_path, device, args.batch_size, args.num_fewshot,
@@ -283,20 +295,24 @@ def cmd_lm_eval(args) -> int:
     return 0
 
 
-def add_hf_commands(sub) -> None:
-    p = sub.add_parser("export-hf", help="write a run's checkpoint as a Hugging Face transformers model directory")
+def add_export_hf_command(sub) -> None:
+    p = sub.add_parser("export-hf", help=COMMANDS["export-hf"])
     p.add_argument("run_dir")
     p.add_argument("out_dir")
     p.add_argument("--checkpoint", help="a checkpoint directory (default: the run's newest intact one)")
     p.set_defaults(func=cmd_export_hf)
 
-    p = sub.add_parser("import-hf", help="convert a Llama transformers checkpoint into a pre_ln run directory")
+
+def add_import_hf_command(sub) -> None:
+    p = sub.add_parser("import-hf", help=COMMANDS["import-hf"])
     p.add_argument("hf_dir", help="a directory with config.json, model.safetensors and tokenizer.json")
     p.add_argument("out_run_dir")
     p.add_argument("--data", default="stdlib", help="data.source that `keel eval` of the new run reads")
     p.set_defaults(func=cmd_import_hf)
 
-    p = sub.add_parser("lm-eval", help="run lm-evaluation-harness tasks on a run or transformers directory")
+
+def add_lm_eval_command(sub) -> None:
+    p = sub.add_parser("lm-eval", help=COMMANDS["lm-eval"])
     p.add_argument("path", help="a run directory or a transformers model directory (e.g. from export-hf)")
     p.add_argument("--tasks", required=True, help="comma-separated task names, e.g. hellaswag,arc_easy")
     p.add_argument("--include-path", help="a directory of your own task YAML files")
@@ -308,14 +324,10 @@ def add_hf_commands(sub) -> None:
     p.set_defaults(func=cmd_lm_eval)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from keel.train.config import add_config_arguments  # imports torch: inside main's Ctrl-C handling
+def add_train_command(sub) -> None:
+    from keel.train.config import add_config_arguments
 
-    parser = _Parser(prog="keel", description="Deep Transformer LMs with the Keel residual.")
-    parser.add_argument("--version", action="version", version=f"keel {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("train", help="train a model (default: a 32-sub-layer Keel on the stdlib corpus)",
+    p = sub.add_parser("train", help=COMMANDS["train"],
                        description="Train. Settings are dotted key=value overrides, e.g. model.n_blocks=8 "
                                    "model.scheme=pre_ln run.steps=500 optim.lr=1e-3; resume=RUN_DIR continues a run.")
     add_config_arguments(p)
@@ -324,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the end-of-run summary as JSON")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run's checkpoint")
+
+def add_eval_command(sub) -> None:
+    p = sub.add_parser("eval", help=COMMANDS["eval"])
     p.add_argument("run_dir")
     p.add_argument("--checkpoint", help="a checkpoint directory (default: the run's newest intact one)")
     p.add_argument("--split", default="val", choices=["val", "train"])
@@ -333,51 +347,108 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("runs", help="list the runs in a directory: scheme, depth, progress, last val loss, status")
+
+def add_runs_command(sub) -> None:
+    p = sub.add_parser("runs", help=COMMANDS["runs"])
     p.add_argument("dir", nargs="?", default="runs")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_runs)
 
-    p = sub.add_parser("plot", help="loss, validation, LR and gradient-norm curves of runs on one PNG, and "
-                                    "per-sub-layer telemetry heatmaps")
+
+def add_plot_command(sub) -> None:
+    p = sub.add_parser("plot", help=COMMANDS["plot"])
     p.add_argument("runs", nargs="+", metavar="RUN_DIR")
     p.add_argument("--out", help="the PNG (default: RUN/curves.png for one run, compare-<names>.png beside them)")
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("generate", help="sample text from a run's checkpoint")
+
+def add_generate_command(sub) -> None:
+    p = sub.add_parser("generate", help=COMMANDS["generate"], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("run_dir")
-    p.add_argument("--prompt", default="def ")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--prompt", default="def ", help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample after the prompt")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    p.add_argument("--checkpoint", help="a checkpoint directory (default: the run's newest intact one)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context each step (no KV cache)")
+    p.add_argument("--raw", action="store_true", help="print the text as generated, control characters included "
+                                                      "(default: shown escaped, e.g. \\r)")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("summary", help="print a model's shape, counts and sub-layer layout (a preset's or a run's)")
+
+def add_summary_command(sub) -> None:
+    from keel.train.config import add_config_arguments
+
+    p = sub.add_parser("summary", help=COMMANDS["summary"])
     p.add_argument("run_dir", nargs="?", help="a run directory: describe that run's model")
     add_config_arguments(p)
     p.set_defaults(func=cmd_summary)
 
-    p = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer on a corpus")
+
+def add_tokenizer_command(sub) -> None:
+    p = sub.add_parser("tokenizer", help=COMMANDS["tokenizer"])
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--out", default="tokenizer.json")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="DataConfig fields, e.g. source=corpus.txt")
     p.set_defaults(func=cmd_tokenizer)
 
-    add_hf_commands(sub)
-    from keel.experiments.cli import register as add_experiment_command
 
-    add_experiment_command(sub)
-    from keel.bench.cli import register as add_bench_command
+def add_experiment_command(sub) -> None:
+    from keel.experiments.cli import register
 
-    add_bench_command(sub)
+    register(sub)
+
+
+def add_bench_command(sub) -> None:
+    from keel.bench.cli import register
+
+    register(sub)
+
+
+# Every command and its one line of help. Only the command being run gets its arguments built (train's and
+# bench's import torch, seconds): `keel --help`, `--version` and a mistyped command answer at once.
+COMMANDS = {
+    "train": "train a model (default: a 32-sub-layer Keel on the stdlib corpus)",
+    "eval": "validation loss, perplexity and bits per byte of a run's checkpoint",
+    "runs": "list the runs in a directory: scheme, depth, progress, last val loss, status",
+    "plot": "loss, validation, LR and gradient-norm curves of runs on one PNG, and per-sub-layer telemetry heatmaps",
+    "generate": "sample text from a run's checkpoint",
+    "summary": "print a model's shape, counts and sub-layer layout (a preset's or a run's)",
+    "tokenizer": "train a byte-level BPE tokenizer on a corpus",
+    "export-hf": "write a run's checkpoint as a Hugging Face transformers model directory",
+    "import-hf": "convert a Llama transformers checkpoint into a pre_ln run directory",
+    "lm-eval": "run lm-evaluation-harness tasks on a run or transformers directory",
+    "experiment": "run one of the paper's experiments (results.json, plots, report.md)",
+    "bench": "time Keel against Pre-LN at identical shapes, and against depth",
+}
+_BUILDERS = {"train": add_train_command, "eval": add_eval_command, "runs": add_runs_command,
+             "plot": add_plot_command, "generate": add_generate_command, "summary": add_summary_command,
+             "tokenizer": add_tokenizer_command, "export-hf": add_export_hf_command,
+             "import-hf": add_import_hf_command, "lm-eval": add_lm_eval_command,
+             "experiment": add_experiment_command, "bench": add_bench_command}
+
+
+def build_parser(command: str | None = "all") -> argparse.ArgumentParser:
+    """The `keel` parser with `command`'s arguments ("all": every command's; None or another name: the others
+    are only a name and a line of help)."""
+    parser = _Parser(prog="keel", description="Deep Transformer LMs with the Keel residual.")
+    parser.add_argument("--version", action="version", version=f"keel {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_line in COMMANDS.items():
+        if command in ("all", name):
+            _BUILDERS[name](sub)
+        else:
+            sub.add_parser(name, help=help_line, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    # before torch loads (OpenMP reads it once): idle OpenMP threads sleep instead of spinning, which on a
+    # machine other jobs share takes their CPU and slows the step; OMP_WAIT_POLICY=active restores spinning
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     # Ctrl-C or SIGTERM at any moment, also while torch imports (seconds), is one line and exit 130; a
     # training run handles them itself (a checkpoint at the step boundary), this is for everything around it
     try:
@@ -395,12 +466,31 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+def apply_threads(args) -> int:
+    """Set the CPU thread count before any work of any command: `run.threads=N` when given among the
+    overrides, else the default (keel.runtime.default_threads). A run's own run.threads (a YAML file, a resumed
+    run) is applied again by the trainer."""
+    from keel.runtime import set_threads
+
+    overrides = getattr(args, "overrides", None) or []
+    given = [o for o in overrides if o.split("=", 1)[0] == "run.threads"]
+    threads = 0
+    if given:
+        value = given[-1].split("=", 1)[1].strip()
+        threads = int(value) if value.isdigit() and int(value) <= 4096 else 0  # else the merge names the error
+        if args.command == "bench":  # bench refuses run fields it does not read; this one is applied here
+            args.overrides = [o for o in overrides if o not in given]
+    return set_threads(threads)
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)  # keel's own options take no values
+    parser = build_parser(command if command in COMMANDS else None)
     # key=value overrides may come before or after options (`keel experiment depth --quick steps=9`):
     # argparse stops collecting a positional list at the first option, so gather the rest here
     args, extra = parser.parse_known_args(argv)
@@ -411,6 +501,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         if getattr(args, "config", None):
             _check_config_file(args.config)
+        apply_threads(args)
         return args.func(args)
     except KeelError as err:  # ConfigError, DataError, CheckpointError, ExportError: one line naming the field/file
         print(f"keel: error: {err}", file=sys.stderr)

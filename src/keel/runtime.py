@@ -1,6 +1,8 @@
-"""Where code runs and what ran: device, autocast, peak FLOP/s for MFU, and the machine/provenance record.
+"""Where code runs and what ran: CPU threads, device, autocast, peak FLOP/s for MFU, and the machine/provenance
+record.
 
 Runs, experiments and benchmarks all describe themselves with `machine()`, so their results can be compared.
+Importing this module does not import torch (the `keel` command sets the thread count before torch loads).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from keel._version import __version__
 from keel.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -26,8 +30,75 @@ DTYPES = ("auto", "float32", "bfloat16")
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "4090": 165e12}
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's or `taskset`'s limit, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may use (hyper-threads of one core count once); never more
+    than `usable_cpus()`."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return usable_cpus()
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text(), (topology / "core_id").read_text()))
+        except OSError:
+            return len(cpus)  # no topology (some containers): one thread per usable CPU
+    return max(1, min(len(cores), len(cpus)))
+
+
+def default_threads() -> int:
+    """run.threads=0: OMP_NUM_THREADS when the user set it, else one thread per physical core this process may
+    use. More threads than cores (hyper-threads, or a machine other jobs share) make a step slower, not faster."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.strip().isdigit() and int(env) >= 1:
+        return min(int(env), usable_cpus())
+    return physical_cores()
+
+
+def set_threads(threads: int = 0) -> int:
+    """Use `threads` CPU threads (0: `default_threads()`) in this process and in the processes it starts; returns
+    the number. Call it before any work: torch, if not loaded yet, then starts with it (OMP_NUM_THREADS).
+
+    OpenMP's wait policy is made passive (unless OMP_WAIT_POLICY is set) by the `keel` command before torch
+    loads: an idle OpenMP thread then sleeps instead of spinning, which on a machine other jobs share takes CPU
+    from them and from the thread that has work."""
+    n = threads if threads >= 1 else default_threads()
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    if "torch" in sys.modules:
+        import torch
+
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+    return n
+
+
+def busy_note(threads: int) -> str | None:
+    """A note when other jobs keep the CPUs busy (load average above the CPUs this process may use): a CPU run
+    is then several times slower than on an idle machine, and fewer threads often faster."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    if load <= usable_cpus():
+        return None
+    hint = "; if it crawls, try run.threads=1" if threads > 1 else ""
+    return (f"keel: note: load average {load:.1f} on {usable_cpus()} CPUs: other jobs share this machine, so this "
+            f"runs slower than on an idle one{hint}")
+
+
 def resolve_device(name: str) -> torch.device:
     """`auto` is CUDA when present, else CPU; `cuda` without a GPU is a config error, not a crash later."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.split(":")[0] == "cuda" and not torch.cuda.is_available():
@@ -47,6 +118,8 @@ def autocast_for(device: torch.device, dtype: str):
     (keel.model.numerics): alpha*x with alpha in the hundreds would swamp a bf16 update."""
     if not use_bf16(device, dtype):
         return contextlib.nullcontext
+    import torch
+
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
 
@@ -54,12 +127,16 @@ def peak_flops(device: torch.device) -> float | None:
     """The device's dense bf16 peak FLOP/s, or None where unknown (CPUs, unlisted GPUs): MFU is then not shown."""
     if device.type != "cuda":
         return None
+    import torch
+
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
 def device_memory(device: torch.device) -> int | None:
     """Total bytes of the device's memory (RAM for the CPU), or None where unknown."""
+    import torch
+
     try:
         if device.type == "cuda":
             return torch.cuda.get_device_properties(device).total_memory
@@ -79,12 +156,15 @@ def git_commit() -> str | None:
 
 def machine(device: torch.device | str = "cpu") -> dict:
     """What ran: versions and hardware, as runs, experiments and benchmarks record it."""
+    import torch
+
     device = torch.device(device)
     return {
         "keel_version": __version__, "git_commit": git_commit(), "torch_version": torch.__version__,
         "python": platform.python_version(), "platform": platform.platform(), "hostname": socket.gethostname(),
         "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(), "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
     }
 

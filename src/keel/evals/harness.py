@@ -35,6 +35,26 @@ def find_tasks(tasks: list[str], include_path: str | None):
     return manager, [t for t in tasks if not manager.match_tasks([t])]
 
 
+def fetch_failure(err: BaseException) -> str | None:
+    """Why a task's data could not be fetched (offline, no network, not on the Hub), or None when `err` is
+    something else: the harness downloads a task's data set on first use and fails deep inside `datasets`."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        names = {t.__name__ for t in type(err).__mro__}
+        if isinstance(err, ConnectionError) or names & {"OfflineModeIsEnabled", "LocalEntryNotFoundError",
+                                                        "DatasetNotFoundError", "ConnectionError"}:
+            return str(err).splitlines()[0] if str(err) else type(err).__name__
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def fetch_message(field: str, tasks, reason: str) -> str:
+    return (f"{field}: cannot fetch the data of {', '.join(map(repr, tasks))} from the Hugging Face Hub: "
+            f"{reason}; run once with a network connection to cache it, or write a task YAML over local "
+            "files and pass its directory with --include-path DIR (see the README's lm-eval section)")
+
+
 def _lm_base():
     try:
         from lm_eval.api.model import LM
@@ -91,8 +111,14 @@ def score_harness(scorer: Scorer, task: HarnessTask, max_items: int) -> dict:
         raise ConfigError(f"run.eval_tasks: unknown lm-evaluation-harness task {task.task!r}{where}")
     lm = InMemoryLM()
     # bootstrap_iters=0: no resampling for standard errors (it would cost time, and acc needs none)
-    results = simple_evaluate(model=lm, tasks=[task.task], task_manager=manager, limit=max_items,
-                              log_samples=False, bootstrap_iters=0)
+    try:
+        results = simple_evaluate(model=lm, tasks=[task.task], task_manager=manager, limit=max_items,
+                                  log_samples=False, bootstrap_iters=0)
+    except Exception as err:
+        reason = fetch_failure(err)
+        if reason is None:
+            raise
+        raise ConfigError(fetch_message("run.eval_tasks", [task.task], reason)) from None
     per_task = results["results"]
     name = task.task if task.task in per_task else next(iter(per_task))
     metrics = {k.split(",")[0]: v for k, v in per_task[name].items() if isinstance(v, (int, float))

@@ -18,3 +18,19 @@ def register() -> None:
 
     AutoConfig.register(KeelConfig.model_type, KeelConfig, exist_ok=True)
     AutoModelForCausalLM.register(KeelConfig, KeelForCausalLM, exist_ok=True)
+
+
+def quiet_progress() -> None:
+    """No progress bars from `transformers` or `huggingface_hub` (writing shards, loading weights): the `keel`
+    command prints its own lines. Library users who call `export_run` directly keep them."""
+    import os
+
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # also for what loads huggingface_hub later
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+    except ImportError:
+        return
+    disable_progress_bars()

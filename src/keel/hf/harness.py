@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from keel.errors import ExportError
-from keel.evals.harness import find_tasks
+from keel.evals.harness import fetch_failure, fetch_message, find_tasks
 from keel.hf import register
 from keel.hf.export import export_run
 
@@ -38,8 +38,14 @@ def _evaluate(hf_dir: Path, tasks: list[str], include_path: str | None, device: 
     has_special = any(tokenizer_config.get(k) for k in ("bos_token", "eos_token"))
     lm = HFLM(pretrained=str(hf_dir), backend="causal", device=device, batch_size=batch_size, dtype="float32",
               prefix_token_id=None if has_special else 0)
-    return simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, num_fewshot=num_fewshot,
-                           limit=limit, log_samples=False)
+    try:
+        return simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, num_fewshot=num_fewshot,
+                               limit=limit, log_samples=False)
+    except Exception as err:  # a task whose data set must be downloaded, offline: one line, not a traceback
+        reason = fetch_failure(err)
+        if reason is None:
+            raise
+        raise ExportError(fetch_message("--tasks", tasks, reason)) from None
 
 
 def run_lm_eval(path, tasks: list[str], include_path: str | None = None, device: str = "cpu", batch_size: int = 1,

@@ -93,6 +93,9 @@ class RunConfig:
     keep_checkpoints: int = 3
     progress: bool = True
     deterministic: bool = False  # torch.use_deterministic_algorithms
+    # CPU threads (torch's intra-op pool); 0: OMP_NUM_THREADS if set, else one per physical core this process may
+    # use (keel.runtime.default_threads). On a machine other jobs share, fewer is faster: see the README
+    threads: int = 0
 
 
 @dataclass
@@ -169,12 +172,28 @@ def merge(base, config_file: str | None = None, overrides=()):
     if isinstance(getattr(base, "model", None), ModelConfig):  # shorthand: `scheme=pre_ln` means model.scheme
         own = {f.name for f in fields(base)}
         overrides = [f"model.{o}" if o.split("=", 1)[0] in set(CONFIG_FIELDS) - own else o for o in overrides]
+    overrides = [_as_list(base, o) for o in overrides]
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
     except Exception as err:  # OmegaConf's own errors, and YAML's for values it cannot read
         raise ConfigError(f"overrides: {str(err).splitlines()[0]}") from None
     _refuse_fixed(base, layers[1:])
     return to_config(layers, type(base))
+
+
+def _as_list(base, item: str) -> str:
+    """`run.log_to=tensorboard` for a list field means `run.log_to=[tensorboard]` (and `a,b` means `[a,b]`):
+    the brackets are easy to forget, and unquoted they are a glob to zsh."""
+    key, value = item.split("=", 1)
+    node, parts = base, key.split(".")
+    for part in parts[:-1]:
+        node = getattr(node, part, None)
+    if not is_dataclass(node) or value.lstrip().startswith("["):
+        return item
+    kind = {f.name: f.type for f in fields(node)}.get(parts[-1])
+    if isinstance(kind, str) and kind.startswith("list[") and value.strip():
+        return f"{key}=[{value}]"
+    return item
 
 
 def _refuse_fixed(base, layers) -> None:
@@ -263,6 +282,8 @@ def validate_runtime(run) -> None:
         raise ConfigError(f"run.grad_accum: got {run.grad_accum!r}; allowed: an integer >= 1")
     if run.ac_every < 0:
         raise ConfigError(f"run.ac_every: got {run.ac_every!r}; allowed: an integer >= 0 (0 disables)")
+    if not 0 <= run.threads <= 4096:
+        raise ConfigError(f"run.threads: got {run.threads!r}; allowed: an integer >= 1, or 0 for one per physical core")
 
 
 def validate(c: TrainConfig) -> None:

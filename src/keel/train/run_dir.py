@@ -40,7 +40,8 @@ RESUMABLE = {"resume", "run.steps", "run.batch_size", "run.progress", "run.log_e
              "run.eval_batches",
              "run.ac_every", "run.fsdp_group", "run.ckpt_every", "run.keep_checkpoints", "run.device",
              "run.compile", "run.fused_junction", "run.out_dir", "run.name", "run.telemetry_every", "run.log_to",
-             "run.eval_tasks", "run.eval_tasks_every", "run.eval_tasks_items"}  # scoring never changes training
+             "run.eval_tasks", "run.eval_tasks_every", "run.eval_tasks_items",  # scoring never changes training
+             "run.threads"}
 
 
 LOCK = ".lock"

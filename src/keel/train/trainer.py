@@ -22,7 +22,7 @@ from keel.data import WindowSampler, prepare
 from keel.data.tokenizer import planned_vocab_size
 from keel.errors import ConfigError, DataError, KeelError
 from keel.model import count_params, flops_per_token
-from keel.runtime import autocast_for, device_memory, peak_flops, provenance, resolve_device
+from keel.runtime import autocast_for, busy_note, device_memory, peak_flops, provenance, resolve_device, set_threads
 from keel.scale import distributed
 from keel.scale.memory import format_bytes
 from keel.train import checkpoint, tracking
@@ -32,9 +32,10 @@ from keel.train.guard import DivergenceGuard
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.pipeline_step import PipelineStep
 from keel.train.plan import memory_line, memory_plan
-from keel.train.report import flat_scores, task_line
+from keel.train.report import flat_scores
 from keel.train.run_dir import RunDir
 from keel.train.step import TrainStep, build_model, on_device
+from keel.train.task_eval import score_tasks
 from keel.train.telemetry import Telemetry
 from keel.train.tracking import Trackers
 
@@ -74,6 +75,7 @@ class Trainer:
 
     def _build(self) -> None:
         c = self.config
+        self.threads = set_threads(c.run.threads)  # the `keel` command set it already, unless a YAML file did
         pp = c.run.pp > 1  # pipeline stages (keel.scale.pipeline); FSDP2 then only within a stage's dp group
         self.fsdp = self.world.distributed and not pp
         # under FSDP2, bf16 comes from its mixed-precision policy (bf16 weights) instead of autocast
@@ -130,6 +132,8 @@ class Trainer:
         self.peak_flops = peak * self.world.size if peak else None  # of all ranks' devices together
         # state that checkpoints carry besides weights and optimiser
         self.step, self.draws, self.lr_scale, self.rollbacks = 0, 0, 1.0, 0
+        # wall time of earlier segments (from the checkpoint resumed) plus this one's, since the run started
+        self.wall_before, self.wall_loaded, self.segment_start = 0.0, 0.0, time.time()
         self.skip_draws: set[int] = set()
         self.global_batch = c.run.batch_size * self.replicas  # sequences per micro-batch, all ranks
         self.tokens_per_step = self.global_batch * c.run.grad_accum * c.run.seq_len
@@ -159,7 +163,8 @@ class Trainer:
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         meta = {"draws": self.draws, "lr_scale": self.lr_scale, "rollbacks": self.rollbacks,
                 "skip_draws": sorted(self.skip_draws), "guard": self.guard.state_dict(),
-                "world_size": self.world.size, "global_batch": self.global_batch}
+                "world_size": self.world.size, "global_batch": self.global_batch,
+                "wall_seconds": self.wall_before + time.time() - self.segment_start}
         keep = self.config.run.keep_checkpoints
         if self.world.distributed:
             del state["optimizer"]  # DCP writes it, sharded, with the weights
@@ -189,6 +194,8 @@ class Trainer:
         if "cuda_rng" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.step, self.draws = meta["step"], meta["draws"]
+        wall = meta.get("wall_seconds")  # the run's earlier segments (0 from checkpoints older than the field)
+        self.wall_loaded = float(wall) if type(wall) in (int, float) and 0 <= wall < 1e12 else 0.0
         self.lr_scale, self.rollbacks = meta["lr_scale"], meta["rollbacks"]
         self.skip_draws = set(meta["skip_draws"])
         self.guard.load_state_dict(meta["guard"])
@@ -229,9 +236,10 @@ class Trainer:
         elif self.world.main:
             self._record_start()
         self._start_tracking(first=resume_from is None)
-        start_wall, start_step = time.time(), self.step
+        self.wall_before, self.segment_start = self.wall_loaded, time.time()
+        start_step = self.step
         outcome = self._loop()
-        return self._finish(outcome, time.time() - start_wall, start_step)
+        return self._finish(outcome, time.time() - self.segment_start, start_step)
 
     def _record_resume(self, resume_from: Path) -> None:
         if self.world.main:  # a changed run.steps must survive the next interruption
@@ -262,10 +270,14 @@ class Trainer:
         if first and c.guard.policy == "rollback":
             self.save_checkpoint()  # something to roll back to before the first periodic checkpoint
         on = f"{self.world.size} x {self.device.type} (FSDP2)" if self.fsdp else str(self.device)
+        if self.device.type == "cpu":
+            on += f", {self.threads} thread{'s' if self.threads > 1 else ''} (run.threads)"
         n_params = count_params(c.model)
         self.say(f"keel: {c.model.scheme} model, {c.model.n_blocks} blocks = {c.model.n_sublayers} sub-layers, "
                  f"{n_params:,} parameters, {c.run.steps} steps of {self.tokens_per_step:,} tokens on {on}")
         self.say(f"keel: memory per process: {self.memory_line()}")
+        if self.device.type == "cpu" and busy_note(self.threads):
+            self.say(busy_note(self.threads), file=sys.stderr)
         if self.eval_tasks:
             when = f"every {c.run.eval_tasks_every} steps and at the end" if c.run.eval_tasks_every else "at the end"
             self.say(f"keel: tasks {', '.join(t.name for t in self.eval_tasks)}: up to {c.run.eval_tasks_items} "
@@ -363,9 +375,9 @@ class Trainer:
         self.sampler.load_state_dict(sampler_state)
         torch.set_rng_state(rng)
         self.optimizer.zero_grad(set_to_none=True)
+        self.say(f"keel: interrupted at step {self.step}; saving checkpoint ...")
         self.save_checkpoint()
-        self.say(f"keel: interrupted at step {self.step}; checkpoint saved; continue with: "
-                 f"keel train resume={self.run_dir}")
+        self.say(f"keel: checkpoint saved; continue with: keel train resume={self.run_dir}")
 
     def _finish(self, outcome: dict, wall: float, start_step: int) -> dict:
         """summary.json, the trackers closed, curves drawn, the process group left; returns the summary."""
@@ -378,13 +390,16 @@ class Trainer:
             "final_val_bits_per_byte": val.get("val_bits_per_byte"), **flat_scores(outcome["tasks"]),
             "tokens_per_second": (self.step - start_step) * self.tokens_per_step / max(wall, 1e-9),
             "n_params": count_params(c.model), "n_sublayers": c.model.n_sublayers, "n_blocks": c.model.n_blocks,
-            "scheme": c.model.scheme, "rollbacks": self.rollbacks, "wall_seconds": wall,
+            "scheme": c.model.scheme, "rollbacks": self.rollbacks,
+            "wall_seconds": self.wall_before + wall,  # all segments of a resumed run; tokens/s is this one's
             "world_size": self.world.size,
         }
         if self.world.main:
             self.run_dir.write_summary(summary)
             if self.trackers is not None:
                 self.trackers.close()
+            if outcome["interrupted"]:  # seconds of plotting after Ctrl-C: say what they are
+                self.say(f"keel: saving summary.json and drawing {self.run_dir / 'curves.png'} ...")
             self.draw_curves()
         distributed.close(self.world)
         return summary
@@ -415,17 +430,9 @@ class Trainer:
                         self.device, self.autocast, self.token_bytes, self.world, self.replica, self.replicas)
 
     def score_tasks(self, bar) -> dict[str, dict]:
-        """Score run.eval_tasks on every rank (keel.evals splits the items) and log them; the model's mode and
-        the random generators are restored, so training goes on exactly as if nothing had been scored."""
-        c = self.config
-        start = time.time()
-        scores = evals.score(self.model, self.eval_tasks, c.data, self.data.tokenizer,
-                             max_items=c.run.eval_tasks_items, device=self.device, autocast=self.autocast)
-        seconds = time.time() - start
-        self.t_last += seconds  # not counted against the next record's tokens_per_s
-        self.log({"step": self.step, **flat_scores(scores), "eval_tasks_seconds": seconds})
-        if self.world.main:
-            bar.write(task_line(self.step, scores, seconds))
+        """Score run.eval_tasks (keel.train.task_eval); the time is not counted against the next tokens/s."""
+        scores, seconds = score_tasks(self, bar)
+        self.t_last += seconds
         return scores
 
     def handle_divergence(self, reason: str, loss: float, grad_norm: float, lr: float, first_draw: int) -> None:
