@@ -5,7 +5,9 @@ The model (keel.model.transformer) is single-device code and knows nothing of th
 this fixed order (torchtitan's, with the kernel swap first, as its model converters come first):
 
   0. `apply_fused_junction`  compute each Keel junction (`LN_out` of one sub-layer and `LN_in` of the next)
-                     with the fused kernel of keel.kernels.junction, through the `Residual.junction` hook;
+                     in one piece, through the `Residual.junction` hook: with the fused kernel of
+                     keel.kernels.junction on CUDA, or, for a compiled model elsewhere, composed inside the
+                     compiled block that ends with `LN_out`, so the compiler fuses it across the block boundary;
   1. `apply_ac`      wrap every k-th block in activation checkpointing (its inner activations are
                      recomputed in the backward pass instead of kept);
   2. `apply_compile` compile each block on its own (regional compilation): blocks of the same shape
