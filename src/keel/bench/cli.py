@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from keel.bench.core import check_schemes, compare, depth_series, scheme_config, to_markdown
 from keel.bench.cpu import cpu_markdown, cpu_suite
 from keel.bench.gpu import GPU_SECTIONS, GpuSuite, gpu_markdown, gpu_suite
+from keel.bench.perf_model import DEVICES, paper_markdown, prediction_markdown, validate, validation_markdown
 from keel.errors import ConfigError
 from keel.model import CONFIG_FIELDS
 from keel.runtime import machine, resolve_device, use_bf16
@@ -77,8 +78,51 @@ def run_suite(args) -> dict:
     return result
 
 
+# What `--model-gpu <GPU>` reads of the merged config (besides every model.* field but the scheme: it predicts both)
+MODEL_RUN_FIELDS = ("batch_size", "seq_len", "dtype", "ac_every")
+
+
+def run_model(args) -> str:
+    """`--model-gpu`: the performance model's PREDICTED step at the merged config's shape (or, `paper`, the
+    paper's shapes on every GPU: benchmarks/gpu/predicted.md); `--validate-model`: its CPU twin against
+    measured eager steps at three fixed shapes."""
+    keys = given_keys(args.overrides, args.config)
+    if args.validate_model or args.model_gpu == "paper":
+        what = "--validate-model" if args.validate_model else "--model-gpu paper"
+        refuse_unused(keys, lambda k: False, f"{what} runs fixed shapes", hints={})
+        if args.validate_model:
+            result = validate(args.steps, args.warmup)
+            text, name = validation_markdown(result), "validation"
+        else:
+            result, text, name = None, paper_markdown(), "predicted"
+    else:
+        def used(key):
+            section, _, field = key.partition(".")
+            return (section == "model" and field != "scheme") or (section == "run" and field in MODEL_RUN_FIELDS)
+        refuse_unused(keys, used, f"it reads model.* and run.{{{','.join(MODEL_RUN_FIELDS)}}}",
+                      hints={"model.scheme": "the model predicts both keel and pre_ln"})
+        config = load_config(args.overrides, args.config, args.preset)
+        run_cfg = config.run
+        result, name = None, f"predicted-{args.model_gpu}"
+        text = prediction_markdown(config.model, run_cfg.batch_size, run_cfg.seq_len, DEVICES[args.model_gpu],
+                                   bf16=run_cfg.dtype != "float32", ac_every=run_cfg.ac_every)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.md").write_text(text)
+        if result is not None:
+            (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        print(f"written: {out / f'{name}.md'}")
+    return text
+
+
 def run(args) -> dict:
     """The comparison at the merged config's shape, then the depth series of the first scheme."""
+    if getattr(args, "model_gpu", None) or getattr(args, "validate_model", False):
+        if args.suite:
+            raise ConfigError("--model-gpu/--validate-model: not with --suite")
+        return run_model(args)
     if args.suite:
         return run_suite(args)
     config = load_config(args.overrides, args.config, args.preset)
@@ -151,4 +195,12 @@ def register(subparsers) -> None:
     p.add_argument("--idle-load", type=float, default=0.5,
                    help="--suite cpu: wait until the 1-minute load average is below this before timing")
     p.add_argument("--idle-wait", type=float, default=900, help="--suite cpu: wait at most this many seconds")
+    p.add_argument("--model-gpu", choices=[*DEVICES, "paper"],
+                   help="print the performance model's PREDICTED step (keel.bench.perf_model) of Keel and Pre-LN at "
+                        "the merged config's shape on this GPU, eager / compiled / compiled+fused (run.dtype auto "
+                        "means bf16, as on a GPU); `paper`: the paper's shapes on every GPU, with the formulas "
+                        "(--out DIR writes DIR/predicted.md)")
+    p.add_argument("--validate-model", action="store_true",
+                   help="the model's CPU twin: measure this machine's bandwidth and GEMM FLOP/s, predict eager "
+                        "float32 steps at three shapes, time them (--steps/--warmup) and print the error")
     p.set_defaults(func=cmd_bench)

@@ -1,9 +1,10 @@
 """`keel bench --suite gpu`: the GPU campaign in one time-boxed command.
 
-Sections, in order: the `gpu` tests; Keel/Pre-LN eager, compiled and compiled+fused at d=1024; the junction
-kernel alone; time per sub-layer against depth; and the deepest model that trains. Each section is time-boxed
-and every result is written as soon as it exists, so a run cut off by its time limit still leaves data. `--toy`
-runs the same campaign at toy sizes on a CPU in seconds (what CI runs).
+Sections, in order: the `gpu` tests; Keel/Pre-LN eager, compiled and compiled+fused at d=1024, each beside the
+performance model's prediction (keel.bench.perf_model: step time, MFU, ratio), so the first run says how far off
+the model is; the junction kernel alone; time per sub-layer against depth; and the deepest model that trains.
+Each section is time-boxed and every result is written as soon as it exists, so a run cut off by its time limit
+still leaves data. `--toy` runs the same campaign at toy sizes on a CPU in seconds (what CI runs).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from keel.bench.core import Bench, attempt, compare, depth_series
+from keel.bench.perf_model import DEVICES, gpu_spec, predict_pair
 from keel.kernels.junction import can_fuse
 from keel.kernels.timing import copy_bandwidth, junction_bandwidth
 from keel.model import ModelConfig, count_params
-from keel.runtime import machine
+from keel.runtime import machine, use_bf16
 from keel.train.config import RunConfig
 
 
@@ -57,6 +59,7 @@ class GpuSuite:
     max_depth_upto: int = 4096
     max_depth_resolution: int = 32
     test_args: tuple[str, ...] = ("-m", "gpu", "tests")
+    predict_on: str | None = None  # the perf-model device printed beside measurements; None: the GPU's own by name
     boxes: dict[str, float] = field(default_factory=lambda: {
         "tests": 150, "kernel": 50, "compare": 230, "depth": 50, "max_depth": 60})
 
@@ -67,7 +70,7 @@ class GpuSuite:
                    together_upto=4, kernel_rows=64, kernel_widths=(32, 48), kernel_calls=1, kernel_repeats=1,
                    depth_d_model=32,
                    depth_sublayers=(4, 8, 16), depth_steps=1, max_depth_from=4, max_depth_upto=16,
-                   max_depth_resolution=4, test_args=("-m", "gpu", "tests/test_junction.py"))
+                   max_depth_resolution=4, test_args=("-m", "gpu", "tests/test_junction.py"), predict_on="H100")
 
     def model(self, n_sublayers: int, scheme: str = "keel", d_model: int | None = None) -> ModelConfig:
         d = d_model or self.d_model
@@ -133,8 +136,23 @@ def _section_kernel(suite, device, out, deadline, save):
         save()
 
 
+def predicted(suite: GpuSuite, device: torch.device, n_sublayers: int, variant: str, ac_every: int) -> dict | None:
+    """The performance model's step time, tokens/s and MFU of Keel and Pre-LN, and their ratio, for one compare
+    cell; None on a device the model has no spec for."""
+    name = suite.predict_on or (torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+    spec = DEVICES.get(name) or gpu_spec(name)
+    if spec is None:
+        return None
+    p = predict_pair(suite.model(n_sublayers), suite.batch_size, suite.seq_len, spec, variant,
+                     use_bf16(device, suite.dtype), ac_every)
+    keep = ("step_time_s", "tokens_per_s", "mfu")
+    return {"device": spec.name, "keel_over_pre_ln_step_time": p["keel_over_pre_ln_step_time"],
+            **{s: {k: p[s][k] for k in keep} for s in ("keel", "pre_ln")}}
+
+
 def _section_compare(suite, device, out, deadline, save):
-    """Keel against Pre-LN at each depth: eager, compiled, compiled with the fused junction."""
+    """Keel against Pre-LN at each depth: eager, compiled, compiled with the fused junction; each beside its
+    prediction."""
     out["compare"] = {}
     for n in suite.compare_sublayers:
         torch._dynamo.reset()  # new constants (alpha = L) at each depth: keep well inside the recompile limit
@@ -152,6 +170,7 @@ def _section_compare(suite, device, out, deadline, save):
 
             r = attempt(pair, device)
             rows[variant] = r if isinstance(r, dict) else {"failed": r}
+            rows[variant]["predicted"] = predicted(suite, device, n, variant, rows["ac_every"])
             save()
     if any(v == {"skipped": "time box reached"} for rows in out["compare"].values() for v in rows.values()):
         return "time box reached"
@@ -236,24 +255,34 @@ def gpu_markdown(result: dict) -> str:
                                  f"{r['fwd_GBps'] / k['copy_GBps']:.0%} |")
         lines.append("")
     if "compare" in sec:
+        devices = {r["predicted"]["device"] for rows in sec["compare"].values() for k, r in rows.items()
+                   if k != "ac_every" and r.get("predicted")}
         lines += [f"## Keel vs Pre-LN, d={s['d_model']}, seq {s['seq_len']}, batch {s['batch_size']}, {s['dtype']}",
-                  "", "| sub-layers | variant | scheme | step (ms) | tokens/s | MFU | peak memory (GiB) | warm-up (s) |"
-                  " Keel/Pre-LN |", "|---|---|---|---|---|---|---|---|---|"]
+                  "", "Measured, and in brackets PREDICTED by keel.bench.perf_model "
+                  f"({', '.join(sorted(devices)) or 'no spec for this device'}).", "",
+                  "| sub-layers | variant | scheme | step (ms) [predicted] | measured/predicted | tokens/s | MFU "
+                  "[predicted] | peak memory (GiB) | warm-up (s) | Keel/Pre-LN [predicted] |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for n, rows in sec["compare"].items():
             for variant, r in rows.items():
                 if variant == "ac_every":
                     continue
                 if "keel" not in r:
-                    lines.append(f"| {n} | {variant} | - | {r.get('skipped') or r.get('failed')} | | | | | |")
+                    lines.append(f"| {n} | {variant} | - | {r.get('skipped') or r.get('failed')} | | | | | | |")
                     continue
+                p = r.get("predicted")
                 for scheme in ("keel", "pre_ln"):
-                    x = r[scheme]
+                    x, px = r[scheme], (p or {}).get(scheme)
                     mfu = f"{x['mfu']:.1%}" if x["mfu"] is not None else "n/a"
                     mem = f"{x['peak_memory_bytes'] / 2**30:.1f}" if x["peak_memory_bytes"] else "n/a"
                     ratio = f"**{r['keel_over_pre_ln_step_time']:.3f}**" if scheme == "keel" else ""
-                    lines.append(f"| {n}{' (AC)' if rows['ac_every'] else ''} | {variant} | {scheme} | "
-                                 f"{1e3 * x['step_time_s']:.1f} | {x['tokens_per_s']:,.0f} | {mfu} | {mem} | "
-                                 f"{x['warmup_s']:.1f} | {ratio} |")
+                    if px:
+                        mfu += f" [{px['mfu']:.1%}]"
+                        ratio += f" [{p['keel_over_pre_ln_step_time']:.3f}]" if scheme == "keel" else ""
+                    step = f"{1e3 * x['step_time_s']:.1f}" + (f" [{1e3 * px['step_time_s']:.1f}]" if px else "")
+                    off = f"{x['step_time_s'] / px['step_time_s']:.2f}x" if px else "n/a"
+                    lines.append(f"| {n}{' (AC)' if rows['ac_every'] else ''} | {variant} | {scheme} | {step} | "
+                                 f"{off} | {x['tokens_per_s']:,.0f} | {mfu} | {mem} | {x['warmup_s']:.1f} | {ratio} |")
         lines.append("")
     if "depth" in sec:
         lines += [f"## Time per sub-layer (Keel, d={sec['depth']['d_model']}, eager, AC every block)", "",

@@ -1,0 +1,479 @@
+"""A roofline model of one training step: FLOPs and bytes moved per op group, for Keel and Pre-LN, as keel runs it
+(eager, compiled per block, compiled with the fused Triton junction), on a GPU from its datasheet or on this CPU
+from measured rates. Every figure it gives is a PREDICTION; `benchmarks/gpu/predicted.md` is its output with the
+formulas (`keel bench --model-gpu paper --out benchmarks/gpu`), `keel bench --validate-model` checks it here.
+
+Time of an op group = max(FLOPs / effective peak, bytes / effective bandwidth), and on a GPU at least its kernel
+launches' host time (launches overlap device work; on a CPU they add). Sums over the step: forward, backward,
+activation-checkpoint recompute, clipping and AdamW. Bytes are what the code does (keel.model.layers/schemes,
+numerics): the residual stream and every norm are float32, matmuls run in the compute dtype (bf16 autocast: each
+fp32 input of a linear is cast, weights cast once per step); elementwise FLOPs are not counted (a few per byte,
+far below every ridge point). MFU is keel's own: `flops_per_token` (6N + attention) x tokens/s / bf16 peak.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+from keel.kernels.junction import MAX_FUSED_WIDTH
+from keel.model import ModelConfig, count_params, flops_per_token
+from keel.model.counting import count_param_tensors
+from keel.model.transformer import build_scheme
+from keel.runtime import PEAK_BF16
+
+IMPLS = ("eager", "compiled", "compiled+fused")
+S = 4  # bytes of a residual-stream element: always float32 (keel.model.numerics)
+# per element, eager RMSNorm as layers.RMSNorm runs it: pow, mean, x*rstd, gain*x (+ per-row add, rsqrt);
+# backward by autograd's formulas: gain (mul + column sum), rstd (mul, mul + row sum), mean, pow (pow(x,1) copy,
+# *2, *grad), and the add of the two paths into x
+EAGER_NORM = {"rmsnorm": (28, 6, 92, 15), "layernorm": (8, 1, 16, 2)}  # fwd bytes, launches, bwd bytes, launches
+ADAMW_BYTES = 84  # per parameter, torch's foreach AdamW: decay, lerp m, v*b2 + g*g, sqrt, /bc, +eps, addcdiv
+CLIP_BYTES = 12  # per parameter: the grad norm reads every gradient, clipping multiplies them in place
+OPTIM_LAUNCHES = 12  # foreach ops per step (clip + AdamW), each over the tensor list
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Peak rates (dense, no sparsity) and the fractions of them assumed achievable (stated, not measured)."""
+
+    name: str
+    bf16_flops: float
+    fp32_flops: float  # plain fp32 (keel does not enable TF32)
+    bandwidth: float  # bytes/s
+    memory: float  # bytes
+    source: str
+    matmul_eff: float = 0.70  # large cuBLAS GEMMs reach ~65-75% of the dense bf16 peak
+    attention_eff: float = 0.40  # FlashAttention-2 (what SDPA runs) forward+backward on Hopper/Ampere
+    memory_eff: float = 0.85  # a streaming copy reaches ~85-90% of the datasheet bandwidth
+    launch_s: dict = field(default_factory=lambda: {"eager": 5e-6, "compiled": 3e-6})  # host time per kernel
+    overlap: bool = True  # GPU: host launch time hides under longer kernels; CPU: it adds
+    foreach_batch: int = 48  # tensors per launch of a foreach op (CUDA's multi_tensor_apply; a CPU loops in C++)
+
+
+GB, TB = 1e9, 1e12
+DEVICES = {  # vendor datasheets, SXM parts; bf16 peaks are keel.runtime.PEAK_BF16 (what bench's MFU divides by)
+    # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM): BF16 1,979 TFLOPS with sparsity (989 dense), FP32 67
+    # TFLOPS, HBM3 3.35 TB/s, 80 GB
+    "H100": DeviceSpec("H100", PEAK_BF16["H100"], 67 * TB, 3.35 * TB, 80 * GB, "NVIDIA H100 datasheet (SXM)"),
+    # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): same compute as H100 SXM, HBM3e 4.8 TB/s, 141 GB
+    "H200": DeviceSpec("H200", PEAK_BF16["H200"], 67 * TB, 4.8 * TB, 141 * GB, "NVIDIA H200 datasheet (SXM)"),
+    # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM): BF16 312 TFLOPS dense, FP32 19.5 TFLOPS,
+    # HBM2e 2,039 GB/s
+    "A100": DeviceSpec("A100", PEAK_BF16["A100"], 19.5 * TB, 2.039 * TB, 80 * GB, "NVIDIA A100 datasheet (80GB SXM)"),
+}
+
+
+class Op(NamedTuple):
+    group: str  # matmul, attention, norm+junction, rope, activation, casts, embed/head/loss, optimizer
+    phase: str  # fwd, bwd, recompute, step
+    flops: float
+    bytes: float
+    launches: int
+    kind: str = "memory"  # matmul, attention or memory: which peak bounds it
+
+
+def _matmuls(M, K, N, c, bf16):
+    """X (M, K) @ W (K, N): forward, input gradient, weight gradient; under autocast the fp32 weight is cast to
+    bf16 once per step (autocast's cache) and its bf16 gradient back to fp32."""
+    io = c * (M * K + K * N + M * N)
+    ops = [Op("matmul", p, 2 * M * K * N, io, 1, "matmul") for p in ("fwd", "bwd", "bwd")]
+    if bf16:
+        ops += [Op("casts", p, 0, 6 * K * N, 1) for p in ("fwd", "bwd")]
+    return ops
+
+
+def _branch(config, kind, M, B, T, c, bf16, impl):
+    """The attention or FFN branch from its input u (already in the compute dtype) to its output h."""
+    d, q, kv, f = config.d_model, config.n_heads * config.head_dim, config.kv_heads * config.head_dim, config.ffn_dim
+    eager = impl == "eager"
+    if kind == "attn":
+        ops = [o for n in (q, kv, kv) for o in _matmuls(M, d, n, c, bf16)] + _matmuls(M, q, d, c, bf16)
+        # rope on q and k: eager neg(half), cat, x*cos, rot*sin, add; backward muls, neg, two slice scatters,
+        # two adds; compiled one kernel each way
+        fwd, bwd = (10 * c, 15 * c) if eager else (2 * c, 2 * c)
+        ops += [Op("rope", "fwd", 0, fwd * M * (q + kv), 10 if eager else 2),
+                Op("rope", "bwd", 0, bwd * M * (q + kv), 18 if eager else 2)]
+        # SDPA's flash kernel: causal, so half the score matrix; backward recomputes scores (2.5x the forward)
+        flops = 4 * B * T * T * q / 2
+        ops += [Op("attention", "fwd", flops, c * M * (2 * q + 2 * kv), 1, "attention"),
+                Op("attention", "bwd", 2.5 * flops, c * M * (4 * q + 4 * kv), 3, "attention")]
+        if build_scheme(config).qkv_norm:
+            fb, fl, bb, bl = EAGER_NORM[config.norm] if eager else (2 * c, 1, 5 * c, 2)
+            ops += [Op("norm+junction", "fwd", 0, fb * M * (q + 2 * kv), 3 * fl),
+                    Op("norm+junction", "bwd", 0, bb * M * (q + 2 * kv), 3 * bl)]
+        return ops
+    swiglu = config.ffn == "swiglu"
+    ops = [o for _ in range(2 if swiglu else 1) for o in _matmuls(M, d, f, c, bf16)] + _matmuls(M, f, d, c, bf16)
+    if swiglu:  # silu(g) * u: eager two passes, backward mul's two products and silu's; compiled one kernel each
+        fwd, fl, bwd, bl = (5 * c, 2, 9 * c, 3) if eager else (3 * c, 1, 5 * c, 1)
+    else:
+        fwd, fl, bwd, bl = 2 * c, 1, 3 * c, 1
+    return ops + [Op("activation", "fwd", 0, fwd * M * f, fl), Op("activation", "bwd", 0, bwd * M * f, bl)]
+
+
+def _consumers(config, kind):
+    return 3 if kind == "attn" else (2 if config.ffn == "swiglu" else 1)
+
+
+def _boundary(config, prev, nxt, cons, c, bf16, mode):
+    """Bytes per token and launches between sub-layers: `y = norm_out(alpha*x + h)` of `prev` (None: the
+    embedding) and `u = norm_in(y)` cast for the `cons` linears of `nxt` (None: the final norm and head).
+
+    mode: "eager" (one pass per op), "graph" (both in one compiled graph: one kernel each way, plus one pass
+    re-reading the rows for the norm gains' column sums), "split" (a compiled-graph boundary between them: the
+    stream is written, then read back), "fused" (keel.kernels.junction: one kernel each way, gains summed in
+    registers; u is written float32 and cast by one more kernel for the matmuls)."""
+    d = config.d_model
+    n_out, n_in = bool(prev and prev.norm_out), bool(nxt and nxt.norm_in)
+    has_u = nxt is not None and (n_in or bf16)  # a float32 branch without norm_in reads the stream itself
+    du = cons * c  # the gradients of u from its linears
+    if mode == "eager":
+        nb, nl, bb, bl = EAGER_NORM[config.norm]
+        norms = n_out + n_in + bool(prev and prev.norm_branch)
+        fwd, lf, bwd, lb = nb * norms, nl * norms, bb * norms, bl * norms
+        if prev:  # h cast to the stream, alpha*x (also alpha = 1.0: Residual multiplies), + h; backward alpha*g
+            fwd, lf, bwd, lb = fwd + 20 + 6 * bf16, lf + 2 + bf16, bwd + 8 + 6 * bf16, lb + 1 + bf16
+        if nxt:  # autocast casts u once per linear; the grads of u's consumers and of y's two uses are added
+            fwd, lf = fwd + 6 * cons * bf16, lf + cons * bf16
+            bwd, lb = bwd + 6 * cons * bf16 + 12 * cons, lb + cons * bf16 + cons
+        return fwd * d, lf, bwd * d, lb
+    if mode == "fused":  # x, h in; y, u out (float32); cast u; backward: sum the grads of u, then x h dy du in
+        pre = bf16 or cons > 1
+        return (3 * S + c + (S + c) * bf16) * d, 1 + bf16, ((du + S) * pre + 4 * S + 2 * c) * d, 1 + pre + 4
+    if mode == "graph":  # x, h in, y, u out; backward dy, du, x, h in (z, y recomputed), dx, dh out
+        row = 2 * S + c + du
+        bwd = row + S + c + row * (n_out or n_in)  # the gains' column sums read the rows again
+        return (3 * S + c + c * has_u) * d, 1, bwd * d, 1 + (n_out or n_in)
+    fwd = bwd = lf = lb = 0
+    if prev:  # graph A ends with the sum (+ norm_out): x, h in, y out; backward dy (+ x, h) in, dx, dh out
+        row = S + (S + c) * n_out
+        fwd, lf = 2 * S + c, 1
+        bwd, lb = row + S * (n_out or prev.alpha != 1) + c + row * n_out, 1 + n_out
+    if has_u:  # graph B starts with norm_in or the cast: y in, u out; backward dy, du (+ y) in, d(stream) out
+        row = S + du + S * n_in
+        fwd, lf, bwd, lb = fwd + S + c, lf + 1, bwd + row + S + row * n_in, lb + 1 + n_in
+    return fwd * d, lf, bwd * d, lb
+
+
+def step_ops(config: ModelConfig, batch: int, seq: int, bf16: bool, impl: str, ac_every: int = 0) -> list[Op]:
+    """Every op group of one training step (`batch` sequences of `seq` tokens, one micro-batch)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl: got {impl!r}; allowed: {', '.join(IMPLS)}")
+    M, c, d, V = batch * seq, 2 if bf16 else 4, config.d_model, config.vocab_size
+    scheme = build_scheme(config)
+    kinds = ["attn", "ffn"] * config.n_blocks
+    specs = [scheme.spec(i, k) for i, k in enumerate(kinds)]
+    fusable = impl == "compiled+fused" and config.norm == "rmsnorm" and d <= MAX_FUSED_WIDTH
+    checkpointed = {b for b in range(config.n_blocks) if ac_every and b % ac_every == 0}
+    ops = []
+    for j in range(config.n_sublayers + 1):  # boundary j sits before sub-layer j
+        prev, nxt = (specs[j - 1] if j else None), (specs[j] if j < len(specs) else None)
+        if impl == "eager":
+            mode = "eager"
+        elif fusable and prev and nxt and prev.norm_out and nxt.norm_in:
+            mode = "fused"
+        else:  # per-block compile: the attention -> FFN boundary is inside a block's graph
+            mode = "graph" if j % 2 and prev and nxt else "split"
+        fwd, lf, bwd, lb = _boundary(config, prev, nxt, _consumers(config, kinds[j]) if nxt else 0, c, bf16, mode)
+        ops += [Op("norm+junction", "fwd", 0, fwd * M, lf), Op("norm+junction", "bwd", 0, bwd * M, lb)]
+        if (max(j - 1, 0) // 2) in checkpointed:
+            ops.append(Op("norm+junction", "recompute", 0, fwd * M, lf))
+        if nxt:
+            branch = _branch(config, kinds[j], M, batch, seq, c, bf16, impl)
+            ops += branch
+            if j // 2 in checkpointed:
+                ops += [o._replace(phase="recompute") for o in branch if o.phase == "fwd"]
+    # root, eager in every variant (only blocks are compiled): embedding gather and its dense scatter-add
+    # gradient, the final norm (Pre-LN-like schemes), the head, float32 cross-entropy
+    ops += [Op("embed/head/loss", "fwd", 0, 2 * S * M * d, 1), Op("embed/head/loss", "bwd", 0, 3 * S * M * d
+                                                                  + S * V * d, 3)]
+    if scheme.final_norm:
+        nb, nl, bb, bl = EAGER_NORM[config.norm]
+        ops += [Op("norm+junction", "fwd", 0, nb * M * d, nl), Op("norm+junction", "bwd", 0, bb * M * d, bl)]
+    if bf16:
+        ops += [Op("casts", "fwd", 0, 6 * M * d, 1), Op("casts", "bwd", 0, 6 * M * d, 1)]
+    ops += [o._replace(group="embed/head/loss") for o in _matmuls(M, d, V, c, bf16)]
+    ops += [Op("embed/head/loss", "fwd", 0, (8 + 6 * bf16) * M * V, 3),  # .float(), log_softmax, nll
+            Op("embed/head/loss", "bwd", 0, (16 + 6 * bf16) * M * V, 4)]  # nll scatter, log_softmax, cast
+    n, tensors = count_params(config), count_param_tensors(config)
+    ops.append(Op("optimizer", "step", 0, (ADAMW_BYTES + CLIP_BYTES) * n, OPTIM_LAUNCHES * tensors))
+    return ops
+
+
+def op_time(op: Op, device: DeviceSpec, impl: str, bf16: bool) -> float:
+    """Seconds of one op group: the roofline bound, and its kernel launches' host time."""
+    peak = device.bf16_flops if bf16 else device.fp32_flops
+    eff = device.matmul_eff if op.kind == "matmul" else device.attention_eff
+    work = max(op.flops / (peak * eff), op.bytes / (device.bandwidth * device.memory_eff))
+    launches = op.launches
+    if op.group == "optimizer":
+        launches = math.ceil(launches / device.foreach_batch)
+    host = launches * device.launch_s["eager" if impl == "eager" else "compiled"]
+    return max(work, host) if device.overlap else work + host
+
+
+def predict(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, impl: str, bf16: bool = True,
+            ac_every: int = 0) -> dict:
+    """Predicted step time, tokens/s and MFU of one training step, and time, FLOPs and bytes per op group."""
+    ops = step_ops(config, batch, seq, bf16, impl, ac_every)
+    groups: dict[str, dict] = {}
+    for op in ops:
+        g = groups.setdefault(op.group, {"time_s": 0.0, "flops": 0.0, "bytes": 0.0, "memory_bound_s": 0.0})
+        t = op_time(op, device, impl, bf16)
+        g["time_s"] += t
+        g["flops"] += op.flops
+        g["bytes"] += op.bytes
+        if op.bytes / (device.bandwidth * device.memory_eff) >= op.flops / (device.bf16_flops * device.matmul_eff):
+            g["memory_bound_s"] += t
+    step = sum(g["time_s"] for g in groups.values())
+    tps = batch * seq / step
+    return {"step_time_s": step, "tokens_per_s": tps, "mfu": tps * flops_per_token(config, seq) / device.bf16_flops,
+            "flops": sum(o.flops for o in ops), "bytes": sum(o.bytes for o in ops), "groups": groups}
+
+
+def predict_pair(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, impl: str, bf16: bool = True,
+                 ac_every: int = 0) -> dict:
+    """Keel and Pre-LN at `config`'s shape, and their step-time ratio."""
+    from keel.bench.core import scheme_config  # noqa: PLC0415 (core imports the training stack)
+
+    out = {s: predict(scheme_config(config, s), batch, seq, device, impl, bf16, ac_every) for s in ("keel", "pre_ln")}
+    out["keel_over_pre_ln_step_time"] = out["keel"]["step_time_s"] / out["pre_ln"]["step_time_s"]
+    return out
+
+
+def gpu_spec(name: str) -> DeviceSpec | None:
+    """The spec whose name is in a CUDA device name (e.g. "NVIDIA H100 80GB HBM3"), or None."""
+    return next((spec for key, spec in DEVICES.items() if key in name), None)
+
+
+def paper_config(d_model: int, n_sublayers: int, scheme: str = "keel") -> ModelConfig:
+    """The paper's Table 8 shape: 16 query heads, 8 KV heads, SwiGLU FFN 3d; vocabulary 32000 as the GPU
+    campaign uses (the paper does not state one)."""
+    return ModelConfig(vocab_size=32000, d_model=d_model, n_blocks=n_sublayers // 2, n_heads=16, n_kv_heads=8,
+                       max_seq_len=4096, scheme=scheme)
+
+
+def fits(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, ac_every: int = 0) -> bool:
+    """Whether keel.scale.memory's estimate of one process's training memory fits the device."""
+    from keel.scale.memory import estimate_memory  # noqa: PLC0415
+
+    return estimate_memory(config, batch, seq, ac_every)["total"] <= device.memory
+
+
+def prediction_markdown(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, bf16: bool = True,
+                        ac_every: int = 0) -> str:
+    """The PREDICTED step of Keel and Pre-LN at one shape on `device`, per implementation and per op group."""
+    pairs = {impl: predict_pair(config, batch, seq, device, impl, bf16, ac_every) for impl in IMPLS}
+    lines = [f"# PREDICTED (keel.bench.perf_model, not measured): {device.name}, d={config.d_model}, "
+             f"{config.n_sublayers} sub-layers, batch {batch} x {seq}, {'bf16 autocast' if bf16 else 'float32'}"
+             f"{f', AC every {ac_every} blocks' if ac_every else ''}", "",
+             "| implementation | Keel step (ms) | Pre-LN step (ms) | Keel tokens/s | Keel MFU | Pre-LN MFU "
+             "| Keel/Pre-LN |",
+             "|---|---|---|---|---|---|---|"]
+    for impl, p in pairs.items():
+        k, r = p["keel"], p["pre_ln"]
+        lines.append(f"| {impl} | {1e3 * k['step_time_s']:.1f} | {1e3 * r['step_time_s']:.1f} | "
+                     f"{k['tokens_per_s']:,.0f} | {k['mfu']:.1%} | {r['mfu']:.1%} | "
+                     f"{p['keel_over_pre_ln_step_time']:.3f} |")
+    groups = list(pairs["eager"]["keel"]["groups"])
+    lines += ["", "Time per op group (ms), Keel / Pre-LN:", "", "| op group | " + " | ".join(IMPLS) + " |",
+              "|---|" + "---|" * len(IMPLS)]
+    for g in groups:
+        lines.append(f"| {g} | " + " | ".join(f"{1e3 * p['keel']['groups'][g]['time_s']:.2f} / "
+                                              f"{1e3 * p['pre_ln']['groups'][g]['time_s']:.2f}"
+                                              for p in pairs.values()) + " |")
+    fit = fits(config, batch, seq, device, ac_every)
+    lines += ["", f"Training memory (keel.scale.memory estimate) {'fits' if fit else 'does NOT fit'} in "
+              f"{device.memory / GB:.0f} GB."]
+    return "\n".join(lines) + "\n"
+
+
+FORMULAS = """\
+Per step, M = batch x seq tokens, c = bytes of the compute dtype (2 bf16, 4 fp32), S = 4 (the float32 stream),
+d = d_model, q = heads x head_dim, kv = kv_heads x head_dim, f = FFN width, V = vocabulary, n = parameters,
+du = c x the linears reading a branch input u (3 for attention: wq, wk, wv; 2 for SwiGLU).
+Time of an op group = max(FLOPs / (peak x matmul or attention efficiency), bytes / (bandwidth x memory
+efficiency)), on a GPU at least its launches x host time per launch; summed over forward, backward, AC recompute
+(the forward of every checkpointed block again), clipping and AdamW. Keel's alpha*x is multiplied also where
+alpha = 1 (Pre-LN, Keel's first sub-layers): `Residual` always multiplies. Elementwise FLOPs are not counted.
+"""
+FORMULA_ROWS = (  # op group, FLOPs, bytes forward; backward, where
+    ("each linear X(M,K) W(K,N)", "2MKN forward, input grad, weight grad",
+     "c(MK + KN + MN) each; bf16: + 6KN weight cast (once per step), 6KN its gradient", "all"),
+    ("attention (SDPA flash)", "4 B T^2 q / 2 (causal); 2.5x backward", "c M (2q + 2kv); c M (4q + 4kv)", "all"),
+    ("RoPE on q and k", "-", "per element: eager 10c; 15c, compiled 2c; 2c", "all"),
+    ("SwiGLU silu(g) * u", "-", "per token: eager 5c f; 9c f, compiled 3c f; 5c f", "all"),
+    ("one RMSNorm", "-", "28 d; 92 d per token (pow, mean, x*rstd, gain*x, autograd's formulas)", "eager"),
+    ("junction extras", "-", "h cast 6d (bf16), alpha*x 8d, + h 12d; alpha*g 8d, h cast 6d, 6d per u cast "
+     "(bf16), 12d per gradient sum", "eager"),
+    ("junction inside one graph", "-", "(3S + 2c) d: x, h in, y, u out; (2S + c + du) d read twice (dx, then the "
+     "gains' column sums) + (S + c) d written", "compiled: attention -> FFN"),
+    ("junction across graphs", "-", "graph A: x, h in, y out; graph B: y in, u out; each half's backward reads its "
+     "rows (twice with a norm)", "compiled: FFN -> next attention"),
+    ("fused junction (Triton)", "-", "(3S + c) d, + (S + c) d to cast the float32 u; (du + S) d to sum u's "
+     "gradients, (4S + 2c) d", "compiled+fused: each Keel junction"),
+    ("embedding, head, loss", "head: a linear", "2S d; 3S d per token + S V d (dense grad); float32 cross-entropy "
+     "(8 + 6 bf16) V; (16 + 6 bf16) V per token", "eager in every variant"),
+    ("clip + AdamW (foreach)", "-", "96 n", "all"),
+)
+
+
+def paper_markdown(gpus=("H100", "H200", "A100"), shapes=((1024, 64), (1024, 512), (2048, 64), (2048, 512)),
+                   seq: int = 4096, batch: int = 1, ac_from: int = 256) -> str:
+    """benchmarks/gpu/predicted.md: assumptions, formulas and the PREDICTED tables at the paper's shapes."""
+    lines = ["# GPU performance model: PREDICTED, not measured", "",
+             "Generated by `keel bench --model-gpu paper --out benchmarks/gpu` from `src/keel/bench/perf_model.py`; "
+             "do not edit by hand. No GPU has run these shapes: every number here is the model's prediction. The "
+             "GPU campaign (`keel bench --suite gpu`) prints the same prediction beside each measurement.", "",
+             "## Devices (vendor datasheets, dense peaks) and assumed achievable fractions", "",
+             "| GPU | bf16 dense (TFLOP/s) | fp32 (TFLOP/s) | bandwidth (TB/s) | memory (GB) | source |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {g} | {DEVICES[g].bf16_flops / TB:.0f} | {DEVICES[g].fp32_flops / TB:.1f} | "
+              f"{DEVICES[g].bandwidth / TB:.2f} | {DEVICES[g].memory / GB:.0f} | {DEVICES[g].source} |" for g in gpus]
+    dev = DEVICES[gpus[0]]
+    lines += ["", f"Assumed (not measured): GEMMs reach {dev.matmul_eff:.0%} of the bf16 peak, FlashAttention "
+              f"{dev.attention_eff:.0%}, memory-bound kernels {dev.memory_eff:.0%} of the bandwidth; the host spends "
+              f"{1e6 * dev.launch_s['eager']:.0f} us per eager op and {1e6 * dev.launch_s['compiled']:.0f} us per "
+              "compiled kernel, hidden under kernels that take longer. Compiled = each block compiled on its own "
+              "(keel.scale.parallel.apply_compile, run.fused_junction=off); compiled+fused = the same with every "
+              "Keel junction in keel.kernels.junction's Triton kernel. MFU = flops_per_token (6N + 12 n_blocks d T) "
+              "x tokens/s / bf16 peak, as `keel bench` reports it.", "", "## Formulas", "", FORMULAS,
+              "| op group | FLOPs | bytes (forward; backward) | where |", "|---|---|---|---|",
+              *(f"| {' | '.join(row)} |" for row in FORMULA_ROWS), "",
+              "## Bytes per token of one middle block (attention + FFN sub-layer), d=1024, bf16, forward+backward",
+              "", "| op group | " + " | ".join(f"{s} {i}" for s in ("keel", "pre_ln") for i in IMPLS) + " |",
+              "|---|" + "---|" * 2 * len(IMPLS)]
+    per_block = {}
+    for scheme in ("keel", "pre_ln"):
+        for impl in IMPLS:
+            totals = [{}, {}]
+            for k, blocks in enumerate((2, 3)):
+                cfg = replace(paper_config(1024, 2 * blocks, scheme), vocab_size=1)
+                for op in step_ops(cfg, 1, 1, True, impl):
+                    if op.group not in ("matmul", "attention", "optimizer", "embed/head/loss", "casts"):
+                        totals[k][op.group] = totals[k].get(op.group, 0) + op.bytes
+            per_block[scheme, impl] = {g: totals[1][g] - totals[0].get(g, 0) for g in totals[1]}
+    for g in per_block["keel", "eager"]:
+        lines.append(f"| {g} | " + " | ".join(f"{per_block[k].get(g, 0):,.0f}" for k in per_block) + " |")
+    lines += ["", "(matmul, attention and weight-cast bytes are the same in every column.)", "",
+              f"## Predicted step, batch {batch} x {seq} tokens, bf16 autocast (AC every block from {ac_from} "
+              "sub-layers, as the GPU campaign runs)", "",
+              "| d | sub-layers | GPU | implementation | Keel step (ms) | Pre-LN step (ms) | Keel MFU | Pre-LN MFU "
+              "| Keel/Pre-LN | fits one GPU |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for d, n in shapes:
+        ac = 1 if n >= ac_from else 0
+        for g in gpus:
+            for impl in IMPLS:
+                p = predict_pair(paper_config(d, n), batch, seq, DEVICES[g], impl, True, ac)
+                fit = fits(paper_config(d, n), batch, seq, DEVICES[g], ac)
+                lines.append(f"| {d} | {n} | {g} | {impl} | {1e3 * p['keel']['step_time_s']:,.0f} | "
+                             f"{1e3 * p['pre_ln']['step_time_s']:,.0f} | {p['keel']['mfu']:.1%} | "
+                             f"{p['pre_ln']['mfu']:.1%} | **{p['keel_over_pre_ln_step_time']:.3f}** | "
+                             f"{'yes' if fit else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- the CPU twin: this machine's rates, measured with torch, fed to the same model ----
+
+def measure_cpu(config: ModelConfig, batch: int, seq: int, repeats: int = 5) -> DeviceSpec:
+    """A DeviceSpec of this CPU at `config`'s shape: bandwidth of an add over stream-sized float32 tensors (the
+    size the step's elementwise ops touch), float32 GEMM FLOP/s over the step's own matmul sizes, SDPA forward+
+    backward FLOP/s at the shape, and the host time of one small op under autograd. Rates are used as measured
+    (efficiency 1); launches add to the work (no overlap on a CPU); a foreach op is one dispatch (its loop over
+    the tensors runs in C++)."""
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    from keel.kernels.timing import time_call  # noqa: PLC0415
+
+    cpu, M, d = torch.device("cpu"), batch * seq, config.d_model
+    q, kv, f = config.n_heads * config.head_dim, config.kv_heads * config.head_dim, config.ffn_dim
+    a, b, out = torch.randn(M * d), torch.randn(M * d), torch.empty(M * d)
+    bandwidth = 3 * S * M * d / time_call(lambda: torch.add(a, b, out=out), cpu, repeats=repeats)
+    gemms = [(M, d, q), (M, d, kv), (M, d, kv), (M, q, d), (M, d, f), (M, f, d), (M, d, config.vocab_size)]
+    if config.ffn == "swiglu":
+        gemms.append((M, d, f))
+    flops = seconds = 0.0
+    for m, k, n in gemms:
+        x, w = torch.randn(m, k), torch.randn(k, n)
+        seconds += time_call(lambda x=x, w=w: x @ w, cpu, repeats=repeats)
+        flops += 2 * m * k * n
+    qt, kt, vt = (torch.randn(batch, h, seq, config.head_dim, requires_grad=True)
+                  for h in (config.n_heads, config.kv_heads, config.kv_heads))
+
+    def attention():
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=config.kv_heads != config.n_heads)
+        o.backward(torch.ones_like(o))
+    attention_rate = 3.5 * 4 * batch * seq * seq * q / 2 / time_call(attention, cpu, repeats=repeats)
+
+    def chain(n):
+        def run():
+            y = leaf
+            for _ in range(n):
+                y = y * 1.0001
+            y.sum().backward()
+        return time_call(run, cpu, calls=20, repeats=repeats)
+    leaf = torch.ones(8, requires_grad=True)
+    launch = max((chain(40) - chain(10)) / 60, 0.0)  # per op: 30 more multiplies, each forward and backward
+    gemm_rate = flops / seconds
+    return DeviceSpec(f"cpu (measured, {torch.get_num_threads()} threads)", gemm_rate, gemm_rate, bandwidth,
+                      float("inf"), "measured by keel.bench.perf_model.measure_cpu", matmul_eff=1.0,
+                      attention_eff=attention_rate / gemm_rate, memory_eff=1.0,
+                      launch_s={"eager": launch, "compiled": launch}, overlap=False, foreach_batch=1 << 30)
+
+
+# (d_model, sub-layers, batch, seq): three CPU shapes of the validation
+VALIDATION_SHAPES = ((64, 16, 8, 64), (128, 32, 16, 128), (256, 8, 4, 256))
+
+
+def validation_config(d: int, n_sublayers: int, seq: int) -> ModelConfig:
+    return ModelConfig(d_model=d, n_blocks=n_sublayers // 2, n_heads=max(2, d // 32), n_kv_heads=max(1, d // 64),
+                       max_seq_len=seq)
+
+
+def validate(steps: int = 10, warmup: int = 3, shapes=VALIDATION_SHAPES) -> dict:
+    """Predicted (from `measure_cpu`) against measured (keel.bench.core.compare) eager float32 step times."""
+    from keel.bench.core import compare  # noqa: PLC0415
+    from keel.runtime import machine  # noqa: PLC0415
+    from keel.train.config import RunConfig  # noqa: PLC0415
+
+    rows = []
+    for d, n, batch, seq in shapes:
+        config = validation_config(d, n, seq)
+        device = measure_cpu(config, batch, seq)
+        predicted = predict_pair(config, batch, seq, device, "eager", bf16=False)
+        run = RunConfig(batch_size=batch, seq_len=seq, device="cpu", dtype="float32", fused_junction="off")
+        measured = compare(config, run, ["keel", "pre_ln"], steps, warmup)
+        rows.append({"d_model": d, "n_sublayers": n, "batch": batch, "seq": seq, "device": {
+            "bandwidth_GBps": device.bandwidth / GB, "gemm_GFLOPs": device.fp32_flops / 1e9,
+            "attention_GFLOPs": device.fp32_flops * device.attention_eff / 1e9,
+            "launch_us": 1e6 * device.launch_s["eager"]}, **{s: {
+                "predicted_s": predicted[s]["step_time_s"], "measured_s": measured[s]["step_time_s"],
+                "error": predicted[s]["step_time_s"] / measured[s]["step_time_s"] - 1} for s in ("keel", "pre_ln")},
+            "ratio": {"predicted": predicted["keel_over_pre_ln_step_time"],
+                      "measured": measured["keel_over_pre_ln_step_time"]}})
+    return {"machine": machine("cpu"), "steps": steps, "warmup": warmup, "rows": rows,
+            "max_abs_error": max(abs(r[s]["error"]) for r in rows for s in ("keel", "pre_ln"))}
+
+
+def validation_markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"# Performance model, CPU twin: predicted vs measured eager float32 step ({m['cpu']}, "
+             f"{m['torch_threads']} threads, torch {m['torch_version']})", "",
+             f"Measured: `keel bench` step timing, {result['steps']} steps after {result['warmup']} warm-up, median. "
+             "Predicted: keel.bench.perf_model with this machine's rates measured at each shape.", "",
+             "| d | sub-layers | batch x seq | GB/s | GEMM GFLOP/s | SDPA GFLOP/s | us/op | scheme | predicted (ms) "
+             "| measured (ms) | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        dev = r["device"]
+        for s in ("keel", "pre_ln"):
+            lines.append(f"| {r['d_model']} | {r['n_sublayers']} | {r['batch']} x {r['seq']} | "
+                         f"{dev['bandwidth_GBps']:.1f} | {dev['gemm_GFLOPs']:.1f} | {dev['attention_GFLOPs']:.1f} | "
+                         f"{dev['launch_us']:.1f} | {s} | {1e3 * r[s]['predicted_s']:.2f} | "
+                         f"{1e3 * r[s]['measured_s']:.2f} | {r[s]['error']:+.1%} |")
+    lines += ["", "Keel/Pre-LN: " + ", ".join(f"d={r['d_model']}: predicted {r['ratio']['predicted']:.3f}, measured "
+                                              f"{r['ratio']['measured']:.3f}" for r in result["rows"]),
+              "", f"Largest |error|: **{result['max_abs_error']:.1%}** (target: within 25%)."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,178 @@
+"""The performance model (keel.bench.perf_model) against independent counts: matmul FLOPs by hand and by torch's
+FlopCounterMode, the parameters its weight casts imply against a built model, and every byte an eager step moves
+counted op by op by a dispatch mode (float32 and bf16 autocast); the roofline's bound switching; fused < compiled <
+eager bytes; the committed predicted.md equal to what the code generates; the CLI and the GPU campaign's column."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from keel.bench import perf_model as pm
+from keel.bench.gpu import GpuSuite, predicted
+from keel.cli import main
+from keel.model import ModelConfig, TransformerLM, flops_per_token
+from keel.model.layers import RMSNorm
+from keel.runtime import PEAK_BF16
+from keel.train.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = {"vocab_size": 64, "d_model": 64, "n_blocks": 4, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32}
+# ops that move no data (views, metadata) or that the model books as matmul / attention, not as memory traffic
+NO_DATA = {"view", "_unsafe_view", "t", "transpose", "expand", "slice", "detach", "alias", "reshape", "unsqueeze",
+           "squeeze", "permute", "as_strided", "select", "promote_types", "empty", "empty_like", "lift_fresh"}
+COMPUTE = {"mm", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"}
+
+
+class ByteCount(TorchDispatchMode):
+    """Bytes every aten op reads and writes: each tensor argument and output once, a broadcast (stride-0) tensor
+    at the size of its storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_op: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name.split("::")[1]
+        if name not in NO_DATA:
+            moved = sum(min(t.nbytes, t.untyped_storage().nbytes())
+                        for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
+            self.by_op[name] = self.by_op.get(name, 0) + moved
+        return out
+
+
+def test_attention_sublayer_matmul_flops_by_hand():
+    cfg = ModelConfig(**TINY)  # M = 2 x 8 tokens, d 64, q 64 (4 heads of 16), kv 32 (2 heads)
+    ops = pm._branch(cfg, "attn", 16, 2, 8, 4, False, "eager")
+    by_hand = 3 * 2 * 16 * (64 * 64 + 64 * 32 + 64 * 32 + 64 * 64)  # wq, wk, wv, wo; forward, dX, dW
+    assert sum(o.flops for o in ops if o.kind == "matmul") == by_hand
+    causal_scores = 4 * 2 * 8 * 8 * 64 / 2  # QK^T and AV over half the (8 x 8) score matrix, all 4 heads
+    assert sum(o.flops for o in ops if o.kind == "attention") == causal_scores * 3.5
+
+
+def test_matmul_flops_equal_torch_flop_counter():
+    cfg = ModelConfig(**TINY)
+    model, idx = TransformerLM(cfg), torch.randint(0, 64, (4, 32))
+    with FlopCounterMode(display=False) as counter:
+        _, loss = model(idx, targets=idx)
+        loss.backward()
+    ops = pm.step_ops(cfg, 4, 32, False, "eager")
+    mm = counter.get_flop_counts()["Global"][torch.ops.aten.mm]
+    assert sum(o.flops for o in ops if o.kind == "matmul") == mm
+
+
+def test_weight_casts_imply_the_built_models_linear_parameters():
+    cfg = ModelConfig(**TINY)
+    M = 4 * 32
+    casts = sum(o.bytes for o in pm.step_ops(cfg, 4, 32, True, "eager") if o.group == "casts" and o.phase == "fwd")
+    implied = (casts - 6 * M * cfg.d_model) / 6  # 6 bytes per weight (fp32 read, bf16 written); less the head input
+    built = sum(p.numel() for p in TransformerLM(cfg).blocks.parameters() if p.dim() == 2)
+    assert implied == built
+
+
+def test_eager_rmsnorm_bytes_written_out():
+    M, d = 64, 256
+    x, g = torch.randn(M, d, requires_grad=True), torch.randn(M, d)
+    with ByteCount() as fwd:
+        y = RMSNorm(d)(x)
+    with ByteCount() as bwd:
+        y.backward(g)
+    fb, _, bb, _ = pm.EAGER_NORM["rmsnorm"]
+    # per-row scalars (mean, rsqrt, their gradients) add a few bytes per row; d=256 keeps them under 1%
+    assert sum(fwd.by_op.values()) / (M * d) == pytest.approx(fb, rel=0.01)
+    assert sum(bwd.by_op.values()) / (M * d) == pytest.approx(bb, rel=0.01)
+
+
+@pytest.mark.parametrize("scheme", ["keel", "pre_ln"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_eager_step_bytes_equal_a_count_of_every_op(scheme, bf16):
+    """Forward and backward of a real model, every aten op's bytes counted, against the model's memory bytes
+    (and the matmuls' exactly); the optimizer is left out of both."""
+    cfg = ModelConfig(**TINY, scheme=scheme)
+    model, idx = TransformerLM(cfg), torch.randint(0, 64, (4, 32))
+    with ByteCount() as count:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            _, loss = model(idx, targets=idx)
+        loss.backward()
+    ops = pm.step_ops(cfg, 4, 32, bf16, "eager")
+    memory = sum(o.bytes for o in ops if o.kind == "memory" and o.group != "optimizer")
+    assert memory == pytest.approx(sum(v for k, v in count.by_op.items() if k not in COMPUTE), rel=0.005)
+    assert sum(o.bytes for o in ops if o.kind == "matmul") == count.by_op["mm"]
+
+
+def test_roofline_bound_switches_and_launches_overlap_only_on_a_gpu():
+    dev = pm.DeviceSpec("toy", 100.0, 100.0, 10.0, 1.0, "test", matmul_eff=1.0, memory_eff=1.0,
+                        launch_s={"eager": 3.0, "compiled": 1.0})
+    compute_bound = pm.Op("matmul", "fwd", 1000.0, 50.0, 1, "matmul")  # 10 s of FLOPs, 5 s of bytes
+    memory_bound = compute_bound._replace(bytes=500.0)  # 50 s of bytes
+    assert pm.op_time(compute_bound, dev, "compiled", True) == 10.0
+    assert pm.op_time(memory_bound, dev, "compiled", True) == 50.0
+    tiny = pm.Op("casts", "fwd", 0.0, 10.0, 2)  # 1 s of bytes, 2 launches
+    assert pm.op_time(tiny, dev, "eager", True) == 6.0  # launch-bound: the host is slower than the kernel
+    cpu = pm.DeviceSpec(**{**dev.__dict__, "overlap": False})
+    assert pm.op_time(tiny, cpu, "eager", True) == 7.0  # on a CPU the launches add
+
+
+@pytest.mark.parametrize("d,n", [(1024, 64), (2048, 512)])
+def test_fused_junction_moves_fewer_bytes_than_compiled_than_eager(d, n):
+    def moved(scheme, impl):
+        cfg = pm.paper_config(d, n, scheme)
+        return sum(o.bytes for o in pm.step_ops(cfg, 1, 4096, True, impl) if o.group == "norm+junction")
+    assert moved("keel", "compiled+fused") < moved("keel", "compiled") < moved("keel", "eager")
+    assert moved("pre_ln", "compiled+fused") == moved("pre_ln", "compiled")  # no junction to fuse
+
+
+def test_mfu_is_bench_convention_and_peaks_are_runtimes():
+    cfg = pm.paper_config(1024, 64)
+    p = pm.predict(cfg, 1, 4096, pm.DEVICES["H100"], "compiled")
+    assert p["mfu"] == pytest.approx(p["tokens_per_s"] * flops_per_token(cfg, 4096) / PEAK_BF16["H100"])
+    assert p["tokens_per_s"] == pytest.approx(4096 / p["step_time_s"])
+    assert p["step_time_s"] == pytest.approx(sum(g["time_s"] for g in p["groups"].values()))
+    assert all(pm.DEVICES[g].bf16_flops == PEAK_BF16[g] for g in pm.DEVICES)
+    assert pm.gpu_spec("NVIDIA H100 80GB HBM3").name == "H100" and pm.gpu_spec("Tesla T4") is None
+
+
+def test_committed_predictions_are_what_the_code_generates():
+    assert (REPO / "benchmarks" / "gpu" / "predicted.md").read_text() == pm.paper_markdown()
+
+
+def test_cli_prints_the_prediction_table(capsys):
+    overrides = ["model.d_model=64", "run.seq_len=32"]
+    assert main(["bench", "--preset", "tiny", "--model-gpu", "H100", *overrides]) == 0
+    text = capsys.readouterr().out
+    assert "PREDICTED" in text and "H100" in text and "d=64" in text
+    config = load_config(overrides, None, "tiny")
+    pair = pm.predict_pair(config.model, config.run.batch_size, 32, pm.DEVICES["H100"], "eager")
+    assert f"| eager | {1e3 * pair['keel']['step_time_s']:.1f} | {1e3 * pair['pre_ln']['step_time_s']:.1f} |" in text
+    assert f"{pair['keel_over_pre_ln_step_time']:.3f}" in text
+    assert main(["bench", "--model-gpu", "H100", "run.steps=3"]) == 2  # not read: refused
+    assert "run.steps: not used by keel bench" in capsys.readouterr().err
+    assert main(["bench", "--model-gpu", "paper", "model.d_model=64"]) == 2
+
+
+def test_gpu_campaign_prediction_column():
+    suite = GpuSuite.toy()  # predicts with the H100 spec so CI exercises the column
+    p = predicted(suite, torch.device("cpu"), 4, "compiled", 0)
+    expected = pm.predict_pair(suite.model(4), suite.batch_size, suite.seq_len, pm.DEVICES["H100"], "compiled",
+                               bf16=False)
+    assert p["device"] == "H100" and p["keel"]["step_time_s"] == expected["keel"]["step_time_s"]
+    assert p["keel_over_pre_ln_step_time"] == expected["keel_over_pre_ln_step_time"]
+    assert predicted(GpuSuite(), torch.device("cpu"), 4, "eager", 0) is None  # no spec for a CPU by name
+
+
+def test_validation_reports_predicted_against_measured(monkeypatch):
+    measured = {"keel": 0.010, "pre_ln": 0.008}
+
+    def fake_compare(config, run, schemes, steps, warmup):
+        return {s: {"step_time_s": measured[s]} for s in schemes} | {"keel_over_pre_ln_step_time": 1.25}
+    monkeypatch.setattr("keel.bench.core.compare", fake_compare)
+    result = pm.validate(steps=1, warmup=0, shapes=((32, 2, 2, 16),))
+    row = result["rows"][0]
+    for s in ("keel", "pre_ln"):
+        assert row[s]["error"] == pytest.approx(row[s]["predicted_s"] / measured[s] - 1)
+    assert result["max_abs_error"] == max(abs(row[s]["error"]) for s in ("keel", "pre_ln"))
+    assert row["device"]["bandwidth_GBps"] > 0 and "Largest |error|" in pm.validation_markdown(result)
