@@ -379,8 +379,9 @@ def paper_markdown(gpus=("H100", "H200", "A100"), shapes=((1024, 64), (1024, 512
 
 def measure_cpu(config: ModelConfig, batch: int, seq: int, repeats: int = 5) -> DeviceSpec:
     """A DeviceSpec of this CPU at `config`'s shape: bandwidth of an add over stream-sized float32 tensors (the
-    size the step's elementwise ops touch), float32 GEMM FLOP/s over the step's own matmul sizes, SDPA forward+
-    backward FLOP/s at the shape, and the host time of one small op under autograd. Rates are used as measured
+    size the step's elementwise ops touch), float32 GEMM FLOP/s over the step's own matmuls (each in its forward,
+    input-gradient and weight-gradient layout), SDPA forward+backward FLOP/s at the shape, and the host time of
+    one small op under autograd. Rates are used as measured
     (efficiency 1); launches add to the work (no overlap on a CPU); a foreach op is one dispatch (its loop over
     the tensors runs in C++)."""
     import torch  # noqa: PLC0415
@@ -396,10 +397,11 @@ def measure_cpu(config: ModelConfig, batch: int, seq: int, repeats: int = 5) -> 
     if config.ffn == "swiglu":
         gemms.append((M, d, f))
     flops = seconds = 0.0
-    for m, k, n in gemms:
-        x, w = torch.randn(m, k), torch.randn(k, n)
-        seconds += time_call(lambda x=x, w=w: x @ w, cpu, repeats=repeats)
-        flops += 2 * m * k * n
+    for m, k, n in gemms:  # each as the step runs it: forward, input gradient, weight gradient
+        x, w, dy = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)  # nn.Linear keeps W as (out, in)
+        for a, b in ((x, w.t()), (dy, w), (dy.t(), x)):
+            seconds += time_call(lambda a=a, b=b: a @ b, cpu, repeats=repeats)
+            flops += 2 * m * k * n
     qt, kt, vt = (torch.randn(batch, h, seq, config.head_dim, requires_grad=True)
                   for h in (config.n_heads, config.kv_heads, config.kv_heads))
 
