@@ -424,11 +424,12 @@ def save(fig, out: Path, name: str) -> str:
 def loss_axis(ax) -> None:
     """A log y-axis with plain numbers, for loss curves: every point stays in view (the first evaluations at
     ~5.5 nats included) while the gaps near the end, where schemes differ, keep their height."""
-    from matplotlib.ticker import FormatStrFormatter
+    from matplotlib.ticker import FormatStrFormatter, MaxNLocator, NullLocator
 
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=6))  # evenly spaced round values: losses span less than a decade
     ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_locator(NullLocator())
 
 
 def pyplot():
