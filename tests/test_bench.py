@@ -212,13 +212,23 @@ def test_cpu_suite_compares_compiled_and_eager_side_by_side(fake_clock, monkeypa
     monkeypatch.setattr(os, "getloadavg", lambda: (0.25, 0.5, 0.75))
     shapes = {"bench": ({"n_blocks": 2, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "max_seq_len": 16}, 2, 16)}
     writes = []
-    result = cpu_suite(2, 1, writes.append, max_load=1e9, wait_s=0, shapes=shapes, compile_backend="eager")
+    result = cpu_suite(2, 1, writes.append, max_load=1e9, wait_s=0, shapes=shapes, compile_backend="eager",
+                       repeats=2, depths=(4, 8), science_steps=2)
     shape = result["shapes"]["bench"]
     assert set(shape["results"]) == {"keel/eager", "keel/compiled", "pre_ln/eager", "pre_ln/compiled"}
     # 4 sub-layers: Keel 0.20 s, Pre-LN 0.16 s a step on the fake clock, compiled or not; 32 tokens a step
     assert shape["results"]["keel/compiled"]["tokens_per_s"] == pytest.approx(160.0)
-    assert shape["keel_over_pre_ln_step_time"] == pytest.approx({"eager": 1.25, "compiled": 1.25})
-    assert shape["compiled_speedup"] == pytest.approx({"keel": 1.0, "pre_ln": 1.0})
-    assert result["idle_check"]["idle"] and set(result["targets"]["met"]) == {"compiled_keel_over_pre_ln_bench"}
-    assert len(writes) == 2  # after the shape, and with the targets
+    assert shape["keel_over_pre_ln_step_time"]["compiled"]["each"] == pytest.approx([1.25, 1.25])
+    assert shape["keel_over_pre_ln_step_time"]["eager"]["median"] == pytest.approx(1.25)
+    assert shape["compiled_speedup"]["keel"]["median"] == pytest.approx(1.0)
+    # compiled Keel fuses its junctions (1-2 and 2-3 of its 4 sub-layers); eager and Pre-LN have none
+    assert shape["fused_junctions"] == {"keel/eager": 0, "keel/compiled": 2, "pre_ln/eager": 0, "pre_ln/compiled": 0}
+    # the science series: Keel at 4 and 8 sub-layers, eager and compiled
+    assert [r["n_sublayers"] for r in result["science"]["rows"]] == [4, 8]
+    assert result["science"]["rows"][1]["ms_per_sublayer"] == pytest.approx({"eager": 50.0, "compiled": 50.0})
+    assert result["science"]["ms_per_sublayer_spread"] == pytest.approx({"eager": 0.0, "compiled": 0.0})
+    assert result["idle_check"]["idle"]
+    assert set(result["targets"]["met"]) == {"compiled_keel_over_pre_ln_bench", "compile_time_flat_in_depth",
+                                             "ms_per_sublayer_flat_eager", "ms_per_sublayer_flat_compiled"}
+    assert len(writes) == 3  # after the shape, after the science series, and with the targets
     assert cpu_markdown(result) == (GOLDEN / "bench-cpu.md").read_text()

@@ -5,13 +5,14 @@ and records the load average: on a small shared machine any other job's work lan
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import asdict
 
 import torch
 
 from keel.bench.core import Bench, alternate, scheme_config, summarize
-from keel.model.presets import cpu_demo
+from keel.model.presets import cpu_demo, science
 from keel.runtime import machine
 from keel.train.config import RunConfig
 
@@ -28,72 +29,160 @@ def wait_for_idle(max_load: float, timeout_s: float) -> dict:
 
 # The bench shape of benchmarks/cpu/ and the default `keel train` job's (preset cpu-demo): (model overrides, batch, seq)
 CPU_SHAPES = {"bench": ({"n_blocks": 8, "max_seq_len": 64}, 4, 64), "train-default": ({"max_seq_len": 128}, 16, 128)}
-CPU_TARGETS = {"compiled_keel_over_pre_ln_at_most": 1.03, "compiled_speedup_at_least": 1.3}
+# issue 19's targets: compiled Keel within 2% of compiled Pre-LN; compile time at the deepest science depth within 2x
+# of the shallowest; time per sub-layer within +-10% of the shallowest's from 16 to 1024 sub-layers
+CPU_TARGETS = {"compiled_keel_over_pre_ln_at_most": 1.02, "compiled_speedup_at_least": 1.3,
+               "compile_time_deep_over_shallow_at_most": 2.0, "ms_per_sublayer_spread_at_most": 0.10}
 VARIANTS = ("eager", "compiled")
+# the science experiments' shape (keel.experiments.common: d=64, 8 x 64 tokens a step, one thread per point)
+SCIENCE_DEPTHS = (16, 64, 256, 1024)
+SCIENCE_BATCH = (8, 64)
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "each": values}
 
 
 def cpu_suite(steps: int, warmup: int, write, max_load: float = 0.5, wait_s: float = 900, shapes=None,
-              compile_backend: str = "inductor") -> dict:
-    """Eager and compiled, Keel and Pre-LN: four models stepping alternately in this process, per shape.
-    `shapes` (default CPU_SHAPES) and `compile_backend` are for tests."""
+              compile_backend: str = "inductor", repeats: int = 3, depths=SCIENCE_DEPTHS,
+              science_steps: int = 5) -> dict:
+    """Eager and compiled, Keel and Pre-LN: four models stepping alternately in this process, per shape, the timed
+    steps taken `repeats` times (each repeat's ratios reported, and their median and range); then the science
+    shape's depth series (`science_series`). `shapes`, `depths` and `compile_backend` are for tests."""
     device, shapes = torch.device("cpu"), shapes or CPU_SHAPES
     models = {name: cpu_demo(**overrides) for name, (overrides, _, _) in shapes.items()}
     result = {"suite": "cpu", "machine": machine(device), "settings": {
         "shapes": {k: {"model": asdict(models[k]), "n_sublayers": models[k].n_sublayers, "batch_size": b,
                        "seq_len": t} for k, (_, b, t) in shapes.items()},
-        "steps": steps, "warmup": warmup, "dtype": "float32", "compile_backend": compile_backend},
+        "steps": steps, "warmup": warmup, "repeats": repeats, "dtype": "float32", "compile_backend": compile_backend,
+        "science": {"depths": list(depths), "batch_size": SCIENCE_BATCH[0], "seq_len": SCIENCE_BATCH[1],
+                    "steps": science_steps, "threads": 1}},
         "idle_check": wait_for_idle(max_load, wait_s) | {"max_load": max_load}, "shapes": {}}
     for name, (_, batch, seq) in shapes.items():
         torch._dynamo.reset()  # each shape compiles afresh, well inside Dynamo's recompile limit
         load_before = os.getloadavg()
         benches = {f"{s}/{v}": Bench(scheme_config(models[name], s),
-                                     RunConfig(batch_size=batch, seq_len=seq, dtype="float32", compile=v == "compiled",
-                                               fused_junction="off"), device=device, compile_backend=compile_backend)
+                                     RunConfig(batch_size=batch, seq_len=seq, dtype="float32", compile=v == "compiled"),
+                                     device=device, compile_backend=compile_backend)
                    for s in ("keel", "pre_ln") for v in VARIANTS}
         warm = alternate(benches, steps, warmup)
+        for _ in range(repeats - 1):
+            alternate(benches, steps, 0)
         rows = {k: summarize(b) | {"warmup_s": warm[k]} for k, b in benches.items()}
-        time_of = {k: r["step_time_s"] for k, r in rows.items()}
-        ratio = {v: time_of[f"keel/{v}"] / time_of[f"pre_ln/{v}"] for v in VARIANTS}
-        speedup = {s: time_of[f"{s}/eager"] / time_of[f"{s}/compiled"] for s in ("keel", "pre_ln")}
+        per_repeat = [{k: statistics.median(b.times[r * steps:(r + 1) * steps]) for k, b in benches.items()}
+                      for r in range(repeats)]
+        ratio = {v: spread([t[f"keel/{v}"] / t[f"pre_ln/{v}"] for t in per_repeat]) for v in VARIANTS}
+        speedup = {s: spread([t[f"{s}/eager"] / t[f"{s}/compiled"] for t in per_repeat]) for s in ("keel", "pre_ln")}
         result["shapes"][name] = {"results": rows, "keel_over_pre_ln_step_time": ratio, "compiled_speedup": speedup,
+                                  "fused_junctions": {k: b.fused for k, b in benches.items()},
                                   "load_average": {"before": load_before, "after": os.getloadavg()}}
         del benches
         write(result)
-    met = {f"compiled_keel_over_pre_ln_{k}": v["keel_over_pre_ln_step_time"]["compiled"]
+    if depths:
+        result["science"] = science_series(depths, science_steps, compile_backend)
+        write(result)
+    met = {f"compiled_keel_over_pre_ln_{k}": v["keel_over_pre_ln_step_time"]["compiled"]["median"]
            <= CPU_TARGETS["compiled_keel_over_pre_ln_at_most"] for k, v in result["shapes"].items()}
     if "train-default" in result["shapes"]:
-        met["compiled_speedup_train_default_keel"] = (result["shapes"]["train-default"]["compiled_speedup"]["keel"]
-                                                      >= CPU_TARGETS["compiled_speedup_at_least"])
+        met["compiled_speedup_train_default_keel"] = (
+            result["shapes"]["train-default"]["compiled_speedup"]["keel"]["median"]
+            >= CPU_TARGETS["compiled_speedup_at_least"])
+    if "science" in result:
+        sci = result["science"]
+        met["compile_time_flat_in_depth"] = sci["compile_s_deep_over_shallow"] <= CPU_TARGETS[
+            "compile_time_deep_over_shallow_at_most"]
+        for v in VARIANTS:
+            met[f"ms_per_sublayer_flat_{v}"] = sci["ms_per_sublayer_spread"][v] <= CPU_TARGETS[
+                "ms_per_sublayer_spread_at_most"]
     result["targets"] = CPU_TARGETS | {"met": met}
     write(result)
     return result
 
 
+def science_series(depths, steps: int, compile_backend: str = "inductor") -> dict:
+    """Keel at the science experiments' shape, one thread (as a sweep point runs), eager and compiled stepping
+    alternately at each depth: ms per sub-layer, the compiled speedup, and the compile time (the warm-up step's
+    time less an ordinary step's). Inductor's and AOTAutograd's on-disk caches are off here, so every depth
+    compiles from scratch and the compile times compare."""
+    import torch._functorch.config as functorch_config  # noqa: PLC0415
+    import torch._inductor.config as inductor_config  # noqa: PLC0415
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+            for n in depths:
+                torch._dynamo.reset()
+                config = science(n_blocks=n // 2)
+                run = {v: RunConfig(batch_size=SCIENCE_BATCH[0], seq_len=SCIENCE_BATCH[1], dtype="float32",
+                                    compile=v == "compiled") for v in VARIANTS}
+                benches = {v: Bench(config, run[v], device=torch.device("cpu"), compile_backend=compile_backend)
+                           for v in VARIANTS}
+                warm = alternate(benches, steps, 1)
+                step = {v: statistics.median(b.times) for v, b in benches.items()}
+                rows.append({"n_sublayers": n, "step_time_s": step,
+                             "ms_per_sublayer": {v: 1e3 * t / n for v, t in step.items()},
+                             "compile_s": max(0.0, warm["compiled"] - step["compiled"]),
+                             "compiled_speedup": step["eager"] / step["compiled"],
+                             "fused_junctions": benches["compiled"].fused})
+                del benches
+    finally:
+        torch.set_num_threads(before)
+    first = rows[0]
+    return {"rows": rows, "compile_s_deep_over_shallow": rows[-1]["compile_s"] / max(first["compile_s"], 1e-9),
+            "ms_per_sublayer_spread": {v: max(abs(r["ms_per_sublayer"][v] / first["ms_per_sublayer"][v] - 1)
+                                              for r in rows) for v in VARIANTS}}
+
+
+def _spread_text(x: dict, fmt: str = "{:.3f}") -> str:
+    return f"**{fmt.format(x['median'])}** ({fmt.format(x['min'])}-{fmt.format(x['max'])})"
+
+
 def cpu_markdown(result: dict) -> str:
-    m = result["machine"]
+    m, st = result["machine"], result["settings"]
     lines = [f"# keel bench --suite cpu ({m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads, "
              f"torch {m['torch_version']})", "",
              f"Four models step alternately in one process (Keel and Pre-LN, eager and compiled), "
-             f"{result['settings']['steps']} timed steps each after {result['settings']['warmup']} warm-up steps "
-             f"(compilation happens there), float32. Load average before timing: "
+             f"{st['steps']} timed steps each, {st['repeats']} times over, after {st['warmup']} warm-up steps "
+             f"(compilation happens there), float32; ratios are per repeat, shown as median (min-max). Compiled Keel "
+             f"fuses its junctions across blocks (`run.fused_junction=auto`). Load average before timing: "
              f"{result['idle_check']['load_average'][0]:.2f} (waited {result['idle_check']['waited_s']} s)."
              + ("" if result["idle_check"]["idle"] else " **The machine never became idle: other work is in these "
                 "times.**"), ""]
     for name, shape in result["shapes"].items():
-        cfg = result["settings"]["shapes"][name]
+        cfg = st["shapes"][name]
         lines += [f"## {name}: d_model={cfg['model']['d_model']}, {cfg['n_sublayers']} sub-layers, "
                   f"batch {cfg['batch_size']} x {cfg['seq_len']}", "",
                   "| model | step time (ms, median) | tokens/s | warm-up (s) |", "|---|---|---|---|"]
         lines += [f"| {k} | {1e3 * r['step_time_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['warmup_s']:.1f} |"
                   for k, r in shape["results"].items()]
         ratio, speedup = shape["keel_over_pre_ln_step_time"], shape["compiled_speedup"]
-        lines += ["", f"Keel / Pre-LN step time: eager **{ratio['eager']:.3f}**, compiled **{ratio['compiled']:.3f}**. "
-                  f"Compiled over eager (tokens/s): Keel **{speedup['keel']:.2f}x**, Pre-LN {speedup['pre_ln']:.2f}x. "
+        lines += ["", f"Keel / Pre-LN step time: eager {_spread_text(ratio['eager'])}, compiled "
+                  f"{_spread_text(ratio['compiled'])}. Compiled over eager (step time): Keel "
+                  f"{_spread_text(speedup['keel'], '{:.2f}x')}, Pre-LN {_spread_text(speedup['pre_ln'], '{:.2f}x')}. "
                   f"Load average {shape['load_average']['before'][0]:.2f} before, "
                   f"{shape['load_average']['after'][0]:.2f} after (this process included).", ""]
+    if "science" in result:
+        sci, ss = result["science"], st["science"]
+        lines += [f"## science shape: d_model=64, batch {ss['batch_size']} x {ss['seq_len']}, one thread, Keel", "",
+                  f"Eager and compiled step alternately, {ss['steps']} timed steps each at every depth; compile time "
+                  "= the first step's time less an ordinary step's, with Inductor's and AOTAutograd's on-disk caches "
+                  "off (every depth compiles from scratch).", "",
+                  "| sub-layers | eager (ms/sub-layer) | compiled (ms/sub-layer) | compiled speedup | compile (s) |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['n_sublayers']} | {r['ms_per_sublayer']['eager']:.3f} | "
+                  f"{r['ms_per_sublayer']['compiled']:.3f} | {r['compiled_speedup']:.2f}x | {r['compile_s']:.1f} |"
+                  for r in sci["rows"]]
+        lines += ["", f"Compile time at {sci['rows'][-1]['n_sublayers']} over {sci['rows'][0]['n_sublayers']} "
+                  f"sub-layers: **{sci['compile_s_deep_over_shallow']:.2f}x**. Largest departure of ms per sub-layer "
+                  f"from the shallowest depth's: eager {sci['ms_per_sublayer_spread']['eager']:.1%}, compiled "
+                  f"{sci['ms_per_sublayer_spread']['compiled']:.1%}.", ""]
     if "targets" in result:
         t = result["targets"]
-        lines += [f"Targets (issue 12): compiled Keel/Pre-LN <= {t['compiled_keel_over_pre_ln_at_most']}, compiled >= "
-                  f"{t['compiled_speedup_at_least']}x eager for the default job: "
+        lines += [f"Targets (issue 19): compiled Keel/Pre-LN <= {t['compiled_keel_over_pre_ln_at_most']} (median of "
+                  f"the repeats), compiled >= {t['compiled_speedup_at_least']}x eager for the default job, compile "
+                  f"time deepest/shallowest <= {t['compile_time_deep_over_shallow_at_most']}, ms per sub-layer within "
+                  f"+-{t['ms_per_sublayer_spread_at_most']:.0%}: "
                   + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in t["met"].items()) + "."]
     return "\n".join(lines) + "\n"

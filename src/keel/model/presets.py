@@ -25,6 +25,12 @@ def cpu_demo(**overrides) -> ModelConfig:
                                d_ffn=384, max_seq_len=256), **overrides)
 
 
+def science(**overrides) -> ModelConfig:
+    """The science experiments' base model (keel.experiments), d=64, 4 query / 2 KV heads, over bytes; each sweep
+    point sets its scheme and depth (so it is not a `--preset`). `keel bench --suite cpu` times this shape."""
+    return replace(ModelConfig(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, max_seq_len=64), **overrides)
+
+
 def _paper(n_sublayers: int, overrides: dict) -> ModelConfig:
     base = ModelConfig(vocab_size=32000, d_model=1024, n_blocks=n_sublayers // 2, n_heads=16,
                        n_kv_heads=8, d_ffn=3072, max_seq_len=4096)
