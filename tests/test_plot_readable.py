@@ -76,8 +76,8 @@ def test_the_figure_fills_the_canvas_and_every_title_fits(runs, which):
 
 def _tiny_depth(corpus):
     return build("depth", True, ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16",
-                                 "run.batch_size=2", "depths=[2,4]", "run.steps=4", "curve_every=2", "seeds=[0]",
-                                 *corpus])
+                                 "run.batch_size=2", "depths=[2,4]", "lrs=[0.01]", "run.steps=4", "curve_every=2",
+                                 "seeds=[0]", *corpus])
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +90,18 @@ def corpus(tmp_path_factory):
     return [f"data.source={root / 'text.txt'}", f"data.cache_dir={root / 'cache'}"]
 
 
-def _run_depth(corpus, out, quick: bool, monkeypatch):
-    """The depth experiment as `keel experiment depth [--quick]` runs it; every figure it saves is kept."""
+@pytest.fixture(scope="module")
+def depth_points(corpus, tmp_path_factory):
+    """The tiny depth sweep's points, trained once: each test below copies them and only reports and plots."""
+    out = tmp_path_factory.mktemp("depth")
+    scaling.run_depth(_tiny_depth(corpus), out, "keel experiment depth")
+    return out / "points"
+
+
+def _run_depth(corpus, points, out, quick: bool, monkeypatch):
+    """The depth experiment as `keel experiment depth [--quick]` runs it (on saved `points`); every figure it
+    saves is kept."""
+    shutil.copytree(points, out / "points")
     figures = []
     real = common.save
 
@@ -106,8 +116,8 @@ def _run_depth(corpus, out, quick: bool, monkeypatch):
     return figures
 
 
-def test_a_quick_report_and_its_figures_say_smoke_test(corpus, tmp_path, monkeypatch):
-    figures = _run_depth(corpus, tmp_path / "quick", True, monkeypatch)
+def test_a_quick_report_and_its_figures_say_smoke_test(corpus, depth_points, tmp_path, monkeypatch):
+    figures = _run_depth(corpus, depth_points, tmp_path / "quick", True, monkeypatch)
     report = (tmp_path / "quick" / "report.md").read_text()
     assert common.SMOKE_TEST_BANNER in report.splitlines()[0]
     assert "Every report loss is above the unigram level" in report  # 4 steps learn nothing: the gaps are noise
@@ -128,8 +138,8 @@ def test_a_quick_report_and_its_figures_say_smoke_test(corpus, tmp_path, monkeyp
             assert all(lo <= y <= hi for y in ys), (name, ax.get_title(), (lo, hi), min(ys), max(ys))
 
 
-def test_a_full_report_carries_no_banner(corpus, tmp_path, monkeypatch):
-    figures = _run_depth(corpus, tmp_path / "full", False, monkeypatch)
+def test_a_full_report_carries_no_banner(corpus, depth_points, tmp_path, monkeypatch):
+    figures = _run_depth(corpus, depth_points, tmp_path / "full", False, monkeypatch)
     assert common.SMOKE_TEST_BANNER not in (tmp_path / "full" / "report.md").read_text()
     assert not any(fig._suptitle is not None and common.SMOKE_TEST_BANNER in fig._suptitle.get_text()
                    for _, fig in figures)
