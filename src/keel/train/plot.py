@@ -60,10 +60,10 @@ def _task_series(runs) -> tuple[list, set]:
 
 def _line_panels(runs) -> tuple[list, list[str]]:
     """The panels that have data, each a function drawing into an axes, and a note for each that has none."""
-    panels, notes = [], []
+    panels, notes, records = [], [], [r.metrics() for r in runs]
     for key, title, log in (("loss", "training loss", False), ("val_loss", "validation loss", False),
                             ("lr", "learning rate", False), ("grad_norm", "gradient norm", True)):
-        lines = [(r.name, *_series(r.metrics(), key)) for r in runs]
+        lines = [(r.name, *_series(rec, key)) for r, rec in zip(runs, records)]
         lines = [line for line in lines if line[1]]
         if not lines:
             notes.append(WHY_EMPTY[key])
