@@ -380,14 +380,14 @@ def paper_markdown(gpus=("H100", "H200", "A100"), shapes=((1024, 64), (1024, 512
 def measure_cpu(config: ModelConfig, batch: int, seq: int, repeats: int = 5) -> DeviceSpec:
     """A DeviceSpec of this CPU at `config`'s shape: bandwidth of an add over stream-sized float32 tensors (the
     size the step's elementwise ops touch), float32 GEMM FLOP/s over the step's own matmuls (each in its forward,
-    input-gradient and weight-gradient layout), SDPA forward+backward FLOP/s at the shape, and the host time of
-    one small op under autograd. Rates are used as measured
-    (efficiency 1); launches add to the work (no overlap on a CPU); a foreach op is one dispatch (its loop over
-    the tensors runs in C++)."""
+    input-gradient and weight-gradient layout), SDPA forward+backward FLOP/s at the shape, and the host time per
+    launch of a tiny eager RMSNorm forward+backward. Rates are used as measured (efficiency 1); launches add to
+    the work (no overlap on a CPU); a foreach op is one dispatch (its loop over the tensors runs in C++)."""
     import torch  # noqa: PLC0415
     import torch.nn.functional as F  # noqa: PLC0415
 
     from keel.kernels.timing import time_call  # noqa: PLC0415
+    from keel.model.layers import RMSNorm  # noqa: PLC0415
 
     cpu, M, d = torch.device("cpu"), batch * seq, config.d_model
     q, kv, f = config.n_heads * config.head_dim, config.kv_heads * config.head_dim, config.ffn_dim
@@ -410,15 +410,11 @@ def measure_cpu(config: ModelConfig, batch: int, seq: int, repeats: int = 5) -> 
         o.backward(torch.ones_like(o))
     attention_rate = 3.5 * 4 * batch * seq * seq * q / 2 / time_call(attention, cpu, repeats=repeats)
 
-    def chain(n):
-        def run():
-            y = leaf
-            for _ in range(n):
-                y = y * 1.0001
-            y.sum().backward()
-        return time_call(run, cpu, calls=20, repeats=repeats)
-    leaf = torch.ones(8, requires_grad=True)
-    launch = max((chain(40) - chain(10)) / 60, 0.0)  # per op: 30 more multiplies, each forward and backward
+    # host time per launch: an eager RMSNorm forward+backward (the op mix that dominates eager launches: broadcasts,
+    # reductions, autograd nodes saving tensors) on 4 x 8 elements, where moving data costs nothing
+    norm, x, g = RMSNorm(8), torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    _, fwd_launches, _, bwd_launches = EAGER_NORM["rmsnorm"]
+    launch = time_call(lambda: norm(x).backward(g), cpu, calls=20, repeats=repeats) / (fwd_launches + bwd_launches)
     gemm_rate = flops / seconds
     return DeviceSpec(f"cpu (measured, {torch.get_num_threads()} threads)", gemm_rate, gemm_rate, bandwidth,
                       float("inf"), "measured by keel.bench.perf_model.measure_cpu", matmul_eff=1.0,
