@@ -66,7 +66,8 @@ def test_readme_train_evaluate_generate_from_python(tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     summary, result, run_dir = ns["summary"], ns["result"], Path(ns["trainer"].run_dir)
-    assert run_dir.parent == tmp_path / "runs" and summary["steps"] == 20 and not summary["interrupted"]
+    assert run_dir.resolve().parent == tmp_path.resolve() / "runs"
+    assert summary["steps"] == 20 and not summary["interrupted"]
     assert json.loads((run_dir / "summary.json").read_text())["final_val_loss"] == summary["final_val_loss"]
     assert result["val_loss"] == pytest.approx(summary["final_val_loss"], rel=1e-5)  # same split, same batches
     text, tokenizer = ns["text"], ns["tokenizer"]
