@@ -363,7 +363,7 @@ def add_plot_command(sub) -> None:
 
 
 def add_generate_command(sub) -> None:
-    p = sub.add_parser("generate", help=COMMANDS["generate"], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("generate", help=COMMANDS["generate"], formatter_class=_DefaultsShown)
     p.add_argument("run_dir")
     p.add_argument("--prompt", default="def ", help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample after the prompt")
@@ -376,6 +376,17 @@ def add_generate_command(sub) -> None:
     p.add_argument("--raw", action="store_true", help="print the text as generated, control characters included "
                                                       "(default: shown escaped, e.g. \\r)")
     p.set_defaults(func=cmd_generate)
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """`(default: ...)` after an option's help, unless it says its default itself or has none to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or not action.option_strings or any(action.default is v for v in (None, False,
+                                                                                                argparse.SUPPRESS)):
+            return text
+        return text + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
 
 
 def add_summary_command(sub) -> None:
