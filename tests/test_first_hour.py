@@ -85,6 +85,14 @@ def test_run_threads_is_applied_printed_and_recorded(tmp_path, monkeypatch, caps
     assert "threads: 1" in (run / "config.yaml").read_text()
 
 
+def test_a_busy_machine_gets_a_note_pointing_to_run_threads(monkeypatch):
+    monkeypatch.setattr(os, "getloadavg", lambda: (40.0, 40.0, 40.0))
+    assert "run.threads=1" in runtime.busy_note(threads=2)
+    assert "run.threads=1" not in runtime.busy_note(threads=1)  # nothing left to lower
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    assert runtime.busy_note(threads=2) is None
+
+
 def test_threads_refused_in_one_line(capsys):
     assert main(["train", "--preset", "tiny", "run.threads=-2"]) == 2
     assert "run.threads: got -2" in capsys.readouterr().err

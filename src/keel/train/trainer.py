@@ -276,8 +276,8 @@ class Trainer:
         self.say(f"keel: {c.model.scheme} model, {c.model.n_blocks} blocks = {c.model.n_sublayers} sub-layers, "
                  f"{n_params:,} parameters, {c.run.steps} steps of {self.tokens_per_step:,} tokens on {on}")
         self.say(f"keel: memory per process: {self.memory_line()}")
-        if self.device.type == "cpu" and busy_note(self.threads):
-            self.say(busy_note(self.threads), file=sys.stderr)
+        if self.device.type == "cpu" and busy_note(self.threads):  # stdout, with the header: not an error
+            self.say(busy_note(self.threads))
         if self.eval_tasks:
             when = f"every {c.run.eval_tasks_every} steps and at the end" if c.run.eval_tasks_every else "at the end"
             self.say(f"keel: tasks {', '.join(t.name for t in self.eval_tasks)}: up to {c.run.eval_tasks_items} "
