@@ -13,6 +13,7 @@ import torch
 
 from keel import TransformerLM, tiny
 from keel.data import DataConfig
+from keel.errors import ConfigError
 from keel.experiments import EXPERIMENTS, precision
 from keel.experiments.budget import budget_point
 from keel.experiments.cli import build
@@ -410,3 +411,34 @@ def test_a_bare_experiment_command_never_writes_into_the_committed_results(quick
     assert main(["experiment", "depth", *(["--quick"] if quick else [])]) == 0
     assert seen == [(Path("runs/quick/depth" if quick else "runs/experiments/depth"), quick)]
     assert sorted(p.name for p in (tmp_path / "results" / "depth").rglob("*")) == ["config.json", "points"]
+
+
+def test_a_sweep_recorded_eager_continues_compiled_and_each_point_says_how_it_ran(corpus_cfg, tmp_path):
+    """run.compile is how a point is computed, not what (EXECUTION_FIELDS): adding seeds compiled to a sweep
+    recorded eager is allowed, and each point records its own execution."""
+    eager = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]"])
+    EXPERIMENTS["lr-sweep"][1](eager, tmp_path, "seeds=[0]")
+    compiled = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0,1]", "run.compile=true"])
+    EXPERIMENTS["lr-sweep"][1](compiled, tmp_path, "seeds=[0,1] run.compile=true")
+    ran = {p.name: json.loads(p.read_text())["execution"]["compile"]
+           for p in (tmp_path / "points").glob("*-seed*.json")}
+    assert ran and all(ran[k] is k.endswith("seed1.json") for k in ran)
+    with pytest.raises(ConfigError, match="differs in optim.warmup_steps"):  # what a point computes still counts
+        EXPERIMENTS["lr-sweep"][1](build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg,
+                                                            "optim.warmup_steps=1"]), tmp_path, "")
+
+
+@pytest.mark.slow
+def test_probes_of_a_compiled_point_are_those_of_the_eager_point(corpus_cfg, tmp_path):
+    """A compiled model (its Keel junctions fused across blocks) is probed through an eager twin with its weights
+    (`probes.plain`): its branches-off losses and rms ratios equal the eager point's to float32 tolerance."""
+    out = {}
+    for compile in (True, False):
+        torch._dynamo.reset()
+        cfg = build("depth", True, [*TINY, *corpus_cfg, f"run.compile={str(compile).lower()}", "run.steps=4"])
+        out[compile] = budget_point(cfg, cfg.point_model("keel", 4), 3e-3, 0)
+    probe = {k: v["probe"] for k, v in out.items()}
+    assert probe[True]["loss_branches_above_k_off"] == pytest.approx(probe[False]["loss_branches_above_k_off"],
+                                                                     rel=1e-4)
+    assert probe[True]["f_over_ax"] == pytest.approx(probe[False]["f_over_ax"], rel=1e-3)
+    assert out[True]["report_loss"] == pytest.approx(out[False]["report_loss"], rel=1e-4)

@@ -36,7 +36,7 @@ from keel.experiments.common import (
     train_curve,
     unigram_loss,
 )
-from keel.experiments.probes import branches_off, residual_sizes
+from keel.experiments.probes import branches_off, plain, residual_sizes
 from keel.model import TransformerLM
 from keel.model.counting import count_params
 from keel.runtime import autocast_for
@@ -90,6 +90,8 @@ def budget_point(cfg: BudgetConfig, model_cfg, lr: float, seed: int,
     auto = autocast_for(next(model.parameters()).device, cfg.run.dtype)
     report = fixed_batches(halves["report"], seq_len, batch_size, eval_batches)
     out["report_loss"] = loss_on(model, report, auto)
+    if cfg.probe or extra is not None:
+        model = plain(model)  # the probes hook or swap single sub-layers: an eager twin of a compiled model
     if cfg.probe:
         out["probe"] = probe(model, report[:cfg.probe_batches], auto)
     if extra is not None:

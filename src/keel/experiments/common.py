@@ -38,6 +38,7 @@ from keel.data import DataConfig, WindowSampler, prepare
 from keel.data import eval_batches as spaced_batches
 from keel.errors import ConfigError
 from keel.model import ModelConfig, TransformerLM, lm_loss
+from keel.model.presets import science
 from keel.runtime import autocast_for, machine, resolve_device
 from keel.train.config import GuardConfig, OptimConfig, RunConfig, TrainConfig, validate
 from keel.train.evaluate import evaluate
@@ -47,9 +48,9 @@ from keel.train.step import TrainStep, build_model, on_device
 
 
 def experiment_model() -> ModelConfig:
-    """The base model of the science experiments: d=64, 4 query / 2 KV heads, bytes. Depth and scheme are
-    set per point."""
-    return ModelConfig(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, max_seq_len=64)
+    """The base model of the science experiments (keel.model.presets.science: d=64, 4 query / 2 KV heads,
+    bytes). Depth and scheme are set per point."""
+    return science()
 
 
 def experiment_guard() -> GuardConfig:
@@ -58,8 +59,16 @@ def experiment_guard() -> GuardConfig:
 
 
 def experiment_run(**fields) -> RunConfig:
-    """An experiment point's run: 8 x 64 tokens per step; the fields a sweep does not use at their defaults."""
-    return RunConfig(**({"steps": 400, "batch_size": 8, "seq_len": 64, "eval_batches": 16} | fields))
+    """An experiment point's run: 8 x 64 tokens per step, compiled (faster at the science shapes, and equal to
+    eager to float32 tolerance: benchmarks/cpu/compile, tests/test_experiments.py; experiments that hook single
+    sub-layers or round the stream to bf16 run eager), the fields a sweep does not use at their defaults."""
+    return RunConfig(**({"steps": 400, "batch_size": 8, "seq_len": 64, "eval_batches": 16, "compile": True} | fields))
+
+
+# how a point is computed, not what it computes: a compiled and an eager point agree to float32 tolerance
+# (tests/test_experiments.py), so a sweep recorded with one setting may be continued with the other; every point
+# records its own (`Sweep.execution`)
+EXECUTION_FIELDS = ("run.compile", "run.threads")
 
 
 # run.* fields a sweep point has no use for (it writes no run directory, checkpoint or log of its own)
@@ -106,11 +115,11 @@ class ExperimentConfig:
 
 def tiny_quick(cls, steps: int, optim: dict | None = None, **fields):
     """An experiment's --quick config: its defaults at d=32 (2 heads), 4 x 32 tokens per step, `steps` steps,
-    warm-up 2 (or `optim`'s fields), one evaluation batch."""
+    warm-up 2 (or `optim`'s fields), one evaluation batch, eager (compiling would take longer than the run)."""
     base = cls()
     return cls(model=replace(base.model, d_model=32, n_heads=2, n_kv_heads=1, max_seq_len=32),
                optim=replace(base.optim, **({"warmup_steps": 2} | (optim or {}))),
-               run=replace(base.run, steps=steps, batch_size=4, seq_len=32, eval_batches=1), **fields)
+               run=replace(base.run, steps=steps, batch_size=4, seq_len=32, eval_batches=1, compile=False), **fields)
 
 
 @dataclass
@@ -235,12 +244,17 @@ class Sweep:
     """Runs named points once each, keeping each result on disk as soon as it is done. The directory
     records the experiment's config, so points from another configuration are never reused. The seed list
     alone may differ: points are named by their seed, so adding seeds to a finished sweep runs only the new
-    ones (the recorded list becomes the union). Several processes may run the same sweep at once: each point
+    ones (the recorded list becomes the union), and `EXECUTION_FIELDS` (how a point is computed, not what) may
+    differ too: each point records its own in `execution`. Several processes may run the same sweep at once: each point
     is claimed by one of them (`_claim`) and the others wait for it."""
 
     out: Path
     config: object
     poll_seconds: float = 30.0
+
+    def execution(self) -> dict:
+        """How this process computes its points (recorded in each; a point without it ran eager)."""
+        return {"compile": bool(self.config.run.compile), "threads": torch.get_num_threads()}
 
     def run(self, points: dict[str, Callable[[], dict]], desc: str) -> dict[str, dict]:
         (self.out / "points").mkdir(parents=True, exist_ok=True)
@@ -248,7 +262,7 @@ class Sweep:
         theirs = upgrade_recorded(json.loads(recorded.read_text())) if recorded.exists() else None
         if theirs is not None:
             changed = [k for k in _differences(mine, theirs, json.loads(json.dumps(asdict(type(self.config)()))))
-                       if k != "seeds"]
+                       if k != "seeds" and k not in EXECUTION_FIELDS]
             if changed:
                 raise ConfigError(f"{self.out}: holds points of another configuration (differs in "
                                   f"{', '.join(changed)}); use another --out or delete that directory")
@@ -273,7 +287,8 @@ class Sweep:
                     try:
                         if not path.exists():  # finished by another process between our look and our claim
                             bar.set_postfix_str(key)
-                            _write_atomic(path, json.dumps(fn()))  # a point is either finished on disk or not there
+                            # a point is either finished on disk or not there
+                            _write_atomic(path, json.dumps(fn() | {"execution": self.execution()}))
                     finally:
                         claim.unlink(missing_ok=True)
                 results[key] = json.loads(path.read_text())

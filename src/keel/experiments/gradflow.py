@@ -70,7 +70,7 @@ class GradflowConfig(ExperimentConfig):
     model: ModelConfig = field(default_factory=lambda: replace(experiment_model(), d_model=32, n_heads=2,
                                                                n_kv_heads=1))
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20))
-    run: RunConfig = field(default_factory=lambda: experiment_run(steps=100, batch_size=4))
+    run: RunConfig = field(default_factory=lambda: experiment_run(steps=100, batch_size=4, compile=False))
     schemes: list[str] = field(default_factory=lambda: ["post_ln", "deepnorm", "pre_ln", "keel"])
     depths: list[int] = field(default_factory=lambda: [16, 64, 256])  # sub-layers
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # at initialisation

@@ -57,7 +57,7 @@ class PrecisionConfig(BudgetConfig):
     # one LR per scheme, in `schemes` order (no choice here: each scheme's LR chosen at this depth by `depth`)
     lrs: list[float] = field(default_factory=lambda: [3e-3, 1e-3])
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(warmup_steps=30))
-    run: RunConfig = field(default_factory=lambda: experiment_run(steps=300))
+    run: RunConfig = field(default_factory=lambda: experiment_run(steps=300, compile=False))
     init_depths: list[int] = field(default_factory=lambda: [64, 256, 1024])
 
     PER_POINT: ClassVar[dict[str, str]] = ExperimentConfig.PER_POINT | {

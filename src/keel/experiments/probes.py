@@ -66,6 +66,21 @@ def branches_off(model, indices):
             setattr(model.blocks[b], kind, module)
 
 
+def plain(model):
+    """`model` itself when it is eager with no fused junction, else an eager twin without one holding the same
+    weights (compiling and fusing keep the state dict's names): what the probes here need, since they hook or
+    swap single sub-layers, which a compiled block or a fused junction would hide."""
+    from keel.model.transformer import TransformerLM  # noqa: PLC0415
+    from keel.scale.parallel import fused_junctions  # noqa: PLC0415
+
+    compiled = any(getattr(b, "_compiled_call_impl", None) is not None for b in model.blocks)
+    if not compiled and not fused_junctions(model):
+        return model
+    twin = TransformerLM(model.config).to(next(model.parameters()).device)
+    twin.load_state_dict(model.state_dict())
+    return twin.train(model.training)
+
+
 @torch.no_grad()
 def residual_terms(model, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sub-layer, on the batch `x`: the two terms of its residual sum, (alpha * x, F), in float32, F after

@@ -53,7 +53,7 @@ class RedundancyConfig(ExperimentConfig):
     """Both schemes train at `optim.lr` (one LR, not tuned here); `run.eval_batches` report-half batches."""
 
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3, warmup_steps=40))
-    run: RunConfig = field(default_factory=lambda: experiment_run(eval_batches=8))
+    run: RunConfig = field(default_factory=lambda: experiment_run(eval_batches=8, compile=False))
     schemes: list[str] = field(default_factory=lambda: ["pre_ln", "keel"])
     depth: int = 32  # sub-layers
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
