@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from keel.bench import perf_model as pm
+from keel.bench import perf_report as pr
 from keel.bench.gpu import GpuSuite, predicted
 from keel.cli import main
 from keel.model import ModelConfig, TransformerLM, flops_per_token
@@ -137,7 +138,7 @@ def test_mfu_is_bench_convention_and_peaks_are_runtimes():
 
 
 def test_committed_predictions_are_what_the_code_generates():
-    assert (REPO / "benchmarks" / "gpu" / "predicted.md").read_text() == pm.paper_markdown()
+    assert (REPO / "benchmarks" / "gpu" / "predicted.md").read_text() == pr.paper_markdown()
 
 
 def test_cli_prints_the_prediction_table(capsys):
@@ -170,9 +171,9 @@ def test_validation_reports_predicted_against_measured(monkeypatch):
     def fake_compare(config, run, schemes, steps, warmup):
         return {s: {"step_time_s": measured[s]} for s in schemes} | {"keel_over_pre_ln_step_time": 1.25}
     monkeypatch.setattr("keel.bench.core.compare", fake_compare)
-    result = pm.validate(steps=1, warmup=0, shapes=((32, 2, 2, 16),))
+    result = pr.validate(steps=1, warmup=0, shapes=((32, 2, 2, 16),))
     row = result["rows"][0]
     for s in ("keel", "pre_ln"):
         assert row[s]["error"] == pytest.approx(row[s]["predicted_s"] / measured[s] - 1)
     assert result["max_abs_error"] == max(abs(row[s]["error"]) for s in ("keel", "pre_ln"))
-    assert row["device"]["bandwidth_GBps"] > 0 and "Largest |error|" in pm.validation_markdown(result)
+    assert row["device"]["bandwidth_GBps"] > 0 and "Largest |error|" in pr.validation_markdown(result)

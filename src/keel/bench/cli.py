@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from keel.bench.core import check_schemes, compare, depth_series, scheme_config, to_markdown
 from keel.bench.cpu import cpu_markdown, cpu_suite
 from keel.bench.gpu import GPU_SECTIONS, GpuSuite, gpu_markdown, gpu_suite
-from keel.bench.perf_model import DEVICES, paper_markdown, prediction_markdown, validate, validation_markdown
+from keel.bench.perf_model import DEVICES
+from keel.bench.perf_report import paper_markdown, prediction_markdown, validate, validation_markdown
 from keel.errors import ConfigError
 from keel.model import CONFIG_FIELDS
 from keel.runtime import machine, resolve_device, use_bf16

@@ -1,0 +1,237 @@
+"""The performance model's outputs (keel.bench.perf_model): its prediction tables, `benchmarks/gpu/predicted.md`
+with the formulas, and its CPU twin (rates measured on this machine, predicted beside measured step times:
+`keel bench --validate-model`). Every figure from the model is a PREDICTION."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from keel.bench.perf_model import (
+    DEVICES,
+    EAGER_NORM,
+    GB,
+    IMPLS,
+    TB,
+    DeviceSpec,
+    S,
+    fits,
+    paper_config,
+    predict_pair,
+    step_ops,
+)
+from keel.model import ModelConfig
+
+
+def prediction_markdown(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, bf16: bool = True,
+                        ac_every: int = 0) -> str:
+    """The PREDICTED step of Keel and Pre-LN at one shape on `device`, per implementation and per op group."""
+    pairs = {impl: predict_pair(config, batch, seq, device, impl, bf16, ac_every) for impl in IMPLS}
+    lines = [f"# PREDICTED (keel.bench.perf_model, not measured): {device.name}, d={config.d_model}, "
+             f"{config.n_sublayers} sub-layers, batch {batch} x {seq}, {'bf16 autocast' if bf16 else 'float32'}"
+             f"{f', AC every {ac_every} blocks' if ac_every else ''}", "",
+             "| implementation | Keel step (ms) | Pre-LN step (ms) | Keel tokens/s | Keel MFU | Pre-LN MFU "
+             "| Keel/Pre-LN |",
+             "|---|---|---|---|---|---|---|"]
+    for impl, p in pairs.items():
+        k, r = p["keel"], p["pre_ln"]
+        lines.append(f"| {impl} | {1e3 * k['step_time_s']:.1f} | {1e3 * r['step_time_s']:.1f} | "
+                     f"{k['tokens_per_s']:,.0f} | {k['mfu']:.1%} | {r['mfu']:.1%} | "
+                     f"{p['keel_over_pre_ln_step_time']:.3f} |")
+    groups = list(pairs["eager"]["keel"]["groups"])
+    lines += ["", "Time per op group (ms), Keel / Pre-LN:", "", "| op group | " + " | ".join(IMPLS) + " |",
+              "|---|" + "---|" * len(IMPLS)]
+    for g in groups:
+        lines.append(f"| {g} | " + " | ".join(f"{1e3 * p['keel']['groups'][g]['time_s']:.2f} / "
+                                              f"{1e3 * p['pre_ln']['groups'][g]['time_s']:.2f}"
+                                              for p in pairs.values()) + " |")
+    fit = fits(config, batch, seq, device, ac_every)
+    lines += ["", f"Training memory (keel.scale.memory estimate) {'fits' if fit else 'does NOT fit'} in "
+              f"{device.memory / GB:.0f} GB."]
+    return "\n".join(lines) + "\n"
+
+
+FORMULAS = """\
+Per step, M = batch x seq tokens, c = bytes of the compute dtype (2 bf16, 4 fp32), S = 4 (the float32 stream),
+d = d_model, q = heads x head_dim, kv = kv_heads x head_dim, f = FFN width, V = vocabulary, n = parameters,
+du = c x the linears reading a branch input u (3 for attention: wq, wk, wv; 2 for SwiGLU).
+Time of an op group = max(FLOPs / (peak x matmul or attention efficiency), bytes / (bandwidth x memory
+efficiency)), on a GPU at least its launches x host time per launch; summed over forward, backward, AC recompute
+(the forward of every checkpointed block again), clipping and AdamW. Keel's alpha*x is multiplied also where
+alpha = 1 (Pre-LN, Keel's first sub-layers): `Residual` always multiplies. Elementwise FLOPs are not counted.
+"""
+FORMULA_ROWS = (  # op group, FLOPs, bytes forward; backward, where
+    ("each linear X(M,K) W(K,N)", "2MKN forward, input grad, weight grad",
+     "c(MK + KN + MN) each; bf16: + 6KN weight cast (once per step), 6KN its gradient", "all"),
+    ("attention (SDPA flash)", "4 B T^2 q / 2 (causal); 2.5x backward", "c M (2q + 2kv); c M (4q + 4kv)", "all"),
+    ("RoPE on q and k", "-", "per element: eager 10c; 15c, compiled 2c; 2c", "all"),
+    ("SwiGLU silu(g) * u", "-", "per token: eager 5c f; 9c f, compiled 3c f; 5c f", "all"),
+    ("one RMSNorm", "-", "28 d; 92 d per token (pow, mean, x*rstd, gain*x, autograd's formulas)", "eager"),
+    ("junction extras", "-", "h cast 6d (bf16), alpha*x 8d, + h 12d; alpha*g 8d, h cast 6d, 6d per u cast "
+     "(bf16), 12d per gradient sum", "eager"),
+    ("junction inside one graph", "-", "(3S + 2c) d: x, h in, y, u out; (2S + c + du) d read twice (dx, then the "
+     "gains' column sums) + (S + c) d written", "compiled: attention -> FFN"),
+    ("junction across graphs", "-", "graph A: x, h in, y out; graph B: y in, u out; each half's backward reads its "
+     "rows (twice with a norm)", "compiled: FFN -> next attention"),
+    ("fused junction (Triton)", "-", "(3S + c) d, + (S + c) d to cast the float32 u; (du + S) d to sum u's "
+     "gradients, (4S + 2c) d", "compiled+fused: each Keel junction"),
+    ("embedding, head, loss", "head: a linear", "2S d; 3S d per token + S V d (dense grad); float32 cross-entropy "
+     "(8 + 6 bf16) V; (16 + 6 bf16) V per token", "eager in every variant"),
+    ("clip + AdamW (foreach)", "-", "96 n", "all"),
+)
+
+
+def paper_markdown(gpus=("H100", "H200", "A100"), shapes=((1024, 64), (1024, 512), (2048, 64), (2048, 512)),
+                   seq: int = 4096, batch: int = 1, ac_from: int = 256) -> str:
+    """benchmarks/gpu/predicted.md: assumptions, formulas and the PREDICTED tables at the paper's shapes."""
+    lines = ["# GPU performance model: PREDICTED, not measured", "",
+             "Generated by `keel bench --model-gpu paper --out benchmarks/gpu` from `src/keel/bench/perf_model.py`; "
+             "do not edit by hand. No GPU has run these shapes: every number here is the model's prediction. The "
+             "GPU campaign (`keel bench --suite gpu`) prints the same prediction beside each measurement.", "",
+             "## Devices (vendor datasheets, dense peaks) and assumed achievable fractions", "",
+             "| GPU | bf16 dense (TFLOP/s) | fp32 (TFLOP/s) | bandwidth (TB/s) | memory (GB) | source |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {g} | {DEVICES[g].bf16_flops / TB:.0f} | {DEVICES[g].fp32_flops / TB:.1f} | "
+              f"{DEVICES[g].bandwidth / TB:.2f} | {DEVICES[g].memory / GB:.0f} | {DEVICES[g].source} |" for g in gpus]
+    dev = DEVICES[gpus[0]]
+    lines += ["", f"Assumed (not measured): GEMMs reach {dev.matmul_eff:.0%} of the bf16 peak, FlashAttention "
+              f"{dev.attention_eff:.0%}, memory-bound kernels {dev.memory_eff:.0%} of the bandwidth; the host spends "
+              f"{1e6 * dev.launch_s['eager']:.0f} us per eager op and {1e6 * dev.launch_s['compiled']:.0f} us per "
+              "compiled kernel, hidden under kernels that take longer. Compiled = each block compiled on its own "
+              "(keel.scale.parallel.apply_compile, run.fused_junction=off); compiled+fused = the same with every "
+              "Keel junction in keel.kernels.junction's Triton kernel. MFU = flops_per_token (6N + 12 n_blocks d T) "
+              "x tokens/s / bf16 peak, as `keel bench` reports it.", "", "## Formulas", "", FORMULAS,
+              "| op group | FLOPs | bytes (forward; backward) | where |", "|---|---|---|---|",
+              *(f"| {' | '.join(row)} |" for row in FORMULA_ROWS), "",
+              "## Bytes per token of one middle block (attention + FFN sub-layer), d=1024, bf16, forward+backward",
+              "", "| op group | " + " | ".join(f"{s} {i}" for s in ("keel", "pre_ln") for i in IMPLS) + " |",
+              "|---|" + "---|" * 2 * len(IMPLS)]
+    per_block = {}
+    for scheme in ("keel", "pre_ln"):
+        for impl in IMPLS:
+            totals = [{}, {}]
+            for k, blocks in enumerate((2, 3)):
+                cfg = replace(paper_config(1024, 2 * blocks, scheme), vocab_size=1)
+                for op in step_ops(cfg, 1, 1, True, impl):
+                    if op.group not in ("matmul", "attention", "optimizer", "embed/head/loss", "casts"):
+                        totals[k][op.group] = totals[k].get(op.group, 0) + op.bytes
+            per_block[scheme, impl] = {g: totals[1][g] - totals[0].get(g, 0) for g in totals[1]}
+    for g in per_block["keel", "eager"]:
+        lines.append(f"| {g} | " + " | ".join(f"{per_block[k].get(g, 0):,.0f}" for k in per_block) + " |")
+    lines += ["", "(matmul, attention and weight-cast bytes are the same in every column.)", "",
+              f"## Predicted step, batch {batch} x {seq} tokens, bf16 autocast (AC every block from {ac_from} "
+              "sub-layers, as the GPU campaign runs)", "",
+              "| d | sub-layers | GPU | implementation | Keel step (ms) | Pre-LN step (ms) | Keel MFU | Pre-LN MFU "
+              "| Keel/Pre-LN | fits one GPU |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for d, n in shapes:
+        ac = 1 if n >= ac_from else 0
+        for g in gpus:
+            for impl in IMPLS:
+                p = predict_pair(paper_config(d, n), batch, seq, DEVICES[g], impl, True, ac)
+                fit = fits(paper_config(d, n), batch, seq, DEVICES[g], ac)
+                lines.append(f"| {d} | {n} | {g} | {impl} | {1e3 * p['keel']['step_time_s']:,.0f} | "
+                             f"{1e3 * p['pre_ln']['step_time_s']:,.0f} | {p['keel']['mfu']:.1%} | "
+                             f"{p['pre_ln']['mfu']:.1%} | **{p['keel_over_pre_ln_step_time']:.3f}** | "
+                             f"{'yes' if fit else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- the CPU twin: this machine's rates, measured with torch, fed to the same model ----
+
+def measure_cpu(config: ModelConfig, batch: int, seq: int, repeats: int = 5) -> DeviceSpec:
+    """A DeviceSpec of this CPU at `config`'s shape: bandwidth of an add over stream-sized float32 tensors (the
+    size the step's elementwise ops touch), float32 GEMM FLOP/s over the step's own matmuls (each in its forward,
+    input-gradient and weight-gradient layout), SDPA forward+backward FLOP/s at the shape, and the host time per
+    launch of a tiny eager RMSNorm forward+backward. Rates are used as measured (efficiency 1); launches add to
+    the work (no overlap on a CPU); a foreach op is one dispatch (its loop over the tensors runs in C++)."""
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    from keel.kernels.timing import time_call  # noqa: PLC0415
+    from keel.model.layers import RMSNorm  # noqa: PLC0415
+
+    cpu, M, d = torch.device("cpu"), batch * seq, config.d_model
+    q, kv, f = config.n_heads * config.head_dim, config.kv_heads * config.head_dim, config.ffn_dim
+    a, b, out = torch.randn(M * d), torch.randn(M * d), torch.empty(M * d)
+    bandwidth = 3 * S * M * d / time_call(lambda: torch.add(a, b, out=out), cpu, repeats=repeats)
+    gemms = [(M, d, q), (M, d, kv), (M, d, kv), (M, q, d), (M, d, f), (M, f, d), (M, d, config.vocab_size)]
+    if config.ffn == "swiglu":
+        gemms.append((M, d, f))
+    flops = seconds = 0.0
+    for m, k, n in gemms:  # each as the step runs it: forward, input gradient, weight gradient
+        x, w, dy = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)  # nn.Linear keeps W as (out, in)
+        for a, b in ((x, w.t()), (dy, w), (dy.t(), x)):
+            seconds += time_call(lambda a=a, b=b: a @ b, cpu, repeats=repeats)
+            flops += 2 * m * k * n
+    qt, kt, vt = (torch.randn(batch, h, seq, config.head_dim, requires_grad=True)
+                  for h in (config.n_heads, config.kv_heads, config.kv_heads))
+
+    def attention():
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=config.kv_heads != config.n_heads)
+        o.backward(torch.ones_like(o))
+    attention_rate = 3.5 * 4 * batch * seq * seq * q / 2 / time_call(attention, cpu, repeats=repeats)
+
+    # host time per launch: an eager RMSNorm forward+backward (the op mix that dominates eager launches: broadcasts,
+    # reductions, autograd nodes saving tensors) on 4 x 8 elements, where moving data costs nothing
+    norm, x, g = RMSNorm(8), torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    _, fwd_launches, _, bwd_launches = EAGER_NORM["rmsnorm"]
+    launch = time_call(lambda: norm(x).backward(g), cpu, calls=20, repeats=repeats) / (fwd_launches + bwd_launches)
+    gemm_rate = flops / seconds
+    return DeviceSpec(f"cpu (measured, {torch.get_num_threads()} threads)", gemm_rate, gemm_rate, bandwidth,
+                      float("inf"), "measured by keel.bench.perf_model.measure_cpu", matmul_eff=1.0,
+                      attention_eff=attention_rate / gemm_rate, memory_eff=1.0,
+                      launch_s={"eager": launch, "compiled": launch}, overlap=False, foreach_batch=1 << 30)
+
+
+# (d_model, sub-layers, batch, seq): three CPU shapes of the validation
+VALIDATION_SHAPES = ((64, 16, 8, 64), (128, 32, 16, 128), (256, 8, 4, 256))
+
+
+def validation_config(d: int, n_sublayers: int, seq: int) -> ModelConfig:
+    return ModelConfig(d_model=d, n_blocks=n_sublayers // 2, n_heads=max(2, d // 32), n_kv_heads=max(1, d // 64),
+                       max_seq_len=seq)
+
+
+def validate(steps: int = 10, warmup: int = 3, shapes=VALIDATION_SHAPES) -> dict:
+    """Predicted (from `measure_cpu`) against measured (keel.bench.core.compare) eager float32 step times."""
+    from keel.bench.core import compare  # noqa: PLC0415
+    from keel.runtime import machine  # noqa: PLC0415
+    from keel.train.config import RunConfig  # noqa: PLC0415
+
+    rows = []
+    for d, n, batch, seq in shapes:
+        config = validation_config(d, n, seq)
+        device = measure_cpu(config, batch, seq)
+        predicted = predict_pair(config, batch, seq, device, "eager", bf16=False)
+        run = RunConfig(batch_size=batch, seq_len=seq, device="cpu", dtype="float32", fused_junction="off")
+        measured = compare(config, run, ["keel", "pre_ln"], steps, warmup)
+        rows.append({"d_model": d, "n_sublayers": n, "batch": batch, "seq": seq, "device": {
+            "bandwidth_GBps": device.bandwidth / GB, "gemm_GFLOPs": device.fp32_flops / 1e9,
+            "attention_GFLOPs": device.fp32_flops * device.attention_eff / 1e9,
+            "launch_us": 1e6 * device.launch_s["eager"]}, **{s: {
+                "predicted_s": predicted[s]["step_time_s"], "measured_s": measured[s]["step_time_s"],
+                "error": predicted[s]["step_time_s"] / measured[s]["step_time_s"] - 1} for s in ("keel", "pre_ln")},
+            "ratio": {"predicted": predicted["keel_over_pre_ln_step_time"],
+                      "measured": measured["keel_over_pre_ln_step_time"]}})
+    return {"machine": machine("cpu"), "steps": steps, "warmup": warmup, "rows": rows,
+            "max_abs_error": max(abs(r[s]["error"]) for r in rows for s in ("keel", "pre_ln"))}
+
+
+def validation_markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"# Performance model, CPU twin: predicted vs measured eager float32 step ({m['cpu']}, "
+             f"{m['torch_threads']} threads, torch {m['torch_version']})", "",
+             f"Measured: `keel bench` step timing, {result['steps']} steps after {result['warmup']} warm-up, median. "
+             "Predicted: keel.bench.perf_model with this machine's rates measured at each shape.", "",
+             "| d | sub-layers | batch x seq | GB/s | GEMM GFLOP/s | SDPA GFLOP/s | us/op | scheme | predicted (ms) "
+             "| measured (ms) | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        dev = r["device"]
+        for s in ("keel", "pre_ln"):
+            lines.append(f"| {r['d_model']} | {r['n_sublayers']} | {r['batch']} x {r['seq']} | "
+                         f"{dev['bandwidth_GBps']:.1f} | {dev['gemm_GFLOPs']:.1f} | {dev['attention_GFLOPs']:.1f} | "
+                         f"{dev['launch_us']:.1f} | {s} | {1e3 * r[s]['predicted_s']:.2f} | "
+                         f"{1e3 * r[s]['measured_s']:.2f} | {r[s]['error']:+.1%} |")
+    lines += ["", "Keel/Pre-LN: " + ", ".join(f"d={r['d_model']}: predicted {r['ratio']['predicted']:.3f}, measured "
+                                              f"{r['ratio']['measured']:.3f}" for r in result["rows"]),
+              "", f"Largest |error|: **{result['max_abs_error']:.1%}** (target: within 25%)."]
+    return "\n".join(lines) + "\n"
