@@ -497,6 +497,24 @@ def test_a_failing_write_is_one_error_and_damages_nothing(tmp_path, monkeypatch,
     assert sorted(p.name for p in checkpoint.checkpoint_dir(run_dir).iterdir()) == ["step_00000001", "step_00000002"]
 
 
+def test_a_write_that_fails_on_a_full_disk_says_the_disk_is_full(tmp_path, monkeypatch):
+    """torch.save's own message on a full disk ("enforce fail at inline_container.cc ... unexpected pos") does not
+    say why; keel adds it when the disk has less room than a checkpoint takes, and only then."""
+    run_dir, _ = single_run(tmp_path)
+    model = small_model(7)
+    need = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    target, replacement, _ = FAILURES["torch.save RuntimeError"]
+    for free, full in ((need // 10, True), (need * 10, False)):
+        patch(monkeypatch, target, replacement)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: shutil._ntuple_diskusage(10 * need, 0, free))
+        with pytest.raises(CheckpointError) as raised:
+            checkpoint.save(run_dir, 3, model, {}, {}, keep=2)
+        monkeypatch.undo()
+        message = str(raised.value)
+        assert ("the disk is full" in message) is full and "\n" not in message
+        assert (f"{free / 2**20:.1f} MiB free" in message) is full
+
+
 def test_a_failing_rename_over_the_same_step_puts_the_old_copy_back(tmp_path, monkeypatch):
     run_dir, models = single_run(tmp_path)
     real_rename = os.rename

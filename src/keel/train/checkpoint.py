@@ -243,9 +243,23 @@ def save(run_dir: Path, step: int, model: nn.Module, state: dict, meta: dict, ke
         shutil.rmtree(tmp, ignore_errors=True)
         if (reason := _write_failure(err)) is None:
             raise
-        raise CheckpointError(f"cannot write checkpoint {final}: {reason}") from None
+        raise CheckpointError(f"cannot write checkpoint {final}: {reason}{_full_disk(root, model)}") from None
     _prune(run_dir, keep)
     return final
+
+
+def _full_disk(root: Path, model: nn.Module) -> str:
+    """A note when the disk is too full for a checkpoint: torch.save's zip writer reports a full disk only as
+    "enforce fail at inline_container.cc ... unexpected pos", which does not say so."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return ""
+    need = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights and AdamW's two moments
+    if free >= need:
+        return ""
+    return (f" (the disk is full: {free / 2**20:.1f} MiB free in {root}, a checkpoint needs about "
+            f"{need / 2**20:.1f} MiB)")
 
 
 def save_sharded(run_dir: Path, step: int, model: nn.Module, optimizer, state: dict, meta: dict, keep: int,
