@@ -67,9 +67,10 @@ def _lrs() -> dict[str, float]:
 @dataclass
 class DownstreamConfig(ExperimentConfig):
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(warmup_steps=100))
+    # eager: rule 18 was written for (and its cost measured on) eager runs that reproduce depth-long-32's losses
     run: RunConfig = field(default_factory=lambda: experiment_run(
         steps=2000, batch_size=8, seq_len=64, eval_batches=16, eval_tasks=list(evals.PROBES), eval_tasks_every=250,
-        eval_tasks_items=200))
+        eval_tasks_items=200, compile=False))
     schemes: list[str] = field(default_factory=lambda: ["post_ln", "pre_ln", "keel"])
     depths: list[int] = field(default_factory=lambda: [32, 64])  # sub-layers
     lrs: dict[str, float] = field(default_factory=_lrs)  # arm ("<scheme>-<sub-layers>" or "wide-pre_ln") -> LR
