@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -39,19 +40,30 @@ def clean_env(policy: str | None) -> dict:
     return env
 
 
-def train_once(steps: int, threads: int | None, policy: str | None, out: Path) -> tuple[float, int]:
-    """(tokens/s, torch threads recorded in run.json) of one short cpu-demo run."""
+def train_once(steps: int, threads: int | None, policy: str | None, out: Path, max_seconds: float) -> tuple:
+    """(tokens/s, torch threads recorded in run.json, steps done) of one short cpu-demo run; a run still going
+    after `max_seconds` is interrupted (Ctrl-C: keel writes its summary) and measured on the steps it did."""
     name = f"t{time.time_ns()}"
     cmd = [*KEEL, "train", "--json", f"run.steps={steps}", "run.eval_every=0", "run.ckpt_every=0",
            "run.telemetry_every=0", "run.progress=false", f"run.out_dir={out}", f"run.name={name}"]
     if threads is not None:
         cmd.append(f"run.threads={threads}")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(policy))
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-    summary = json.loads((out / name / "summary.json").read_text())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(policy))
+    try:
+        _, err = proc.communicate(timeout=max_seconds)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate()
+    finally:  # this script stopped (Ctrl-C, SIGTERM): no training left behind
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    summary_path = out / name / "summary.json"
+    if not summary_path.exists():
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
+    summary = json.loads(summary_path.read_text())
     recorded = json.loads((out / name / "run.json").read_text())["torch_threads"]
-    return summary["tokens_per_second"], recorded
+    return summary["tokens_per_second"], recorded, summary["steps"]
 
 
 def startup_seconds(argv: list[str], repeats: int) -> float:
@@ -84,20 +96,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="training steps per measurement")
     parser.add_argument("--repeats", type=int, default=2, help="measurements per cell (the median is shown)")
+    parser.add_argument("--max-seconds", type=float, default=120,
+                        help="a run still going after this is stopped and measured on the steps it did")
     parser.add_argument("--out", default=str(HERE / "README.md"))
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the busy processes are stopped on the way out
 
-    loads = [("idle", 0), ("2 busy processes", 2)]
+    loads = [("no added load", 0), ("+ 2 busy processes", 2)]
     rows, raw = [], {}
     before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="keel-threads-") as tmp:
         for label, n_busy in loads:
             with Busy(n_busy):
                 for setting, threads, policy in SETTINGS:
-                    results = [train_once(args.steps, threads, policy, Path(tmp)) for _ in range(args.repeats)]
+                    results = [train_once(args.steps, threads, policy, Path(tmp), args.max_seconds)
+                               for _ in range(args.repeats)]
                     tps = [r[0] for r in results]
                     raw[f"{label} | {setting}"] = tps
-                    rows.append((label, setting, results[0][1], statistics.median(tps), min(tps), max(tps)))
+                    steps = min(r[2] for r in results)
+                    rows.append((label, setting, results[0][1], statistics.median(tps), min(tps), max(tps),
+                                 "" if steps == args.steps else f"; stopped at step {steps}"))
                     print(f"{label:18} {setting:80} {results[0][1]} threads  {statistics.median(tps):8,.0f} tok/s",
                           flush=True)
         start = {"keel --version": startup_seconds([*KEEL, "--version"], 3),
@@ -111,14 +129,15 @@ def main() -> None:
         "",
         f"Machine: {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} usable CPUs, "
         f"load average {before:.1f} before the first measurement; {args.steps} steps of the `cpu-demo` model "
-        f"(2,048 tokens each), median of {args.repeats} runs (min-max in brackets).",
+        f"(2,048 tokens each), median of {args.repeats} runs (min-max in brackets); a run still going after "
+        f"{args.max_seconds:.0f} s is stopped with Ctrl-C and measured on the steps it did.",
         "",
-        "| machine | setting | torch threads | tokens/s |",
+        "| load | setting | torch threads | tokens/s |",
         "|---|---|---:|---:|",
-        *[f"| {load} | {setting} | {threads} | {tps:,.0f} ({lo:,.0f}-{hi:,.0f}) |"
-          for load, setting, threads, tps, lo, hi in rows],
+        *[f"| {load} | {setting} | {threads} | {tps:,.0f} ({lo:,.0f}-{hi:,.0f}{note}) |"
+          for load, setting, threads, tps, lo, hi, note in rows],
         "",
-        "Start-up (median of 3, idle machine):",
+        "Start-up (median of 3, after the measurements above):",
         "",
         "| command | seconds |",
         "|---|---:|",
