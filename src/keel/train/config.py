@@ -190,8 +190,8 @@ def _as_list(base, item: str) -> str:
         node = getattr(node, part, None)
     if not is_dataclass(node) or value.lstrip().startswith("["):
         return item
-    kind = {f.name: f.type for f in fields(node)}.get(parts[-1])
-    if isinstance(kind, str) and kind.startswith("list[") and value.strip():
+    kind = str({f.name: f.type for f in fields(node)}.get(parts[-1], ""))  # "list[str]", or the type itself
+    if kind.removeprefix("typing.").lower().startswith("list[") and value.strip():
         return f"{key}=[{value}]"
     return item
 
