@@ -365,7 +365,8 @@ class Trainer:
                 bar.write(f"step {self.step}: val_loss {outcome['val']['val_loss']:.4f}")
         every = c.run.eval_tasks_every
         if self.eval_tasks and (last or (every and self.step % every == 0)):
-            outcome["tasks"] = self.score_tasks(bar)
+            outcome["tasks"], seconds = score_tasks(self, bar)  # keel.train.task_eval
+            self.t_last += seconds  # not counted against the next record's tokens_per_s
         if last or (c.run.ckpt_every and self.step % c.run.ckpt_every == 0):
             self.save_checkpoint()
 
@@ -399,7 +400,7 @@ class Trainer:
             if self.trackers is not None:
                 self.trackers.close()
             if outcome["interrupted"]:  # seconds of plotting after Ctrl-C: say what they are
-                self.say(f"keel: saving summary.json and drawing {self.run_dir / 'curves.png'} ...")
+                self.say(f"keel: drawing {self.run_dir / 'curves.png'} ...")
             self.draw_curves()
         distributed.close(self.world)
         return summary
@@ -428,12 +429,6 @@ class Trainer:
         c = self.config
         return evaluate(self.model, self.data.val, c.run.seq_len, self.global_batch, c.run.eval_batches,
                         self.device, self.autocast, self.token_bytes, self.world, self.replica, self.replicas)
-
-    def score_tasks(self, bar) -> dict[str, dict]:
-        """Score run.eval_tasks (keel.train.task_eval); the time is not counted against the next tokens/s."""
-        scores, seconds = score_tasks(self, bar)
-        self.t_last += seconds
-        return scores
 
     def handle_divergence(self, reason: str, loss: float, grad_norm: float, lr: float, first_draw: int) -> None:
         """Stop (raise Diverged) or roll back to the last good checkpoint, skipping this step's batches."""
