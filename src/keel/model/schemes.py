@@ -48,10 +48,10 @@ class Residual(nn.Module):
 
     `junction`, when set (from outside: keel.scale.parallel.apply_fused_junction), is a callable
     `(x, h) -> (y, u)` that computes this sub-layer's `y = norm_out(alpha * x + h)` and the next
-    sub-layer's branch input `u = norm_in'(y)` in one piece (a fused kernel, or inside one compiled graph). The module then returns the pair, and
-    the next `Residual` takes it as its `x` and skips its own norm_in: the same equation, with the
-    junction between the two sub-layers computed in one pass. Code that hooks or replaces single
-    sub-layers (analysis tools) should use a model without it.
+    sub-layer's branch input `u = norm_in'(y)` in one piece (a fused kernel, or inside one compiled graph).
+    The module then returns the pair, and the next `Residual` takes it as its `x` and skips its own norm_in:
+    the same equation, with the junction between the two sub-layers computed in one pass. Code that hooks or
+    replaces single sub-layers (analysis tools) should use a model without it.
     """
 
     junction: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
