@@ -168,7 +168,7 @@ def test_import_llama_round_trip(tmp_path, capsys, tied, make_run):
 
     capsys.readouterr()
     assert main(["generate", str(tmp_path / "run"), "--prompt", "def ", "--temperature", "0",
-                 "--max-new-tokens", "10"]) == 0
+                 "--max-new-tokens", "10", "--raw"]) == 0  # --raw: the text as decoded, control bytes too
     ids = hf.generate(torch.tensor([bpe.encode("def ")]), max_new_tokens=10, do_sample=False)[0].tolist()
     assert capsys.readouterr().out.rstrip("\n") == bpe.decode(ids)
     assert main(["eval", str(tmp_path / "run"), "--batches", "1", "--device", "cpu"]) == 0

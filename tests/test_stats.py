@@ -75,6 +75,12 @@ class _Cfg:
     seeds: list = field(default_factory=lambda: [0])
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def test_two_processes_running_one_sweep_train_each_point_once(tmp_path):
     calls, lock = [], threading.Lock()
 
@@ -96,7 +102,9 @@ def test_two_processes_running_one_sweep_train_each_point_once(tmp_path):
     for t in threads:
         t.join()
     assert sorted(calls) == sorted(points)  # every point trained exactly once between the two
-    assert results[0] == results[1] == {k: {"name": k} for k in points}
+    # each point as its job returned it, plus how it ran (Sweep.execution)
+    assert results[0] == results[1] == {k: {"name": k, "execution": {"compile": False, "threads": torch_threads()}}
+                                        for k in points}
     assert not list(tmp_path.glob("points/*.claim"))
 
 

@@ -24,6 +24,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -254,7 +255,8 @@ class Sweep:
 
     def execution(self) -> dict:
         """How this process computes its points (recorded in each; a point without it ran eager)."""
-        return {"compile": bool(self.config.run.compile), "threads": torch.get_num_threads()}
+        run = getattr(self.config, "run", None)  # a sweep of another config (tests) records only the threads
+        return {"compile": bool(getattr(run, "compile", False)), "threads": torch.get_num_threads()}
 
     def run(self, points: dict[str, Callable[[], dict]], desc: str) -> dict[str, dict]:
         (self.out / "points").mkdir(parents=True, exist_ok=True)
@@ -302,7 +304,8 @@ class Sweep:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # one name per writer: two threads of one process (or two processes) may write the same file at once
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     tmp.write_text(text)
     os.replace(tmp, path)
 
