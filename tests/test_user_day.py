@@ -36,6 +36,35 @@ def test_signal_at_any_moment_is_one_line_and_exit_130(tmp_path, signum):
         assert "Traceback" not in err and len(err.strip().splitlines()) <= 2, (delay, err[-2000:])
 
 
+def _swallowed_signal(monkeypatch):
+    """A SIGINT whose KeyboardInterrupt Python swallowed (raised inside a callback, e.g. importlib's module-lock
+    callback during an import, it is only printed): keel.cli's handler has recorded it, and the command goes on."""
+    from keel import runtime
+
+    real = runtime.set_threads
+
+    def set_threads(n):
+        runtime.PENDING_SIGNALS.append(signal.SIGINT)
+        return real(n)
+    monkeypatch.setattr(runtime, "set_threads", set_threads)
+
+
+def test_a_swallowed_signal_still_stops_a_run_at_its_first_step_with_a_checkpoint(tmp_path, monkeypatch, capsys):
+    _swallowed_signal(monkeypatch)
+    code = main(["train", "--preset", "tiny", "run.steps=50", "run.progress=false", f"run.out_dir={tmp_path}",
+                 "run.name=r"])
+    assert code == 130
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["interrupted"] and summary["steps"] < 50
+    assert list((tmp_path / "r" / "checkpoints").glob("step_*"))
+
+
+def test_a_swallowed_signal_makes_any_other_command_exit_130(tmp_path, monkeypatch, capsys):
+    _swallowed_signal(monkeypatch)
+    assert main(["runs", str(tmp_path)]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "keel: interrupted"
+
+
 # ---- damaged logs -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):

@@ -462,19 +462,25 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     # Ctrl-C or SIGTERM at any moment, also while torch imports (seconds), is one line and exit 130; a
     # training run handles them itself (a checkpoint at the step boundary), this is for everything around it
+    from keel import runtime  # light: no torch
+
+    runtime.PENDING_SIGNALS.clear()
     try:
-        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # main() called off the main thread: leave signals alone
-        previous = None
+        previous = {}
     try:
-        return _main(argv)
+        code = _main(argv)
+        if runtime.PENDING_SIGNALS and code == 0:  # a signal whose KeyboardInterrupt was swallowed on the way
+            raise KeyboardInterrupt
+        return code
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the message short
         print("keel: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def apply_threads(args) -> int:
@@ -495,6 +501,9 @@ def apply_threads(args) -> int:
 
 
 def _raise_interrupt(signum, frame):
+    from keel import runtime  # already loaded by main
+
+    runtime.PENDING_SIGNALS.append(signum)
     raise KeyboardInterrupt
 
 

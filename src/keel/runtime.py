@@ -23,6 +23,12 @@ from keel.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
+# SIGINT/SIGTERM received by the `keel` command before a run took the signals over (keel.cli records them): the
+# KeyboardInterrupt such a signal raises can be swallowed, since Python only prints an exception raised inside a
+# callback (one lands in importlib's module-lock callback when the signal arrives during an import), and the
+# command would then go on as if nothing had happened. The trainer stops at its first step boundary when one is here.
+PENDING_SIGNALS: list[int] = []
+
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from keel import evals
+from keel import evals, runtime
 from keel.data import WindowSampler, prepare
 from keel.data.tokenizer import planned_vocab_size
 from keel.errors import ConfigError, DataError, KeelError
@@ -475,6 +475,9 @@ class Trainer:
                 previous[signum] = signal.signal(signum, request_stop)
             except ValueError:  # not the main thread: leave signals alone
                 pass
+        if runtime.PENDING_SIGNALS:  # one came before (keel.runtime.PENDING_SIGNALS): stop at the first boundary
+            self._signal = runtime.PENDING_SIGNALS.pop()
+            runtime.PENDING_SIGNALS.clear()
         return previous
 
     def _stop_requested(self) -> bool:
