@@ -409,6 +409,74 @@ def test_a_resumed_run_falls_back_past_checksummed_but_broken_checkpoints(traine
     assert [r["step"] for r in metrics if "loss" in r and "event" not in r][-4:] == [4, 5, 6, 7]  # redone from 3
 
 
+def non_finite(path: Path, value: float = float("nan")) -> str:
+    """One weight tensor of the checkpoint at `path` set to `value` (checksums not yet updated)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    name = sorted(weights)[len(weights) // 2]
+    weights[name] = torch.full_like(weights[name], value)
+    save_file(weights, path / "model.safetensors")
+    return "model.safetensors"
+
+
+@pytest.mark.slow  # a real training run
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_weights_are_one_line_naming_the_step_in_eval_and_export(trained_run, tmp_path, capsys, value):
+    from keel.cli import main
+
+    run_dir = shutil.copytree(trained_run, tmp_path / "run")
+    newest = ckpt(run_dir, 6)
+    rehash(newest, non_finite(newest, value))
+    argvs = [["eval", str(run_dir), "--batches", "1", "--device", "cpu"], ["generate", str(run_dir),
+                                                                             "--max-new-tokens", "2"]]
+    if pytest.importorskip("transformers"):
+        argvs.append(["export-hf", str(run_dir), str(tmp_path / "export")])
+    for argv in argvs:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("keel: error:")]
+        assert "Traceback" not in err and len(lines) == 1, err
+        assert "(step 6)" in lines[0] and "NaN or inf" in lines[0] and str(newest) in lines[0]
+    assert not (tmp_path / "export").exists()
+
+
+@pytest.mark.slow  # a real training run
+def test_a_resumed_run_falls_back_past_non_finite_weights(trained_run, tmp_path, capsys):
+    from keel.cli import main
+
+    run_dir = shutil.copytree(trained_run, tmp_path / "run")
+    newest = ckpt(run_dir, 6)
+    rehash(newest, non_finite(newest))
+    assert main(["train", f"resume={run_dir}", "run.steps=7", "run.progress=false"]) == 0
+    err = capsys.readouterr().err
+    assert f"checkpoint {newest} (step 6): weight" in err and "NaN or inf; trying an older one" in err
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in metrics if "loss" in r and "event" not in r][-4:] == [4, 5, 6, 7]  # redone from 3
+
+
+def non_finite_at(run_dir: Path, models: dict, step: int, value: float) -> None:
+    from safetensors.torch import save_model
+
+    with torch.no_grad():
+        models[step][0].weight.fill_(value)
+    save_model(models[step], str(ckpt(run_dir, step) / "model.safetensors"))
+    rehash(ckpt(run_dir, step), "model.safetensors")
+
+
+def test_load_newest_falls_back_only_as_far_as_it_must_and_raises_the_first_error(tmp_path):
+    run_dir, models = single_run(tmp_path, steps=(1, 2, 3))
+    non_finite_at(run_dir, models, 3, float("nan"))
+    non_finite_at(run_dir, models, 2, float("inf"))
+    loaded, warned = small_model(0), Warnings()
+    assert checkpoint.load_newest(ckpt(run_dir, 3), lambda p: checkpoint.load(p, loaded), warned) == ckpt(run_dir, 1)
+    assert same_weights(loaded, models[1])
+    assert len(warned) == 2 and "(step 3)" in warned[0] and "(step 2)" in warned[1]
+    non_finite_at(run_dir, models, 1, float("nan"))
+    with pytest.raises(CheckpointError, match=r"\(step 3\): weight 0.weight holds NaN or inf$"):
+        checkpoint.load_newest(ckpt(run_dir, 3), lambda p: checkpoint.load(p, small_model(0)), Warnings())
+
+
 def test_a_checkpoint_directory_that_is_a_symlink_is_refused(tmp_path):
     run_dir, models = single_run(tmp_path, steps=(1,))
     elsewhere, _ = single_run(tmp_path / "other", steps=(5,))

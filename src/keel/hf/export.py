@@ -137,10 +137,9 @@ def model_card(config, model, run_dir: Path, checkpoint: Path) -> str:
 
     m, d, r = config.model, config.data, config.run
     step = json.loads((checkpoint / "meta.json").read_text()).get("step", "?")
-    try:
-        corpus = json.loads((run_dir / "run.json").read_text()).get("data")
-    except (OSError, ValueError):
-        corpus = None
+    from keel.train.run_dir import RunDir
+
+    corpus = RunDir(run_dir).provenance().get("data")  # a planted link or damaged file: noted, not followed
     equation = type(model.scheme).__doc__.strip().splitlines()[0]
     scheme_options = _effective_options(m, model.scheme)
     data = ""

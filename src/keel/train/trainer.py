@@ -228,7 +228,7 @@ class Trainer:
         if self.world.main:  # temporary checkpoint directories a killed process left behind
             checkpoint.clean_stale_tmp(self.run_dir)
         if resume_from is not None:
-            self.load_checkpoint(resume_from)
+            resume_from = checkpoint.load_newest(resume_from, self.load_checkpoint, lambda m: self.say(m, sys.stderr))
             if self.step >= self.config.run.steps:
                 self.say(f"keel: {self.run_dir} already finished {self.step} steps; extend it with run.steps=N")
                 return self.run_dir.summary() or {"diverged": False, "interrupted": False}
