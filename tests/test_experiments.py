@@ -193,6 +193,30 @@ def test_regime_rules():
     assert v["starts_slower"] is True and v["cross_step"] == 4
 
 
+def test_tuned_chooses_lr_and_alpha_over_all_seeds_and_judges_on_the_report_half():
+    """Rule 19 on hand-made points: seed 0 alone would pick other LRs (and the other alpha) than the mean over the
+    seeds does; the verdict is the paired t-test of tuned Keel's report losses against Post-LN's."""
+    from keel.experiments.tuned import TunedConfig, analyse
+
+    cfg = TunedConfig(seeds=[0, 1, 2], lrs={a: [1e-3, 1e-2] for a in ("post_ln", "keel", "keel-sqrtL")})
+    select = {("post_ln", 1e-3): [2.0, 2.5, 2.5], ("post_ln", 1e-2): [2.1, 2.1, 2.1],      # mean picks 1e-2
+              ("keel", 1e-3): [1.9, 2.4, 2.4], ("keel", 1e-2): [2.2, 2.2, 2.2],            # mean picks 1e-2
+              ("keel-sqrtL", 1e-3): [1.8, 3.0, 3.0], ("keel-sqrtL", 1e-2): [2.3, 2.3, 2.3]}  # mean picks 1e-2
+    report = {"post_ln": [2.00, 2.10, 2.05], "keel": [2.30, 2.42, 2.33], "keel-sqrtL": [1.0, 1.0, 1.0]}
+    points = {f"{a}-64-lr{lr:g}-seed{s}": {"select_loss": v[s], "diverged": False,
+                                           "report_loss": report[a][s] if lr == 1e-2 else 0.5}
+              for (a, lr), v in select.items() for s in range(3)}
+    res = analyse(cfg, points, unigram=3.3)["depths"][64]
+    assert {a: r["lr"] for a, r in res["arms"].items()} == {"post_ln": 1e-2, "keel": 1e-2, "keel-sqrtL": 1e-2}
+    # alpha = L has the lower mean select loss at its chosen LR (2.2 < 2.3), though sqrtL reports far lower
+    assert res["tuned_keel"] == "keel"
+    diffs = [0.30, 0.32, 0.28]  # keel - post_ln per seed: mean 0.30, SD 0.02, t = 0.30 / (0.02 / sqrt 3) = 26
+    assert res["tuned_vs_baseline"]["mean"] == pytest.approx(np.mean(diffs))
+    assert res["tuned_vs_baseline"]["t"] == pytest.approx(0.30 / (0.02 / math.sqrt(3)))
+    assert res["verdict"] == "post_ln still wins"
+    assert res["sqrtL_verdict"] == "agrees (sqrtL better)"  # reported beside the primary verdict
+
+
 def test_mean_sd():
     assert mean_sd([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
     assert mean_sd([1.0, None, float("nan")]) == (1.0, 0.0)
@@ -210,6 +234,7 @@ QUICK = {
     "regime": ["depth=4", "run.steps=4"],
     "stream-precision": ["depth=4", "run.steps=3", "init_depths=[4,8]"],
     "frontier": ["depths=[2,4]", "run.steps=3"],
+    "tuned": ["run.steps=3"],
     # the one-file corpus has no second document for identifiers/next_line
     "downstream": ["run.steps=3", "run.eval_tasks=[brackets,indent]"],
 }
@@ -241,6 +266,8 @@ QUICK_POINTS = {
     + [f"{s}-{p}-seed{k}" for s in ("keel", "pre_ln") for p in ("float32", "bfloat16") for k in _K],
     "frontier": [f"{s}-{d}-lr{lr}-seed{k}" for s, grid in (("post_ln", (0.001, 0.003)), ("keel", (0.003, 0.01)))
                  for d in (2, 4) for lr in grid for k in _K],  # every LR with every seed
+    "tuned": [f"{arm}-4-lr{lr}-seed{k}" for arm in ("post_ln", "keel", "keel-sqrtL") for lr in (0.003, 0.01)
+              for k in _K],  # every LR with every seed
     "downstream": [f"{arm}-lr0.003-seed{k}" for arm in [f"{s}-{d}" for s in _S3 for d in (4, 8)] + ["wide-pre_ln"]
                    for k in _K],
 }
