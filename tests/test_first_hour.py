@@ -57,6 +57,45 @@ def test_generate_help_shows_defaults():
     assert "(default: None)" not in out and "(default: False)" not in out
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["train", "--bogus"], "unrecognized arguments: --bogus"),
+    (["train", "model.nope=1"], "ModelConfig has no field 'nope'"),
+    (["train", "run.steps=abc"], "run.steps: Value 'abc'"),
+    (["train", "steps=5"], "did you mean run.steps?"),
+    (["train", "--preset", "tiny", "run.threads=-2"], "run.threads: got -2"),
+    (["train", "model.scheme=pre_ln", "model.alpha=4"], "ModelConfig.alpha"),  # a scheme's own option check
+    (["summary", "model.d_model=7"], "ModelConfig.d_model"),
+    (["eval", "run", "--batches", "-1"], "--batches: got -1"),
+    (["generate", "run", "--top-p", "2"], "--top-p: got 2.0"),
+    (["experiment", "depth", "--bogus"], "unrecognized arguments: --bogus"),
+    (["experiment", "nope"], "invalid choice: 'nope'"),
+])
+def test_argument_and_config_errors_answer_in_one_line_without_torch(argv, says):
+    """Before: keel.train.config imported the model, the data loader and keel.scale.parallel (all torch), and
+    eval/generate/experiment imported their work before checking their arguments."""
+    rc, out = _without_torch(argv)
+    assert rc == 2 and out.startswith("keel: error:") and len(out.strip().splitlines()) == 1, out
+    assert says in out, out
+
+
+def test_runs_lists_runs_without_torch(tmp_path):
+    """`keel runs` reads config.yaml, metrics.jsonl and summary.json: no torch (before: run_dir imported the
+    model and checkpoints, and the config the model, the data loader and keel.scale.parallel)."""
+    from keel.train.config import to_yaml
+
+    run = tmp_path / "pre-ln-4L"
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(load_config(["model.scheme=pre_ln", "run.steps=7"], None, "tiny")))
+    (run / "metrics.jsonl").write_text('{"step": 7, "loss": 5.5}\n{"step": 7, "val_loss": 5.25}\n')
+    (run / "summary.json").write_text(json.dumps({"steps": 7, "diverged": False, "interrupted": False}))
+    rc, out = _without_torch(["runs", str(tmp_path)])
+    assert rc == 0, out
+    row = out.splitlines()[2].split()
+    assert row == ["pre-ln-4L", "pre_ln", "4", "64", "7/7", "5.25", "-", "finished"], out
+    rc, out = _without_torch(["runs", str(tmp_path), "--json"])
+    assert rc == 0 and json.loads(out)[0]["val_loss"] == 5.25, out
+
+
 # ---- threads ----------------------------------------------------------------------------------------------
 def test_default_threads_are_physical_cores_within_the_affinity_mask(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

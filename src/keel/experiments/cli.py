@@ -6,8 +6,7 @@ import shlex
 from pathlib import Path
 
 from keel.errors import ConfigError
-from keel.experiments import EXPERIMENTS
-from keel.experiments.common import smoke_test
+from keel.experiments import NAMES
 from keel.train.config import merge
 
 
@@ -15,7 +14,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("experiment", help="run one of the paper's experiments (results.json, plots, report.md)",
                               description="Overrides set the experiment's fields, e.g. depths=[16,64] "
                                           "schemes=[keel,pre_ln] steps=200 shape.d_model=64 data.source=stdlib.")
-    p.add_argument("name", choices=list(EXPERIMENTS))
+    p.add_argument("name", choices=list(NAMES))
     p.add_argument("--quick", action="store_true", help="a CPU-sized version that runs in seconds to minutes")
     p.add_argument("--out", help="output directory (default runs/experiments/<name>; with --quick "
                                  "runs/quick/<name>; --out results/<name> adds to the committed results)")
@@ -26,6 +25,8 @@ def register(subparsers) -> None:
 
 def build(name: str, quick: bool, overrides: list[str], config_file: str | None = None):
     """The experiment's defaults (or its --quick version) < --config YAML < overrides: keel's one merge."""
+    from keel.experiments import EXPERIMENTS  # every experiment, and torch: after the command line's checks
+
     cls, _ = EXPERIMENTS[name]
     try:
         return merge(cls.quick() if quick else cls(), config_file, overrides)
@@ -40,6 +41,9 @@ def default_out(name: str, quick: bool) -> str:
 
 
 def cmd_experiment(args) -> int:
+    from keel.experiments import EXPERIMENTS
+    from keel.experiments.common import smoke_test
+
     cfg = build(args.name, args.quick, args.overrides, args.config)
     out = Path(args.out or default_out(args.name, args.quick))
     out.mkdir(parents=True, exist_ok=True)

@@ -43,8 +43,7 @@ from keel.experiments.common import (
     write_outputs,
 )
 from keel.experiments.probes import residual_terms
-from keel.model import TransformerLM
-from keel.model.schemes import Residual
+from keel.model import Residual, TransformerLM
 from keel.train.config import OptimConfig, RunConfig
 
 STREAMS = ("float32", "bfloat16")

@@ -5,23 +5,20 @@ Every scheme is a specialisation of one general sub-layer update,
     x' = norm_out(alpha * x + norm_branch(F(norm_in(x))))
 
 where F is the attention or FFN branch and each norm may be absent. A scheme decides, per sub-layer,
-which norms exist and what alpha is (a `SublayerSpec`); `Residual` is the one module that carries the
-update out. Users pick a scheme by its string name and never combine norms by hand, so an invalid
-placement cannot be expressed. Sub-layers are indexed 0..L-1 in order (attn, ffn, attn, ffn, ...),
+which norms exist and what alpha is (a `SublayerSpec`); `keel.model.transformer.Residual` is the one
+module that carries the update out. Users pick a scheme by its string name and never combine norms by hand,
+so an invalid placement cannot be expressed. Sub-layers are indexed 0..L-1 in order (attn, ffn, attn, ffn, ...),
 L = n_sublayers = 2 * n_blocks, the paper's L.
+
+Rules only, no torch: `ModelConfig` validates against this registry, and reading or checking a config must
+not cost torch's import (seconds).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
-
-import torch
-from torch import nn
-
-from keel.model.numerics import upcast
 
 Kind = Literal["attn", "ffn"]
 
@@ -38,51 +35,6 @@ class SublayerSpec:
 
 PRE = SublayerSpec(norm_in=True, norm_out=False)
 POST = SublayerSpec(norm_in=False, norm_out=True)
-
-
-class Residual(nn.Module):
-    """`x' = norm_out(alpha * x + norm_branch(F(norm_in(x))))`, absent norms skipped.
-
-    The sum is always formed in (at least) float32, whatever autocast or the weights' dtype do: see
-    `keel.model.numerics.stream_dtype` for why.
-
-    `junction`, when set (from outside: keel.scale.parallel.apply_fused_junction), is a callable
-    `(x, h) -> (y, u)` that computes this sub-layer's `y = norm_out(alpha * x + h)` and the next
-    sub-layer's branch input `u = norm_in'(y)` in one piece (a fused kernel, or inside one compiled graph).
-    The module then returns the pair, and the next `Residual` takes it as its `x` and skips its own norm_in:
-    the same equation, with the junction between the two sub-layers computed in one pass. Code that hooks or
-    replaces single sub-layers (analysis tools) should use a model without it.
-    """
-
-    junction: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
-
-    def __init__(self, spec: SublayerSpec, make_norm: Callable[[], nn.Module], dropout: float = 0.0):
-        super().__init__()
-        self.alpha = float(spec.alpha)
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
-        self.norm_in = make_norm() if spec.norm_in else None
-        self.norm_branch = make_norm() if spec.norm_branch else None
-        self.norm_out = make_norm() if spec.norm_out else None
-
-    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], branch: Callable[..., torch.Tensor],
-                *args) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(x, tuple):  # (stream, norm_in(stream)) from the previous sub-layer's fused junction
-            x, u = x
-        else:
-            x = upcast(x)
-            u = x if self.norm_in is None else self.norm_in(x)
-        h = branch(u, *args)
-        if self.norm_branch is not None:
-            h = self.norm_branch(h)
-        if self.dropout is not None:
-            h = self.dropout(h)
-        if self.junction is not None:
-            return self.junction(x, h)
-        y = self.alpha * x + h.to(x.dtype)
-        return y if self.norm_out is None else self.norm_out(y)
-
-    def extra_repr(self) -> str:
-        return f"alpha={self.alpha:g}" + (", fused junction" if self.junction is not None else "")
 
 
 class Scheme:

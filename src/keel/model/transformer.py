@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -12,7 +13,7 @@ from torch import nn
 from keel.model.config import ModelConfig
 from keel.model.layers import Attention, KVCache, make_ffn, make_norm, rope_tables
 from keel.model.numerics import upcast
-from keel.model.schemes import SCHEMES, Residual, Scheme, SublayerSpec
+from keel.model.schemes import SCHEMES, Scheme, SublayerSpec
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -50,6 +51,51 @@ def block_specs(config: ModelConfig, scheme: Scheme, index: int) -> tuple[tuple[
     later_index = index + config.loop_blocks  # the same block on the second pass
     later = (scheme.spec(2 * later_index, "attn"), scheme.spec(2 * later_index + 1, "ffn"))
     return (first,) if later == first else (first, later)
+
+
+class Residual(nn.Module):
+    """`x' = norm_out(alpha * x + norm_branch(F(norm_in(x))))`, absent norms skipped.
+
+    The sum is always formed in (at least) float32, whatever autocast or the weights' dtype do: see
+    `keel.model.numerics.stream_dtype` for why.
+
+    `junction`, when set (from outside: keel.scale.parallel.apply_fused_junction), is a callable
+    `(x, h) -> (y, u)` that computes this sub-layer's `y = norm_out(alpha * x + h)` and the next
+    sub-layer's branch input `u = norm_in'(y)` in one piece (a fused kernel, or inside one compiled graph).
+    The module then returns the pair, and the next `Residual` takes it as its `x` and skips its own norm_in:
+    the same equation, with the junction between the two sub-layers computed in one pass. Code that hooks or
+    replaces single sub-layers (analysis tools) should use a model without it.
+    """
+
+    junction: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def __init__(self, spec: SublayerSpec, make_norm: Callable[[], nn.Module], dropout: float = 0.0):
+        super().__init__()
+        self.alpha = float(spec.alpha)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
+        self.norm_in = make_norm() if spec.norm_in else None
+        self.norm_branch = make_norm() if spec.norm_branch else None
+        self.norm_out = make_norm() if spec.norm_out else None
+
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], branch: Callable[..., torch.Tensor],
+                *args) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(x, tuple):  # (stream, norm_in(stream)) from the previous sub-layer's fused junction
+            x, u = x
+        else:
+            x = upcast(x)
+            u = x if self.norm_in is None else self.norm_in(x)
+        h = branch(u, *args)
+        if self.norm_branch is not None:
+            h = self.norm_branch(h)
+        if self.dropout is not None:
+            h = self.dropout(h)
+        if self.junction is not None:
+            return self.junction(x, h)
+        y = self.alpha * x + h.to(x.dtype)
+        return y if self.norm_out is None else self.norm_out(y)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha:g}" + (", fused junction" if self.junction is not None else "")
 
 
 class Block(nn.Module):

@@ -35,15 +35,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from keel.errors import ConfigError
 from keel.model.layers import RMSNorm
-from keel.model.schemes import Residual
-
-# run.fused_junction's values and default, written here only (keel.train.config validates against them); the
-# kernel module (and triton) is imported only when a junction is fused, so reading a config stays light
-# run.pp_schedule's values (keel.scale.pipeline maps each to its torch.distributed.pipelining schedule); here so
-# that reading a config does not import pipelining
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv")
-FUSED_JUNCTION = ("auto", "on", "off")
-FUSED_JUNCTION_DEFAULT = "auto"
+from keel.model.transformer import Residual
+from keel.scale import FUSED_JUNCTION, FUSED_JUNCTION_DEFAULT  # noqa: F401 (FUSED_JUNCTION: re-exported)
 
 
 class FusedJunction:

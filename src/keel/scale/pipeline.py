@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from keel.errors import ConfigError
 from keel.model import ModelConfig, TransformerLM, lm_loss
 from keel.model.counting import block_params, root_params
-from keel.scale.parallel import PP_SCHEDULES
+from keel.scale import PP_SCHEDULES
 
 # run.pp_schedule -> (torch.distributed.pipelining class, stages per rank, stage placement); only the schedules
 # this PyTorch has. Interleaved schedules place stage s on rank s % pp; ZBV places two stages per rank in a V.

@@ -16,13 +16,13 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from keel.data import DataConfig
+from keel.data.corpus import DataConfig
 from keel.errors import ConfigError
 from keel.model.config import CONFIG_FIELDS, ModelConfig
 from keel.model.presets import PRESETS as MODEL_PRESETS
 from keel.model.presets import cpu_demo, tiny
 from keel.runtime import DEVICES, DTYPES
-from keel.scale.parallel import FUSED_JUNCTION, FUSED_JUNCTION_DEFAULT, PP_SCHEDULES
+from keel.scale import FUSED_JUNCTION, FUSED_JUNCTION_DEFAULT, PP_SCHEDULES
 
 SCHEDULES = ("cosine", "wsd", "constant")
 GUARD_POLICIES = ("stop", "rollback")

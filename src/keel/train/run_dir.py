@@ -25,13 +25,15 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from keel import safe_io
 from keel.data.tokenizer import load_saved_tokenizer
 from keel.errors import ConfigError, DataError
-from keel.model import TransformerLM
-from keel.train import checkpoint
 from keel.train.config import TrainConfig, load_run_config, merge, to_yaml
+
+if TYPE_CHECKING:  # the model and checkpoints import torch (seconds): `keel runs` lists runs without it
+    from keel.model import TransformerLM
 
 # fields a resumed run may change; anything else must match the run's config
 # run.batch_size may change when the number of processes does: the trainer checks that the global batch
@@ -272,15 +274,22 @@ class RunDir(os.PathLike):
         self._write("diverged.json", json.dumps(diagnostic, indent=1))
 
     def checkpoints(self) -> list[Path]:
+        from keel.train import checkpoint
+
         return checkpoint.list_checkpoints(self.path)
 
     def latest_checkpoint(self) -> Path:
         """The newest intact checkpoint (damaged ones are reported and skipped)."""
+        from keel.train import checkpoint
+
         return checkpoint.latest_valid(self.path)
 
     # ---- using it -------------------------------------------------------------------------------
     def load_model(self, checkpoint_path=None) -> tuple[TrainConfig, TransformerLM, object, Path]:
         """(config, model, tokenizer, checkpoint) from the given or the newest intact checkpoint, on CPU."""
+        from keel.model import TransformerLM
+        from keel.train import checkpoint
+
         config = self.config()
         model = TransformerLM(config.model)
         path = Path(checkpoint_path) if checkpoint_path else self.latest_checkpoint()

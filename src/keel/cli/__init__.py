@@ -1,5 +1,6 @@
 """The `keel` command: a thin dispatcher. Each sub-command parses its arguments and calls the library
-(keel.train, keel.experiments, keel.hf); nothing in the library imports this module.
+(keel.train, keel.experiments, keel.hf); nothing in the library imports this package. `support` holds what
+every command shares (signals, threads, argparse, checks of paths named on the command line).
 
 A `KeelError` (bad input: a config field, a file, a checkpoint) is printed as one line with exit code 2;
 any other exception is a bug and keeps its traceback.
@@ -11,14 +12,22 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
 from pathlib import Path
 
 from keel._version import __version__
+from keel.cli.support import (
+    PLOT_FORMATS,
+    DefaultsShown,
+    Parser,
+    apply_threads,
+    check_config_file,
+    needs,
+    output_path,
+    printable,
+    run_interruptible,
+)
 from keel.errors import ConfigError, KeelError
-
-INTERRUPTED_EXIT = 130  # 128 + SIGINT, as shells report Ctrl-C
 
 
 def _config_for(args):
@@ -36,24 +45,21 @@ def _config_for(args):
 
 
 def cmd_summary(args) -> int:
-    from keel.errors import ConfigError
-    from keel.train.plan import describe
-
     config = _config_for(args)
     for key in (o.split("=", 1)[0] for o in args.overrides):
         if "." in key and not key.startswith("model."):  # one merge, but summary reads the model only
             raise ConfigError(f"{key}: not used by keel summary (it describes the model: model.* fields only)")
+    from keel.train.plan import describe  # torch: after the config's checks, so a bad field answers at once
+
     print(describe(config.model))
     return 0
 
 
 def cmd_train(args) -> int:
     from keel.train.config import load_config, to_yaml
-    from keel.train.plan import plan, recipe_warnings
     from keel.train.run_dir import RunDir, latest_run
-    from keel.train.trainer import DIVERGED_EXIT, INTERRUPTED_EXIT, Trainer
 
-    config = load_config(args.overrides, args.config, args.preset)
+    config = load_config(args.overrides, args.config, args.preset)  # a bad field or value: one line, no torch
     resume_from = None
     if config.resume:
         run = latest_run(config.run.out_dir) if config.resume == "latest" else RunDir.open(config.resume)
@@ -62,6 +68,9 @@ def cmd_train(args) -> int:
     if args.print_config:
         print(to_yaml(config), end="")
         return 0
+    from keel.train.plan import plan, recipe_warnings
+    from keel.train.trainer import DIVERGED_EXIT, INTERRUPTED_EXIT, Trainer
+
     if args.dry_run:
         print(plan(config))
         return 0
@@ -97,25 +106,25 @@ def cmd_runs(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from keel.train.plot import plot_runs
     from keel.train.run_dir import RunDir
 
     runs = [RunDir.open(r) for r in args.runs]
     if args.out:
-        out = _output_path(args.out, "--out", PLOT_FORMATS, owned=[r.path for r in runs])
+        out = output_path(args.out, "--out", PLOT_FORMATS, owned=[r.path for r in runs])
     elif len(runs) == 1:
         out = runs[0] / "curves.png"
     else:  # beside the runs compared
         out = runs[0].parent / f"compare-{'-'.join(r.name for r in runs)[:120]}.png"
+    from keel.train.plot import plot_runs
+
     print(f"wrote {plot_runs(runs, out)}")
     return 0
 
 
 def cmd_eval(args) -> int:
-    from keel.train.evaluate import evaluate_run
-
     if args.batches < 0:
         raise ConfigError(f"--batches: got {args.batches}; allowed: an integer >= 1, or 0 for run.eval_batches")
+    from keel.train.evaluate import evaluate_run
     from keel.train.report import EVAL_KEYS, key_values
 
     result = evaluate_run(args.run_dir, args.checkpoint, args.split, args.batches, args.device)
@@ -131,11 +140,6 @@ def cmd_eval(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    import torch
-
-    from keel.generate import generate
-    from keel.train.run_dir import load_model
-
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens: got {args.max_new_tokens}; allowed: an integer >= 0")
     if not (args.temperature >= 0 and math.isfinite(args.temperature)):
@@ -150,6 +154,11 @@ def cmd_generate(args) -> int:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
         raise ConfigError("--prompt: not valid UTF-8 text") from None
+    import torch
+
+    from keel.generate import generate
+    from keel.train.run_dir import load_model
+
     config, model, tokenizer, _ = load_model(args.run_dir, args.checkpoint)
     ids = tokenizer.encode(args.prompt)
     if not ids:
@@ -162,104 +171,20 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def printable(text: str) -> str:
-    """`text` with control characters other than newline and tab escaped (`\\r`, `\\x1b`): a model's output
-    must not move the cursor, clear the screen or retitle the terminal."""
-    return "".join(ch if ch.isprintable() or ch in "\n\t" else ch.encode("unicode_escape").decode("ascii")
-                   for ch in text)
-
-
 def cmd_tokenizer(args) -> int:
     from keel.data import DataConfig, build_corpus
     from keel.data.tokenizer import train_bpe
     from keel.train.config import merge
 
-    _output_path(args.out, "--out", (".json",))
+    output_path(args.out, "--out", (".json",))
     corpus = build_corpus(merge(DataConfig(), None, args.overrides))
     tok = train_bpe(corpus.documents("train"), args.vocab_size, Path(args.out))
     print(f"trained a byte-level BPE with {tok.vocab_size} tokens on {corpus.fingerprint[:12]}: {args.out}")
     return 0
 
 
-PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
-
-
-def _output_path(value: str, flag: str, suffixes, owned=()) -> Path:
-    """An output file named on the command line, checked before any work: a known format, an existing
-    parent directory, not a directory, and never a file inside someone's run directory (a run's files are
-    written only by the command that owns them)."""
-    out = Path(value)
-    if out.suffix.lower() not in suffixes:
-        raise ConfigError(f"{flag} {value}: unknown format {out.suffix or '(none)'!r}; "
-                          f"allowed: {', '.join(suffixes)}")
-    if not out.parent.is_dir():
-        raise ConfigError(f"{flag} {value}: no such directory {out.parent}")
-    if out.is_dir():
-        raise ConfigError(f"{flag} {value}: is a directory; give a file name")
-    for parent in (out.parent, out.parent.parent):
-        if any(parent.resolve() == Path(o).resolve() for o in owned):
-            continue
-        if (parent / "run.json").exists() or (parent / "config.yaml").exists() and (parent / "checkpoints").exists():
-            raise ConfigError(f"{flag} {value}: inside the run directory {parent}; "
-                              "keel does not overwrite a run's files")
-    return out
-
-
-def _check_config_file(value: str) -> None:
-    """--config: a regular YAML file of sane size, without duplicate keys (YAML would keep the last one)."""
-    import stat
-
-    import yaml
-
-    try:
-        info = os.stat(value)
-    except OSError as err:
-        raise ConfigError(f"config file {value}: {err.strerror.lower()}") from None
-    if not stat.S_ISREG(info.st_mode):
-        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a device, FIFO or socket"
-        raise ConfigError(f"config file {value}: not a regular file ({kind})")
-    if info.st_size > 16 << 20:
-        raise ConfigError(f"config file {value}: larger than 16 MiB, refused")
-
-    class Loader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            seen = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=True)
-                if key in seen:
-                    raise ConfigError(f"config file {value}: line {key_node.start_mark.line + 1}: "
-                                      f"duplicate key {key!r}")
-                seen.add(key)
-            return super().construct_mapping(node, deep)
-
-    try:
-        with open(value, "rb") as f:
-            yaml.load(f, Loader=Loader)
-    except (yaml.YAMLError, TypeError):  # TypeError: a mapping used as a key
-        pass  # the config layer reports a YAML error in its own words
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one `keel: error:` line and exit 2 (sub-commands inherit it)."""
-
-    def error(self, message):
-        print(f"keel: error: {self.prog.removeprefix('keel ')}: {message}" if self.prog != "keel"
-              else f"keel: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def _needs(extra: str, module: str) -> None:
-    """Fail with the install line of the extra that provides `module` unless it imports."""
-    import importlib
-
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        raise ConfigError(f"this command needs {module.split('.')[0]}: pip install -e \".[{extra}]\"") from None
-
-
 def cmd_export_hf(args) -> int:
-    _needs("hf", "transformers")
+    needs("hf", "transformers")
     from keel.hf import quiet_progress
     from keel.hf.export import export_run
 
@@ -278,10 +203,10 @@ def cmd_import_hf(args) -> int:
 
 
 def cmd_lm_eval(args) -> int:
+    needs("eval", "transformers")
+    needs("eval", "lm_eval")
     import torch
 
-    _needs("eval", "transformers")
-    _needs("eval", "lm_eval")
     from keel.hf import quiet_progress
     from keel.hf.harness import run_lm_eval
 
@@ -363,7 +288,7 @@ def add_plot_command(sub) -> None:
 
 
 def add_generate_command(sub) -> None:
-    p = sub.add_parser("generate", help=COMMANDS["generate"], formatter_class=_DefaultsShown)
+    p = sub.add_parser("generate", help=COMMANDS["generate"], formatter_class=DefaultsShown)
     p.add_argument("run_dir")
     p.add_argument("--prompt", default="def ", help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample after the prompt")
@@ -376,17 +301,6 @@ def add_generate_command(sub) -> None:
     p.add_argument("--raw", action="store_true", help="print the text as generated, control characters included "
                                                       "(default: shown escaped, e.g. \\r)")
     p.set_defaults(func=cmd_generate)
-
-
-class _DefaultsShown(argparse.HelpFormatter):
-    """`(default: ...)` after an option's help, unless it says its default itself or has none to show."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "(default" in text or not action.option_strings or any(action.default is v for v in (None, False,
-                                                                                                argparse.SUPPRESS)):
-            return text
-        return text + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
 
 
 def add_summary_command(sub) -> None:
@@ -444,7 +358,7 @@ _BUILDERS = {"train": add_train_command, "eval": add_eval_command, "runs": add_r
 def build_parser(command: str | None = "all") -> argparse.ArgumentParser:
     """The `keel` parser with `command`'s arguments ("all": every command's; None or another name: the others
     are only a name and a line of help)."""
-    parser = _Parser(prog="keel", description="Deep Transformer LMs with the Keel residual.")
+    parser = Parser(prog="keel", description="Deep Transformer LMs with the Keel residual.")
     parser.add_argument("--version", action="version", version=f"keel {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_line in COMMANDS.items():
@@ -460,51 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     # machine other jobs share takes their CPU and slows the step; OMP_WAIT_POLICY=active restores spinning
     if "torch" not in sys.modules:
         os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-    # Ctrl-C or SIGTERM at any moment, also while torch imports (seconds), is one line and exit 130; a
-    # training run handles them itself (a checkpoint at the step boundary), this is for everything around it
-    from keel import runtime  # light: no torch
-
-    runtime.PENDING_SIGNALS.clear()
-    try:
-        previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # main() called off the main thread: leave signals alone
-        previous = {}
-    try:
-        code = _main(argv)
-        if runtime.PENDING_SIGNALS and code == 0:  # a signal whose KeyboardInterrupt was swallowed on the way
-            raise KeyboardInterrupt
-        return code
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the message short
-        print("keel: interrupted", file=sys.stderr)
-        return INTERRUPTED_EXIT
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-def apply_threads(args) -> int:
-    """Set the CPU thread count before any work of any command: `run.threads=N` when given among the
-    overrides, else the default (keel.runtime.default_threads). A run's own run.threads (a YAML file, a resumed
-    run) is applied again by the trainer."""
-    from keel.runtime import set_threads
-
-    overrides = getattr(args, "overrides", None) or []
-    given = [o for o in overrides if o.split("=", 1)[0] == "run.threads"]
-    threads = 0
-    if given:
-        value = given[-1].split("=", 1)[1].strip()
-        threads = int(value) if value.isdigit() and int(value) <= 4096 else 0  # else the merge names the error
-        if args.command == "bench":  # bench refuses run fields it does not read; this one is applied here
-            args.overrides = [o for o in overrides if o not in given]
-    return set_threads(threads)
-
-
-def _raise_interrupt(signum, frame):
-    from keel import runtime  # already loaded by main
-
-    runtime.PENDING_SIGNALS.append(signum)
-    raise KeyboardInterrupt
+    return run_interruptible(lambda: _main(argv))
 
 
 def _main(argv: list[str] | None) -> int:
@@ -520,13 +390,10 @@ def _main(argv: list[str] | None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         if getattr(args, "config", None):
-            _check_config_file(args.config)
+            check_config_file(args.config)
         apply_threads(args)
         return args.func(args)
     except KeelError as err:  # ConfigError, DataError, CheckpointError, ExportError: one line naming the field/file
         print(f"keel: error: {err}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,159 @@
+"""What the `keel` command does around its sub-commands: Ctrl-C and SIGTERM as one line, argparse
+errors as one line, threads set before any work, and the checks of paths and files named on the command line.
+
+Nothing here imports torch: `keel --help`, `keel runs` and every argument error answer without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from keel import runtime
+from keel.errors import ConfigError
+
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, as shells report Ctrl-C
+PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+# ---- signals --------------------------------------------------------------------------------------------
+def run_interruptible(work: Callable[[], int]) -> int:
+    """`work()`, with Ctrl-C or SIGTERM at any moment, also while torch imports (seconds), one line and exit 130.
+    A training run handles them itself (a checkpoint at the step boundary); this is for everything around it."""
+    runtime.PENDING_SIGNALS.clear()
+    try:
+        previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # called off the main thread: leave signals alone
+        previous = {}
+    try:
+        code = work()
+        if runtime.PENDING_SIGNALS and code == 0:  # a signal whose KeyboardInterrupt was swallowed on the way
+            raise KeyboardInterrupt
+        return code
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the message short
+        print("keel: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _raise_interrupt(signum, frame):
+    runtime.PENDING_SIGNALS.append(signum)
+    raise KeyboardInterrupt
+
+
+# ---- threads --------------------------------------------------------------------------------------------
+def apply_threads(args) -> int:
+    """Set the CPU thread count before any work of any command: `run.threads=N` when given among the
+    overrides, else the default (keel.runtime.default_threads). A run's own run.threads (a YAML file, a resumed
+    run) is applied again by the trainer."""
+    overrides = getattr(args, "overrides", None) or []
+    given = [o for o in overrides if o.split("=", 1)[0] == "run.threads"]
+    threads = 0
+    if given:
+        value = given[-1].split("=", 1)[1].strip()
+        threads = int(value) if value.isdigit() and int(value) <= 4096 else 0  # else the merge names the error
+        if args.command == "bench":  # bench refuses run fields it does not read; this one is applied here
+            args.overrides = [o for o in overrides if o not in given]
+    return runtime.set_threads(threads)
+
+
+# ---- argparse -------------------------------------------------------------------------------------------
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one `keel: error:` line and exit 2 (sub-commands inherit it)."""
+
+    def error(self, message):
+        print(f"keel: error: {self.prog.removeprefix('keel ')}: {message}" if self.prog != "keel"
+              else f"keel: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+class DefaultsShown(argparse.HelpFormatter):
+    """`(default: ...)` after an option's help, unless it says its default itself or has none to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or not action.option_strings or any(action.default is v for v in (None, False,
+                                                                                                argparse.SUPPRESS)):
+            return text
+        return text + (" (default: %(default)r)" if isinstance(action.default, str) else " (default: %(default)s)")
+
+
+# ---- paths and files named on the command line ------------------------------------------------------------
+def output_path(value: str, flag: str, suffixes, owned=()) -> Path:
+    """An output file named on the command line, checked before any work: a known format, an existing
+    parent directory, not a directory, and never a file inside someone's run directory (a run's files are
+    written only by the command that owns them)."""
+    out = Path(value)
+    if out.suffix.lower() not in suffixes:
+        raise ConfigError(f"{flag} {value}: unknown format {out.suffix or '(none)'!r}; "
+                          f"allowed: {', '.join(suffixes)}")
+    if not out.parent.is_dir():
+        raise ConfigError(f"{flag} {value}: no such directory {out.parent}")
+    if out.is_dir():
+        raise ConfigError(f"{flag} {value}: is a directory; give a file name")
+    for parent in (out.parent, out.parent.parent):
+        if any(parent.resolve() == Path(o).resolve() for o in owned):
+            continue
+        if (parent / "run.json").exists() or (parent / "config.yaml").exists() and (parent / "checkpoints").exists():
+            raise ConfigError(f"{flag} {value}: inside the run directory {parent}; "
+                              "keel does not overwrite a run's files")
+    return out
+
+
+def check_config_file(value: str) -> None:
+    """--config: a regular YAML file of sane size, without duplicate keys (YAML would keep the last one)."""
+    import stat
+
+    import yaml
+
+    try:
+        info = os.stat(value)
+    except OSError as err:
+        raise ConfigError(f"config file {value}: {err.strerror.lower()}") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a device, FIFO or socket"
+        raise ConfigError(f"config file {value}: not a regular file ({kind})")
+    if info.st_size > 16 << 20:
+        raise ConfigError(f"config file {value}: larger than 16 MiB, refused")
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise ConfigError(f"config file {value}: line {key_node.start_mark.line + 1}: "
+                                      f"duplicate key {key!r}")
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    try:
+        with open(value, "rb") as f:
+            yaml.load(f, Loader=Loader)
+    except (yaml.YAMLError, TypeError):  # TypeError: a mapping used as a key
+        pass  # the config layer reports a YAML error in its own words
+
+
+def needs(extra: str, module: str) -> None:
+    """Fail with the install line of the extra that provides `module` unless it imports."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"this command needs {module.split('.')[0]}: pip install -e \".[{extra}]\"") from None
+
+
+# ---- output -----------------------------------------------------------------------------------------------
+def printable(text: str) -> str:
+    """`text` with control characters other than newline and tab escaped (`\\r`, `\\x1b`): a model's output
+    must not move the cursor, clear the screen or retitle the terminal."""
+    return "".join(ch if ch.isprintable() or ch in "\n\t" else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
