@@ -69,6 +69,8 @@ def test_generate_help_shows_defaults():
     (["generate", "run", "--top-p", "2"], "--top-p: got 2.0"),
     (["experiment", "depth", "--bogus"], "unrecognized arguments: --bogus"),
     (["experiment", "nope"], "invalid choice: 'nope'"),
+    (["bench", "--model-gpu", "X100"], "invalid choice: 'X100'"),
+    (["bench", "--preset", "tiny", "model.nope=1"], "ModelConfig has no field 'nope'"),
 ])
 def test_argument_and_config_errors_answer_in_one_line_without_torch(argv, says):
     """Before: keel.train.config imported the model, the data loader and keel.scale.parallel (all torch), and

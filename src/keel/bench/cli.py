@@ -10,11 +10,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from keel.bench.core import check_schemes, compare, depth_series, scheme_config, to_markdown
-from keel.bench.cpu import cpu_markdown, cpu_suite
-from keel.bench.gpu import GPU_SECTIONS, GpuSuite, gpu_markdown, gpu_suite
-from keel.bench.perf_model import DEVICES
-from keel.bench.perf_report import paper_markdown, prediction_markdown, validate, validation_markdown
+from keel.bench import GPU_SECTIONS, MODELLED_GPUS
 from keel.errors import ConfigError
 from keel.model import CONFIG_FIELDS
 from keel.runtime import machine, resolve_device, use_bf16
@@ -64,6 +60,8 @@ def run_suite(args) -> dict:
     refuse_unused(given_keys(args.overrides, args.config), lambda k: k in used,
                   f"--suite {args.suite} is a fixed campaign" + ("; it takes run.device" if used else ""), hints={})
     if args.suite == "cpu":
+        from keel.bench.cpu import cpu_markdown, cpu_suite
+
         result = cpu_suite(args.steps, args.warmup, writer(out, cpu_markdown), args.idle_load, args.idle_wait)
         print(cpu_markdown(result))
         return result
@@ -74,6 +72,8 @@ def run_suite(args) -> dict:
     unknown = set(sections) - set(GPU_SECTIONS)
     if unknown:
         raise ConfigError(f"--sections: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(GPU_SECTIONS)}")
+    from keel.bench.gpu import GpuSuite, gpu_markdown, gpu_suite
+
     result = gpu_suite(GpuSuite.toy() if args.toy else GpuSuite(), device, writer(out, gpu_markdown), sections)
     print(gpu_markdown(result))
     return result
@@ -87,6 +87,9 @@ def run_model(args) -> str:
     """`--model-gpu`: the performance model's PREDICTED step at the merged config's shape (or, `paper`, the
     paper's shapes on every GPU: benchmarks/gpu/predicted.md); `--validate-model`: its CPU twin against
     measured eager steps at three fixed shapes."""
+    from keel.bench.perf_model import DEVICES
+    from keel.bench.perf_report import paper_markdown, prediction_markdown, validate, validation_markdown
+
     keys = given_keys(args.overrides, args.config)
     if args.validate_model or args.model_gpu == "paper":
         what = "--validate-model" if args.validate_model else "--model-gpu paper"
@@ -127,6 +130,8 @@ def run(args) -> dict:
     if args.suite:
         return run_suite(args)
     config = load_config(args.overrides, args.config, args.preset)
+    from keel.bench.core import check_schemes, compare, depth_series, scheme_config, to_markdown
+
     schemes = args.schemes.split(",")
     check_schemes(schemes)
 
@@ -196,7 +201,7 @@ def register(subparsers) -> None:
     p.add_argument("--idle-load", type=float, default=0.5,
                    help="--suite cpu: wait until the 1-minute load average is below this before timing")
     p.add_argument("--idle-wait", type=float, default=900, help="--suite cpu: wait at most this many seconds")
-    p.add_argument("--model-gpu", choices=[*DEVICES, "paper"],
+    p.add_argument("--model-gpu", choices=[*MODELLED_GPUS, "paper"],
                    help="print the performance model's PREDICTED step (keel.bench.perf_model) of Keel and Pre-LN at "
                         "the merged config's shape on this GPU, eager / compiled / compiled+fused (run.dtype auto "
                         "means bf16, as on a GPU); `paper`: the paper's shapes on every GPU, with the formulas "

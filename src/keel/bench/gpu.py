@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from keel.bench import GPU_SECTIONS
 from keel.bench.core import Bench, attempt, compare, depth_series
 from keel.bench.perf_model import DEVICES, gpu_spec, predict_pair
 from keel.kernels.junction import can_fuse
@@ -86,7 +87,6 @@ class GpuSuite:
         return {"device": device, "compile_backend": self.compile_backend, "init_on_device": device.type == "cuda"}
 
 
-GPU_SECTIONS = ("tests", "kernel", "compare", "depth", "max_depth")
 VARIANTS = {"eager": (False, "off"), "compiled": (True, "off"), "compiled+fused": (True, "on")}
 
 

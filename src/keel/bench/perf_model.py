@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from keel.bench import MODELLED_GPUS
 from keel.kernels.junction import MAX_FUSED_WIDTH
 from keel.model import ModelConfig, count_params, flops_per_token
 from keel.model.counting import count_param_tensors
@@ -63,6 +64,7 @@ DEVICES = {  # vendor datasheets, SXM parts; bf16 peaks are keel.runtime.PEAK_BF
     # HBM2e 2,039 GB/s
     "A100": DeviceSpec("A100", PEAK_BF16["A100"], 19.5 * TB, 2.039 * TB, 80 * GB, "NVIDIA A100 datasheet (80GB SXM)"),
 }
+assert tuple(DEVICES) == MODELLED_GPUS  # one list of names: the one `keel bench --model-gpu` offers
 
 
 class Op(NamedTuple):
