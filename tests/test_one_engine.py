@@ -212,7 +212,7 @@ def test_committed_sweeps_are_this_configuration_in_todays_spelling(folder):
     """Every committed sweep, its command re-spelled (steps -> run.steps, warmup_steps -> optim.warmup_steps),
     builds a config with no difference from the one the sweep recorded in the old layout: so more seeds can
     be added to it, and today's defaults are the ones its points ran with."""
-    from keel.experiments.common import EXECUTION_FIELDS, _differences, upgrade_recorded
+    from keel.experiments.sweep import EXECUTION_FIELDS, _differences, upgrade_recorded
 
     command = shlex.split(json.loads((RESULTS / folder / "results.json").read_text())["command"])
     name, words = command[2], command[3:]

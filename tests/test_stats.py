@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from keel.experiments import stats
-from keel.experiments.common import Sweep, _claim
 from keel.experiments.frontier import FrontierConfig, analyse, classify
+from keel.experiments.sweep import Sweep, _claim
 
 
 def test_paired_t_test_against_the_closed_form_for_two_degrees_of_freedom():

@@ -26,7 +26,6 @@ from torch import nn
 
 from keel.experiments.common import (
     ExperimentConfig,
-    Sweep,
     corpus,
     fixed_batches,
     loss_on,
@@ -37,6 +36,7 @@ from keel.experiments.common import (
     unigram_loss,
 )
 from keel.experiments.probes import branches_off, plain, residual_sizes
+from keel.experiments.sweep import Sweep
 from keel.model import TransformerLM
 from keel.model.counting import count_params
 from keel.runtime import autocast_for

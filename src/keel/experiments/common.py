@@ -1,11 +1,11 @@
 """What every experiment shares: its config (`keel train`'s sections plus its own fields), training one point
-through the one training step, sweep bookkeeping, output.
+through the one training step, output (the sweep bookkeeping is keel.experiments.sweep).
 
 An experiment is a sweep of independent points (scheme x depth x LR x seed ...). Each point trains through
 keel.train.step.TrainStep, exactly as `keel train` does (`point_config` is the TrainConfig that `keel train`
 would run for it), on `run.device` with `run.dtype`, `run.compile`, `run.ac_every` and `run.grad_accum`, and
-under the same divergence guard. Each finished point is written to `<out>/points/<key>.json`, so an
-interrupted sweep resumes by skipping finished points. `results.json` (every number, config, versions,
+under the same divergence guard. Each finished point is written to `<out>/points/<key>.json` (`Sweep`), so
+an interrupted sweep resumes by skipping finished points. `results.json` (every number, config, versions,
 machine), PNG plots and `report.md` are written at the end.
 
 Held-out data: keel.data has a train and a validation split only. Experiments cut the validation tokens in
@@ -20,11 +20,7 @@ import contextlib
 import contextvars
 import json
 import math
-import os
-import socket
 import statistics
-import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -33,11 +29,9 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from keel.data import DataConfig, WindowSampler, prepare
 from keel.data import eval_batches as spaced_batches
-from keel.errors import ConfigError
 from keel.model import ModelConfig, TransformerLM, lm_loss
 from keel.model.presets import science
 from keel.runtime import autocast_for, machine, resolve_device
@@ -65,11 +59,6 @@ def experiment_run(**fields) -> RunConfig:
     sub-layers or round the stream to bf16 run eager), the fields a sweep does not use at their defaults."""
     return RunConfig(**({"steps": 400, "batch_size": 8, "seq_len": 64, "eval_batches": 16, "compile": True} | fields))
 
-
-# how a point is computed, not what it computes: a compiled and an eager point agree to float32 tolerance
-# (tests/test_experiments.py), so a sweep recorded with one setting may be continued with the other; every point
-# records its own (`Sweep.execution`)
-EXECUTION_FIELDS = ("run.compile", "run.threads")
 
 
 # run.* fields a sweep point has no use for (it writes no run directory, checkpoint or log of its own)
@@ -238,149 +227,6 @@ def pm(values: list[float], digits: int = 3) -> str:
     m, s = mean_sd(values)
     n = sum(1 for v in values if v is not None and math.isfinite(v))
     return f"{m:.{digits}f} ± {s:.{digits}f} (n={n})" if n else "-"
-
-
-@dataclass
-class Sweep:
-    """Runs named points once each, keeping each result on disk as soon as it is done. The directory
-    records the experiment's config, so points from another configuration are never reused. The seed list
-    alone may differ: points are named by their seed, so adding seeds to a finished sweep runs only the new
-    ones (the recorded list becomes the union), and `EXECUTION_FIELDS` (how a point is computed, not what) may
-    differ too: each point records its own in `execution`. Several processes may run the same sweep at once: each point
-    is claimed by one of them (`_claim`) and the others wait for it."""
-
-    out: Path
-    config: object
-    poll_seconds: float = 30.0
-
-    def execution(self) -> dict:
-        """How this process computes its points (recorded in each; a point without it ran eager)."""
-        run = getattr(self.config, "run", None)  # a sweep of another config (tests) records only the threads
-        return {"compile": bool(getattr(run, "compile", False)), "threads": torch.get_num_threads()}
-
-    def run(self, points: dict[str, Callable[[], dict]], desc: str) -> dict[str, dict]:
-        (self.out / "points").mkdir(parents=True, exist_ok=True)
-        recorded, mine = self.out / "points" / "config.json", json.loads(json.dumps(asdict(self.config)))
-        theirs = upgrade_recorded(json.loads(recorded.read_text())) if recorded.exists() else None
-        if theirs is not None:
-            changed = [k for k in _differences(mine, theirs, json.loads(json.dumps(asdict(type(self.config)()))))
-                       if k != "seeds" and k not in EXECUTION_FIELDS]
-            if changed:
-                raise ConfigError(f"{self.out}: holds points of another configuration (differs in "
-                                  f"{', '.join(changed)}); use another --out or delete that directory")
-            if "seeds" in mine:
-                mine["seeds"] = sorted(set(theirs.get("seeds", [])) | set(mine["seeds"]))
-        if mine != theirs:
-            _write_atomic(recorded, json.dumps(mine, indent=1))
-        saved = sum((self.out / "points" / f"{key}.json").exists() for key in points)
-        if saved:
-            print(f"{desc}: reused {saved} of {len(points)} saved points from {self.out / 'points'}", flush=True)
-        results, pending = {}, dict(points)
-        bar = tqdm(total=len(points), desc=desc, file=sys.stdout, dynamic_ncols=True)
-        while pending:
-            elsewhere = {}  # points another process is running: read them when they are done
-            for key, fn in pending.items():
-                path = self.out / "points" / f"{key}.json"
-                if not path.exists():
-                    claim = self.out / "points" / f"{key}.claim"
-                    if not _claim(claim):
-                        elsewhere[key] = fn
-                        continue
-                    try:
-                        if not path.exists():  # finished by another process between our look and our claim
-                            bar.set_postfix_str(key)
-                            # a point is either finished on disk or not there
-                            _write_atomic(path, json.dumps(fn() | {"execution": self.execution()}))
-                    finally:
-                        claim.unlink(missing_ok=True)
-                results[key] = json.loads(path.read_text())
-                bar.update()
-            if elsewhere and len(elsewhere) == len(pending):
-                bar.set_postfix_str(f"waiting for {len(elsewhere)} point(s) another process runs")
-                time.sleep(self.poll_seconds)
-            pending = elsewhere
-        bar.close()
-        return {key: results[key] for key in points}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    # one name per writer: two threads of one process (or two processes) may write the same file at once
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _claim(path: Path) -> bool:
-    """Take the point `path` names for this process (a file created exclusively, holding host and pid), so two
-    processes running the same sweep (`keel experiment ...` started twice: two points at a time) never train
-    the same point. A claim left by a dead process on this host is taken over; one from another host is
-    respected (delete it by hand if that machine is gone)."""
-    me = f"{socket.gethostname()} {os.getpid()}"
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                host, pid = path.read_text().split()
-                alive = host != socket.gethostname() or _pid_alive(int(pid))
-            except (OSError, ValueError):  # torn or vanished: the owner is gone or just finished
-                alive = False
-            if alive:
-                return False
-            path.unlink(missing_ok=True)
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(me)
-        return True
-    return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-# Where each field of the configs recorded before experiments took keel train's sections now lives
-_MOVED = {"steps": "run.steps", "warmup_steps": "optim.warmup_steps", "eval_batches": "run.eval_batches",
-          "lr": "optim.lr", "peak": "optim.lr", "shape.d_model": "model.d_model", "shape.n_heads": "model.n_heads",
-          "shape.n_kv_heads": "model.n_kv_heads", "shape.vocab_size": "model.vocab_size",
-          "shape.seq_len": "run.seq_len", "shape.batch_size": "run.batch_size"}
-
-
-def upgrade_recorded(recorded: dict) -> dict:
-    """A sweep's recorded config in today's layout. Configs written before experiments took `keel train`'s
-    sections kept `steps`, `shape.*`, `lr` ... at the top level (`_MOVED`); their points are the same runs,
-    so a sweep recorded then can still take more seeds."""
-    if "shape" not in recorded and "steps" not in recorded:
-        return recorded
-    out = {k: v for k, v in recorded.items() if k not in ("shape", *_MOVED)}
-    flat = {k: v for k, v in recorded.items() if k in _MOVED}
-    flat |= {f"shape.{k}": v for k, v in recorded.get("shape", {}).items()}
-    for old, value in flat.items():
-        if old in _MOVED:
-            section, name = _MOVED[old].split(".")
-            out.setdefault(section, {})[name] = value
-    return out
-
-
-def _differences(mine: dict, theirs: dict, defaults: dict, prefix: str = "") -> list[str]:
-    """Dotted names of the fields in which two recorded configs differ. A field `theirs` lacks (added to the
-    code after it was recorded) is no difference while `mine` holds its default, which keeps the old behaviour."""
-    out = []
-    for k in sorted(mine.keys() | theirs.keys()):
-        a, b, default = mine.get(k), theirs.get(k), defaults.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _differences(a, b, default if isinstance(default, dict) else {}, f"{prefix}{k}.")
-        elif k not in theirs and k in defaults and a == default:
-            continue
-        elif a != b:
-            out.append(prefix + k)
-    return out
 
 
 SMOKE_TEST_BANNER = "SMOKE TEST, NOT A RESULT"

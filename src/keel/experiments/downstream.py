@@ -33,7 +33,6 @@ from keel.errors import ConfigError
 from keel.experiments import stats
 from keel.experiments.common import (
     ExperimentConfig,
-    Sweep,
     corpus,
     experiment_run,
     fixed_batches,
@@ -49,6 +48,7 @@ from keel.experiments.common import (
     write_outputs,
 )
 from keel.experiments.scaling import DeepWideConfig
+from keel.experiments.sweep import Sweep
 from keel.model import TransformerLM
 from keel.model.counting import count_params
 from keel.runtime import autocast_for

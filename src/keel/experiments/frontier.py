@@ -29,7 +29,6 @@ from keel.experiments import stats
 from keel.experiments.budget import budget_point, tokens, unigram_level
 from keel.experiments.common import (
     ExperimentConfig,
-    Sweep,
     experiment_run,
     markdown_table,
     pm,
@@ -39,6 +38,7 @@ from keel.experiments.common import (
     write_outputs,
 )
 from keel.experiments.gradflow import measure
+from keel.experiments.sweep import Sweep
 from keel.train.config import OptimConfig, RunConfig
 
 

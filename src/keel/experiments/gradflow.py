@@ -39,7 +39,6 @@ from keel.data import eval_batches
 from keel.errors import ConfigError
 from keel.experiments.common import (
     ExperimentConfig,
-    Sweep,
     corpus,
     experiment_model,
     experiment_run,
@@ -54,6 +53,7 @@ from keel.experiments.common import (
     write_outputs,
 )
 from keel.experiments.probes import residual_sizes
+from keel.experiments.sweep import Sweep
 from keel.model import ModelConfig
 from keel.model.transformer import TransformerLM
 from keel.scale.parallel import apply_fused_junction

@@ -28,7 +28,6 @@ from typing import ClassVar
 from keel.experiments import stats
 from keel.experiments.common import (
     ExperimentConfig,
-    Sweep,
     corpus,
     experiment_run,
     fixed_batches,
@@ -45,6 +44,7 @@ from keel.experiments.common import (
     write_outputs,
 )
 from keel.experiments.detect import FailureRules, detect, smooth, stagnation
+from keel.experiments.sweep import Sweep
 from keel.runtime import autocast_for
 from keel.train.config import OptimConfig, RunConfig
 

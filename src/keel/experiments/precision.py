@@ -30,7 +30,6 @@ import torch
 from keel.experiments.budget import BudgetConfig, budget_point, paired_gap, unigram_level
 from keel.experiments.common import (
     ExperimentConfig,
-    Sweep,
     experiment_run,
     fixed_batches,
     loss_axis,
@@ -43,6 +42,7 @@ from keel.experiments.common import (
     write_outputs,
 )
 from keel.experiments.probes import residual_terms
+from keel.experiments.sweep import Sweep
 from keel.model import Residual, TransformerLM
 from keel.train.config import OptimConfig, RunConfig
 

@@ -25,7 +25,6 @@ from keel.data import eval_batches
 from keel.data.corpus import build_corpus
 from keel.experiments.common import (
     ExperimentConfig,
-    Sweep,
     experiment_run,
     fixed_batches,
     loss_on,
@@ -40,6 +39,7 @@ from keel.experiments.common import (
     write_outputs,
 )
 from keel.experiments.probes import branches_off, removed
+from keel.experiments.sweep import Sweep
 from keel.model import lm_loss
 from keel.runtime import autocast_for
 from keel.scale.parallel import apply_fused_junction

@@ -22,7 +22,6 @@ from keel.experiments.budget import (
 )
 from keel.experiments.common import (
     ExperimentConfig,
-    Sweep,
     loss_axis,
     markdown_table,
     mean_sd,
@@ -32,6 +31,7 @@ from keel.experiments.common import (
     tiny_quick,
     write_outputs,
 )
+from keel.experiments.sweep import Sweep
 from keel.model.counting import count_params
 
 

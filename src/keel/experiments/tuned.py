@@ -26,7 +26,6 @@ from keel.experiments import stats
 from keel.experiments.budget import budget_point, tokens, unigram_level
 from keel.experiments.common import (
     ExperimentConfig,
-    Sweep,
     experiment_run,
     markdown_table,
     pm,
@@ -36,6 +35,7 @@ from keel.experiments.common import (
     write_outputs,
 )
 from keel.experiments.frontier import choose, key
+from keel.experiments.sweep import Sweep
 from keel.train.config import OptimConfig, RunConfig
 
 
