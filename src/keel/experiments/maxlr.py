@@ -283,6 +283,11 @@ def _plot(cfg: MaxLRConfig, results: dict, verdicts: dict, depth: int, out: Path
     arms = cfg.arms()
     fig, axes = plt.subplots(1, len(arms), figsize=(3.2 * len(arms), 3.6), sharey=True, squeeze=False)
     unigram = next(iter(results.values()))["unigram"]
+    finite = [v for r in results.values() for v in r["evals"]["loss"] if math.isfinite(v)] or [unigram]
+    # from the lowest loss seen to the start of the curves (or 2 nats above the unigram level): a diverging curve
+    # leaves the top of the plot instead of squashing every other curve to its bottom
+    top = min(max(finite), max(unigram + 2.0, *(r["evals"]["loss"][0] for r in results.values()
+                                                 if r["evals"]["loss"] and math.isfinite(r["evals"]["loss"][0]))))
     for ax, (label, _, _) in zip(axes[0], arms):
         for j, seed in enumerate(cfg.seeds):
             e, v = results[key(label, depth, seed)]["evals"], verdicts[key(label, depth, seed)]
@@ -292,7 +297,7 @@ def _plot(cfg: MaxLRConfig, results: dict, verdicts: dict, depth: int, out: Path
         ax.axhline(unigram, color="grey", ls="--", lw=0.8, label="unigram level")
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("learning rate (linear ramp)")
-        ax.set_ylim(1.0, 6.0)
+        ax.set_ylim(min(finite) - 0.1, top + 0.1)
     axes[0][0].set_ylabel("validation loss (select half)")
     axes[0][-1].legend(fontsize=7)
     fig.suptitle(f"max-lr, {depth} sub-layers (dotted: max LR per seed)", fontsize=10)
