@@ -64,6 +64,7 @@ def test_generate_help_shows_defaults():
     (["train", "steps=5"], "did you mean run.steps?"),
     (["train", "--preset", "tiny", "run.threads=-2"], "run.threads: got -2"),
     (["train", "model.scheme=pre_ln", "model.alpha=4"], "ModelConfig.alpha"),  # a scheme's own option check
+    (["train", "run.eval_tasks=[bogus]"], "unknown task 'bogus'"),
     (["summary", "model.d_model=7"], "ModelConfig.d_model"),
     (["eval", "run", "--batches", "-1"], "--batches: got -1"),
     (["generate", "run", "--top-p", "2"], "--top-p: got 2.0"),
