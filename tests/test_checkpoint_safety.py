@@ -24,7 +24,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from torch import nn
 
-from keel.train import checkpoint, untrusted
+from keel.train import checkpoint, resume, untrusted
 from keel.train.checkpoint import CheckpointError
 
 
@@ -469,12 +469,12 @@ def test_load_newest_falls_back_only_as_far_as_it_must_and_raises_the_first_erro
     non_finite_at(run_dir, models, 3, float("nan"))
     non_finite_at(run_dir, models, 2, float("inf"))
     loaded, warned = small_model(0), Warnings()
-    assert checkpoint.load_newest(ckpt(run_dir, 3), lambda p: checkpoint.load(p, loaded), warned) == ckpt(run_dir, 1)
+    assert resume.load_newest(ckpt(run_dir, 3), lambda p: checkpoint.load(p, loaded), warned) == ckpt(run_dir, 1)
     assert same_weights(loaded, models[1])
     assert len(warned) == 2 and "(step 3)" in warned[0] and "(step 2)" in warned[1]
     non_finite_at(run_dir, models, 1, float("nan"))
     with pytest.raises(CheckpointError, match=r"\(step 3\): weight 0.weight holds NaN or inf$"):
-        checkpoint.load_newest(ckpt(run_dir, 3), lambda p: checkpoint.load(p, small_model(0)), Warnings())
+        resume.load_newest(ckpt(run_dir, 3), lambda p: checkpoint.load(p, small_model(0)), Warnings())
 
 
 def test_a_checkpoint_directory_that_is_a_symlink_is_refused(tmp_path):

@@ -163,18 +163,32 @@ def test_meta_with_a_string_draws_is_refused_at_load(run, capsys):
     refused(capsys, "draws", "train", f"resume={run}", "run.steps=3", "run.progress=false")
 
 
-@pytest.mark.parametrize("damage", ["sampler", "optimizer"])
-def test_training_state_of_the_wrong_shape_is_refused_at_load(run, damage, capsys):
+@pytest.mark.parametrize("damage, name", [("sampler", "sampler"), ("optimizer", "optimizer"), ("betas", "betas"),
+                                          ("string step", "not a floating-point tensor"),
+                                          ("no lr_scale", "lr_scale"), ("negative step", "no intact checkpoint")])
+def test_training_state_of_the_wrong_shape_is_refused_at_load(run, damage, name, capsys):
+    """Each was a traceback at restore or at the first step (KeyError, TypeError in AdamW), or a run from a
+    negative step."""
     ckpt = newest(run)
     state = torch.load(ckpt / "state.pt", weights_only=True)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    entry = next(iter(state["optimizer"]["state"].values()))
     if damage == "sampler":
         del state["sampler"]["generator"]
-    else:
-        entry = next(iter(state["optimizer"]["state"].values()))
+    elif damage == "optimizer":
         entry["exp_avg"] = torch.zeros(3, 5)
+    elif damage == "betas":
+        state["optimizer"]["param_groups"][0]["betas"] = ["0.9", 0.95]
+    elif damage == "string step":
+        entry["step"] = "many"
+    elif damage == "no lr_scale":
+        del meta["lr_scale"]
+    else:
+        meta["step"] = -5
     torch.save(state, ckpt / "state.pt")
+    (ckpt / "meta.json").write_text(json.dumps(meta))
     rechecksum(ckpt)
-    refused(capsys, damage, "train", f"resume={run}", "run.steps=3", "run.progress=false")
+    refused(capsys, name, "train", f"resume={run}", "run.steps=3", "run.progress=false")
 
 
 def test_nan_weights_are_refused_by_generate(run, capsys):

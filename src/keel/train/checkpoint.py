@@ -104,29 +104,6 @@ def latest_valid(run_dir: Path, warn=lambda msg: print(msg, file=sys.stderr)) ->
     raise CheckpointError(f"{checkpoint_dir(run_dir)}: no intact checkpoint to resume from")
 
 
-def load_newest(path: Path, load, warn=lambda msg: print(msg, file=sys.stderr)) -> Path:
-    """`load(path)`, or, when that raises a CheckpointError (content `verify` does not read: non-finite weights,
-    training state of the wrong type or shape), `load` of the next older checkpoint that verifies, reporting
-    each one skipped. Returns the checkpoint loaded; with none left, the first error is raised."""
-    path = Path(path)
-    try:
-        load(path)
-        return path
-    except CheckpointError as first:
-        warn(f"keel: {first}; trying an older one")
-        older = [p for p in list_checkpoints(path.parent.parent) if int(p.name[5:]) < int(path.name[5:])]
-        for candidate in reversed(older):
-            if (problem := verify(candidate)) is not None:
-                warn(f"keel: checkpoint {candidate} is damaged ({problem}); trying an older one")
-                continue
-            try:
-                load(candidate)
-                return candidate
-            except CheckpointError as err:
-                warn(f"keel: {err}; trying an older one")
-        raise first from None
-
-
 # ---- loading ---------------------------------------------------------------------------------------
 def load(path: Path, model: nn.Module) -> tuple[dict, dict]:
     """Load weights into `model`; return (state, meta). The caller restores the state it needs.

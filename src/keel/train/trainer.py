@@ -25,7 +25,7 @@ from keel.model import count_params, flops_per_token
 from keel.runtime import autocast_for, busy_note, device_memory, peak_flops, provenance, resolve_device, set_threads
 from keel.scale import distributed
 from keel.scale.memory import format_bytes
-from keel.train import checkpoint, tracking
+from keel.train import checkpoint, resume, tracking
 from keel.train.config import TrainConfig
 from keel.train.evaluate import bytes_per_token, evaluate
 from keel.train.guard import DivergenceGuard
@@ -175,14 +175,13 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         if checkpoint.is_sharded(path):
             state, meta = checkpoint.load_sharded(path, self.model, self.optimizer)
+            resume.check_resumable(path, state, meta, sharded=True)
         elif self.world.distributed:
             raise ConfigError(f"resume: {path} was written by a single process; resume it in one process "
                               "(a torchrun checkpoint resumes on any number of processes, not the reverse)")
         else:
             state, meta = checkpoint.load(path, self.model)
-            if "optimizer" not in state or "draws" not in meta:
-                raise ConfigError(f"resume: checkpoint {path} holds weights only (e.g. from keel import-hf); "
-                                  "it can be evaluated, sampled or exported, not resumed")
+            resume.check_resumable(path, state, meta)  # weights only (keel import-hf), or a field missing
             self.optimizer.load_state_dict(state["optimizer"])
         saved_batch = meta.get("global_batch", self.global_batch)
         if saved_batch != self.global_batch:
@@ -228,7 +227,7 @@ class Trainer:
         if self.world.main:  # temporary checkpoint directories a killed process left behind
             checkpoint.clean_stale_tmp(self.run_dir)
         if resume_from is not None:
-            resume_from = checkpoint.load_newest(resume_from, self.load_checkpoint, lambda m: self.say(m, sys.stderr))
+            resume_from = resume.load_newest(resume_from, self.load_checkpoint, lambda m: self.say(m, sys.stderr))
             if self.step >= self.config.run.steps:
                 self.say(f"keel: {self.run_dir} already finished {self.step} steps; extend it with run.steps=N")
                 return self.run_dir.summary() or {"diverged": False, "interrupted": False}

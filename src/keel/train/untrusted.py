@@ -167,8 +167,8 @@ def read_meta(path: Path, manifest: dict) -> dict:
         meta = json.loads(read_checked(path / "meta.json", manifest))
     except ValueError:
         raise Damaged("meta.json is not valid JSON") from None
-    if not (isinstance(meta, dict) and type(meta.get("step")) is int):
-        raise Damaged("meta.json is not an object with an integer step")
+    if not (isinstance(meta, dict) and type(meta.get("step")) is int and meta["step"] >= 0):
+        raise Damaged("meta.json is not an object with an integer step >= 0")
     return meta
 
 
@@ -292,11 +292,24 @@ def _check_optimizer(opt, model) -> None:
     matrices = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
     if [len(g["params"]) for g in groups] != [len(params), 0]:
         params = matrices + [p for p in params if not (p.dim() >= 2 and id(p) not in embeddings)]
+    for group in groups:  # AdamW's hyper-parameters: a string there is a TypeError only at the first step
+        for name, n in (("lr", 1), ("eps", 1), ("weight_decay", 1), ("betas", 2)):
+            if name in group and not _numbers(group[name] if n > 1 else [group[name]], n):
+                raise Damaged(f"state.pt: optimizer {name} is {str(group[name])[:40]!r}, not "
+                              + ("two finite numbers" if n > 1 else "a finite number"))
     shapes = dict(zip(ids, (tuple(p.shape) for p in params)))
     for key, entry in opt["state"].items():
         if key not in shapes or not isinstance(entry, dict):
             raise Damaged(f"state.pt: optimizer state names parameter {key!r}, which the model does not have")
         for name, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != shapes[key]:
+            if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+                raise Damaged(f"state.pt: optimizer {name} of parameter {key} is not a floating-point tensor")
+            if value.dim() > 0 and tuple(value.shape) != shapes[key]:
                 raise Damaged(f"state.pt: optimizer {name} of parameter {key} has shape {tuple(value.shape)}, "
                               f"not {shapes[key]}")
+
+
+def _numbers(value, n: int) -> bool:
+    """`value` is a list or tuple of `n` finite numbers (not booleans)."""
+    return (isinstance(value, (list, tuple)) and len(value) == n
+            and all(type(v) in (int, float) and abs(v) < float("inf") for v in value))

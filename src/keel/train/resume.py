@@ -1,0 +1,54 @@
+"""Resuming a run: which checkpoint, and whether it holds what a resume restores.
+
+`verify` (keel.train.checkpoint) reads each checkpoint's structure cheaply; some damage shows only once one
+is loaded into the model (weights that are NaN or inf, training state of the wrong type or shape, a field
+missing). A resume then falls back to the next older checkpoint that loads, saying so; `keel eval`,
+`generate` and `export-hf` report such a checkpoint in one line instead, since they were asked for it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from keel.errors import CheckpointError, ConfigError
+from keel.train.checkpoint import list_checkpoints, verify
+
+# what a resume restores besides the weights and the optimiser; `load` checks their types when present
+RESUMED = {"meta.json": ("draws", "lr_scale", "rollbacks", "skip_draws", "guard"), "state.pt": ("sampler", "torch_rng")}
+
+
+def check_resumable(path: Path, state: dict, meta: dict, sharded: bool = False) -> None:
+    """Refuse to resume from a checkpoint without training state: weights only (keel import-hf) is a
+    ConfigError; training state with a field missing is damage (a CheckpointError, so a resume falls back)."""
+    if "draws" not in meta or not (sharded or "optimizer" in state):
+        raise ConfigError(f"resume: checkpoint {path} holds weights only (e.g. from keel import-hf); "
+                          "it can be evaluated, sampled or exported, not resumed")
+    for name, held in (("meta.json", meta), ("state.pt", state)):
+        if missing := [key for key in RESUMED[name] if key not in held]:
+            raise CheckpointError(f"checkpoint {path}: {name} has no {missing[0]}, which a resume restores")
+
+
+def load_newest(path: Path, load, warn=lambda msg: print(msg, file=sys.stderr)) -> Path:
+    """`load(path)`, or, when that raises a CheckpointError (content `verify` does not read: non-finite weights,
+    training state of the wrong type or shape), `load` of the next older checkpoint that verifies, reporting
+    each one skipped. Returns the checkpoint loaded; with none left, the first error is raised."""
+    path = Path(path)
+    try:
+        load(path)
+        return path
+    except CheckpointError as first:
+        if not (path.name.startswith("step_") and path.name[5:].isdigit()):  # not one of a run's checkpoints
+            raise
+        warn(f"keel: {first}; trying an older one")
+        older = [p for p in list_checkpoints(path.parent.parent) if int(p.name[5:]) < int(path.name[5:])]
+        for candidate in reversed(older):
+            if (problem := verify(candidate)) is not None:
+                warn(f"keel: checkpoint {candidate} is damaged ({problem}); trying an older one")
+                continue
+            try:
+                load(candidate)
+                return candidate
+            except CheckpointError as err:
+                warn(f"keel: {err}; trying an older one")
+        raise first from None
