@@ -27,7 +27,7 @@ ENTRIES = [".lock", "config.yaml", "run.json", "metrics.jsonl", "telemetry.jsonl
            f"eval-{STEP}-val.json", "tokenizer", "tokenizer/tokenizer_config.json", "checkpoints", CKPT,
            f"{CKPT}/model.safetensors", f"{CKPT}/state.pt", f"{CKPT}/meta.json", f"{CKPT}/manifest.json"]
 ADDED = ["diverged.json", "tokenizer/tokenizer.json", "checkpoints/step_00000009", "checkpoints/.tmp-step_00000009-1",
-         "tensorboard"]
+         "checkpoints/.old-step_00000009-1", "tensorboard"]
 
 
 def commands(run: Path, out: Path) -> dict[str, list]:
@@ -90,6 +90,7 @@ def canary(trained, tmp_path) -> Path:
     (root / "tokenizer" / "tokenizer.json").write_text(json.dumps(tokenizer))
     shutil.copytree(ckpt, root / "checkpoints" / "step_00000009")
     shutil.copytree(ckpt, root / "checkpoints" / ".tmp-step_00000009-1")
+    shutil.copytree(ckpt, root / "checkpoints" / ".old-step_00000009-1")  # what a resume would put back
     (root / "tensorboard").mkdir()
     return root
 
@@ -110,7 +111,8 @@ def snapshot(root: Path) -> dict:
 
 class Opens:
     """Every path Python opens (builtins.open, os.open, ...) while `active`, seen through an audit hook (which
-    cannot be removed, so one is installed per process and switched on and off)."""
+    cannot be removed, so one is installed per process and switched on and off). Files that native code
+    opens itself (safetensors, tokenizers) are not seen: the snapshot and the copy check cover those."""
 
     active: list | None = None
 
