@@ -9,6 +9,7 @@ entry (so following the link would succeed and show), and every command runs on 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -81,8 +82,8 @@ def canary(trained, tmp_path) -> Path:
             _mark(path)
     ckpt = root / CKPT
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    from keel.train.untrusted import sha256
-    manifest.update({name: sha256(ckpt / name) for name in manifest if name != "format"})
+    manifest.update({name: hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
+                     for name in manifest if name != "format"})
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     (root / "diverged.json").write_text(json.dumps({"reason": MARK}))
     tokenizer = json.loads(byte_tokenizer().to_str())
