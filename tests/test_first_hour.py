@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from keel import runtime
-from keel.cli import main, printable
+from keel.cli import COMMANDS, main, printable
 from keel.train.config import load_config
 from keel.train.trainer import Trainer
 
@@ -79,6 +79,12 @@ def test_argument_and_config_errors_answer_in_one_line_without_torch(argv, says)
     rc, out = _without_torch(argv)
     assert rc == 2 and out.startswith("keel: error:") and len(out.strip().splitlines()) == 1, out
     assert says in out, out
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_commands_usage_error_answers_without_torch(command):
+    rc, out = _without_torch([command, "--bogus"])
+    assert rc == 2 and out.startswith("keel: error:") and len(out.strip().splitlines()) == 1, out
 
 
 def test_runs_lists_runs_without_torch(tmp_path):
