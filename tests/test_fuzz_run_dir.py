@@ -124,8 +124,12 @@ def _run_files(trained, canary, tmp_path_factory, capsys, name, content, command
     put(run / name, content, canary)
     before = snapshot(canary)
     argv = {"runs": ["runs", run.parent, "--json"], "summary": ["summary", run], "plot": ["plot", run],
-            "eval": ["eval", run, "--batches", "1", "--device", "cpu"]}[command]
-    keel(argv, capsys)
+            "eval": ["eval", run, "--batches", "1", "--device", "cpu"],
+            "generate": ["generate", run, "--max-new-tokens", "3"],
+            "export-hf": ["export-hf", run, run.parent.parent / "export"],
+            "resume": ["train", f"resume={run}", "run.steps=5", "run.progress=false"]}[command]
+    code, _, err = keel(argv, capsys)
+    event(f"{command}: exit {code}")
     assert snapshot(canary) == before
 
 
@@ -138,6 +142,15 @@ def test_fuzzed_run_files_runs_and_summary(trained, canary, tmp_path_factory, ca
 @settings(max_examples=12, **FUZZ)
 @given(name=st.sampled_from(FILES), content=CONTENT, command=st.sampled_from(["plot", "eval"]))
 def test_fuzzed_run_files_plot_and_eval(trained, canary, tmp_path_factory, capsys, name, content, command):
+    _run_files(trained, canary, tmp_path_factory, capsys, name, content, command)
+
+
+@settings(max_examples=15, **FUZZ)  # seconds each on a busy CI machine
+@given(name=st.sampled_from(FILES), content=CONTENT, command=st.sampled_from(["generate", "export-hf", "resume"]))
+def test_fuzzed_run_files_generate_export_and_resume(trained, canary, tmp_path_factory, capsys, monkeypatch, name,
+                                                     content, command):
+    pytest.importorskip("transformers")
+    monkeypatch.setattr("keel.train.trainer.Trainer.draw_curves", lambda self: None)  # seconds each, not tested here
     _run_files(trained, canary, tmp_path_factory, capsys, name, content, command)
 
 
