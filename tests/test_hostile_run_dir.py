@@ -118,6 +118,29 @@ def test_a_symlinked_run_file_is_not_read(run, tmp_path, name, capsys):
     assert code in (0, 2) and name in err and "symbolic link" in err
 
 
+@pytest.mark.parametrize("damage", ["binary", "link", "fifo", "directory"])
+def test_keel_runs_lists_a_run_with_an_unreadable_config_as_damaged(run, trained, tmp_path, damage, capsys):
+    """One such run among others made `keel runs` fail for all of them (exit 2, no table)."""
+    shutil.copytree(trained, run.parent / "good", symlinks=True)
+    config = run / "config.yaml"
+    config.unlink()
+    if damage == "binary":
+        config.write_bytes(b"\x00\xff model: [")
+    elif damage == "link":
+        config.symlink_to(run.parent / "good" / "config.yaml")
+    elif damage == "fifo":
+        os.mkfifo(config)
+    else:
+        config.mkdir()
+    code = main(["runs", str(run.parent), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "Traceback" not in err, err
+    rows = {row["run"]: row for row in json.loads(out)}
+    assert rows["victim"]["status"] == "damaged" and rows["good"]["status"] == "finished"
+    notes = [line for line in err.splitlines() if "config.yaml" in line]
+    assert len(notes) == 1 and notes[0].startswith("keel: ") and notes[0].endswith("listed as damaged"), err
+
+
 def test_a_symlinked_tokenizer_dir_is_refused(run, tmp_path, capsys):
     shutil.move(run / "tokenizer", tmp_path / "tok")
     (run / "tokenizer").symlink_to(tmp_path / "tok")

@@ -166,8 +166,13 @@ class RunDir(os.PathLike):
         return "interrupted" if self.checkpoints() or (self.path / "metrics.jsonl").exists() else "new"
 
     def describe(self) -> dict:
-        """One row of `keel runs`."""
-        config = self.config()
+        """One row of `keel runs`; a run whose config cannot be read is listed as damaged, with one note."""
+        try:
+            config = self.config()
+        except (ConfigError, DataError) as err:
+            _note(f"{str(err).removeprefix('keel: ')}; listed as damaged")
+            return {"run": self.name, "scheme": None, "sub-layers": None, "d_model": None, "steps": None,
+                    "val_loss": None, "status": "damaged", "path": str(self.path)}
         records = self.metrics()
         steps = max((r["step"] for r in records if "loss" in r and "event" not in r), default=0)
         val = [r["val_loss"] for r in records if _number(r.get("val_loss"))]
