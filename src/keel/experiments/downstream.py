@@ -47,7 +47,7 @@ from keel.experiments.common import (
     train_curve,
     write_outputs,
 )
-from keel.experiments.scaling import DeepWideConfig
+from keel.experiments.scaling import DeepWideConfig, wide_model
 from keel.experiments.sweep import Sweep
 from keel.model import TransformerLM
 from keel.model.counting import count_params
@@ -105,8 +105,7 @@ class DownstreamConfig(ExperimentConfig):
         out = {f"{s}-{d}": self.point_model(s, d) for d in self.depths for s in self.schemes}
         for s in ("pre_ln", "keel"):
             out.setdefault(f"{s}-{self.deep_sublayers}", self.point_model(s, self.deep_sublayers))
-        out[WIDE] = self.point_model("pre_ln", self.wide_sublayers, d_model=self.wide_d_model,
-                                     n_heads=self.wide_heads, n_kv_heads=self.wide_kv_heads)
+        out[WIDE] = wide_model(self)
         return out
 
 

@@ -257,10 +257,16 @@ def run_lr_sweep(cfg: LRSweepConfig, out: Path, command: str) -> dict:
     return points
 
 
+def wide_model(cfg):
+    """The wide Pre-LN of Table 5 (`wide_sublayers` at `wide_d_model`), for any config with the wide fields
+    (deep-vs-wide, downstream)."""
+    return cfg.point_model("pre_ln", cfg.wide_sublayers, d_model=cfg.wide_d_model, n_heads=cfg.wide_heads,
+                           n_kv_heads=cfg.wide_kv_heads)
+
+
 def run_deep_vs_wide(cfg: DeepWideConfig, out: Path, command: str) -> dict:
-    wide = {"d_model": cfg.wide_d_model, "n_heads": cfg.wide_heads, "n_kv_heads": cfg.wide_kv_heads}
     arms = {"deep-pre_ln": cfg.point_model("pre_ln", cfg.deep_sublayers),
-            "wide-pre_ln": cfg.point_model("pre_ln", cfg.wide_sublayers, **wide),
+            "wide-pre_ln": wide_model(cfg),
             "deep-keel": cfg.point_model("keel", cfg.deep_sublayers)}
     res = select_then_seeds(cfg, out, arms, "deep-vs-wide")
     rows = [[label, m.n_sublayers, m.d_model, f"{count_params(m):,}", f"{res['chosen'][label]:g}",
