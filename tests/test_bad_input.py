@@ -74,3 +74,11 @@ def test_a_damaged_run_config_is_blamed_on_the_file(tmp_path, capsys, make_run):
     (tmp_path / "run" / "config.yaml").write_bytes(b"model:\n  d_model: [\n")
     assert main(["eval", str(tmp_path / "run")]) == 2
     one_line_error(capsys, "config.yaml: damaged run config")
+
+
+def test_a_file_that_is_not_a_config_is_not_echoed_back(args, tmp_path, capsys):
+    """YAML reads a passwd-like file as one long key: the error names it, shortened, not the whole file."""
+    (tmp_path / "passwd").write_text("\n".join(f"user{i}:x:{i}:{i}::/home/user{i}:/bin/sh" for i in range(300)))
+    assert main(["train", "--preset", "tiny", "--config", str(tmp_path / "passwd"), *args()]) == 2
+    line = one_line_error(capsys, "has no field")
+    assert len(line) < 250 and "user299" not in line, line

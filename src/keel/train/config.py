@@ -234,6 +234,13 @@ def _suggest(key: str, schema) -> str:
     return f" (did you mean {' or '.join(hits)}?)" if hits else ""
 
 
+def _short(text: str, limit: int = 60) -> str:
+    """A key as an error message shows it: a file that is not a config (YAML reads `/etc/passwd` as one long
+    key) is not echoed back whole."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
 def to_config(layers, schema=None):
     schema = schema or TrainConfig
     try:
@@ -243,8 +250,8 @@ def to_config(layers, schema=None):
         first = str(err).splitlines()[0]
         unknown = re.match(r"Key '(.+)' not in '(\w+)'", first)
         if unknown:  # the wording keel uses everywhere, plus the section a bare key probably belongs to
-            first = f"{unknown[2]} has no field {unknown[1]!r}{_suggest(key, schema)}"
-        raise ConfigError(f"{key}: {first}" if key else first) from None
+            first = f"{unknown[2]} has no field {_short(unknown[1])!r}{_suggest(key, schema)}"
+        raise ConfigError(f"{_short(key)}: {first}" if key else _short(first, 300)) from None
     except ValueError as err:  # ModelConfig's own validation, which names its field ("ModelConfig.alpha: ...")
         raise ConfigError(str(err)) from None
     if isinstance(config, TrainConfig):
