@@ -213,13 +213,13 @@ def as_value(value, like):
 
 def mutate_state(ckpt: Path, where: str, value) -> None:
     state = torch.load(ckpt / "state.pt", weights_only=True)
-    if where.startswith("optimizer."):
+    key = where.rsplit(".", 1)[-1]
+    if where.startswith("optimizer."):  # one parameter's AdamW state, or the first group's settings
         entries = state["optimizer"]["state"]
-        container = entries[sorted(entries)[0]] if where.endswith(("exp_avg", "step")) else \
-            state["optimizer"]["param_groups"][0]
+        per_parameter = key in ("exp_avg", "exp_avg_sq", "step")
+        container = entries[sorted(entries)[0]] if per_parameter else state["optimizer"]["param_groups"][0]
     else:
         container = state["sampler"] if where.startswith("sampler.") else state
-    key = where.rsplit(".", 1)[-1]
     if value == "delete":
         container.pop(key, None)
     else:
@@ -243,8 +243,9 @@ def mutate_weights(ckpt: Path, index: int, value) -> None:
     save_file(weights, ckpt / "model.safetensors")
 
 
-STATE_FIELDS = ["sampler.generator", "sampler.step", "torch_rng", "optimizer.exp_avg", "optimizer.step",
-                "optimizer.lr", "optimizer.betas", "optimizer.weight_decay", "optimizer.params", "sampler", "optimizer"]
+STATE_FIELDS = ["sampler.generator", "sampler.step", "torch_rng", "optimizer.exp_avg", "optimizer.exp_avg_sq",
+                "optimizer.step", "optimizer.lr", "optimizer.betas", "optimizer.weight_decay", "optimizer.params",
+                "optimizer.amsgrad", "optimizer.maximize", "optimizer.foreach", "sampler", "optimizer"]
 META_FIELDS = ["step", "draws", "lr_scale", "rollbacks", "skip_draws", "guard", "world_size", "global_batch",
                "wall_seconds"]
 MUTATION = st.one_of(

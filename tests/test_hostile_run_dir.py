@@ -188,6 +188,7 @@ def test_meta_with_a_string_draws_is_refused_at_load(run, capsys):
 
 @pytest.mark.parametrize("damage, name", [("sampler", "sampler"), ("optimizer", "optimizer"), ("betas", "betas"),
                                           ("string step", "not a floating-point tensor"),
+                                          ("no exp_avg", "has no exp_avg"), ("amsgrad", "amsgrad"),
                                           ("no lr_scale", "lr_scale"), ("negative step", "no intact checkpoint")])
 def test_training_state_of_the_wrong_shape_is_refused_at_load(run, damage, name, capsys):
     """Each was a traceback at restore or at the first step (KeyError, TypeError in AdamW), or a run from a
@@ -204,6 +205,10 @@ def test_training_state_of_the_wrong_shape_is_refused_at_load(run, damage, name,
         state["optimizer"]["param_groups"][0]["betas"] = ["0.9", 0.95]
     elif damage == "string step":
         entry["step"] = "many"
+    elif damage == "no exp_avg":
+        del entry["exp_avg"]
+    elif damage == "amsgrad":  # AdamW would look for max_exp_avg_sq, which keel never writes
+        state["optimizer"]["param_groups"][0]["amsgrad"] = True
     elif damage == "no lr_scale":
         del meta["lr_scale"]
     else:

@@ -292,21 +292,28 @@ def _check_optimizer(opt, model) -> None:
     matrices = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
     if [len(g["params"]) for g in groups] != [len(params), 0]:
         params = matrices + [p for p in params if not (p.dim() >= 2 and id(p) not in embeddings)]
-    for group in groups:  # AdamW's hyper-parameters: a string there is a TypeError only at the first step
+    # AdamW takes its hyper-parameters and flags from the loaded groups: a string there, or a flag keel never
+    # sets (amsgrad wants state keel never wrote), is a TypeError or KeyError only at the first step
+    for group in groups:
         for name, n in (("lr", 1), ("eps", 1), ("weight_decay", 1), ("betas", 2)):
             if name in group and not _numbers(group[name] if n > 1 else [group[name]], n):
                 raise Damaged(f"state.pt: optimizer {name} is {str(group[name])[:40]!r}, not "
                               + ("two finite numbers" if n > 1 else "a finite number"))
+        for name in ("amsgrad", "maximize", "capturable", "differentiable", "foreach", "fused"):
+            if group.get(name) not in (None, False) and not (name in ("foreach", "fused") and group[name] is True):
+                raise Damaged(f"state.pt: optimizer {name} is {str(group[name])[:40]!r}, which keel's AdamW never sets")
     shapes = dict(zip(ids, (tuple(p.shape) for p in params)))
     for key, entry in opt["state"].items():
         if key not in shapes or not isinstance(entry, dict):
             raise Damaged(f"state.pt: optimizer state names parameter {key!r}, which the model does not have")
+        if missing := sorted({"step", "exp_avg", "exp_avg_sq"} - set(entry)):
+            raise Damaged(f"state.pt: optimizer state of parameter {key} has no {missing[0]}")
         for name, value in entry.items():
             if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
                 raise Damaged(f"state.pt: optimizer {name} of parameter {key} is not a floating-point tensor")
-            if value.dim() > 0 and tuple(value.shape) != shapes[key]:
+            if (name == "step" and value.dim() != 0) or (value.dim() > 0 and tuple(value.shape) != shapes[key]):
                 raise Damaged(f"state.pt: optimizer {name} of parameter {key} has shape {tuple(value.shape)}, "
-                              f"not {shapes[key]}")
+                              f"not {() if name == 'step' else shapes[key]}")
 
 
 def _numbers(value, n: int) -> bool:
