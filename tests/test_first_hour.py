@@ -103,6 +103,11 @@ def test_runs_lists_runs_without_torch(tmp_path):
     assert row == ["pre-ln-4L", "pre_ln", "4", "64", "7/7", "5.25", "-", "finished"], out
     rc, out = _without_torch(["runs", str(tmp_path), "--json"])
     assert rc == 0 and json.loads(out)[0]["val_loss"] == 5.25, out
+    # a run that stopped without a summary: its status comes from its checkpoints (listed without torch too)
+    (run / "summary.json").unlink()
+    (run / "checkpoints" / "step_00000007").mkdir(parents=True)
+    rc, out = _without_torch(["runs", str(tmp_path)])
+    assert rc == 0 and out.splitlines()[2].split()[-1] == "interrupted", out
 
 
 # ---- threads ----------------------------------------------------------------------------------------------

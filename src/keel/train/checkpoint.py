@@ -41,6 +41,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from keel.errors import CheckpointError
+from keel.train.checkpoint_paths import checkpoint_dir, list_checkpoints
 from keel.train.untrusted import (
     FILES,
     Damaged,
@@ -53,30 +54,10 @@ from keel.train.untrusted import (
     sha256,
 )
 
-_STEP = re.compile(r"step_\d+")
 _LEFTOVER = re.compile(r"\.(tmp|old)-(step_\d+)(-.*)?")  # what save and _commit write under temporary names
 
 
-# ---- finding checkpoints ---------------------------------------------------------------------------
-def checkpoint_dir(run_dir: Path) -> Path:
-    """`run_dir`/checkpoints, refused when it is a symlink: saving would write, and pruning delete, outside
-    the run directory."""
-    root = Path(run_dir) / "checkpoints"
-    if root.is_symlink():
-        raise CheckpointError(f"{root}: is a symbolic link to {os.readlink(root)}; keel does not follow it")
-    return root
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """The `step_N` entries of checkpoints/, oldest first: directories, and symlinks so that `latest_valid`
-    reports them (temporary ones excluded). Nothing is checked here; see `verify`."""
-    root = checkpoint_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _STEP.fullmatch(p.name) and (p.is_symlink() or p.is_dir())]
-    return sorted(found, key=lambda p: int(p.name[len("step_"):]))
-
-
+# ---- finding checkpoints: keel.train.checkpoint_paths (no torch) -------------------------------------
 def is_sharded(path: Path) -> bool:
     """Whether the manifest of `path` says DCP (its checksums unchecked: `load` and `load_sharded` check)."""
     try:

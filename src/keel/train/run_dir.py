@@ -279,9 +279,9 @@ class RunDir(os.PathLike):
         self._write("diverged.json", json.dumps(diagnostic, indent=1))
 
     def checkpoints(self) -> list[Path]:
-        from keel.train import checkpoint
+        from keel.train.checkpoint_paths import list_checkpoints  # no torch: `keel runs` asks every run
 
-        return checkpoint.list_checkpoints(self.path)
+        return list_checkpoints(self.path)
 
     def latest_checkpoint(self) -> Path:
         """The newest intact checkpoint (damaged ones are reported and skipped)."""
