@@ -82,3 +82,17 @@ def test_a_file_that_is_not_a_config_is_not_echoed_back(args, tmp_path, capsys):
     assert main(["train", "--preset", "tiny", "--config", str(tmp_path / "passwd"), *args()]) == 2
     line = one_line_error(capsys, "has no field")
     assert len(line) < 250 and "user299" not in line, line
+
+
+@pytest.mark.parametrize("argv", [["runs", "a\nb\x1b[2J"], ["train", "--bo\ngus\x1b]0;x\x07"],
+                                  ["train", "model.n\nope\x1b=1"]])
+def test_an_argument_with_control_characters_is_echoed_escaped_on_one_line(argv, capsys):
+    """A newline or an escape sequence in an argument, echoed back by its error, must not split the line or
+    reach the terminal raw."""
+    try:
+        code = main(argv)
+    except SystemExit as stop:  # argparse's usage error
+        code = stop.code
+    assert code == 2
+    line = one_line_error(capsys, "\\n")
+    assert "\x1b" not in line and "\\x1b" in line, line

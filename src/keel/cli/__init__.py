@@ -22,6 +22,7 @@ from keel.cli.support import (
     Parser,
     apply_threads,
     check_config_file,
+    error_line,
     needs,
     output_path,
     printable,
@@ -394,6 +395,6 @@ def _main(argv: list[str] | None) -> int:
         apply_threads(args)
         return args.func(args)
     except KeelError as err:  # ConfigError, DataError, CheckpointError, ExportError: one line naming the field/file
-        print(f"keel: error: {err}", file=sys.stderr)
+        print(error_line(err), file=sys.stderr)
         return 2
 

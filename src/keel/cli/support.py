@@ -69,8 +69,8 @@ class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one `keel: error:` line and exit 2 (sub-commands inherit it)."""
 
     def error(self, message):
-        print(f"keel: error: {self.prog.removeprefix('keel ')}: {message}" if self.prog != "keel"
-              else f"keel: error: {message}", file=sys.stderr)
+        print(error_line(f"{self.prog.removeprefix('keel ')}: {message}" if self.prog != "keel" else message),
+              file=sys.stderr)
         sys.exit(2)
 
 
@@ -152,6 +152,13 @@ def needs(extra: str, module: str) -> None:
 
 
 # ---- output -----------------------------------------------------------------------------------------------
+def error_line(message) -> str:
+    """`keel: error: <message>` as one line: an argument's newline or escape sequence (echoed back in the
+    message) is shown escaped, never acted on by the terminal."""
+    return "keel: error: " + "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
+                                     for ch in str(message))
+
+
 def printable(text: str) -> str:
     """`text` with control characters other than newline and tab escaped (`\\r`, `\\x1b`): a model's output
     must not move the cursor, clear the screen or retitle the terminal."""
