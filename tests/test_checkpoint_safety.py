@@ -705,3 +705,26 @@ def test_save_cleans_up_after_a_killed_writer(tmp_path):
     checkpoint.save(run_dir, 3, small_model(3), {}, {}, keep=5)
     assert not stale.exists()
     assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["step_00000001", "step_00000003"]
+
+
+def test_a_rollback_falls_back_past_non_finite_weights_as_a_resume_does(args, capsys):
+    """guard.policy=rollback: the newest checkpoint (step 6) verifies but holds NaN weights, so the rollback
+    after the blow-up at step 8 goes on to step 3 instead of stopping the run."""
+    from keel.train.config import load_config
+    from keel.train.trainer import Trainer
+
+    def spoil_then_blow_up(trainer, step):
+        if step == 7:  # after the step-6 checkpoint was written, before the blow-up
+            newest = ckpt(trainer.run_dir, 6)
+            rehash(newest, non_finite(newest))
+        if step == 8 and trainer.rollbacks == 0:
+            with torch.no_grad():
+                trainer.model.lm_head.weight[0, 0] = float("nan")
+    config = load_config(args("guard.policy=rollback", "run.ckpt_every=3", "run.steps=12", "run.progress=false"),
+                         preset="tiny")
+    trainer = Trainer(config, Path(config.run.out_dir) / config.run.name, [spoil_then_blow_up])
+    summary = trainer.run()
+    assert not summary["diverged"] and summary["rollbacks"] == 1 and summary["steps"] == 12
+    assert "(step 6)" in capsys.readouterr().err
+    events = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert next(e for e in events if e.get("event") == "rollback")["to_step"] == 3

@@ -436,10 +436,11 @@ class Trainer:
                   "grad_norm": grad_norm, "lr": lr})
         if c.policy == "rollback" and self.rollbacks < c.max_rollbacks:
             bad = set(range(first_draw, self.draws))
-            good = checkpoint.latest_valid(self.run_dir)
             rollbacks, skip = self.rollbacks + 1, self.skip_draws | bad
             lr_scale = self.lr_scale * c.rollback_lr_factor
-            self.load_checkpoint(good)
+            # as a resume does: past a checkpoint that verifies but does not load (e.g. non-finite weights)
+            resume.load_newest(checkpoint.latest_valid(self.run_dir), self.load_checkpoint,
+                               lambda m: self.say(m, sys.stderr))
             self.rollbacks, self.skip_draws, self.lr_scale = rollbacks, skip, lr_scale
             if self.world.main:  # the steps after the checkpoint are done again: their records go
                 self.run_dir.truncate_log(self.step)
