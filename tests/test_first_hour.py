@@ -217,8 +217,8 @@ def test_resumed_run_counts_wall_time_of_all_segments(tmp_path, capsys):
     def slow_then_stop(trainer, step):
         if step == 1:
             time.sleep(1.0)
-        if step == 3:
-            trainer._signal = signal.SIGINT
+        if step == 3:  # as Ctrl-C: the trainer's handler only sets its flag
+            os.kill(os.getpid(), signal.SIGINT)
 
     config = load_config(["run.steps=6", "run.eval_every=0", f"run.out_dir={tmp_path}", "run.name=w"], None, "tiny")
     first = Trainer(config, callbacks=[slow_then_stop]).run()

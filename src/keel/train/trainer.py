@@ -9,7 +9,6 @@ rank 0 writes files, prints and shows progress.
 from __future__ import annotations
 
 import contextlib
-import signal
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from keel import evals, runtime
+from keel import evals
 from keel.data import WindowSampler, prepare
 from keel.data.tokenizer import planned_vocab_size
 from keel.errors import ConfigError, DataError, KeelError
@@ -35,6 +34,7 @@ from keel.train.plan import memory_line, memory_plan
 from keel.train.report import flat_scores
 from keel.train.run_dir import RunDir
 from keel.train.step import TrainStep, build_model, on_device
+from keel.train.stop import DeferredStop
 from keel.train.task_eval import score_tasks
 from keel.train.telemetry import Telemetry
 from keel.train.tracking import Trackers
@@ -293,13 +293,13 @@ class Trainer:
                    "val": {}, "tasks": {}}
         bar = tqdm(total=c.run.steps, initial=self.step, disable=not (c.run.progress and self.world.main),
                    dynamic_ncols=True, desc="train", file=sys.stdout)
-        previous_handlers = self._defer_signals()
+        stop = DeferredStop().install()
         boundary = self._boundary()
         try:
             self.t_last, self.step_last = time.time(), self.step
             while self.step < c.run.steps:
                 boundary = self._boundary()
-                if self._stop_requested():  # only here, between steps: no step or checkpoint is ever torn
+                if stop.requested(self.world, self.device):  # only here, between steps: nothing is ever torn
                     raise KeyboardInterrupt
                 for callback in self.callbacks:
                     callback(self, self.step)
@@ -319,8 +319,7 @@ class Trainer:
             outcome["interrupted"] = True
             self._save_interrupted(boundary)
         finally:
-            for signum, handler in previous_handlers.items():
-                signal.signal(signum, handler)
+            stop.restore()
             bar.close()
         return outcome
 
@@ -460,31 +459,3 @@ class Trainer:
                       "last_good_checkpoint": str(good[-1]) if good else None}
         self.run_dir.write_diverged(diagnostic)
         raise Diverged(f"diverged at step {step}: {reason}")
-
-
-    def _defer_signals(self) -> dict:
-        """SIGINT (Ctrl-C) and SIGTERM only set a flag; the loop acts on it at the next step boundary, so a
-        signal never lands inside an optimiser step or a checkpoint write. Returns the previous handlers."""
-        self._signal = None
-
-        def request_stop(signum, frame):
-            self._signal = signum
-        previous = {}
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            try:
-                previous[signum] = signal.signal(signum, request_stop)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        if runtime.PENDING_SIGNALS:  # one came before (keel.runtime.PENDING_SIGNALS): stop at the first boundary
-            self._signal = runtime.PENDING_SIGNALS.pop()
-            runtime.PENDING_SIGNALS.clear()
-        return previous
-
-    def _stop_requested(self) -> bool:
-        """Whether any rank was signalled: all ranks stop at the same step, or the others would wait forever."""
-        flag = getattr(self, "_signal", None) is not None
-        if self.world.distributed:
-            t = torch.tensor([float(flag)], device=self.device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-            flag = bool(t.item())
-        return flag
