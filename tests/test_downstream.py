@@ -109,6 +109,11 @@ def test_equal_loss_comparisons_match_an_independent_recomputation(quick):
             expected = ("inconclusive (both at chance)" if chance_moot else "inconclusive" if p >= 0.05
                         else "agrees (scores higher)" if diffs.mean() > 0 else "disagrees (scores lower)")
             assert c["verdict"] == expected
+    # rule 18 gives the deep-vs-wide equal-loss pairs no verdict: the report must not show one for them
+    table = report[report.index("verdict (rule 18a) |"):].split("\n\n")[0]  # the equal-loss table only
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if " vs " in line}
+    assert all(rows[name].endswith("| (reported, no verdict) |") for name in res["deep_vs_wide_equal_loss"]), rows
+    assert all(rows[name].endswith(f"| {c['verdict']} |") for name, c in res["equal_loss"].items())
 
 
 @pytest.mark.slow

@@ -283,7 +283,7 @@ def _tables(cfg: DownstreamConfig, res: dict) -> tuple[str, str]:
                             "final score (mean probe accuracy)"], arm_rows)
     eq_rows = [[name, f"{c['level']:.4f}" if c["level"] is not None else "-",
                 *(f"{m:.3f}" if m is not None else "-" for m in c["mean_at_level"].values()),
-                stats.describe(c["test"]), c["verdict"]]
+                stats.describe(c["test"]), c["verdict"] if name in res["equal_loss"] else "(reported, no verdict)"]
                for name, c in {**res["equal_loss"], **res["deep_vs_wide_equal_loss"]}.items()]
     eq = markdown_table(["A vs B", "l* (nats)", "A's score at l*", "B's score at l*",
                          "A - B at l* [95% CI], p", "verdict (rule 18a)"], eq_rows)
