@@ -728,3 +728,28 @@ def test_a_rollback_falls_back_past_non_finite_weights_as_a_resume_does(args, ca
     assert "(step 6)" in capsys.readouterr().err
     events = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert next(e for e in events if e.get("event") == "rollback")["to_step"] == 3
+
+
+@pytest.mark.parametrize("damage", ["betas", "amsgrad", "lr"])
+def test_sharded_optimiser_state_of_the_wrong_content_is_refused_at_load(tmp_path, one_rank, damage):
+    """A DCP checkpoint whose optimiser state is well-formed for DCP but not what keel's AdamW holds (as a buggy
+    writer could leave it): refused in one line at load, as state.pt's is, not a TypeError at the first step."""
+    run_dir = tmp_path / "run"
+    model = small_model(1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    if damage == "betas":
+        optimizer.param_groups[0]["betas"] = "0.9, 0.95"
+    elif damage == "amsgrad":
+        optimizer.param_groups[0]["amsgrad"] = True
+    else:
+        optimizer.param_groups[0]["lr"] = float("nan")
+    checkpoint.save_sharded(run_dir, 1, model, optimizer, {"x": torch.arange(3)}, {"draws": 1}, keep=10, main=True)
+    fresh = small_model(2)
+    with pytest.raises(CheckpointError, match="sharded optimiser state: optimizer") as raised:
+        checkpoint.load_sharded(ckpt(run_dir, 1), fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3))
+    assert "\n" not in str(raised.value)
+    good_run, _ = sharded_run(tmp_path / "good", steps=(1,))  # an undamaged one still loads: no false refusal
+    intact = small_model(3)
+    checkpoint.load_sharded(ckpt(good_run, 1), intact, torch.optim.AdamW(intact.parameters(), lr=1e-3))

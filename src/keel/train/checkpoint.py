@@ -45,6 +45,7 @@ from keel.train.checkpoint_paths import checkpoint_dir, list_checkpoints
 from keel.train.untrusted import (
     FILES,
     Damaged,
+    check_optimizer,
     check_training_state,
     dcp_metadata,
     inspect_checkpoint,
@@ -185,6 +186,8 @@ def _load_dcp(path: Path, manifest: dict, model: nn.Module, optimizer) -> tuple[
                 both = {"model": model_sd, "optimizer": optim_sd}
                 read(both)
                 set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optimizer"])
+                # what DCP cannot see: hyper-parameters of the wrong type, flags keel never sets, state missing
+                check_optimizer(optimizer.state_dict(), model, source="sharded optimiser state")
         except BaseException as err:  # DCP wraps what went wrong on each rank in a CheckpointException
             inner = (_rank_failures(err) or [err])[0]
             if isinstance(inner, Damaged):

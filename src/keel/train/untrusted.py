@@ -271,48 +271,49 @@ def check_training_state(state: dict, meta: dict, model) -> None:
         if not (isinstance(sampler, dict) and _rng(sampler.get("generator")) and _count(sampler.get("step"))):
             raise Damaged("state.pt: sampler is not {generator: uint8 tensor, step: integer >= 0}")
     if "optimizer" in state:
-        _check_optimizer(state["optimizer"], model)
+        check_optimizer(state["optimizer"], model)
 
 
-def _check_optimizer(opt, model) -> None:
-    """The AdamW state keel.train.optim writes for `model`: one entry per trainable parameter, each tensor
-    the parameter's shape. Its groups are [decay, no_decay]: the parameters in model order, or, with norms
+def check_optimizer(opt, model, source: str = "state.pt") -> None:
+    """The AdamW state keel.train.optim writes for `model` (from `source`: state.pt, or the sharded optimiser
+    state of a DCP checkpoint once loaded): one entry per trainable parameter, each tensor the parameter's
+    shape. Its groups are [decay, no_decay]: the parameters in model order, or, with norms
     and embeddings undecayed, the weight matrices first."""
     from torch import nn
 
     groups = opt.get("param_groups") if isinstance(opt, dict) else None
     if not (isinstance(groups, list) and isinstance(opt.get("state"), dict)
             and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
-        raise Damaged("state.pt: optimizer is not an optimiser state dict")
+        raise Damaged(f"{source}: optimizer is not an optimiser state dict")
     ids = [i for g in groups for i in g["params"]]
     params = [p for p in model.parameters() if p.requires_grad]
     if len(ids) != len(params) or len(set(ids)) != len(ids):
-        raise Damaged(f"state.pt: optimizer holds {len(ids)} parameters; the model has {len(params)}")
+        raise Damaged(f"{source}: optimizer holds {len(ids)} parameters; the model has {len(params)}")
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     matrices = [p for p in params if p.dim() >= 2 and id(p) not in embeddings]
-    if [len(g["params"]) for g in groups] != [len(params), 0]:
+    if [len(g["params"]) for g in groups] not in ([len(params)], [len(params), 0]):  # one group: model order
         params = matrices + [p for p in params if not (p.dim() >= 2 and id(p) not in embeddings)]
     # AdamW takes its hyper-parameters and flags from the loaded groups: a string there, or a flag keel never
     # sets (amsgrad wants state keel never wrote), is a TypeError or KeyError only at the first step
     for group in groups:
         for name, n in (("lr", 1), ("eps", 1), ("weight_decay", 1), ("betas", 2)):
             if name in group and not _numbers(group[name] if n > 1 else [group[name]], n):
-                raise Damaged(f"state.pt: optimizer {name} is {str(group[name])[:40]!r}, not "
+                raise Damaged(f"{source}: optimizer {name} is {str(group[name])[:40]!r}, not "
                               + ("two finite numbers" if n > 1 else "a finite number"))
         for name in ("amsgrad", "maximize", "capturable", "differentiable", "foreach", "fused"):
             if group.get(name) not in (None, False) and not (name in ("foreach", "fused") and group[name] is True):
-                raise Damaged(f"state.pt: optimizer {name} is {str(group[name])[:40]!r}, which keel's AdamW never sets")
+                raise Damaged(f"{source}: optimizer {name} is {str(group[name])[:40]!r}, which keel's AdamW never sets")
     shapes = dict(zip(ids, (tuple(p.shape) for p in params)))
     for key, entry in opt["state"].items():
         if key not in shapes or not isinstance(entry, dict):
-            raise Damaged(f"state.pt: optimizer state names parameter {key!r}, which the model does not have")
+            raise Damaged(f"{source}: optimizer state names parameter {key!r}, which the model does not have")
         if missing := sorted({"step", "exp_avg", "exp_avg_sq"} - set(entry)):
-            raise Damaged(f"state.pt: optimizer state of parameter {key} has no {missing[0]}")
+            raise Damaged(f"{source}: optimizer state of parameter {key} has no {missing[0]}")
         for name, value in entry.items():
             if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
-                raise Damaged(f"state.pt: optimizer {name} of parameter {key} is not a floating-point tensor")
+                raise Damaged(f"{source}: optimizer {name} of parameter {key} is not a floating-point tensor")
             if (name == "step" and value.dim() != 0) or (value.dim() > 0 and tuple(value.shape) != shapes[key]):
-                raise Damaged(f"state.pt: optimizer {name} of parameter {key} has shape {tuple(value.shape)}, "
+                raise Damaged(f"{source}: optimizer {name} of parameter {key} has shape {tuple(value.shape)}, "
                               f"not {() if name == 'step' else shapes[key]}")
 
 
