@@ -96,3 +96,30 @@ def test_an_argument_with_control_characters_is_echoed_escaped_on_one_line(argv,
     assert code == 2
     line = one_line_error(capsys, "\\n")
     assert "\x1b" not in line and "\\x1b" in line, line
+
+
+@pytest.mark.parametrize("case,needle", [("short validation", "run.eval_every"),
+                                         ("large tokenizer", "model.vocab_size"), ("no memory", "run.batch_size")])
+def test_a_run_that_does_not_fit_its_data_or_device_is_refused_naming_the_field(case, needle, monkeypatch):
+    """keel.train.plan.check_fits, which the trainer calls before building the model: each refusal names the
+    field to change, and a run that fits passes."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from keel.errors import ConfigError
+    from keel.train import plan
+    from keel.train.config import load_config
+
+    config = load_config(["model.vocab_size=256", "run.seq_len=32", "run.eval_every=10"], preset="tiny")
+    data = SimpleNamespace(val=[0] * 33, tokenizer=SimpleNamespace(name="bytes", vocab_size=256))
+    monkeypatch.setattr(plan, "device_memory", lambda device: None)  # an unknown amount: not checked
+    plan.check_fits(config, data, 1, torch.device("cpu"))  # fits: no error
+    if case == "short validation":
+        data.val = [0] * 32  # one window needs seq_len + 1 tokens
+    elif case == "large tokenizer":
+        data.tokenizer.vocab_size = 257
+    else:
+        monkeypatch.setattr(plan, "device_memory", lambda device: 1024)
+    with pytest.raises(ConfigError, match=needle):
+        plan.check_fits(config, data, 1, torch.device("cpu"))

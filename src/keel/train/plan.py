@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 
 from keel._version import __version__
+from keel.errors import ConfigError
 from keel.model import CONFIG_FIELDS, ModelConfig, count_params, flops_per_token
 from keel.model.schemes import SCHEME_OPTIONS, SCHEMES
 from keel.model.transformer import build_scheme
-from keel.runtime import use_bf16
+from keel.runtime import device_memory, use_bf16
 from keel.scale.memory import estimate_memory, format_bytes
 
 
@@ -89,6 +90,23 @@ def memory_line(config, world_size: int = 1, device: torch.device | None = None)
     m = memory_plan(config, world_size, device)
     parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in m.items() if k != "total")
     return f"{format_bytes(m['total'])} ({parts})"
+
+
+def check_fits(config, data, world_size: int, device: torch.device) -> None:
+    """ConfigError unless the run fits its prepared data (a validation window, the tokenizer's vocabulary)
+    and its device's memory: refused before anything is allocated or written, not with an allocator error."""
+    c, tok = config, data.tokenizer
+    if c.run.eval_every and len(data.val) < c.run.seq_len + 1:
+        raise ConfigError(f"run.eval_every: the validation split has {len(data.val)} tokens, fewer than "
+                          f"run.seq_len + 1 = {c.run.seq_len + 1}; set run.eval_every=0 or raise data.val_fraction")
+    if tok.vocab_size > c.model.vocab_size:
+        raise ConfigError(f"model.vocab_size: {c.model.vocab_size} is smaller than tokenizer {tok.name!r}'s "
+                          f"vocabulary ({tok.vocab_size}); set model.vocab_size>={tok.vocab_size}")
+    need, have = memory_plan(c, world_size, device)["total"], device_memory(device)
+    if have and need > have:
+        raise ConfigError(f"run.batch_size: one training step needs about {format_bytes(need)} per process "
+                          f"({memory_line(c, world_size, device)}), more than the {format_bytes(have)} of {device}; "
+                          "lower run.batch_size or run.seq_len, or set run.ac_every=1")
 
 
 def memory_plan(config, world_size: int = 1, device: torch.device | None = None) -> dict[str, int]:

@@ -21,16 +21,15 @@ from keel.data import WindowSampler, prepare
 from keel.data.tokenizer import planned_vocab_size
 from keel.errors import ConfigError, DataError, KeelError
 from keel.model import count_params, flops_per_token
-from keel.runtime import autocast_for, busy_note, device_memory, peak_flops, provenance, resolve_device, set_threads
+from keel.runtime import autocast_for, busy_note, peak_flops, provenance, resolve_device, set_threads
 from keel.scale import distributed
-from keel.scale.memory import format_bytes
 from keel.train import checkpoint, resume, tracking
 from keel.train.config import TrainConfig
 from keel.train.evaluate import bytes_per_token, evaluate
 from keel.train.guard import DivergenceGuard
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.pipeline_step import PipelineStep
-from keel.train.plan import memory_line, memory_plan
+from keel.train.plan import check_fits, memory_line
 from keel.train.report import flat_scores
 from keel.train.run_dir import RunDir
 from keel.train.step import TrainStep, build_model, on_device
@@ -96,19 +95,7 @@ class Trainer:
         evals.prepare(self.eval_tasks, c.data, self.data.tokenizer)
         if self.world.main:
             distributed.barrier(self.world)
-        if c.run.eval_every and len(self.data.val) < c.run.seq_len + 1:
-            raise ConfigError(f"run.eval_every: the validation split has {len(self.data.val)} tokens, fewer than "
-                              f"run.seq_len + 1 = {c.run.seq_len + 1}; set run.eval_every=0 or raise data.val_fraction")
-        tok = self.data.tokenizer
-        if tok.vocab_size > c.model.vocab_size:
-            raise ConfigError(f"model.vocab_size: {c.model.vocab_size} is smaller than tokenizer {tok.name!r}'s "
-                              f"vocabulary ({tok.vocab_size}); set model.vocab_size>={tok.vocab_size}")
-        need = memory_plan(c, self.world.size, self.device)["total"]
-        have = device_memory(self.device)
-        if have and need > have:  # refuse before anything is allocated or written, not with an allocator error
-            raise ConfigError(f"run.batch_size: one training step needs about {format_bytes(need)} per process "
-                              f"({self.memory_line()}), more than the {format_bytes(have)} of {self.device}; lower "
-                              "run.batch_size or run.seq_len, or set run.ac_every=1")
+        check_fits(c, self.data, self.world.size, self.device)  # before anything is allocated or written
         self.model = build_model(c.model, c.run, self.device, fsdp=self.fsdp)
         self.optimizer = build_optimizer(self.model, c.optim)
         # data-parallel replicas: every rank, or under pp the mesh's dp coordinate (a replica's stages read one batch)
@@ -126,7 +113,7 @@ class Trainer:
         if self.world.main:
             tracking.check(c.run.log_to)
         self.trackers = None
-        self.token_bytes = bytes_per_token(tok)
+        self.token_bytes = bytes_per_token(self.data.tokenizer)
         self.flops_per_token = flops_per_token(c.model, c.run.seq_len)
         peak = peak_flops(self.device)
         self.peak_flops = peak * self.world.size if peak else None  # of all ranks' devices together
