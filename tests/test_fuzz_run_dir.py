@@ -4,7 +4,6 @@ could type them, and checkpoints whose content was changed and then re-checksumm
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -17,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from damage import rechecksum
 from keel.cli import main
 
 pytestmark = pytest.mark.slow
@@ -191,14 +191,6 @@ def test_fuzzed_command_lines_are_one_line_or_work(trained, tmp_path_factory, ca
 
 
 # ---- checkpoints re-checksummed after a change -----------------------------------------------------------
-def rechecksum(ckpt: Path) -> None:
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    for name in manifest:
-        if name != "format":
-            manifest[name] = hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
-
-
 VALUES = st.one_of(JSON, st.sampled_from(["tensor", "empty tensor", "int tensor", "delete"]))
 
 

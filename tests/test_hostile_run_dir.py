@@ -4,7 +4,6 @@ must end in one line and exit 2 (never a traceback or a hang), and must leave a 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from damage import rechecksum
 from keel.cli import main
 
 
@@ -166,14 +166,6 @@ def test_a_fifo_metrics_log_does_not_hang_keel_runs(run):
 
 
 # ---- checkpoints that pass their checksums but hold wrong content ---------------------------------------
-def rechecksum(ckpt: Path) -> None:
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    for name in manifest:
-        if name != "format":
-            manifest[name] = hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
-
-
 def newest(run: Path) -> Path:
     return max((run / "checkpoints").iterdir())
 
