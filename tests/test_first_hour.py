@@ -65,6 +65,8 @@ def test_generate_help_shows_defaults():
     (["train", "--preset", "tiny", "run.threads=-2"], "run.threads: got -2"),
     (["train", "model.scheme=pre_ln", "model.alpha=4"], "ModelConfig.alpha"),  # a scheme's own option check
     (["train", "run.eval_tasks=[bogus]"], "unknown task 'bogus'"),
+    (["train", "--preset", "tiny", "run.pp=3"], "run.pp: 3 stages"),  # a pipeline check, before pipelining loads
+    (["train", "run.pp=2", "run.pp_microbatches=3"], "run.pp_microbatches: 3 does not divide"),
     (["summary", "model.d_model=7"], "ModelConfig.d_model"),
     (["eval", "run", "--batches", "-1"], "--batches: got -1"),
     (["generate", "run", "--top-p", "2"], "--top-p: got 2.0"),

@@ -44,19 +44,10 @@ from torch.distributed.tensor import DTensor
 from keel.errors import ConfigError
 from keel.model import ModelConfig, TransformerLM, lm_loss
 from keel.model.counting import block_params, root_params
-from keel.scale import PP_SCHEDULES
+from keel.scale import PP_SCHEDULE_SPECS, check_pipeline
 
-# run.pp_schedule -> (torch.distributed.pipelining class, stages per rank, stage placement); only the schedules
-# this PyTorch has. Interleaved schedules place stage s on rank s % pp; ZBV places two stages per rank in a V.
-_SCHEDULES = {
-    "1f1b": ("Schedule1F1B", 1, "loop"),
-    "gpipe": ("ScheduleGPipe", 1, "loop"),
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),
-    "interleaved_zb": ("ScheduleInterleavedZeroBubble", 2, "loop"),
-    "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
-}
-assert tuple(_SCHEDULES) == PP_SCHEDULES  # one list of names: the config's
-SCHEDULES = {name: spec for name, spec in _SCHEDULES.items() if hasattr(pipelining, spec[0])}
+# the schedules this PyTorch has
+SCHEDULES = {name: spec for name, spec in PP_SCHEDULE_SPECS.items() if hasattr(pipelining, spec[0])}
 
 
 def check_config(model: ModelConfig, run) -> None:
@@ -66,19 +57,7 @@ def check_config(model: ModelConfig, run) -> None:
     if run.pp_schedule not in SCHEDULES:
         raise ConfigError(f"run.pp_schedule: {run.pp_schedule!r} is not in this PyTorch "
                           f"({torch.__version__}); allowed: {', '.join(SCHEDULES)}")
-    if model.loop_blocks is not None:
-        raise ConfigError("run.pp: a looped model (model.loop_blocks) shares blocks between passes, which stages "
-                          "cannot split; allowed: run.pp=1, or model.loop_blocks=null")
-    if model.tie_embeddings:
-        raise ConfigError("run.pp: tied embeddings would put one matrix on the first and the last stage; allowed: "
-                          "run.pp=1, or model.tie_embeddings=false")
-    stages = run.pp * SCHEDULES[run.pp_schedule][1]
-    if model.n_blocks < stages:
-        raise ConfigError(f"run.pp: {stages} stages ({run.pp_schedule}, {SCHEDULES[run.pp_schedule][1]} per rank) "
-                          f"need at least as many blocks, model.n_blocks={model.n_blocks}")
-    if run.batch_size % run.pp_microbatches:
-        raise ConfigError(f"run.pp_microbatches: {run.pp_microbatches} does not divide run.batch_size="
-                          f"{run.batch_size}; allowed: a divisor of run.batch_size")
+    check_pipeline(model, run)
 
 
 def split_blocks(config: ModelConfig, n_stages: int) -> list[range]:

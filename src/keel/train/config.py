@@ -22,7 +22,7 @@ from keel.model.config import CONFIG_FIELDS, ModelConfig
 from keel.model.presets import PRESETS as MODEL_PRESETS
 from keel.model.presets import cpu_demo, tiny
 from keel.runtime import DEVICES, DTYPES
-from keel.scale import FUSED_JUNCTION, FUSED_JUNCTION_DEFAULT, PP_SCHEDULES
+from keel.scale import FUSED_JUNCTION, FUSED_JUNCTION_DEFAULT, PP_SCHEDULES, check_pipeline
 
 SCHEDULES = ("cosine", "wsd", "constant")
 GUARD_POLICIES = ("stop", "rollback")
@@ -309,9 +309,7 @@ def validate(c: TrainConfig) -> None:
             fail(f"run.{name}", getattr(c.run, name), "an integer >= 1")
     if c.run.pp_schedule not in PP_SCHEDULES:
         fail("run.pp_schedule", c.run.pp_schedule, ", ".join(PP_SCHEDULES))
-    if c.run.pp > 1:  # imported here: torch.distributed.pipelining takes a second to import
-        from keel.scale.pipeline import check_config  # noqa: PLC0415
-        check_config(c.model, c.run)
+    check_pipeline(c.model, c.run)  # whether this PyTorch has the schedule: checked when the pipeline is built
     for tracker in c.run.log_to:
         if tracker not in TRACKERS:
             fail("run.log_to", tracker, ", ".join(TRACKERS))
