@@ -1,14 +1,9 @@
 """What the finished part of a sweep that is still running shows, by the experiment's own analysis; it trains
 nothing and changes no point.
 
-    python results/finished.py downstream   # -> results/downstream/finished/
     python results/finished.py frontier     # -> results/frontier/finished.md
 
-downstream: rule 18 says a verdict is written only where all of its runs are done: (a) at a depth when the 10
-Keel and Pre-LN runs there are done (Keel vs Post-LN: its 10 runs), (b) when the 15 runs at `deep_sublayers` and
-the wide arm are done. This script finds the depths whose arms are all finished, runs the experiment's own analysis
-(keel.experiments.downstream.analyse, _tables, _plot) on those only, and writes
-`results/downstream/finished/report.md` (+ results.json and the plot).
+(The downstream sweep, which this also read while it ran, is complete: its own report is results/downstream/.)
 
 frontier: rule 15 writes its verdicts only when all three depths are done. For the depths whose 36 runs are all
 done this writes the numbers without a verdict: per scheme the chosen LR (mean select-half loss over the seeds),
@@ -19,15 +14,14 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from keel.experiments import frontier, stats
 from keel.experiments.budget import unigram_level
-from keel.experiments.common import markdown_table, pm, write_outputs
-from keel.experiments.downstream import WIDE, DownstreamConfig, _plot, _tables, analyse, key
+from keel.experiments.common import markdown_table, pm
 from keel.experiments.sweep import EXECUTION_FIELDS, _differences, upgrade_recorded
 
 HERE = Path(__file__).resolve().parent
@@ -44,35 +38,6 @@ def load(name: str, cfg) -> dict | None:
               file=sys.stderr)
         return None
     return {p.stem: json.loads(p.read_text()) for p in (HERE / name / "points").glob("*.json") if p.stem != "config"}
-
-
-def downstream() -> int:
-    ROOT = HERE / "downstream"
-    cfg = DownstreamConfig()
-    points = load("downstream", cfg)
-    if points is None:
-        return 2
-
-    def done(arm: str) -> bool:
-        return all(key(arm, cfg.lrs[arm], s) in points for s in cfg.seeds)
-
-    depths = [d for d in cfg.depths if all(done(f"{s}-{d}") for s in cfg.schemes)]
-    if cfg.deep_sublayers not in depths or not done(WIDE):
-        print(f"nothing to judge yet: {len(points)} of {len(cfg.arms()) * len(cfg.seeds)} points done",
-              file=sys.stderr)
-        return 1
-    part = replace(cfg, depths=depths)
-    res = analyse(part, points)
-    out = ROOT / "finished"
-    out.mkdir(exist_ok=True)
-    table, notes = _tables(part, res)
-    notes = (f"**Partial**: the depths whose runs are all done ({depths}) and the deep-vs-wide arms; "
-             f"{len(points)} of {len(cfg.arms()) * len(cfg.seeds)} points of the sweep. Written by "
-             f"`python results/finished.py downstream`.\n\n{notes}")
-    write_outputs(out, "downstream", part, "python results/finished.py downstream", {"points": points, **res},
-                  table, [_plot(part, points, res, out)], notes)
-    print(f"wrote {out / 'report.md'}")
-    return 0
 
 
 def frontier_depths() -> int:
@@ -112,8 +77,7 @@ def frontier_depths() -> int:
 
 
 if __name__ == "__main__":
-    what = sys.argv[1:] or ["?"]
-    if what[0] not in ("downstream", "frontier"):
-        print("usage: python results/finished.py downstream|frontier", file=sys.stderr)
+    if sys.argv[1:] != ["frontier"]:
+        print("usage: python results/finished.py frontier", file=sys.stderr)
         sys.exit(2)
-    sys.exit(downstream() if what[0] == "downstream" else frontier_depths())
+    sys.exit(frontier_depths())
