@@ -220,7 +220,8 @@ def test_committed_sweeps_are_this_configuration_in_todays_spelling(folder):
         del words[words.index("--out"):words.index("--out") + 2]
     renamed = {"steps": "run.steps", "warmup_steps": "optim.warmup_steps"}
     overrides = [renamed.get(w.split("=")[0], w.split("=")[0]) + "=" + w.split("=", 1)[1] for w in words]
-    if name == "max-lr":  # its defaults became the paper's protocol afterwards (round-3 rule 16): the old ones
+    if folder in ("max-lr", "max-lr-64"):  # ran before max-lr's defaults became the paper's protocol (round-3
+        # rule 16; results/max-lr-paper ran with those): the old defaults
         old = {"optim.lr": "0.08", "run.steps": "1000", "depths": "[16]", "no_clip": "[pre_ln,keel]"}
         overrides = [f"{k}={v}" for k, v in old.items() if not any(o.startswith(k + "=") for o in overrides)] \
             + overrides
