@@ -19,6 +19,7 @@ _REGISTRY = {
     "frontier": ("frontier", "FrontierConfig", "run"),
     "downstream": ("downstream", "DownstreamConfig", "run"),
     "tuned": ("tuned", "TunedConfig", "run"),
+    "depth-pilot": ("pilot", "PilotConfig", "run"),
 }
 NAMES = tuple(_REGISTRY)
 

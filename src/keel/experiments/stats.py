@@ -66,3 +66,14 @@ def describe(test: dict, digits: int = 3) -> str:
 
 def _finite(v) -> bool:
     return v is not None and math.isfinite(v)
+
+
+def holm(ps: list[float | None]) -> list[float | None]:
+    """Holm-adjusted p-values (step-down, family-wise error at ALPHA), in the order given. A test without a p
+    (inconclusive by construction) stays None and is not counted in the family."""
+    order = sorted((p, i) for i, p in enumerate(ps) if p is not None)
+    m, out, running = len(order), [None] * len(ps), 0.0
+    for rank, (p, i) in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p))  # adjusted p never falls as raw p rises
+        out[i] = running
+    return out

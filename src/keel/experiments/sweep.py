@@ -95,28 +95,43 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _claim(path: Path) -> bool:
-    """Take the point `path` names for this process (a file created exclusively, holding host and pid), so two
-    processes running the same sweep (`keel experiment ...` started twice: two points at a time) never train
-    the same point. A claim left by a dead process on this host is taken over; one from another host is
-    respected (delete it by hand if that machine is gone)."""
+    """Take the point `path` names for this process (a file holding host and pid), so two processes running the
+    same sweep (`keel experiment ...` started twice: two points at a time) never train the same point. A claim
+    left by a dead process on this host is taken over; one from another host is respected (delete it by hand if
+    that machine is gone).
+
+    The claim appears whole: it is written under a private name and linked into place (os.link fails if the
+    name exists), so no reader ever sees an empty or half-written claim. (Creating the file exclusively and
+    then writing it left a moment in which a second process read an empty claim, took it for a dead owner's,
+    deleted it and trained the same point.)"""
     me = f"{socket.gethostname()} {os.getpid()}"
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    tmp.write_text(me)
+    try:
+        for _ in range(2):
             try:
-                host, pid = path.read_text().split()
-                alive = host != socket.gethostname() or _pid_alive(int(pid))
-            except (OSError, ValueError):  # torn or vanished: the owner is gone or just finished
-                alive = False
-            if alive:
-                return False
-            path.unlink(missing_ok=True)
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(me)
-        return True
-    return False
+                os.link(tmp, path)
+                return True
+            except FileExistsError:
+                if _claim_alive(path):
+                    return False
+                path.unlink(missing_ok=True)
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _claim_alive(path: Path) -> bool:
+    try:
+        host, pid = path.read_text().split()
+        return host != socket.gethostname() or _pid_alive(int(pid))
+    except FileNotFoundError:  # its owner just finished: try again
+        return False
+    except (OSError, ValueError):  # not a claim this code wrote whole: respect it while it is fresh
+        try:
+            return time.time() - path.stat().st_mtime < 60
+        except OSError:
+            return False
 
 
 def _pid_alive(pid: int) -> bool:
