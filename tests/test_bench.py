@@ -213,7 +213,7 @@ def test_cpu_suite_compares_compiled_and_eager_side_by_side(fake_clock, monkeypa
     shapes = {"bench": ({"n_blocks": 2, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "max_seq_len": 16}, 2, 16)}
     writes = []
     result = cpu_suite(2, 1, writes.append, max_load=1e9, wait_s=0, shapes=shapes, compile_backend="eager",
-                       repeats=2, depths=(4, 8), science_steps=2)
+                       repeats=2, depths=(4, 8), science_steps=2, warmup_sublayers=4)
     shape = result["shapes"]["bench"]
     assert set(shape["results"]) == {"keel/eager", "keel/compiled", "pre_ln/eager", "pre_ln/compiled"}
     # 4 sub-layers: Keel 0.20 s, Pre-LN 0.16 s a step on the fake clock, compiled or not; 32 tokens a step
@@ -228,7 +228,13 @@ def test_cpu_suite_compares_compiled_and_eager_side_by_side(fake_clock, monkeypa
     assert result["science"]["rows"][1]["ms_per_sublayer"] == pytest.approx({"eager": 50.0, "compiled": 50.0})
     assert result["science"]["ms_per_sublayer_spread"] == pytest.approx({"eager": 0.0, "compiled": 0.0})
     assert result["idle_check"]["idle"]
+    # cold warm-up: each scheme's first step alone (4 sub-layers: 0.20 s Keel, 0.16 s Pre-LN on the fake clock)
+    cold = result["cold_warmup"]
+    assert cold["schemes"]["keel"]["first_step_s"] == pytest.approx(0.20)
+    assert cold["keel_over_pre_ln"] == pytest.approx(1.25)
     assert set(result["targets"]["met"]) == {"compiled_keel_over_pre_ln_bench", "compile_time_flat_in_depth",
-                                             "ms_per_sublayer_flat_eager", "ms_per_sublayer_flat_compiled"}
-    assert len(writes) == 3  # after the shape, after the science series, and with the targets
+                                             "ms_per_sublayer_flat_eager", "ms_per_sublayer_flat_compiled",
+                                             "keel_warmup_within_1_3x_pre_ln"}
+    assert result["targets"]["met"]["keel_warmup_within_1_3x_pre_ln"]
+    assert len(writes) == 4  # after the shape, the warm-up, the science series, and with the targets
     assert cpu_markdown(result) == (GOLDEN / "bench-cpu.md").read_text()

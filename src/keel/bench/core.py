@@ -123,15 +123,82 @@ def compare(config: ModelConfig, run: RunConfig, schemes: list[str], steps: int,
     device = device or resolve_device(run.device)
     out = {}
     for group in [schemes] if together else [[s] for s in schemes]:
-        benches = {s: Bench(scheme_config(config, s), run, optim, device, **bench_options) for s in group}
-        warm = alternate(benches, steps, warmup)
-        for s, b in benches.items():
-            out[s] = summarize(b) | {"warmup_s": warm[s]}
-        del benches
-        free(device)
+        out |= _measure_group(config, run, group, steps, warmup, optim, device, bench_options)
     if "keel" in out and "pre_ln" in out:
         out["keel_over_pre_ln_step_time"] = out["keel"]["step_time_s"] / out["pre_ln"]["step_time_s"]
     return out
+
+
+def _measure_group(config, run, group, steps, warmup, optim, device, bench_options) -> dict:
+    """One group of schemes built, timed and summarised in a frame of its own: when it returns, nothing of it
+    (models, optimiser state, compiled graphs) is left for the next group to sit beside. A loop variable in the
+    caller would keep the last model and its AdamW state alive while the next one is built: two 512-sub-layer
+    models at once."""
+    fresh_compile_state()
+    benches = {s: Bench(scheme_config(config, s), run, optim, device, **bench_options) for s in group}
+    counts = compile_counts() if run.compile else None
+    warm = alternate(benches, steps, warmup)
+    out = {s: summarize(b) | {"warmup_s": warm[s]} for s, b in benches.items()}
+    if run.compile:  # graphs and recompiles of this group (one scheme each when schemes run one after another)
+        after = compile_counts()
+        for s in out:
+            out[s]["compile_graphs"] = {"graphs": after["graphs"] - counts["graphs"], "of_schemes": list(group)}
+    del benches
+    free(device)
+    return out
+
+
+def cold_warmup(config: ModelConfig, run: RunConfig, schemes: list[str], optim: OptimConfig | None = None,
+                device: torch.device | None = None, **bench_options) -> dict:
+    """Compile warm-up of each scheme from nothing: its first training step alone in the process, after a Dynamo
+    reset and with an empty Inductor cache directory of its own, so no scheme reuses kernels another compiled
+    (in one shared cache the scheme compiled second finds the first one's identical kernels, and on-disk caches
+    from earlier runs make any order fast). Per scheme: the first step's seconds (compile + one step), the
+    second step's, and Dynamo's graph and recompile counts."""
+    import tempfile  # noqa: PLC0415
+
+    device = device or resolve_device(run.device)
+    out = {}
+    for s in schemes:
+        with tempfile.TemporaryDirectory(prefix="keel-inductor-") as cache, _inductor_cache(cache):
+            out[s] = _first_steps(scheme_config(config, s), run, optim, device, bench_options)
+    return out
+
+
+def _first_steps(config, run, optim, device, bench_options) -> dict:
+    fresh_compile_state()
+    before = compile_counts()
+    b = Bench(config, run, optim, device, **bench_options)
+    b.step()  # compiles
+    b.step()
+    first = b.times[0]
+    after = compile_counts()
+    graphs = after["graphs"] - before["graphs"]
+    result = {"first_step_s": first, "second_step_s": b.times[-1], "graphs": graphs, "recompiles": max(0, graphs - 1)}
+    del b
+    free(device)
+    return result
+
+
+def _inductor_cache(directory: str):
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir  # noqa: PLC0415
+
+    return temporary_cache_dir(directory)
+
+
+def fresh_compile_state() -> None:
+    """Forget every compiled graph and Dynamo's caches, so the next variant compiles from nothing (the
+    compile warm-up of whichever variant came second would otherwise reuse the first one's work)."""
+    torch._dynamo.reset()
+
+
+def compile_counts() -> dict[str, int]:
+    """Dynamo's running count of graphs compiled. Only blocks are compiled (keel.scale.parallel.apply_compile) and
+    every block runs the same `Block.forward`, so for one model each graph beyond the first is a recompile of
+    that code (a guard on alpha or on the norm layout failed)."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+
+    return {"graphs": int(counters["stats"]["unique_graphs"])}
 
 
 def free(device: torch.device) -> None:

@@ -87,7 +87,7 @@ def sweep_budget(cfg: PilotConfig, sweep: Sweep, steps: int) -> tuple[dict, dict
         points |= sweep.run(jobs, f"depth-pilot {tokens(at):,} tokens")
         todo = {}
         for d, grid in grids.items():
-            new = grid.extend(lambda lr, d=d: mean_select(cfg, points, steps, d, lr))
+            new = grid.extend(lambda lr, d=d, got=points: mean_select(cfg, got, steps, d, lr))
             if new is not None:
                 todo[d] = [new]
     return points, grids
@@ -101,7 +101,7 @@ def analyse(cfg: PilotConfig, points: dict, grids: dict, unigram: float) -> dict
         arms = {}
         for d in cfg.depths:
             grid = grids[steps][d]
-            lr = grid.choice(lambda v, d=d: mean_select(cfg, points, steps, d, v))
+            lr = grid.choice(lambda v, d=d, steps=steps: mean_select(cfg, points, steps, d, v))
             runs = [points[key(steps, d, lr, s)] for s in cfg.seeds]
             arms[d] = {"lr": lr, "grid": grid.describe(), "report_losses": [r["report_loss"] for r in runs],
                        "select_by_lr": {f"{v:g}": mean_select(cfg, points, steps, d, v) for v in grid.values},
@@ -128,7 +128,7 @@ def run(cfg: PilotConfig, out: Path, command: str) -> dict:
         points |= got
     res = analyse(cfg, points, grids, unigram_level(cfg))
     rows, vrows = [], []
-    for steps, b in res["budgets"].items():
+    for b in res["budgets"].values():
         for d, arm in b["arms"].items():
             g = arm["grid"]
             note = (f"; bound at the {g['bound']} edge" if g["bound"] else "") + (

@@ -1,0 +1,76 @@
+"""The GPU path checked on a CPU (issue 37): each bench variant starts from nothing (the model of the previous one
+is freed before the next is built, proved by a weak reference), compile warm-up is measured per scheme from an
+empty cache with its graph count, and the fused-junction default under compile is the measured-faster path."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from keel.bench import core
+from keel.bench.core import Bench, cold_warmup, compare
+from keel.model import ModelConfig
+from keel.train.config import RunConfig
+
+TINY = ModelConfig(vocab_size=64, d_model=32, n_blocks=2, n_heads=2, n_kv_heads=1, max_seq_len=16)
+RUN = RunConfig(batch_size=2, seq_len=16)
+
+
+def test_one_scheme_after_another_frees_the_first_model_before_the_second_is_built(monkeypatch):
+    built, alive_at_build = [], []
+    real = Bench.__init__
+
+    def init(self, *args, **kwargs):
+        gc.collect()
+        alive_at_build.append([ref() is not None for ref in built])
+        real(self, *args, **kwargs)
+        built.append(weakref.ref(self.model))
+    monkeypatch.setattr(Bench, "__init__", init)
+    compare(TINY, RUN, ["keel", "pre_ln", "post_ln"], steps=1, warmup=0, together=False)
+    assert alive_at_build == [[], [False], [False, False]]
+
+
+def test_together_builds_every_scheme_before_stepping_them_and_frees_them_all_after(monkeypatch):
+    built = []
+    real = Bench.__init__
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        built.append(weakref.ref(self.model))
+    monkeypatch.setattr(Bench, "__init__", init)
+    compare(TINY, RUN, ["keel", "pre_ln"], steps=1, warmup=0, together=True)
+    gc.collect()
+    assert len(built) == 2 and all(ref() is None for ref in built)
+
+
+def test_cold_warmup_compiles_each_scheme_from_nothing_and_counts_its_graphs():
+    """Blocks are compiled one by one and share Block.forward: Pre-LN's blocks are all alike (one graph); Keel's
+    first block follows the first-layer rule and, with its junction fused across blocks, the last block ends the
+    stream (three graphs); with the junction off, two. A second call compiles again (nothing is reused)."""
+    config = ModelConfig(vocab_size=64, d_model=32, n_blocks=4, n_heads=2, n_kv_heads=1, max_seq_len=16)
+    run = RunConfig(batch_size=2, seq_len=16, compile=True)
+    got = cold_warmup(config, run, ["keel", "pre_ln"], compile_backend="aot_eager")
+    assert (got["keel"]["graphs"], got["pre_ln"]["graphs"]) == (3, 1)
+    assert got["keel"]["recompiles"] == 2
+    off = cold_warmup(config, RunConfig(batch_size=2, seq_len=16, compile=True, fused_junction="off"), ["keel"],
+                      compile_backend="aot_eager")
+    assert off["keel"]["graphs"] == 2
+
+
+def test_the_step_times_of_cold_warmup_come_from_the_clock(monkeypatch):
+    ticks = iter(range(100))
+    monkeypatch.setattr(core, "clock", lambda: float(next(ticks)))
+    got = cold_warmup(TINY, RUN, ["pre_ln"])
+    assert got["pre_ln"]["first_step_s"] == pytest.approx(1.0) and got["pre_ln"]["second_step_s"] == pytest.approx(1.0)
+    assert got["pre_ln"]["graphs"] == 0  # eager: nothing compiled
+
+
+@pytest.mark.parametrize("variant", ["eager", "compiled"])
+def test_compare_reports_graph_counts_only_when_compiled(variant):
+    run = RunConfig(batch_size=2, seq_len=16, compile=variant == "compiled")
+    out = compare(TINY, run, ["pre_ln"], steps=1, warmup=1, compile_backend="aot_eager")
+    assert ("compile_graphs" in out["pre_ln"]) == (variant == "compiled")
+    if variant == "compiled":
+        assert out["pre_ln"]["compile_graphs"]["graphs"] == 1
+    torch._dynamo.reset()
