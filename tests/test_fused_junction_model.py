@@ -29,7 +29,7 @@ BASE = ModelConfig(n_blocks=3, d_model=48, n_heads=2, n_kv_heads=1, max_seq_len=
 CASES = [
     ("keel-v2", BASE, {}, False, None, 4),  # sub-layer 0 has no LN_out: junctions 1-2, 2-3, 3-4, 4-5
     ("keel-first-none", replace(BASE, first_layer="none"), {}, False, None, 5),
-    ("keel-ac", BASE, {"ac_every": 1}, False, None, 4),
+    ("keel-ac", BASE, {"ac_every": 1}, False, None, 2),  # under AC inside blocks only: 2-3, 4-5
     ("keel-compiled", BASE, {"compile": True}, False, "aot_eager", 4),
     ("keel-bf16-autocast", BASE, {"dtype": "bfloat16"}, True, None, 4),
     ("pre-ln", replace(BASE, scheme="pre_ln"), {}, False, None, 0),

@@ -74,3 +74,39 @@ def test_compare_reports_graph_counts_only_when_compiled(variant):
     if variant == "compiled":
         assert out["pre_ln"]["compile_graphs"]["graphs"] == 1
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(("mode", "device", "compiled", "kernel_ok", "expected"), [
+    ("auto", "cuda", True, True, "composed"),  # measured faster on an H100: Inductor fuses it
+    ("auto", "cuda", False, True, "kernel"),  # eager on CUDA: the kernel beats the unfused ops
+    ("auto", "cpu", True, False, "composed"),
+    ("auto", "cpu", False, False, None),
+    ("on", "cuda", True, True, "kernel"),  # asked for explicitly
+    ("on", "cpu", True, False, "composed"),
+    ("off", "cuda", True, True, None),
+])
+def test_the_junction_default_under_compile_is_the_measured_faster_path(mode, device, compiled, kernel_ok, expected):
+    from keel.scale.parallel import junction_impl
+
+    assert junction_impl(mode, device, compiled, None if kernel_ok else "no triton") == expected
+
+
+def test_fused_junction_on_without_kernel_or_compile_is_refused_in_one_line():
+    from keel.errors import ConfigError
+    from keel.scale.parallel import junction_impl
+
+    with pytest.raises(ConfigError, match="run.fused_junction=on: no triton and run.compile is off"):
+        junction_impl("on", "cpu", False, "no triton")
+
+
+def test_under_activation_checkpointing_junctions_stay_inside_blocks():
+    """A checkpointed block keeps only its input: the stream alone crosses a block boundary."""
+    from keel.scale.parallel import fused_junctions
+    from keel.train.step import build_model
+
+    config = ModelConfig(vocab_size=64, d_model=32, n_blocks=3, n_heads=2, n_kv_heads=1, max_seq_len=16)
+    model = build_model(config, RunConfig(compile=True, ac_every=1), torch.device("cpu"), compile_backend="aot_eager")
+    assert fused_junctions(model) == 2  # sub-layers 2-3 and 4-5; across blocks (1-2, 3-4) not
+    plain = build_model(config, RunConfig(compile=True), torch.device("cpu"), compile_backend="aot_eager")
+    assert fused_junctions(plain) == 4
+    torch._dynamo.reset()
