@@ -20,6 +20,8 @@ from keel.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+TRAINING_DOC = (ROOT / "docs" / "training.md").read_text()  # run directories, tracking
+DOCS = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
 
 
 # ---- start-up: commands that need no torch do not import it -------------------------------------------
@@ -290,8 +292,8 @@ def test_ci_installs_what_the_readme_tells_a_developer():
 
 
 def test_readme_names_the_files_and_quotes_the_globs():
-    assert "`eval-" in README.split("A run directory holds", 1)[1][:800]  # the list of run files names eval-*.json
-    assert "run.log_to=[tensorboard]" not in README.replace("'run.log_to=[tensorboard]'", "")
+    assert "`eval-" in TRAINING_DOC.split("A run directory holds", 1)[1][:800]  # the run files include eval-*.json
+    assert "run.log_to=[tensorboard]" not in DOCS.replace("'run.log_to=[tensorboard]'", "")
     assert "run.threads" in README.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     assert "run.steps=50" in README
 

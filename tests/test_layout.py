@@ -11,7 +11,7 @@ import keel
 SRC = Path(keel.__file__).parent
 
 _BELOW_TRAIN = {"_version", "errors", "safe_io", "runtime", "model", "kernels", "data", "scale"}
-# What each part of the package may import from keel besides itself, lowest first; the README's file map lists
+# What each part of the package may import from keel besides itself, lowest first; docs/development.md lists
 # the parts in this order. `keel` itself (`__init__`) is the public API: nothing inside the package imports it.
 LAYERS = {
     "_version": set(),
@@ -68,7 +68,7 @@ def keel_part(name: str) -> str | None:
 
 def test_every_import_inside_keel_follows_the_layer_table():
     unknown = sorted({part_of(p) for p in SRC.rglob("*.py")} - set(LAYERS))
-    assert not unknown, f"add {unknown} to LAYERS here and to the README's file map"
+    assert not unknown, f"add {unknown} to LAYERS here and to docs/development.md's layer table"
     bad = []
     for path in sorted(SRC.rglob("*.py")):
         part = part_of(path)
@@ -184,8 +184,8 @@ def test_every_test_that_starts_the_triton_interpreter_is_slow():
 
 
 def test_the_readmes_layer_table_is_this_one():
-    """The README's file map states the layer table in words; it must say exactly what LAYERS enforces."""
-    readme = (SRC.parent.parent / "README.md").read_text()
+    """docs/development.md states the layer table in words; it must say exactly what LAYERS enforces."""
+    readme = (SRC.parent.parent / "docs" / "development.md").read_text()
     section = readme[readme.index("| part | may import |"):]
     rows = {}
     for line in section.splitlines()[2:]:

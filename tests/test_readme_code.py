@@ -1,9 +1,14 @@
-"""The README's "Using the library" Python blocks, run as written (read from README.md at test time), and its
-lm-eval task YAML."""
+"""The documentation's code, run as written: every ```python and ```bash block of README.md and docs/*.md, each
+alone in a fresh subprocess and an empty directory (or skipped with the reason its `<!-- not run: ... -->` line
+gives); the README's Python API checked against independent numbers; the lm-eval task YAML of docs/ecosystem.md."""
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -11,14 +16,109 @@ import torch
 
 from keel.model.transformer import lm_loss
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+ECOSYSTEM = ROOT / "docs" / "ecosystem.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+RUNNERS = {"python": ["python"], "bash": ["bash", "-euo", "pipefail"]}  # fences that are run
+NOT_RUN = {"yaml", "json", ""}  # fences that are data or output: never run
+MARKER = re.compile(r"<!-- not run: (\S.*?) -->")
+TIMEOUT_S = 300
 
 
+@dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int  # of the opening fence, 1-based
+    lang: str
+    code: str
+    not_run: str | None  # the reason given on the line before the fence, if any
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def fenced_blocks(path: Path) -> list[Block]:
+    """Every fenced block of a Markdown file, with the `<!-- not run: reason -->` line just before it, if any."""
+    lines = path.read_text().splitlines()
+    blocks, start = [], None
+    for i, line in enumerate(lines):
+        if start is None and line.startswith("```"):
+            start, lang = i, line[3:].strip()
+        elif start is not None and line.strip() == "```":
+            marker = MARKER.fullmatch(lines[start - 1].strip()) if start else None
+            blocks.append(Block(path, start + 1, lang, "\n".join(lines[start + 1:i]) + "\n",
+                                marker[1] if marker else None))
+            start = None
+    assert start is None, f"{path}:{start + 1}: a fence that is never closed"
+    return blocks
+
+
+def doc_blocks() -> list[Block]:
+    return [b for path in DOCS for b in fenced_blocks(path) if b.lang in RUNNERS]
+
+
+def run_block(block: Block, cwd: Path) -> subprocess.CompletedProcess:
+    """The block as a script in `cwd`, with this interpreter's `keel`/`torchrun` first on PATH, offline."""
+    script = cwd / ("block.py" if block.lang == "python" else "block.sh")
+    script.write_text(block.code)
+    argv = [*RUNNERS[block.lang], script.name]
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+                        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "MPLBACKEND": "Agg",
+                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def _param(block: Block):
+    marks = [pytest.mark.slow] + ([pytest.mark.distributed] if "torchrun" in block.code else [])
+    return pytest.param(block, marks=marks, id=block.where)
+
+
+@pytest.mark.parametrize("block", [_param(b) for b in doc_blocks()])
+def test_every_documented_block_runs_as_written(block, tmp_path):
+    """Each block alone, as a reader would paste it into an empty directory; a block with a `not run` line is
+    reported as skipped with its reason."""
+    if block.not_run:
+        pytest.skip(f"{block.where}: not run: {block.not_run}")
+    proc = run_block(block, tmp_path)
+    assert proc.returncode == 0, (f"{block.where} ({block.lang}) exited {proc.returncode}:\n{block.code}\n"
+                                  f"--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}")
+
+
+def test_every_block_is_run_or_says_why_not():
+    """Every fence is a language the test runs, or data/output; every `not run` line has a reason and sits just
+    before a block the test would run (a stray or misspelt marker must not silently do nothing)."""
+    blocks = [b for path in DOCS for b in fenced_blocks(path)]
+    unknown = [f"{b.where}: ```{b.lang}" for b in blocks if b.lang not in RUNNERS and b.lang not in NOT_RUN]
+    assert not unknown, f"run these or list the language in NOT_RUN: {unknown}"
+    fences = {(b.path, b.line) for b in blocks if b.lang in RUNNERS}
+    for path in DOCS:
+        for i, line in enumerate(path.read_text().splitlines(), start=1):
+            if line.startswith("<!-- not run"):
+                assert MARKER.fullmatch(line.strip()), f"{path.name}:{i}: write `<!-- not run: <reason> -->`"
+                assert (path, i + 1) in fences, f"{path.name}:{i}: a `not run` line must directly precede a block"
+    runnable = [b for b in blocks if b.lang in RUNNERS and not b.not_run]
+    assert {b.lang for b in runnable if b.path == README} == set(RUNNERS)  # the front page's code runs
+
+
+def test_a_block_that_drifted_fails(tmp_path):
+    """The runner sees failures: a Python name the library no longer has, and a keel option it refuses."""
+    for lang, code in (("python", "import keel\nkeel.no_such_function()\n"),
+                       ("bash", "keel train --preset tiny run.no_such_field=1\necho not reached\n")):
+        proc = run_block(Block(README, 0, lang, code, None), tmp_path)
+        assert proc.returncode != 0 and "not reached" not in proc.stdout, (lang, proc.stdout, proc.stderr)
+
+
+# ---- the README's Python API, checked against independent numbers ---------------------------------------
 def library_blocks() -> list[str]:
-    """The ```python blocks of the README's "Using the library" section: the model, then train/eval/generate."""
-    section = README.read_text().split("## Using the library", 1)[1].split("\n## ", 1)[0]
+    """The ```python blocks of the README's "Python API" section: the model, then train/eval/generate."""
+    section = README.read_text().split("## Python API", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert len(blocks) == 2, "expected two Python blocks under 'Using the library'"
+    assert len(blocks) == 2, "expected two Python blocks under 'Python API'"
     return blocks
 
 
@@ -53,16 +153,14 @@ def test_readme_library_example_trains_a_next_token_model():
 
 
 def test_readme_train_evaluate_generate_from_python(tmp_path, monkeypatch):
-    """The second block trains a run into ./runs, evaluates it and samples from it: the same numbers the
+    """The second block, alone, trains a run into ./runs, evaluates it and samples from it: the same numbers the
     run's own summary and a next-token evaluation of the saved model give."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     threads = torch.get_num_threads()
-    first, second = library_blocks()
     ns: dict = {}
     try:
-        exec(compile(first, str(README), "exec"), ns)
-        exec(compile(second, str(README), "exec"), ns)
+        exec(compile(library_blocks()[1], str(README), "exec"), ns)  # alone: it imports what it uses
     finally:
         torch.set_num_threads(threads)
     summary, result, run_dir = ns["summary"], ns["result"], Path(ns["trainer"].run_dir)
@@ -74,25 +172,25 @@ def test_readme_train_evaluate_generate_from_python(tmp_path, monkeypatch):
     assert text.startswith("def ") and len(tokenizer.encode(text)) == len(tokenizer.encode("def ")) + 20
 
 
-def _readme_block(after: str, lang: str) -> str:
-    section = README.read_text().split(after, 1)[1]
+def _ecosystem_block(after: str, lang: str) -> str:
+    section = ECOSYSTEM.read_text().split(after, 1)[1]
     return re.search(rf"```{lang}\n(.*?)```", section, flags=re.S)[1]
 
 
 @pytest.mark.slow
 def test_readme_lm_eval_task_yaml_runs_offline(tmp_path, monkeypatch, capsys):
-    """The README's task YAML and data lines, written where it says, score with `keel lm-eval` offline."""
+    """docs/ecosystem.md's task YAML and data lines, written where it says, score with `keel lm-eval` offline."""
     pytest.importorskip("lm_eval")
     from keel.cli import main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    yaml_text = _readme_block("A task of your own reads", "yaml")
+    yaml_text = _ecosystem_block("A task of your own reads", "yaml")
     path = yaml_text.splitlines()[0].removeprefix("# ").strip()
     (tmp_path / path).parent.mkdir(parents=True)
     (tmp_path / path).write_text(yaml_text)
-    data = _readme_block(path.split("/")[0] + "/", "json")
+    data = _ecosystem_block(path.split("/")[0] + "/", "json")
     assert all(json.loads(line) for line in data.splitlines())
     (tmp_path / "my_tasks" / "my_task.jsonl").write_text(data)
     assert main(["train", "--preset", "tiny", "run.steps=2", "run.eval_every=0", "run.out_dir=runs",
