@@ -199,3 +199,27 @@ def test_readme_lm_eval_task_yaml_runs_offline(tmp_path, monkeypatch, capsys):
     assert main(["lm-eval", "runs/r", "--tasks", "my_task", "--include-path", "my_tasks", "--device", "cpu"]) == 0
     results = json.loads((tmp_path / "runs" / "r" / "lm_eval-my_task.json").read_text())["results"]["my_task"]
     assert 0 <= results["acc,none"] <= 1
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    """The front page and docs/ link to each other by file and heading; a moved section must not leave a dead
+    link behind."""
+    dead = []
+    for path in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            if not linked.exists():
+                dead.append(f"{path.name}: {target}")
+            elif anchor and linked.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", linked.read_text(), flags=re.M)
+                if anchor not in {_anchor(h) for h in headings}:
+                    dead.append(f"{path.name}: {target}")
+    assert not dead, dead
