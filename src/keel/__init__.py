@@ -3,7 +3,16 @@
 `import keel` loads nothing heavy: the names below come from `keel.model` (and torch) on first use, and
 nothing of Hugging Face loads until `keel.hf.register()` registers `KeelConfig` and `KeelForCausalLM` with
 `transformers`' Auto classes when you want them.
+
+`import keel` before torch lets torch's idle OpenMP threads sleep (OMP_WAIT_POLICY=passive) unless you chose a
+policy: on a machine other jobs share, spinning threads made CPU work
+6 to 34 times slower on this project's 2-core machine at load 5-6. OpenMP reads the
+variable once, when torch loads, so with torch already imported it is left alone and, on a busy machine, a
+warning says so. OMP_WAIT_POLICY=active keeps spinning (9% faster on a machine that is yours alone).
 """
+
+import os as _os
+import sys as _sys
 
 from keel._version import __version__
 
@@ -11,6 +20,31 @@ __all__ = [
     "ModelConfig", "TransformerLM", "SublayerInfo", "SCHEMES", "PRESETS", "preset", "tiny", "cpu_demo",
     "paper_64", "paper_128", "paper_512", "paper_1024", "count_params", "flops_per_token", "__version__",
 ]
+
+
+def _passive_openmp() -> str | None:
+    """Set OMP_WAIT_POLICY=passive while it can still take effect (torch not loaded, no policy chosen); returns
+    a warning when it cannot and it matters: torch loaded first, no policy chosen, load above the usable CPUs."""
+    if "OMP_WAIT_POLICY" in _os.environ:
+        return None
+    if "torch" not in _sys.modules:
+        _os.environ["OMP_WAIT_POLICY"] = "passive"
+        return None
+    try:  # keel.runtime.busy_note's test, here because `import keel` imports no more of keel than the model
+        load, cpus = _os.getloadavg()[0], len(_os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    if load <= cpus:
+        return None
+    return (f"keel: torch was imported before keel, so its idle OpenMP threads spin; with load average {load:.1f} "
+            f"on {cpus} CPUs that can make CPU work several times slower: import keel before torch, or set "
+            f"OMP_WAIT_POLICY=passive before Python starts (OMP_WAIT_POLICY=active: keep spinning, no warning)")
+
+
+if (_note := _passive_openmp()) is not None:
+    import warnings as _warnings
+
+    _warnings.warn(_note, RuntimeWarning, stacklevel=2)
 
 
 def __getattr__(name: str):
