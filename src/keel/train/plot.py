@@ -5,7 +5,8 @@ validation loss, task accuracy for runs that scored `run.eval_tasks` (one line p
 learning rate and gradient norm. A panel with nothing to draw yet (validation before the first evaluation)
 is not drawn: a line in the title says so, and the other panels share the width. For every run with
 telemetry.jsonl, a row of depth x step heatmaps: per-sub-layer gradient norm, stream RMS and |F| / |alpha x|
-(log colour scale; sub-layer 0 at the bottom, as in the paper's figures).
+(log colour scale; sub-layer 0 at the bottom, as in the paper's figures). A run with one telemetry record (a
+50-step run at the default run.telemetry_every=50) gets a line in the title instead: one column is no heatmap.
 """
 
 from __future__ import annotations
@@ -95,9 +96,9 @@ def _draw_tasks(ax, tasks, chances) -> None:
     ax.legend(fontsize=8)
 
 
-def _heatmap_panels(r: RunDir) -> list:
-    telemetry = r.telemetry()
+def _heatmap_panels(r: RunDir, telemetry: list[dict]) -> list:
     steps = [t["step"] for t in telemetry]
+    half = (steps[-1] - steps[0]) / (len(steps) - 1) / 2 or 0.5  # each column centred on its step
     panels = []
     for key, title in HEATMAPS:
         grid = [t[key] for t in telemetry if key in t]
@@ -107,7 +108,7 @@ def _heatmap_panels(r: RunDir) -> list:
         def draw(ax, grid=grid, title=title):
             values = [[max(v, 1e-12) for v in column] for column in zip(*grid)]  # (sub-layers, steps)
             image = ax.imshow(values, aspect="auto", origin="lower", norm=LogNorm(), interpolation="nearest",
-                              extent=(steps[0], steps[-1], -0.5, len(values) - 0.5) if len(steps) > 1 else None)
+                              extent=(steps[0] - half, steps[-1] + half, -0.5, len(values) - 0.5))
             ax.figure.colorbar(image, ax=ax)
             ax.set_title(f"{r.name}: {title}", fontsize=9)
             ax.set_ylabel("sub-layer (0 = bottom)")
@@ -133,8 +134,12 @@ def build_figure(run_dirs):
     runs = [RunDir.open(r) if not isinstance(r, RunDir) else r for r in run_dirs]
     panels, notes = _line_panels(runs)
     rows = _rows(panels)
-    for r in [r for r in runs if r.telemetry()][:MAX_HEATMAP_RUNS]:
-        rows += _rows(_heatmap_panels(r))
+    for r, telemetry in [(r, t) for r in runs if (t := r.telemetry())][:MAX_HEATMAP_RUNS]:
+        if len(telemetry) == 1:
+            notes.append(f"{r.name}: one telemetry record (step {telemetry[0]['step']}), no heatmaps: they need "
+                         f"two or more (run.telemetry_every at most half of run.steps)")
+            continue
+        rows += _rows(_heatmap_panels(r, telemetry))
     rows = [row for row in rows if row]
     fig = plt.figure(figsize=(3 * PANEL_WIDTH, PANEL_HEIGHT * max(1, len(rows)) + 0.4), layout="constrained")
     # six columns, so a row of 1, 2 or 3 panels spans the whole width

@@ -361,9 +361,11 @@ class Trainer:
         self.sampler.load_state_dict(sampler_state)
         torch.set_rng_state(rng)
         self.optimizer.zero_grad(set_to_none=True)
-        self.say(f"keel: interrupted at step {self.step}; saving checkpoint ...")
+        # the one line Ctrl-C prints (on stderr, as a stop is not a result), said before the seconds the checkpoint
+        # and curves take; an error while saving them follows it
+        self.say(f"keel: interrupted at step {self.step}; saving its checkpoint; continue with: keel train "
+                 f"resume={self.run_dir}", file=sys.stderr)
         self.save_checkpoint()
-        self.say(f"keel: checkpoint saved; continue with: keel train resume={self.run_dir}")
 
     def _finish(self, outcome: dict, wall: float, start_step: int) -> dict:
         """summary.json, the trackers closed, curves drawn, the process group left; returns the summary."""
@@ -384,21 +386,21 @@ class Trainer:
             self.run_dir.write_summary(summary)
             if self.trackers is not None:
                 self.trackers.close()
-            if outcome["interrupted"]:  # seconds of plotting after Ctrl-C: say what they are
-                self.say(f"keel: drawing {self.run_dir / 'curves.png'} ...")
-            self.draw_curves()
+            self.draw_curves(quiet=outcome["interrupted"])  # after Ctrl-C, its one line has been said
         distributed.close(self.world)
         return summary
 
-    def draw_curves(self) -> None:
-        """curves.png next to the run (what `keel plot RUN` draws), when matplotlib is installed."""
+    def draw_curves(self, quiet: bool = False) -> None:
+        """curves.png next to the run (what `keel plot RUN` draws), when matplotlib is installed; `quiet`: no
+        line naming it (an error is still said)."""
         try:
             from keel.train.plot import plot_runs
         except ImportError:
             return
         try:
             path = plot_runs([self.run_dir], self.run_dir / "curves.png")
-            self.say(f"keel: curves: {path}")
+            if not quiet:
+                self.say(f"keel: curves: {path}")
         except Exception as err:  # a plot must never turn a finished run into a failed one
             self.say(f"keel: could not draw curves ({type(err).__name__}: {err})", file=sys.stderr)
 
