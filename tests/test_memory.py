@@ -110,3 +110,41 @@ def test_each_pipeline_stage_holds_what_the_plan_says(ac_every):
     two = pipeline_memory(cfg, 4, 32, ac_every, world_size=4, pp=2, pp_microbatches=2)
     assert [m["grads"] for m in two] == [m["grads"] // 2 for m in plan]
     assert [m["params"] for m in two] == [m["params"] // 2 + m["params"] for m in plan]
+
+
+class _Forward:
+    def __init__(self, model, ids):
+        self.model, self.ids = model, ids
+
+    def forward(self):
+        return self.model(self.ids[:, :-1], self.ids[:, 1:])[1]
+
+
+# (model fields, batch, seq, ac_every, optimizer implementation): activation-heavy and parameter-heavy shapes
+PHASE_CASES = [
+    ({"d_model": 128, "n_blocks": 6}, 8, 128, 0, "foreach"),
+    ({"d_model": 128, "n_blocks": 6, "scheme": "pre_ln"}, 8, 128, 1, "foreach"),
+    ({"d_model": 128, "n_blocks": 6}, 8, 128, 1, "fused"),
+    ({"d_model": 384, "n_blocks": 4}, 1, 16, 0, "foreach"),  # the optimizer step peaks: 20 bytes a parameter
+    ({"d_model": 384, "n_blocks": 4}, 1, 16, 1, "fused"),  # 16
+]
+
+
+@pytest.mark.parametrize(("fields", "batch", "seq", "ac_every", "impl"), PHASE_CASES)
+def test_the_phase_plan_is_within_10_percent_of_torchs_storage_tracker(fields, batch, seq, ac_every, impl):
+    """Each phase's bytes and the peak against MemTracker (torch's tracker of tensor storages, not RSS), over two
+    training steps of the real model with AdamW; the plan also names the phase that peaks."""
+    from keel.scale.memory import measure_phases
+
+    cfg = ModelConfig(vocab_size=256, n_heads=4, n_kv_heads=2, max_seq_len=seq, **fields)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    apply_ac(model, ac_every)
+    optimizer = build_optimizer(model, OptimConfig(implementation=impl))
+    ids = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    measured = measure_phases(model, optimizer, _Forward(model, ids))
+    plan = estimate_memory(cfg, batch, seq, ac_every, optim_impl=impl)
+    assert plan["total"] == pytest.approx(max(measured.values()), rel=0.10)
+    assert measured[plan["peak_phase"]] == pytest.approx(max(measured.values()), rel=0.02)  # the peak phase too
+    for phase in ("forward", "backward", "optimizer"):
+        assert plan["phases"][phase] == pytest.approx(measured[phase], rel=0.10), phase

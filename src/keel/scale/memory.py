@@ -1,19 +1,30 @@
 """How much memory a training run needs per process, from its config alone, before anything is built.
 
-`estimate_memory` adds up four parts, in bytes per process:
-  params       the float32 master weights (sharded over ranks under FSDP2), plus the unsharded
-               copies FSDP2 all-gathers for the units in use (the root, and about two block groups);
-  grads        float32, the same layout as the master weights;
-  optimizer    AdamW's two float32 moments per parameter and one float32 step counter per tensor;
-  activations  the tensors autograd keeps for the backward pass at this micro-batch, counted per
-               token from the model's own operations (tests/test_memory.py checks the count against
-               what autograd saves), plus, with checkpointing, one block recomputed in the backward.
+A training step passes through three phases, and the plan is the largest of them (`estimate_memory`):
+  forward    the states below, the activations autograd keeps for the backward pass (counted per token from
+             the model's own operations: tests/test_memory.py checks the count against what autograd saves;
+             with checkpointing only each checkpointed block's float32 input, plus the FFN projections of the
+             block running), and under bf16 autocast the
+             bf16 copies of the weight matrices (autocast casts each once and the matmuls keep them);
+  backward   gradients appear from the last layer down while activations are freed, so the phase peaks at
+             one of its ends: all activations plus the logits' gradient, or all gradients; with
+             checkpointing one block is recomputed at a time on top of either;
+  optimizer  weights, gradients and AdamW's two moments, plus, for torch's foreach AdamW, one temporary as
+             large as its biggest parameter group (`_foreach_sqrt` of the second moments): 20 bytes per
+             parameter in float32, 16 with the fused AdamW (`optim_temp_bytes`);
+where the states are the float32 master weights (sharded over ranks under FSDP2, plus the unsharded copies
+FSDP2 all-gathers for the units in use: the root and about two block groups) and AdamW's moments (after the
+first step); gradients have the weights' layout. The parts (params, grads, optimizer, activations,
+autocast_cache, optimizer_temp) and each phase's total are returned with the peak phase.
+`measure_phases` measures the same phases on a real model with torch's own tracker of tensor storages
+(torch.distributed._tools.mem_tracker.MemTracker), on a CPU too; tests/test_memory.py holds the plan to it.
 Blocks are counted by keel.model.counting.block_params, the one layer counter: a looped model holds its
 distinct blocks' states once and keeps activations for every pass. Under a pipeline (`pp` > 1) each rank holds
 its stages' states (sharded over the dp replicas, and then all gathered from a stage's first forward to its
 last backward), and the activations of the micro-batches it has in flight: all of them under GPipe, at most
-as many as there are stages from its own to the last under the 1F1B-like schedules. The plan is the busiest
-rank's. Allocator slack, the CUDA context, and temporaries inside a kernel are not included: leave ~10-20%.
+as many as there are stages from its own to the last under the 1F1B-like schedules; a pipeline rank's plan is
+the sum of its parts (not phased). Not included: allocator slack and fragmentation, the CUDA context, the
+compiler's workspace, temporaries inside one kernel: leave ~10-20%.
 """
 
 from __future__ import annotations
@@ -66,16 +77,31 @@ def activation_bytes(config: ModelConfig, batch_size: int, seq_len: int, ac_ever
     return int(4 * (words + (recomputed if recompute else 0)) * batch_size * seq_len)
 
 
-def _states(n: float, tensors: int, shard: int) -> dict[str, int]:
-    return {"grads": int(4 * n / shard), "optimizer": int(8 * n / shard + 4 * tensors)}
+def _states(n: float, tensors: int, shard: int, state_bytes: float = 8) -> dict[str, int]:
+    return {"grads": int(4 * n / shard), "optimizer": int(state_bytes * n / shard + 4 * tensors)}
+
+
+# bytes per parameter of AdamW's two moments, by optim.state
+STATE_BYTES = {"float32": 8, "bfloat16": 4, "8bit": 2}
+
+
+def optim_temp_bytes(n_largest_group: float, implementation: str = "foreach") -> int:
+    """The optimizer step's temporary: torch's foreach AdamW takes the square root of every second moment of a
+    parameter group at once (one float32 tensor per parameter, freed after the group's update); the fused AdamW
+    (and torchao's, which steps one parameter at a time) keeps none worth counting."""
+    return int(4 * n_largest_group) if implementation == "foreach" else 0
 
 
 def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, ac_every: int = 0, world_size: int = 1,
                     param_bytes: int = 4, fsdp_group: int = 0, pp: int = 1, pp_schedule: str = "1f1b",
-                    pp_microbatches: int = 1, grad_accum: int = 1) -> dict[str, int]:
-    """Bytes per process for one training step (see the module docstring); `fsdp_group` > 0 means
-    FSDP2 with that many blocks per unit, `param_bytes` 2 for bf16 mixed precision. `pp` > 1: a pipeline of
-    `pp` ranks per replica (world_size / pp replicas), `pp_microbatches` per batch of `batch_size`."""
+                    pp_microbatches: int = 1, grad_accum: int = 1, bf16_autocast: bool = False,
+                    optim_impl: str = "foreach", state: str = "float32") -> dict:
+    """Bytes per process for one training step (see the module docstring): the parts, `phases` (forward,
+    backward, optimizer: bytes each), `peak_phase`, and `total` (the peak phase's bytes). `fsdp_group` > 0 means
+    FSDP2 with that many blocks per unit, `param_bytes` 2 for its bf16 mixed precision; `bf16_autocast` for a
+    single process computing under bf16 autocast. `optim_impl` (foreach or fused) and `state` (STATE_BYTES) are
+    the optimizer's. `pp` > 1: a pipeline of `pp` ranks per replica (world_size / pp replicas),
+    `pp_microbatches` per batch of `batch_size`."""
     if pp > 1:
         return max(pipeline_memory(config, batch_size, seq_len, ac_every, world_size, param_bytes, pp, pp_schedule,
                                    pp_microbatches, grad_accum), key=lambda m: m["total"])
@@ -86,9 +112,24 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, ac_every
     if fsdp_group:
         per_block = sum(blocks) / len(blocks)
         gathered = param_bytes * (sum(root.values()) + 2 * fsdp_group * per_block)
-    out = {"params": int(4 * n / shard + gathered), **_states(n, count_param_tensors(config), shard),
-           "activations": activation_bytes(config, batch_size, seq_len, ac_every, param_bytes)}
-    out["total"] = sum(out.values())
+    compute_bytes = 2 if (bf16_autocast or param_bytes == 2) else 4
+    matrices = n - root["embed"] - root["final_norm"]  # the decayed group: every weight matrix (norm gains aside)
+    kept = activation_bytes(config, batch_size, seq_len, ac_every, compute_bytes, recompute=False)
+    recomputed = activation_bytes(config, batch_size, seq_len, ac_every, compute_bytes) - kept
+    out = {"params": int(4 * n / shard + gathered), **_states(n, count_param_tensors(config), shard,
+                                                              STATE_BYTES[state]),
+           "activations": kept + recomputed,
+           "autocast_cache": int(2 * matrices / shard) if bf16_autocast and not fsdp_group else 0,
+           "optimizer_temp": optim_temp_bytes(matrices / shard, optim_impl)}
+    held = out["params"] + out["optimizer"] + out["autocast_cache"]
+    logits_grad = 4 * batch_size * seq_len * config.vocab_size
+    # under checkpointing a block's forward keeps nothing, but while it runs its FFN's two projections are alive
+    transient = 2 * batch_size * seq_len * config.ffn_dim * compute_bytes if ac_every else 0
+    out["phases"] = {"forward": held + kept + transient,
+                     "backward": held + recomputed + max(kept + logits_grad, out["grads"]),
+                     "optimizer": out["params"] + out["optimizer"] + out["grads"] + out["optimizer_temp"]}
+    out["peak_phase"] = max(out["phases"], key=out["phases"].get)
+    out["total"] = out["phases"][out["peak_phase"]]
     return out
 
 
@@ -155,6 +196,55 @@ def saved_activation_bytes(model: nn.Module, *inputs) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(*inputs)
     return sum(seen.values())
+
+
+def measure_phases(model: nn.Module, optimizer: torch.optim.Optimizer, step, steps: int = 2) -> dict[str, int]:
+    """Bytes of tensor storages live at each phase of `steps` training steps, by torch's MemTracker (which also
+    runs on a CPU): the peak of each phase (forward, backward, optimizer) over the steps. `step.forward()`
+    returns the loss; the optimizer step is `optimizer.step()` after clipping as keel's TrainStep clips."""
+    from torch.distributed._tools.mem_tracker import MemTracker  # noqa: PLC0415
+
+    device = next(model.parameters()).device
+
+    class PhaseTracker(MemTracker):
+        """MemTracker updates its own peak only at module boundaries; this one reads the live total after every
+        operator, so a phase's peak includes its temporaries (the optimizer's foreach buffers)."""
+
+        peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.peak = max(self.peak, self._curr_mem_snap.get(device, {}).get("Total", 0))
+            return out
+
+    tracker = PhaseTracker()
+    tracker.track_external(model, optimizer)
+    peaks = dict.fromkeys(("forward", "backward", "optimizer"), 0)
+
+    def start_phase():
+        tracker.peak = tracker.get_tracker_snapshot("current")[device]["Total"]
+
+    def end_phase(name):
+        peaks[name] = max(peaks[name], tracker.peak)
+
+    with tracker:
+        for _ in range(steps):
+            tracker.reset_mod_stats()
+            start_phase()
+            loss = step.forward()
+            end_phase("forward")
+            start_phase()
+            loss.backward()
+            end_phase("backward")
+            start_phase()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+            torch._foreach_mul_(grads, (1.0 / (norm + 1e-6)).clamp(max=1.0))
+            del grads, norm, loss  # a list held here would keep every gradient alive into the next forward
+            optimizer.step()
+            end_phase("optimizer")
+            optimizer.zero_grad(set_to_none=True)
+    return peaks
 
 
 def format_bytes(n: float) -> str:

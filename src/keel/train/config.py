@@ -44,6 +44,10 @@ class OptimConfig:
     warmup_steps: int = 2500
     min_lr: float = 1e-7  # the floor the decay ends at
     decay_fraction: float = 0.2  # wsd: the share of steps spent in the final linear decay
+    # torch's AdamW kernel: auto (fused on CUDA, foreach elsewhere) | fused | foreach (keel.train.optim)
+    implementation: str = "auto"
+    # AdamW's moments: float32 | 8bit (torchao's block-wise 8-bit AdamW, the `depth` extra): 8 -> 2 bytes a parameter
+    state: str = "float32"
 
 
 @dataclass
@@ -334,6 +338,10 @@ def validate(c: TrainConfig) -> None:
     validate_runtime(c.run)
     if c.optim.schedule not in SCHEDULES:
         fail("optim.schedule", c.optim.schedule, ", ".join(SCHEDULES))
+    if c.optim.implementation not in ("auto", "fused", "foreach"):
+        fail("optim.implementation", c.optim.implementation, "auto, fused, foreach")
+    if c.optim.state not in ("float32", "8bit"):
+        fail("optim.state", c.optim.state, "float32, 8bit")
     if c.guard.policy not in GUARD_POLICIES:
         fail("guard.policy", c.guard.policy, ", ".join(GUARD_POLICIES))
     for name, ok, allowed in _RANGES:

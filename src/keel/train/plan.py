@@ -15,6 +15,7 @@ from keel.model.schemes import SCHEME_OPTIONS, SCHEMES
 from keel.model.transformer import build_scheme
 from keel.runtime import device_memory, use_bf16
 from keel.scale.memory import estimate_memory, format_bytes
+from keel.train.optim import optimizer_implementation
 
 
 def describe(config: ModelConfig) -> str:
@@ -88,8 +89,12 @@ def recipe_warnings(config) -> list[str]:
 def memory_line(config, world_size: int = 1, device: torch.device | None = None) -> str:
     """One process's memory for a TrainConfig: parameters, gradients, AdamW state, activations."""
     m = memory_plan(config, world_size, device)
-    parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in m.items() if k != "total")
-    return f"{format_bytes(m['total'])} ({parts})"
+    parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in m.items()
+                      if isinstance(v, int) and k != "total" and v)
+    if "phases" not in m:  # a pipeline rank: the sum of its parts
+        return f"{format_bytes(m['total'])} ({parts})"
+    phases = ", ".join(f"{k} {format_bytes(v)}" for k, v in m["phases"].items())
+    return f"{format_bytes(m['total'])} at its peak, the {m['peak_phase']} phase ({phases}; parts: {parts})"
 
 
 def check_fits(config, data, world_size: int, device: torch.device) -> None:
@@ -115,10 +120,12 @@ def memory_plan(config, world_size: int = 1, device: torch.device | None = None)
     world_size = max(world_size, r.pp)  # a plan made before launch: one replica of the pipeline
     fsdp = world_size > 1 and r.pp == 1  # under a pipeline, FSDP2 shards stages over replicas, in float32
     device = device or torch.device("cuda" if r.device.startswith("cuda") else "cpu")
+    bf16 = use_bf16(device, r.dtype)
     return estimate_memory(config.model, r.batch_size, r.seq_len, ac_every=r.ac_every, world_size=world_size,
-                           param_bytes=2 if fsdp and use_bf16(device, r.dtype) else 4,
+                           param_bytes=2 if fsdp and bf16 else 4, bf16_autocast=bf16 and not fsdp,
                            fsdp_group=r.fsdp_group if fsdp else 0, pp=r.pp, pp_schedule=r.pp_schedule,
-                           pp_microbatches=r.pp_microbatches, grad_accum=r.grad_accum)
+                           pp_microbatches=r.pp_microbatches, grad_accum=r.grad_accum,
+                           optim_impl=optimizer_implementation(config.optim, device))
 
 
 def plan(config) -> str:

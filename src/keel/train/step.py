@@ -108,7 +108,10 @@ class TrainStep:
 
     def _step(self, next_batch: Callable[[], Batch], lr: float) -> StepResult:
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            if torch.is_tensor(group["lr"]):  # torchao's optimisers hold it as a tensor (their compiled step reads it)
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
         loss = self.forward_backward(next_batch)
         if self.after_backward is not None:
             self.after_backward(self.model)
