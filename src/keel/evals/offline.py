@@ -1,0 +1,61 @@
+"""Working without the Hugging Face Hub: one quick look whether it can be reached before anything downloads.
+
+Offline, `datasets` retries every request five times with back-off (about a minute and ten lines for one task)
+before its error; with HF_HUB_OFFLINE=1 it fails at once, or reads what it cached. `hub_offline_unless_reachable`
+sets that for this process when the Hub does not answer within a few seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+DEFAULT_ENDPOINT = "https://huggingface.co"  # huggingface_hub's, overridden by HF_ENDPOINT as there
+
+
+def hub_offline_unless_reachable(timeout: float = 3.0) -> str | None:
+    """Unless HF_HUB_OFFLINE is set either way, ask the Hub (HF_ENDPOINT or huggingface.co) for its front page
+    with a `timeout`-second limit; when there is no answer, work offline: HF_HUB_OFFLINE=1 and
+    HF_DATASETS_OFFLINE=1 for this process and those it starts, also in huggingface_hub and datasets when they
+    are already imported (both read the variables once, on import). Returns why the Hub was not reached, or
+    None (reached, or HF_HUB_OFFLINE already chosen). Any HTTP answer, an error status included, counts as
+    reached: the network is there."""
+    if "HF_HUB_OFFLINE" in os.environ:
+        return None
+    endpoint = os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
+    reason = _unreachable(endpoint, timeout)
+    if reason is not None:
+        _go_offline()
+    return reason
+
+
+def _unreachable(endpoint: str, timeout: float) -> str | None:
+    result: list[str | None] = []
+
+    def probe():
+        try:
+            urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout).close()
+            result.append(None)
+        except urllib.error.HTTPError:  # an answer, if not a happy one
+            result.append(None)
+        except (OSError, ValueError) as err:  # URLError, refused, timed out; ValueError: not a URL
+            reason = getattr(err, "reason", None) or err
+            result.append(f"{endpoint}: {reason}")
+
+    # a name lookup is not bound by `timeout` (a resolver that hangs would hang urlopen): the thread is
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout + 1.0)
+    return result[0] if result else f"{endpoint}: no answer within {timeout:g} s"
+
+
+def _go_offline() -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    if (constants := sys.modules.get("huggingface_hub.constants")) is not None:
+        constants.HF_HUB_OFFLINE = True  # what huggingface_hub.is_offline_mode() (and transformers) reads
+    if (config := sys.modules.get("datasets.config")) is not None:
+        config.HF_HUB_OFFLINE = config.HF_DATASETS_OFFLINE = True
