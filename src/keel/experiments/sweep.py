@@ -108,17 +108,35 @@ def _claim(path: Path) -> bool:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     tmp.write_text(me)
     try:
-        for _ in range(2):
-            try:
-                os.link(tmp, path)
-                return True
-            except FileExistsError:
-                if _claim_alive(path):
-                    return False
-                path.unlink(missing_ok=True)
-        return False
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return not _claim_alive(path) and _take_over(path, tmp)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _take_over(path: Path, mine: Path) -> bool:
+    """Replace a dead owner's claim with `mine`, one process at a time: under an exclusive lock on the points
+    directory, the claim is looked at again and replaced only if still dead. (Two processes that both found it
+    dead used to both replace it, the second deleting the first one's fresh claim.) The lock is flock(2) on
+    the directory itself, so no lock file is left behind; the kernel drops it if the process dies."""
+    import fcntl  # noqa: PLC0415 (POSIX only, and only on this rare path)
+
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if _claim_alive(path):
+            return False
+        path.unlink(missing_ok=True)
+        try:
+            os.link(mine, path)
+            return True
+        except FileExistsError:  # a new owner linked it between our unlink and our link
+            return False
+    finally:
+        os.close(fd)
 
 
 def _claim_alive(path: Path) -> bool:
