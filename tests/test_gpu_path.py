@@ -110,3 +110,23 @@ def test_under_activation_checkpointing_junctions_stay_inside_blocks():
     plain = build_model(config, RunConfig(compile=True), torch.device("cpu"), compile_backend="aot_eager")
     assert fused_junctions(plain) == 4
     torch._dynamo.reset()
+
+
+def test_the_one_gpu_presets_fit_their_gpus_by_the_memory_plan_and_the_dry_run_says_so(capsys):
+    """paper-1024 on one 80 GB GPU and paper-2048 on one 141 GB GPU, by the phase plan that
+    tests/test_memory.py holds to torch's storage tracker; 20 bytes a parameter (float32 foreach AdamW) would not."""
+    from keel.cli import main
+    from keel.runtime import GPU_MEMORY
+    from keel.scale.memory import estimate_memory
+    from keel.train.config import train_preset
+
+    for name, gpu in (("paper-1024", "H100 80GB"), ("paper-2048", "H200 141GB")):
+        c = train_preset(name)
+        r = c.run
+        need = estimate_memory(c.model, r.batch_size, r.seq_len, r.ac_every, bf16_autocast=True, optim_impl="fused",
+                               state=c.optim.state)["total"]
+        plain = estimate_memory(c.model, r.batch_size, r.seq_len, r.ac_every, bf16_autocast=True)["total"]
+        assert need < GPU_MEMORY[gpu] - 2**29 < plain
+        assert main(["train", "--preset", name, "--dry-run"]) == 0
+        assert f"  {gpu}: fits as configured" in capsys.readouterr().out
+    assert train_preset("paper-1024").model.n_sublayers == 1024 and train_preset("paper-2048").model.n_sublayers == 2048

@@ -34,6 +34,9 @@ DTYPES = ("auto", "float32", "bfloat16")
 
 # dense bf16 peak FLOP/s by GPU name fragment, for MFU
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "4090": 165e12}
+# bytes of device memory as the driver reports it (nvidia-smi's total, MiB), of the GPUs keel plans for: the
+# datasheets' "80 GB" and "141 GB" are these sizes rounded. The CUDA context takes about 0.5 GiB of it.
+GPU_MEMORY = {"H100 80GB": 81559 * 2**20, "H200 141GB": 143771 * 2**20, "A100 80GB": 81920 * 2**20}
 
 
 def usable_cpus() -> int:

@@ -22,7 +22,7 @@ from keel.kernels.junction import MAX_FUSED_WIDTH
 from keel.model import ModelConfig, count_params, flops_per_token
 from keel.model.counting import count_param_tensors
 from keel.model.transformer import build_scheme
-from keel.runtime import PEAK_BF16
+from keel.runtime import GPU_MEMORY, PEAK_BF16
 
 IMPLS = ("eager", "compiled", "compiled+fused")
 S = 4  # bytes of a residual-stream element: always float32 (keel.model.numerics)
@@ -57,12 +57,15 @@ GB, TB = 1e9, 1e12
 DEVICES = {  # vendor datasheets, SXM parts; bf16 peaks are keel.runtime.PEAK_BF16 (what bench's MFU divides by)
     # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM): BF16 1,979 TFLOPS with sparsity (989 dense), FP32 67
     # TFLOPS, HBM3 3.35 TB/s, 80 GB
-    "H100": DeviceSpec("H100", PEAK_BF16["H100"], 67 * TB, 3.35 * TB, 80 * GB, "NVIDIA H100 datasheet (SXM)"),
+    "H100": DeviceSpec("H100", PEAK_BF16["H100"], 67 * TB, 3.35 * TB, GPU_MEMORY["H100 80GB"],
+                       "NVIDIA H100 datasheet (SXM)"),
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): same compute as H100 SXM, HBM3e 4.8 TB/s, 141 GB
-    "H200": DeviceSpec("H200", PEAK_BF16["H200"], 67 * TB, 4.8 * TB, 141 * GB, "NVIDIA H200 datasheet (SXM)"),
+    "H200": DeviceSpec("H200", PEAK_BF16["H200"], 67 * TB, 4.8 * TB, GPU_MEMORY["H200 141GB"],
+                       "NVIDIA H200 datasheet (SXM)"),
     # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM): BF16 312 TFLOPS dense, FP32 19.5 TFLOPS,
     # HBM2e 2,039 GB/s
-    "A100": DeviceSpec("A100", PEAK_BF16["A100"], 19.5 * TB, 2.039 * TB, 80 * GB, "NVIDIA A100 datasheet (80GB SXM)"),
+    "A100": DeviceSpec("A100", PEAK_BF16["A100"], 19.5 * TB, 2.039 * TB, GPU_MEMORY["A100 80GB"],
+                       "NVIDIA A100 datasheet (80GB SXM)"),
 }
 assert tuple(DEVICES) == MODELLED_GPUS  # one list of names: the one `keel bench --model-gpu` offers
 

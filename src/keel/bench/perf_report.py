@@ -46,7 +46,7 @@ def prediction_markdown(config: ModelConfig, batch: int, seq: int, device: Devic
                                               for p in pairs.values()) + " |")
     fit = fits(config, batch, seq, device, ac_every)
     lines += ["", f"Training memory (keel.scale.memory estimate) {'fits' if fit else 'does NOT fit'} in "
-              f"{device.memory / GB:.0f} GB."]
+              f"{device.memory / 2**30:.1f} GiB."]
     return "\n".join(lines) + "\n"
 
 
@@ -88,10 +88,11 @@ def paper_markdown(gpus=("H100", "H200", "A100"), shapes=((1024, 64), (1024, 512
              "do not edit by hand. No GPU has run these shapes: every number here is the model's prediction. The "
              "GPU campaign (`keel bench --suite gpu`) prints the same prediction beside each measurement.", "",
              "## Devices (vendor datasheets, dense peaks) and assumed achievable fractions", "",
-             "| GPU | bf16 dense (TFLOP/s) | fp32 (TFLOP/s) | bandwidth (TB/s) | memory (GB) | source |",
+             "| GPU | bf16 dense (TFLOP/s) | fp32 (TFLOP/s) | bandwidth (TB/s) | memory (GiB, driver) | source |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {g} | {DEVICES[g].bf16_flops / TB:.0f} | {DEVICES[g].fp32_flops / TB:.1f} | "
-              f"{DEVICES[g].bandwidth / TB:.2f} | {DEVICES[g].memory / GB:.0f} | {DEVICES[g].source} |" for g in gpus]
+              f"{DEVICES[g].bandwidth / TB:.2f} | {DEVICES[g].memory / 2**30:.1f} | {DEVICES[g].source} |"
+              for g in gpus]
     dev = DEVICES[gpus[0]]
     lines += ["", f"Assumed (not measured): GEMMs reach {dev.matmul_eff:.0%} of the bf16 peak, FlashAttention "
               f"{dev.attention_eff:.0%}, memory-bound kernels {dev.memory_eff:.0%} of the bandwidth; the host spends "

@@ -57,6 +57,11 @@ def paper_1024(**overrides) -> ModelConfig:
     return _paper(1024, overrides)
 
 
+def paper_2048(**overrides) -> ModelConfig:
+    """2048 sub-layers (1024 blocks), d=1024: twice the paper's deepest, about 13B parameters."""
+    return _paper(2048, overrides)
+
+
 PRESETS: dict[str, Callable[..., ModelConfig]] = {
     "tiny": tiny,
     "cpu-demo": cpu_demo,
@@ -64,6 +69,7 @@ PRESETS: dict[str, Callable[..., ModelConfig]] = {
     "paper-128": paper_128,
     "paper-512": paper_512,
     "paper-1024": paper_1024,
+    "paper-2048": paper_2048,
 }
 
 

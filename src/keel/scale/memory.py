@@ -120,13 +120,16 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, ac_every
                                                               STATE_BYTES[state]),
            "activations": kept + recomputed,
            "autocast_cache": int(2 * matrices / shard) if bf16_autocast and not fsdp_group else 0,
-           "optimizer_temp": optim_temp_bytes(matrices / shard, optim_impl)}
+           "optimizer_temp": optim_temp_bytes(matrices / shard, "per-parameter" if state == "8bit" else optim_impl)}
     held = out["params"] + out["optimizer"] + out["autocast_cache"]
     logits_grad = 4 * batch_size * seq_len * config.vocab_size
     # under checkpointing a block's forward keeps nothing, but while it runs its FFN's two projections are alive
     transient = 2 * batch_size * seq_len * config.ffn_dim * compute_bytes if ac_every else 0
     out["phases"] = {"forward": held + kept + transient,
-                     "backward": held + recomputed + max(kept + logits_grad, out["grads"]),
+                     # the bf16 weight copies are autocast's cache during the forward; without checkpointing
+                     # the matmuls keep them for the backward, with it each block casts its own again
+                     "backward": out["params"] + out["optimizer"] + recomputed
+                     + max(kept + logits_grad + (0 if ac_every else out["autocast_cache"]), out["grads"]),
                      "optimizer": out["params"] + out["optimizer"] + out["grads"] + out["optimizer_temp"]}
     out["peak_phase"] = max(out["phases"], key=out["phases"].get)
     out["total"] = out["phases"][out["peak_phase"]]

@@ -136,9 +136,20 @@ def _model_only(name: str):
     return lambda: TrainConfig(model=MODEL_PRESETS[name]())
 
 
+def _one_gpu(name: str):
+    """The paper's deepest shapes on one GPU: sequences of 4096, activation checkpointing every block, bf16
+    autocast, and AdamW's moments in 8 bits (torchao): by keel.scale.memory's plan (validated on CPU against
+    torch's storage tracker), 1024 sub-layers fit one 80 GB GPU and 2048 one 141 GB GPU; `--dry-run` prints it."""
+    return lambda: TrainConfig(model=MODEL_PRESETS[name](), optim=OptimConfig(state="8bit"),
+                               run=RunConfig(batch_size=1, seq_len=4096, ac_every=1, compile=True))
+
+
 # One meaning of --preset for every command: a whole TrainConfig. `keel summary` and `keel bench` read its
-# model (and bench its batch shape). Every model preset is one; `cpu-demo` and `tiny` also set the run.
-PRESETS = {name: _model_only(name) for name in MODEL_PRESETS} | {"cpu-demo": _cpu_demo_train, "tiny": _tiny_train}
+# model (and bench its batch shape). Every model preset is one; `cpu-demo`, `tiny`, `paper-1024` and
+# `paper-2048` also set the run (and the last two the optimiser's state).
+PRESETS = {name: _model_only(name) for name in MODEL_PRESETS} | {"cpu-demo": _cpu_demo_train, "tiny": _tiny_train,
+                                                                 "paper-1024": _one_gpu("paper-1024"),
+                                                                 "paper-2048": _one_gpu("paper-2048")}
 
 
 def train_preset(name: str) -> TrainConfig:
@@ -269,7 +280,7 @@ def add_config_arguments(p) -> None:
     """--preset, --config and key=value overrides: the same three layers, with the same meaning, everywhere."""
     p.add_argument("--preset", default="cpu-demo", choices=list(PRESETS),
                    help="cpu-demo (default: the README's main job), tiny (tests), or a paper-sized model "
-                        "(paper-64 .. paper-1024) with the paper's recipe")
+                        "(paper-64 .. paper-2048) with the paper's recipe (paper-1024/2048: sized for one GPU)")
     p.add_argument("--config", help="a YAML file with any of model/data/optim/guard/run")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted overrides, e.g. model.n_blocks=8 run.steps=500 (a bare model field such as "

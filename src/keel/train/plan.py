@@ -13,7 +13,7 @@ from keel.errors import ConfigError
 from keel.model import CONFIG_FIELDS, ModelConfig, count_params, flops_per_token
 from keel.model.schemes import SCHEME_OPTIONS, SCHEMES
 from keel.model.transformer import build_scheme
-from keel.runtime import device_memory, use_bf16
+from keel.runtime import GPU_MEMORY, device_memory, use_bf16
 from keel.scale.memory import estimate_memory, format_bytes
 from keel.train.optim import optimizer_implementation
 
@@ -125,7 +125,31 @@ def memory_plan(config, world_size: int = 1, device: torch.device | None = None)
                            param_bytes=2 if fsdp and bf16 else 4, bf16_autocast=bf16 and not fsdp,
                            fsdp_group=r.fsdp_group if fsdp else 0, pp=r.pp, pp_schedule=r.pp_schedule,
                            pp_microbatches=r.pp_microbatches, grad_accum=r.grad_accum,
-                           optim_impl=optimizer_implementation(config.optim, device))
+                           optim_impl=optimizer_implementation(config.optim, device), state=config.optim.state)
+
+
+def gpu_fit_lines(config) -> list[str]:
+    """For one process on each GPU of GPU_MEMORY, by the memory plan (bf16 autocast, the run's batch, sequence
+    and checkpointing): whether the run fits as configured, else the first of the optimiser options (fused AdamW,
+    then 8-bit moments) and activation checkpointing with which it would. Predictions, not measurements."""
+    r, o = config.run, config.optim
+    steps = [("as configured", o.implementation if o.implementation != "auto" else "fused", o.state, r.ac_every)]
+    steps += [("with optim.implementation=fused", "fused", o.state, r.ac_every),
+              ("with optim.implementation=fused optim.state=8bit", "fused", "8bit", r.ac_every),
+              ("with optim.state=8bit run.ac_every=1", "fused", "8bit", 1)]
+    out = []
+    for gpu, have in GPU_MEMORY.items():
+        usable = have - 2**29  # the CUDA context
+        for text, impl, state, ac in steps:
+            need = estimate_memory(config.model, r.batch_size, r.seq_len, ac_every=ac, bf16_autocast=True,
+                                   grad_accum=r.grad_accum, optim_impl=impl, state=state)["total"]
+            if need <= usable:
+                out.append(f"  {gpu}: fits {text} ({format_bytes(need)} of {format_bytes(have)})")
+                break
+        else:
+            out.append(f"  {gpu}: does not fit one GPU even with 8-bit moments and checkpointing "
+                       f"({format_bytes(need)} of {format_bytes(have)}): shard it (torchrun, FSDP2) or pipeline it")
+    return out
 
 
 def plan(config) -> str:
@@ -138,5 +162,7 @@ def plan(config) -> str:
         f"(per process), lr {config.optim.lr:g}, {config.optim.schedule} after {config.optim.warmup_steps} warm-up "
         f"steps, data {config.data.source!r}",
         f"memory per process (single process, {r.dtype} on {r.device}): {memory_line(config)}",
+        "on one GPU (PREDICTED by the memory plan, bf16 autocast; validated on CPU within 10%):",
+        *gpu_fit_lines(config),
         *recipe_warnings(config),
     ])
