@@ -113,25 +113,29 @@ def test_each_pipeline_stage_holds_what_the_plan_says(ac_every):
 
 
 class _Forward:
-    def __init__(self, model, ids):
-        self.model, self.ids = model, ids
+    def __init__(self, model, ids, bf16=False):
+        self.model, self.ids, self.bf16 = model, ids, bf16
 
     def forward(self):
-        return self.model(self.ids[:, :-1], self.ids[:, 1:])[1]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            return self.model(self.ids[:, :-1], self.ids[:, 1:])[1]
 
 
-# (model fields, batch, seq, ac_every, optimizer implementation): activation-heavy and parameter-heavy shapes
+# (model fields, batch, seq, ac_every, optimizer implementation, bf16 autocast): activation-heavy and
+# parameter-heavy shapes
 PHASE_CASES = [
-    ({"d_model": 128, "n_blocks": 6}, 8, 128, 0, "foreach"),
-    ({"d_model": 128, "n_blocks": 6, "scheme": "pre_ln"}, 8, 128, 1, "foreach"),
-    ({"d_model": 128, "n_blocks": 6}, 8, 128, 1, "fused"),
-    ({"d_model": 384, "n_blocks": 4}, 1, 16, 0, "foreach"),  # the optimizer step peaks: 20 bytes a parameter
-    ({"d_model": 384, "n_blocks": 4}, 1, 16, 1, "fused"),  # 16
+    ({"d_model": 128, "n_blocks": 6}, 8, 128, 0, "foreach", False),
+    ({"d_model": 128, "n_blocks": 6, "scheme": "pre_ln"}, 8, 128, 1, "foreach", False),
+    ({"d_model": 128, "n_blocks": 6}, 8, 128, 1, "fused", False),
+    ({"d_model": 384, "n_blocks": 4}, 1, 16, 0, "foreach", False),  # the optimizer step peaks: 20 bytes a parameter
+    ({"d_model": 384, "n_blocks": 4}, 1, 16, 1, "fused", False),  # 16
+    ({"d_model": 384, "n_blocks": 4}, 2, 64, 0, "fused", True),  # bf16 copies of the weights kept for the backward
+    ({"d_model": 384, "n_blocks": 4}, 2, 64, 1, "fused", True),  # ... and with checkpointing only in the forward
 ]
 
 
-@pytest.mark.parametrize(("fields", "batch", "seq", "ac_every", "impl"), PHASE_CASES)
-def test_the_phase_plan_is_within_10_percent_of_torchs_storage_tracker(fields, batch, seq, ac_every, impl):
+@pytest.mark.parametrize(("fields", "batch", "seq", "ac_every", "impl", "bf16"), PHASE_CASES)
+def test_the_phase_plan_is_within_10_percent_of_torchs_storage_tracker(fields, batch, seq, ac_every, impl, bf16):
     """Each phase's bytes and the peak against MemTracker (torch's tracker of tensor storages, not RSS), over two
     training steps of the real model with AdamW; the plan also names the phase that peaks."""
     from keel.scale.memory import measure_phases
@@ -142,8 +146,8 @@ def test_the_phase_plan_is_within_10_percent_of_torchs_storage_tracker(fields, b
     apply_ac(model, ac_every)
     optimizer = build_optimizer(model, OptimConfig(implementation=impl))
     ids = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
-    measured = measure_phases(model, optimizer, _Forward(model, ids))
-    plan = estimate_memory(cfg, batch, seq, ac_every, optim_impl=impl)
+    measured = measure_phases(model, optimizer, _Forward(model, ids, bf16))
+    plan = estimate_memory(cfg, batch, seq, ac_every, optim_impl=impl, bf16_autocast=bf16)
     assert plan["total"] == pytest.approx(max(measured.values()), rel=0.10)
     assert measured[plan["peak_phase"]] == pytest.approx(max(measured.values()), rel=0.02)  # the peak phase too
     for phase in ("forward", "backward", "optimizer"):
