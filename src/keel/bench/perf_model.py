@@ -50,6 +50,9 @@ class DeviceSpec:
     memory_eff: float = 0.85  # a streaming copy reaches ~85-90% of the datasheet bandwidth
     launch_s: dict = field(default_factory=lambda: {"eager": 5e-6, "compiled": 3e-6})  # host time per kernel
     overlap: bool = True  # GPU: host launch time hides under longer kernels; CPU: it adds
+    # measured effective bandwidth (bytes/s) of keel's fused junction kernel forward+backward; None: the roofline
+    fused_junction_bw: float | None = None
+    calibrated: str = ""  # what the efficiencies were fitted to (keel.bench.calibrate); "" = assumed
     foreach_batch: int = 48  # tensors per launch of a foreach op (CUDA's multi_tensor_apply; a CPU loops in C++)
 
 
@@ -76,7 +79,7 @@ class Op(NamedTuple):
     flops: float
     bytes: float
     launches: int
-    kind: str = "memory"  # matmul, attention or memory: which peak bounds it
+    kind: str = "memory"  # matmul, attention, memory or fused (keel's junction kernel): which peak bounds it
 
 
 def _matmuls(M, K, N, c, bf16):
@@ -182,9 +185,10 @@ def step_ops(config: ModelConfig, batch: int, seq: int, bf16: bool, impl: str, a
         else:  # per-block compile: the attention -> FFN boundary is inside a block's graph
             mode = "graph" if j % 2 and prev and nxt else "split"
         fwd, lf, bwd, lb = _boundary(config, prev, nxt, _consumers(config, kinds[j]) if nxt else 0, c, bf16, mode)
-        ops += [Op("norm+junction", "fwd", 0, fwd * M, lf), Op("norm+junction", "bwd", 0, bwd * M, lb)]
+        kind = "fused" if mode == "fused" else "memory"
+        ops += [Op("norm+junction", "fwd", 0, fwd * M, lf, kind), Op("norm+junction", "bwd", 0, bwd * M, lb, kind)]
         if (max(j - 1, 0) // 2) in checkpointed:
-            ops.append(Op("norm+junction", "recompute", 0, fwd * M, lf))
+            ops.append(Op("norm+junction", "recompute", 0, fwd * M, lf, kind))
         if nxt:
             branch = _branch(config, kinds[j], M, batch, seq, c, bf16, impl)
             ops += branch
@@ -211,7 +215,10 @@ def op_time(op: Op, device: DeviceSpec, impl: str, bf16: bool) -> float:
     """Seconds of one op group: the roofline bound, and its kernel launches' host time."""
     peak = device.bf16_flops if bf16 else device.fp32_flops
     eff = device.matmul_eff if op.kind == "matmul" else device.attention_eff
-    work = max(op.flops / (peak * eff), op.bytes / (device.bandwidth * device.memory_eff))
+    bandwidth = device.bandwidth * device.memory_eff
+    if op.kind == "fused" and device.fused_junction_bw:  # the kernel as measured, not the roofline
+        bandwidth = device.fused_junction_bw
+    work = max(op.flops / (peak * eff), op.bytes / bandwidth)
     launches = op.launches
     if op.group == "optimizer":
         launches = math.ceil(launches / device.foreach_batch)

@@ -1,0 +1,155 @@
+"""The performance model (keel.bench.perf_model) calibrated on measured GPU figures.
+
+`measured_gpu.json` beside this module holds every GPU measurement of the project (step times of Keel and
+Pre-LN per variant, the junction kernel alone). `calibrate` fits the model's achievable fractions of a device's
+datasheet rates (matmul and memory efficiency, host time per eager op and per compiled kernel) to a run's six
+step times by least squares on log(predicted / measured), with the junction kernel's own measured bandwidth
+taken as it was measured rather than fitted. Four numbers fitted to six points: the fit's error at each point
+is printed with it (`fit_markdown`), and a prediction from the calibrated model is still a PREDICTION.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from keel.bench.perf_model import DEVICES, DeviceSpec, paper_config, predict
+from keel.model.counting import count_params
+
+MEASURED = Path(__file__).with_name("measured_gpu.json")
+# (field, lower bound, upper bound) of what is fitted; launch times in seconds per op / kernel
+FITTED = (("matmul_eff", 0.2, 0.95), ("memory_eff", 0.2, 0.95), ("launch_eager", 1e-6, 60e-6),
+          ("launch_compiled", 1e-6, 60e-6))
+
+
+def measured_runs(device: str | None = None) -> list[dict]:
+    runs = json.loads(MEASURED.read_text())["runs"]
+    return [r for r in runs if device is None or r["device"] == device]
+
+
+def with_params(spec: DeviceSpec, values) -> DeviceSpec:
+    matmul, memory, eager, compiled = values
+    return replace(spec, matmul_eff=matmul, memory_eff=memory, launch_s={"eager": eager, "compiled": compiled})
+
+
+def points(run: dict) -> list[tuple[str, str, float]]:
+    """(variant, scheme, measured seconds) of one run."""
+    return [(v, s, ms / 1e3) for v, pair in run["step_time_ms"].items() for s, ms in pair.items()]
+
+
+def _predicted(spec: DeviceSpec, run: dict, variant: str, scheme: str) -> float:
+    from keel.bench.core import scheme_config  # noqa: PLC0415 (core imports the training stack)
+
+    shape = run["shape"]
+    config = scheme_config(paper_config(shape["d_model"], shape["n_sublayers"]), scheme)
+    return predict(config, shape["batch_size"], shape["seq_len"], spec, variant, shape["dtype"] == "bfloat16",
+                   shape["ac_every"])["step_time_s"]
+
+
+def calibrate(run: dict, base: DeviceSpec | None = None, matmul_eff: float | None = None
+              ) -> tuple[DeviceSpec, list[dict]]:
+    """The device spec with FITTED fields fitted to `run`'s step times (and its kernel's measured bandwidth),
+    and per point the measured time, the time predicted before and after, and the fitted model's error.
+    `matmul_eff` given: held there, the other three fitted (`profile`)."""
+    from scipy.optimize import least_squares  # noqa: PLC0415
+
+    base = base or DEVICES[run["device"]]
+    kernel = run.get("junction_kernel") or {}
+    if "fused_fwd_bwd_GBps" in kernel:
+        base = replace(base, fused_junction_bw=kernel["fused_fwd_bwd_GBps"] * 1e9)
+    pts = points(run)
+    start = [base.matmul_eff, base.memory_eff, base.launch_s["eager"], base.launch_s["compiled"]]
+    lo, hi = [f[1] for f in FITTED], [f[2] for f in FITTED]
+    if matmul_eff is not None:  # a bound of zero width pins it (the solver needs lo < hi: a hair apart)
+        start[0], lo[0], hi[0] = matmul_eff, matmul_eff * (1 - 1e-9), matmul_eff * (1 + 1e-9)
+    scale = [1.0, 1.0, 1e-6, 1e-6]  # the solver steps in units of about one
+
+    def residuals(x):
+        spec = with_params(base, [v * s for v, s in zip(x, scale)])
+        return [math.log(_predicted(spec, run, v, s) / t) for v, s, t in pts]
+    fit = least_squares(residuals, [v / s for v, s in zip(start, scale)],
+                        bounds=([a / s for a, s in zip(lo, scale)], [b / s for b, s in zip(hi, scale)]))
+    spec = replace(with_params(base, [v * s for v, s in zip(fit.x, scale)]),
+                   calibrated=f"{run['device']} {run['date']} ({run['commit']})")
+    rows = []
+    for v, s, t in pts:
+        before, after = _predicted(DEVICES[run["device"]], run, v, s), _predicted(spec, run, v, s)
+        rows.append({"variant": v, "scheme": s, "measured_s": t, "assumed_model_s": before, "calibrated_s": after,
+                     "error": after / t - 1})
+    return spec, rows
+
+
+def calibrated(device: str) -> DeviceSpec | None:
+    """DEVICES[device] calibrated on its newest measured run, or None where none was measured."""
+    runs = measured_runs(device)
+    return calibrate(runs[-1])[0] if runs else None
+
+
+def profile(run: dict, values=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8), tokens_per_step: int = 32768) -> list[dict]:
+    """The fit with the matmul efficiency held at each of `values`: how well each explains the run, and what each
+    predicts for Keel's MFU at `tokens_per_step` (d=1024, 512 sub-layers, compiled, AC every block). One shape's six
+    step times cannot tell a slow GEMM from host time per kernel; the two predict differently at larger batches."""
+    from keel.bench.perf_model import predict_pair  # noqa: PLC0415
+
+    out = []
+    for m in values:
+        spec, rows = calibrate(run, matmul_eff=m)
+        p = predict_pair(paper_config(1024, 512), tokens_per_step // 4096, 4096, spec, "compiled", True, 1)
+        out.append({"matmul_eff": m, "max_error": max(abs(r["error"]) for r in rows), "spec": spec,
+                    "keel_mfu": p["keel"]["mfu"], "keel_over_pre_ln": p["keel_over_pre_ln_step_time"]})
+    return out
+
+
+def fit_markdown(run: dict) -> str:
+    spec, rows = calibrate(run)
+    shape = run["shape"]
+    lines = [f"# The performance model calibrated on {run['device']} ({run['date']}, {run['commit']}, "
+             f"{run['software']})", "",
+             f"Shape: d={shape['d_model']}, {shape['n_sublayers']} sub-layers, batch {shape['batch_size']} x "
+             f"{shape['seq_len']}, {shape['dtype']}. Fitted (least squares on log step time, 4 numbers to "
+             f"{len(rows)} points): matmul {spec.matmul_eff:.0%} of the bf16 peak, memory-bound kernels "
+             f"{spec.memory_eff:.0%} of the bandwidth, host {1e6 * spec.launch_s['eager']:.1f} us per eager op and "
+             f"{1e6 * spec.launch_s['compiled']:.1f} us per compiled kernel; the fused junction at its measured "
+             f"{(spec.fused_junction_bw or 0) / 1e9:,.0f} GB/s.", "",
+             "| variant | scheme | measured (ms) | assumed model (ms) | calibrated model (ms) | error of the fit |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['scheme']} | {1e3 * r['measured_s']:.1f} | {1e3 * r['assumed_model_s']:.1f} | "
+              f"{1e3 * r['calibrated_s']:.1f} | {r['error']:+.1%} |" for r in rows]
+    lines += ["", "The fit is not unique: one shape cannot tell slow GEMMs from host time per kernel. Held at each "
+              "matmul efficiency, the other three fitted again (PREDICTED Keel MFU and Keel/Pre-LN at d=1024, "
+              "512 sub-layers, 32,768 tokens per step, compiled, AC every block):", "",
+              "| matmul efficiency held at | largest error of the fit | host us per compiled kernel | Keel MFU | "
+              "Keel/Pre-LN |", "|---|---|---|---|---|"]
+    lines += [f"| {p['matmul_eff']:.0%} | {p['max_error']:.1%} | {1e6 * p['spec'].launch_s['compiled']:.1f} | "
+              f"{p['keel_mfu']:.1%} | {p['keel_over_pre_ln']:.3f} |" for p in profile(run)]
+    return "\n".join(lines) + "\n"
+
+
+def targets_markdown(spec: DeviceSpec, tokens_per_step: int = 32768, seq: int = 4096) -> str:
+    """PREDICTED by the calibrated model: Keel/Pre-LN and MFU, compiled, at the tokens per step users train with
+    (batch x seq with activation checkpointing every block), at d=1024 and 2048."""
+    from keel.bench.perf_model import predict_pair  # noqa: PLC0415
+
+    lines = [f"PREDICTED by the model calibrated on {spec.calibrated}: compiled, {tokens_per_step:,} tokens per step "
+             f"(batch {tokens_per_step // seq} x {seq}), AC every block, bf16.", "",
+             "| d | sub-layers | parameters | Keel/Pre-LN | Keel MFU | Pre-LN MFU |", "|---|---|---|---|---|---|"]
+    for d, n in ((1024, 64), (1024, 512), (2048, 64), (2048, 512)):
+        p = predict_pair(paper_config(d, n), tokens_per_step // seq, seq, spec, "compiled", True, 1)
+        lines.append(f"| {d} | {n} | {count_params(paper_config(d, n)) / 1e9:.2f}B | "
+                     f"{p['keel_over_pre_ln_step_time']:.3f} | {p['keel']['mfu']:.1%} | {p['pre_ln']['mfu']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def report() -> str:
+    """benchmarks/gpu/calibrated.md: the fit on each measured run, and the calibrated targets of the newest."""
+    runs = measured_runs()
+    text = "\n".join(fit_markdown(r) for r in runs)
+    return (text + "\n" + targets_markdown(calibrate(runs[-1])[0]) + "\nGenerated by `python -m keel.bench.calibrate` "
+            "from src/keel/bench/measured_gpu.json; tests/test_gpu_path.py checks that this file is what the code "
+            "generates.\n")
+
+
+if __name__ == "__main__":
+    print(report(), end="")
