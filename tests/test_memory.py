@@ -1,5 +1,7 @@
 """The memory model (keel.scale.memory) against what the model, AdamW and autograd actually hold."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from keel.scale.memory import activation_bytes, estimate_memory, measured_bytes,
 from keel.scale.parallel import apply_ac
 from keel.train.config import OptimConfig
 from keel.train.optim import build_optimizer
+from keel.train.step import TrainStep
 
 SCHEMES = [{}, {"scheme": "pre_ln"}, {"scheme": "hybrid_norm"}, {"scheme": "peri_ln", "ffn": "gelu"},
            {"scheme": "deepnorm", "n_kv_heads": 2}, {"scheme": "mix_ln", "tie_embeddings": True}]
@@ -112,15 +115,6 @@ def test_each_pipeline_stage_holds_what_the_plan_says(ac_every):
     assert [m["params"] for m in two] == [m["params"] // 2 + m["params"] for m in plan]
 
 
-class _Forward:
-    def __init__(self, model, ids, bf16=False):
-        self.model, self.ids, self.bf16 = model, ids, bf16
-
-    def forward(self):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
-            return self.model(self.ids[:, :-1], self.ids[:, 1:])[1]
-
-
 # (model fields, batch, seq, ac_every, optimizer implementation, bf16 autocast): activation-heavy and
 # parameter-heavy shapes
 PHASE_CASES = [
@@ -146,7 +140,9 @@ def test_the_phase_plan_is_within_10_percent_of_torchs_storage_tracker(fields, b
     apply_ac(model, ac_every)
     optimizer = build_optimizer(model, OptimConfig(implementation=impl))
     ids = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
-    measured = measure_phases(model, optimizer, _Forward(model, ids, bf16))
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    step = TrainStep(model, optimizer, autocast=autocast)
+    measured = measure_phases(step, lambda: (ids[:, :-1], ids[:, 1:]))
     plan = estimate_memory(cfg, batch, seq, ac_every, optim_impl=impl, bf16_autocast=bf16)
     assert plan["total"] == pytest.approx(max(measured.values()), rel=0.10)
     assert measured[plan["peak_phase"]] == pytest.approx(max(measured.values()), rel=0.02)  # the peak phase too

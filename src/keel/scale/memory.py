@@ -201,19 +201,21 @@ def saved_activation_bytes(model: nn.Module, *inputs) -> int:
     return sum(seen.values())
 
 
-def measure_phases(model: nn.Module, optimizer: torch.optim.Optimizer, step, steps: int = 2) -> dict[str, int]:
-    """Bytes of tensor storages live at each phase of `steps` training steps, by torch's MemTracker (which also
-    runs on a CPU): the peak of each phase (forward, backward, optimizer) over the steps. `step.forward()`
-    returns the loss; the optimizer step is `optimizer.step()` after clipping as keel's TrainStep clips."""
+def measure_phases(train_step, next_batch, lr: float = 1e-3, steps: int = 2) -> dict[str, int]:
+    """Bytes of tensor storages live at each phase of `steps` steps of a keel.train.step.TrainStep, by torch's
+    MemTracker (which also runs on a CPU): the peak of each phase over the steps. The phases are told apart by
+    hooks: the model's forward returning ends "forward" ("backward" then runs to the optimiser step, clipping
+    included), the optimiser's step pre- and post-hooks bound "optimizer"."""
     from torch.distributed._tools.mem_tracker import MemTracker  # noqa: PLC0415
 
+    model, optimizer = train_step.model, train_step.optimizer
     device = next(model.parameters()).device
 
     class PhaseTracker(MemTracker):
         """MemTracker updates its own peak only at module boundaries; this one reads the live total after every
         operator, so a phase's peak includes its temporaries (the optimizer's foreach buffers)."""
 
-        peak = 0
+        peak, phase = 0, None
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -224,29 +226,23 @@ def measure_phases(model: nn.Module, optimizer: torch.optim.Optimizer, step, ste
     tracker.track_external(model, optimizer)
     peaks = dict.fromkeys(("forward", "backward", "optimizer"), 0)
 
-    def start_phase():
-        tracker.peak = tracker.get_tracker_snapshot("current")[device]["Total"]
+    def switch(phase):
+        if tracker.phase in peaks:
+            peaks[tracker.phase] = max(peaks[tracker.phase], tracker.peak)
+        tracker.phase, tracker.peak = phase, tracker.get_tracker_snapshot("current")[device]["Total"]
 
-    def end_phase(name):
-        peaks[name] = max(peaks[name], tracker.peak)
-
-    with tracker:
-        for _ in range(steps):
-            tracker.reset_mod_stats()
-            start_phase()
-            loss = step.forward()
-            end_phase("forward")
-            start_phase()
-            loss.backward()
-            end_phase("backward")
-            start_phase()
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads)
-            torch._foreach_mul_(grads, (1.0 / (norm + 1e-6)).clamp(max=1.0))
-            del grads, norm, loss  # a list held here would keep every gradient alive into the next forward
-            optimizer.step()
-            end_phase("optimizer")
-            optimizer.zero_grad(set_to_none=True)
+    hooks = [model.register_forward_hook(lambda *_: switch("backward")),
+             optimizer.register_step_pre_hook(lambda *_: switch("optimizer")),
+             optimizer.register_step_post_hook(lambda *_: switch(None))]
+    try:
+        with tracker:
+            for _ in range(steps):
+                tracker.reset_mod_stats()
+                switch("forward")
+                train_step(next_batch, lr)
+    finally:
+        for h in hooks:
+            h.remove()
     return peaks
 
 
