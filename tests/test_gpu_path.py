@@ -4,6 +4,7 @@ empty cache with its graph count, and the fused-junction default under compile i
 
 import gc
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -161,3 +162,34 @@ def test_the_committed_calibration_is_what_the_code_generates_and_fits_each_poin
     assert (Path(__file__).parents[1] / "benchmarks" / "gpu" / "calibrated.md").read_text() == cal.report()
     for run in cal.measured_runs():
         assert all(abs(r["error"]) < 0.10 for r in cal.calibrate(run)[1])
+
+
+def test_keels_extra_operators_per_sub_layer_are_its_second_norm_and_nothing_else():
+    """Host cost at depth: Keel's eager step runs more ATen ops per sub-layer than Pre-LN's by exactly the ops of
+    one more RMSNorm forward and backward (the norm the equation has; Pre-LN's shortcut is multiplied by its
+    alpha = 1 too), counted independently on a lone RMSNorm."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from keel.bench.core import aten_ops_per_sublayer
+    from keel.model.layers import RMSNorm
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    norm = RMSNorm(32, 1e-5)
+    with Count() as with_norm:
+        norm(x).sum().backward()
+    with Count() as without:
+        x.sum().backward()
+    one_norm = sum(with_norm.ops.values()) - sum(without.ops.values())
+    keel, pre_ln = (aten_ops_per_sublayer(replace(TINY, scheme=s)) for s in ("keel", "pre_ln"))
+    assert keel - pre_ln == one_norm
