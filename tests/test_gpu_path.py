@@ -193,3 +193,18 @@ def test_keels_extra_operators_per_sub_layer_are_its_second_norm_and_nothing_els
     one_norm = sum(with_norm.ops.values()) - sum(without.ops.values())
     keel, pre_ln = (aten_ops_per_sublayer(replace(TINY, scheme=s)) for s in ("keel", "pre_ln"))
     assert keel - pre_ln == one_norm
+
+
+def test_the_gpu_campaign_parts_cover_every_section_once_and_each_fits_an_8_minute_window():
+    from pathlib import Path
+
+    from keel.bench import GPU_PARTS, GPU_SECTIONS
+    from keel.bench.gpu import GpuSuite
+
+    boxes = GpuSuite().boxes
+    assert sorted(s for part in GPU_PARTS.values() for s in part) == sorted(GPU_SECTIONS)
+    assert all(sum(boxes[s] for s in part) <= 480 for part in GPU_PARTS.values())
+    assert sum(boxes.values()) <= 1800
+    readme = (Path(__file__).parents[1] / "benchmarks" / "gpu" / "README.md").read_text()
+    for part in GPU_PARTS.values():  # the README gives each part's command as the code defines the part
+        assert f"keel bench --suite gpu --sections {','.join(part)} --out" in readme

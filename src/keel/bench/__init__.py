@@ -4,4 +4,7 @@ its command line (cli), and the pipeline benchmark (pipeline).
 The names `keel bench`'s flags offer live here, so its usage errors answer without torch's import (seconds)."""
 
 GPU_SECTIONS = ("tests", "kernel", "compare", "depth", "max_depth")  # `--suite gpu`'s sections, in order (gpu)
+# the campaign in parts of at most 8 minutes each (their sections' time boxes add up to 420-480 s), for the short
+# windows in which a GPU is lent: `keel bench --suite gpu --sections <part's sections> --out <dir per part>`
+GPU_PARTS = {"tests": ("tests",), "kernel": ("kernel",), "model": ("compare",), "depth": ("depth", "max_depth")}
 MODELLED_GPUS = ("H100", "H200", "A100")  # the GPUs `--model-gpu` predicts (perf_model.DEVICES' keys)

@@ -61,8 +61,9 @@ class GpuSuite:
     max_depth_resolution: int = 32
     test_args: tuple[str, ...] = ("-m", "gpu", "tests")
     predict_on: str | None = None  # the perf-model device printed beside measurements; None: the GPU's own by name
+    # seconds per section; the campaign runs in parts of at most 8 minutes each (GPU_PARTS, benchmarks/gpu/README.md)
     boxes: dict[str, float] = field(default_factory=lambda: {
-        "tests": 150, "kernel": 50, "compare": 230, "depth": 50, "max_depth": 60})
+        "tests": 120, "kernel": 60, "compare": 420, "depth": 150, "max_depth": 270})
 
     @classmethod
     def toy(cls) -> GpuSuite:
