@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,9 @@ import torch
 
 # cuBLAS is deterministic only with a fixed workspace, read when its handle is made: set before any CUDA use
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+# keel signs the run configs it writes with a per-user key (keel.train.trust): one key for the test session,
+# shared with its subprocesses, never the user's ~/.config/keel
+os.environ.setdefault("KEEL_CONFIG_DIR", tempfile.mkdtemp(prefix="keel-config-"))
 
 
 def pytest_collection_modifyitems(config, items):

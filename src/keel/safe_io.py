@@ -11,11 +11,15 @@ FIFO, a directory or a huge file. The rules, for every path under a run director
   one over its size cap before reading a byte.
 Symlinked files are refused, not read even when they point inside the run: keel never writes one, so a
 symlink there was planted. Every refusal is one `DataError` line naming the file.
+
+What such a file holds is parsed with `loads_json`, which bounds nesting and integers: JSON nested 100,000
+deep is a RecursionError in `json.loads` and a step of 10**30 an OverflowError wherever it meets numpy.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import secrets
 import stat
@@ -27,6 +31,22 @@ MiB = 1 << 20
 CAP_LOG = 256 * MiB  # metrics.jsonl, telemetry.jsonl
 CAP_SMALL = 16 * MiB  # config.yaml, run.json, summary.json, tokenizer_config.json, .lock
 CAP_TOKENIZER = 64 * MiB  # tokenizer.json
+MAX_INT_DIGITS = 18  # every integer keel writes (steps, counts, sizes) is below 10**18
+
+
+def loads_json(text: str | bytes):
+    """`json.loads` for a file from elsewhere: nesting deeper than Python's recursion limit (about 1,000) and
+    an integer of more than MAX_INT_DIGITS digits are ValueErrors, as any other malformed JSON is."""
+    try:
+        return json.loads(text, parse_int=_bounded_int)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"integer {digits[:12]}... has more than {MAX_INT_DIGITS} digits")
+    return int(digits)
 
 
 def inside(root, path) -> Path:

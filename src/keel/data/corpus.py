@@ -333,11 +333,19 @@ def _walk(root: Path, suffixes, prune) -> list[tuple[str, int, int]]:
 
 
 def _readable(path: Path) -> os.stat_result:
+    """The stat of a regular file that can be read: a FIFO is not waited on, and a device (/dev/zero, which
+    never ends) is refused, as is anything else that is not a file of known size."""
     try:
-        with path.open("rb"):
-            return path.stat()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as err:
         raise DataError(f"{path}: cannot read ({err.strerror})") from None
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise DataError(f"{path}: not a regular file (data.source must be a file, a directory, 'stdlib' or hf:...)")
+    return info
 
 
 def _read_text(path: Path) -> str | None:

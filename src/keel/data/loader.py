@@ -40,15 +40,16 @@ class Prepared:
     cache_path: Path
 
 
-def prepare(cfg: DataConfig) -> Prepared:
-    """Tokenise the corpus `cfg` names into cached shards (on the first call only) and memory-map them.
+def prepare(cfg: DataConfig, tokenizer=None) -> Prepared:
+    """Tokenise the corpus `cfg` names into cached shards (on the first call only) and memory-map them;
+    `tokenizer` (a run's saved one) in place of the one data.tokenizer names.
 
     Shards are uint16 when the vocabulary fits, else uint32; each document is followed by the tokenizer's
     eos_id when it has one. A cache is built under a temporary name and renamed into place whole, so a
     half-written one is never read."""
     root = cache_root(cfg)
     corpus = build_corpus(cfg)
-    tokenizer = load_tokenizer(cfg.tokenizer, root, corpus)
+    tokenizer = tokenizer or load_tokenizer(cfg.tokenizer, root, corpus)
     key = hashlib.sha256((corpus.fingerprint + tokenizer.name).encode()).hexdigest()[:16]
     path = root / "tokens" / key
     meta = _read_meta(path) or _write_shards(corpus, tokenizer, path)

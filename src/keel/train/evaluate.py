@@ -74,18 +74,20 @@ def evaluate(model, tokens, seq_len: int, batch_size: int, max_batches: int, dev
 
 
 def evaluate_run(run_dir, checkpoint: str | None = None, split: str = "val", batches: int = 0,
-                 device: str = "auto") -> dict:
-    """`keel eval`: a run's checkpoint on its own data split, with the run's sequence length and dtype.
+                 device: str = "auto", trust: bool = False) -> dict:
+    """`keel eval`: a run's checkpoint on its own data split, with the run's sequence length, dtype and saved
+    tokenizer. The run's data.source and data.cache_dir are followed outside the run only when the config is
+    trusted (`trust`, or keel.train.trust's rules); the model's sizes are checked before it is built.
 
     Under torchrun the model is built as the run trained (FSDP2, or run.pp stages by replicas) and the same
     windows as in one process are split over the ranks, so the loss is one process's; every rank returns it."""
     from keel.data import prepare
-    from keel.model import TransformerLM
     from keel.runtime import autocast_for, resolve_device
     from keel.scale import distributed
     from keel.train import checkpoint as checkpoints
     from keel.train.run_dir import RunDir
     from keel.train.step import build_model
+    from keel.train.trust import check_data_paths
 
     run = RunDir.open(run_dir)
     dev = resolve_device(device)
@@ -94,11 +96,12 @@ def evaluate_run(run_dir, checkpoint: str | None = None, split: str = "val", bat
         if dev.type == "cuda" and world.distributed:
             dev = torch.device("cuda", world.local_rank)
         config, tokenizer = run.config(), run.tokenizer()
-        model = TransformerLM(config.model)
+        check_data_paths(run.path, config.data, trust, tokenizer=False)  # before any file is read
         path = Path(checkpoint) if checkpoint else run.latest_checkpoint()
+        model = run.build_model(config, path)
         _, meta = checkpoints.load(path, model)
         global_batch = meta.get("global_batch", config.run.batch_size)  # of the processes that trained it
-        data = prepare(config.data)
+        data = prepare(config.data, tokenizer)
         tokens = data.val if split == "val" else data.train
         replica, replicas, autocast = 0, 1, autocast_for(dev, config.run.dtype)
         model = model.to(dev)

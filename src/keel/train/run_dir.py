@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from keel import safe_io
 from keel.data.tokenizer import load_saved_tokenizer
-from keel.errors import ConfigError, DataError
+from keel.errors import CheckpointError, ConfigError, DataError
 from keel.train.config import TrainConfig, load_run_config, merge, to_yaml
 
 if TYPE_CHECKING:  # the model and checkpoints import torch (seconds): `keel runs` lists runs without it
@@ -205,7 +205,10 @@ class RunDir(os.PathLike):
         return load_run_config(self.path)
 
     def write_config(self, config: TrainConfig) -> None:
+        from keel.train import trust
+
         self._write("config.yaml", to_yaml(replace(config, resume="")))
+        trust.sign(self.path)  # keel wrote it for this user: its paths are followed (keel.train.trust)
 
     def write_provenance(self, info: dict) -> None:
         self._write("run.json", json.dumps(info, indent=1, default=str))
@@ -247,7 +250,7 @@ class RunDir(os.PathLike):
         out, bad = [], []
         for n, line in enumerate((line for line in text.splitlines() if line.strip()), 1):
             try:
-                record = json.loads(line)
+                record = safe_io.loads_json(line)
             except ValueError:
                 record = None
             if _valid_record(record, name):
@@ -292,18 +295,40 @@ class RunDir(os.PathLike):
     # ---- using it -------------------------------------------------------------------------------
     def load_model(self, checkpoint_path=None) -> tuple[TrainConfig, TransformerLM, object, Path]:
         """(config, model, tokenizer, checkpoint) from the given or the newest intact checkpoint, on CPU."""
-        from keel.model import TransformerLM
         from keel.train import checkpoint
 
         config = self.config()
-        model = TransformerLM(config.model)
         path = Path(checkpoint_path) if checkpoint_path else self.latest_checkpoint()
+        model = self.build_model(config, path)
         checkpoint.load(path, model)
         return config, model, self.tokenizer(), path
 
+    def build_model(self, config: TrainConfig, path: Path) -> TransformerLM:
+        """`TransformerLM(config.model)`, once its sizes are checked against checkpoint `path` and this
+        machine's memory without allocating anything (config.yaml may come from elsewhere)."""
+        import torch
+
+        from keel.model import TransformerLM
+        from keel.runtime import device_memory
+        from keel.train.untrusted import Damaged, check_model_fits, weight_shapes
+
+        try:
+            shapes = weight_shapes(path)
+        except Damaged as err:
+            raise CheckpointError(f"checkpoint {path}: {err}") from None
+        try:
+            check_model_fits(config.model, shapes, device_memory(torch.device("cpu")))
+        except Damaged as err:
+            raise ConfigError(f"{self.path / 'config.yaml'}: {err}") from None
+        return TransformerLM(config.model)
+
     def resume_config(self, overrides=(), config_file: str | None = None) -> TrainConfig:
-        """The run's own config with `overrides` merged in; changing anything but RESUMABLE is refused."""
+        """The run's own config with `overrides` merged in; changing anything but RESUMABLE is refused, and
+        so is a data path outside the run in a config keel did not write for this user (keel.train.trust)."""
+        from keel.train import trust
+
         saved = self.config()
+        trust.check_data_paths(self.path, saved.data)
         resumed = merge(saved, config_file, [o for o in overrides if not o.startswith("resume=")])
         before, after = _flatten(asdict(saved)), _flatten(asdict(resumed))
         for key in before:
@@ -399,7 +424,7 @@ def _read_json_object(path: Path) -> dict | None:
         text = safe_io.read_text(path.parent, path, safe_io.CAP_SMALL)
         if text is None:
             return None
-        value = json.loads(text)
+        value = safe_io.loads_json(text)
     except DataError as err:  # a planted link, FIFO or directory: noted, never followed or waited on
         _note(f"{err}; ignored")
         return None

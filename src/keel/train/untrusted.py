@@ -321,3 +321,54 @@ def _numbers(value, n: int) -> bool:
     """`value` is a list or tuple of `n` finite numbers (not booleans)."""
     return (isinstance(value, (list, tuple)) and len(value) == n
             and all(type(v) in (int, float) and abs(v) < float("inf") for v in value))
+
+
+# ---- a run's model config against its checkpoint, before anything is allocated ---------------------------
+# config.yaml sizes the model; a hostile or damaged one (model.d_model=65536, model.max_seq_len=10**12) would
+# allocate until memory runs out before any weight is compared. So the model is first built on the meta
+# device (shapes only), its bytes bounded by `memory`, and its weights' shapes compared with the checkpoint's.
+def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every weight in the checkpoint at `path`: from the safetensors header, or from the DCP
+    metadata (a few KiB read; no tensor)."""
+    fmt, manifest = read_manifest(path)
+    if fmt == "dcp":
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        items = dcp_metadata(path, manifest).state_dict_metadata.items()
+        return {k.removeprefix("model."): tuple(v.size) for k, v in items
+                if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    from keel.safe_io import loads_json
+
+    with open_regular(path / "model.safetensors") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > _SMALL:
+            raise Damaged(f"model.safetensors has a header of {n} bytes")
+        try:
+            header = loads_json(f.read(n))
+        except ValueError as err:
+            raise Damaged(f"model.safetensors has a malformed header ({err})") from None
+    if not isinstance(header, dict):
+        raise Damaged("model.safetensors has a malformed header")
+    return {name: tuple(entry["shape"]) for name, entry in header.items()
+            if name != "__metadata__" and isinstance(entry, dict) and isinstance(entry.get("shape"), list)}
+
+
+def check_model_fits(config, shapes: dict, memory: int | None) -> None:
+    """Raise `Damaged` naming the model.* field when `TransformerLM(config)` (a ModelConfig) would not fit a
+    checkpoint's `weight_shapes`, or its float32 weights and buffers would take more than `memory` bytes."""
+    from keel.model import TransformerLM
+    from keel.model.counting import count_params
+
+    if config.distinct_blocks > len(shapes):  # before counting, which walks the blocks
+        raise Damaged(f"model.n_blocks={config.n_blocks} needs more weights than the checkpoint's {len(shapes)}")
+    size = 4 * (count_params(config) + 2 * config.max_seq_len * config.head_dim)  # + the RoPE tables
+    if memory is not None and size > memory:
+        field = "max_seq_len" if 8 * config.max_seq_len * config.head_dim > memory else "d_model"
+        raise Damaged(f"model.{field}={getattr(config, field)}: the model needs {size / 2**30:.3g} GiB, more "
+                      f"than this machine's {memory / 2**30:.3g} GiB")
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in TransformerLM(config).state_dict().items()}
+    for name, shape in shapes.items():
+        if name in expected and expected[name] != shape:
+            raise Damaged(f"the model config gives {name} shape {expected[name]}, the checkpoint {shape} "
+                          f"(model.d_model={config.d_model}, model.vocab_size={config.vocab_size})")

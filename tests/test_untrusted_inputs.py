@@ -1,0 +1,115 @@
+"""Everything from outside is untrusted (issue 36): a downloaded run's config, a Hugging Face directory, a token
+cache, a checkpoint's contents, JSON from anywhere. Every case is a real `keel` command that must end in one
+line naming the field or file and exit 2 (never a traceback, a hang or memory exhaustion), and must leave what
+lies outside the run unread or unwritten."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from keel.cli import main
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory) -> Path:
+    """A tiny run trained for 2 steps on a corpus outside it, with its token cache outside it."""
+    root = tmp_path_factory.mktemp("trained")
+    assert main(["train", "--preset", "tiny", f"data.source={corpus}", f"data.cache_dir={root / 'cache'}",
+                 f"run.out_dir={root / 'runs'}", "run.name=base", "run.steps=2", "run.ckpt_every=2",
+                 "run.eval_every=2", "run.progress=false"]) == 0
+    return root / "runs" / "base"
+
+
+@pytest.fixture
+def run(trained, tmp_path) -> Path:
+    copy = tmp_path / "runs" / "victim"
+    shutil.copytree(trained, copy, symlinks=True)
+    (copy / ".lock").unlink(missing_ok=True)
+    return copy
+
+
+def refused(capsys, name: str, *argv) -> str:
+    """The command exits 2 with exactly one `keel: error:` line, naming `name`, and no traceback."""
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("keel: error:")]
+    assert code == 2 and len(lines) == 1 and name in lines[0], err
+    return lines[0]
+
+
+def edit_config(run: Path, **fields) -> None:
+    """Set dotted fields of the run's config.yaml, as someone editing a run before sharing it would."""
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    for key, value in fields.items():
+        section, name = key.split("__")
+        config[section][name] = value
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+EVAL = ("eval", "--batches", "1", "--device", "cpu")
+
+
+# ---- 1. a downloaded run's config is not obeyed as if the user typed it ---------------------------------------
+def test_a_config_naming_a_private_file_and_a_shared_cache_is_refused(run, tmp_path, capsys):
+    private = tmp_path / "private" / "id_rsa"
+    private.parent.mkdir()
+    private.write_bytes(b"-----BEGIN PRIVATE KEY-----\n" * 100)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    edit_config(run, data__source=str(private), data__cache_dir=str(shared))
+    line = refused(capsys, "data.source", EVAL[0], run, *EVAL[1:])
+    assert "outside the run directory" in line and "KEEL_TRUST_CONFIG=1" in line
+    assert list(shared.iterdir()) == []  # no token ids of the private file were written there
+
+
+def test_an_unedited_run_signed_by_another_user_is_not_trusted(run, tmp_path, monkeypatch, capsys):
+    """The run as downloaded: config and signature intact, but no key here made the signature."""
+    monkeypatch.setenv("KEEL_CONFIG_DIR", str(tmp_path / "another-user"))
+    refused(capsys, "data.source", EVAL[0], run, *EVAL[1:])
+    monkeypatch.setenv("KEEL_TRUST_CONFIG", "1")  # the explicit trust flag: the same command now runs
+    assert main([EVAL[0], str(run), *EVAL[1:]]) == 0
+
+
+def test_a_run_keel_wrote_for_this_user_is_trusted(run):
+    assert main([EVAL[0], str(run), *EVAL[1:]]) == 0
+
+
+def test_a_downloaded_run_cannot_resume_from_paths_outside_it(run, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KEEL_CONFIG_DIR", str(tmp_path / "another-user"))
+    refused(capsys, "data.source", "train", f"resume={run}", "run.steps=3", "run.progress=false")
+
+
+def test_a_device_as_data_source_is_refused_before_reading(run, monkeypatch, capsys):
+    monkeypatch.setenv("KEEL_TRUST_CONFIG", "1")  # even a trusted config: /dev/zero never ends
+    edit_config(run, data__source="/dev/zero")
+    assert "not a regular file" in refused(capsys, "/dev/zero", EVAL[0], run, *EVAL[1:])
+
+
+def test_a_fifo_as_data_source_does_not_hang(run, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KEEL_TRUST_CONFIG", "1")
+    fifo = tmp_path / "corpus.txt"
+    os.mkfifo(fifo)
+    edit_config(run, data__source=str(fifo))
+    refused(capsys, "corpus.txt", EVAL[0], run, *EVAL[1:])
+
+
+@pytest.mark.parametrize("command", [EVAL, ("generate", "--max-new-tokens", "2"), ("export-hf", "OUT")])
+@pytest.mark.parametrize("field, value", [("d_model", 65536), ("max_seq_len", 10**12), ("d_model", 128)])
+def test_model_sizes_are_checked_before_anything_is_allocated(run, tmp_path, monkeypatch, command, field, value,
+                                                              capsys):
+    """65536 and 10**12 would take terabytes; 128 fits in memory but not the checkpoint's (.., 64) weights.
+    Checked whatever the trust: a trusted config is still checked against its checkpoint."""
+    if command[0] == "export-hf":
+        pytest.importorskip("transformers")
+    monkeypatch.setenv("KEEL_TRUST_CONFIG", "1")
+    edit_config(run, **{f"model__{field}": value})
+    argv = [tmp_path / "out" if a == "OUT" else a for a in command[1:]]
+    line = refused(capsys, "config.yaml", command[0], run, *argv)
+    assert f"model.{field}" in line or "shape" in line
+    assert not (tmp_path / "out").exists()
