@@ -5,6 +5,7 @@ lies outside the run unread or unwritten."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -113,3 +114,78 @@ def test_model_sizes_are_checked_before_anything_is_allocated(run, tmp_path, mon
     line = refused(capsys, "config.yaml", command[0], run, *argv)
     assert f"model.{field}" in line or "shape" in line
     assert not (tmp_path / "out").exists()
+
+
+# ---- 2. keel import-hf reads its directory as the run-directory readers do -----------------------------------
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory) -> Path:
+    """A tiny Llama saved by transformers, with a BPE tokenizer.json."""
+    transformers = pytest.importorskip("transformers")
+    from keel.data.tokenizer import train_bpe
+
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    train_bpe(["def f(x):\n    return x + 1\n" * 50], 300, path / "tokenizer.json")
+    return path
+
+
+@pytest.fixture
+def hf(hf_model, tmp_path) -> Path:
+    copy = tmp_path / "in" / "llama"
+    shutil.copytree(hf_model, copy)
+    return copy
+
+
+def set_hf_config(hf: Path, value) -> None:
+    (hf / "config.json").write_text(value if isinstance(value, str) else json.dumps(value))
+
+
+def hf_config(hf: Path) -> dict:
+    return json.loads((hf / "config.json").read_text())
+
+
+def test_an_intact_hf_directory_imports(hf, tmp_path):
+    assert main(["import-hf", str(hf), str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda c: [c], "holds a JSON list"),
+    (lambda c: c | {"num_attention_heads": 0}, "num_attention_heads=0"),
+    (lambda c: c | {"num_hidden_layers": "2"}, "num_hidden_layers=2; allowed: an integer"),
+    (lambda c: c | {"vocab_size": 2**31}, "vocab_size=2147483648"),
+    (lambda c: c | {"max_position_embeddings": 10**15}, "max_position_embeddings=1000000000000000"),
+    (lambda c: "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    (lambda c: c | {"rope_parameters": ["not", "an", "object"]}, "rope_parameters=['not', 'an', 'object']"),
+])
+def test_a_bad_hf_config_is_one_line(hf, tmp_path, damage, needle, capsys):
+    set_hf_config(hf, damage(hf_config(hf)))
+    assert needle in refused(capsys, "config.json", "import-hf", hf, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_fifo_hf_config_does_not_hang(hf, tmp_path, capsys):
+    (hf / "config.json").unlink()
+    os.mkfifo(hf / "config.json")
+    assert "not a regular file" in refused(capsys, "config.json", "import-hf", hf, tmp_path / "run")
+
+
+def test_an_output_path_that_is_a_file_is_left_alone(hf, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.write_bytes(b"precious\n")
+    refused(capsys, "already exists", "import-hf", hf, out)
+    assert out.read_bytes() == b"precious\n"
+
+
+def test_an_index_pointing_outside_the_directory_is_refused(hf, tmp_path, capsys):
+    """model.safetensors.index.json naming ../outside/...: the weights there are never read."""
+    outside = tmp_path / "in" / "outside"
+    outside.mkdir()
+    (hf / "model.safetensors").rename(outside / "model.safetensors")
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "../outside/model.safetensors"}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    line = refused(capsys, "model.safetensors.index.json", "import-hf", hf, tmp_path / "run")
+    assert "../outside/model.safetensors" in line and "refused" in line
+    assert not (tmp_path / "run").exists()

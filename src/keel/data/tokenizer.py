@@ -59,7 +59,7 @@ class HFTokenizer:
     def __init__(self, path, follow_links: bool = True):
         self.path = Path(path)
         try:
-            raw = _read_capped(self.path, follow_links)
+            raw = read_capped(self.path, follow_links)
         except FileNotFoundError:
             raise DataError(f"{self.path}: no such tokenizer file; data.tokenizer must be {SPEC_HELP}") from None
         except OSError as err:
@@ -87,7 +87,7 @@ class HFTokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         # never through a link planted at the destination (a run directory from elsewhere)
-        safe_io.write_bytes(directory, directory / "tokenizer.json", _read_capped(self.path))
+        safe_io.write_bytes(directory, directory / "tokenizer.json", read_capped(self.path))
 
     def token_byte_lengths(self) -> np.ndarray | None:
         """UTF-8 bytes each id stands for, for byte-level BPE (one symbol of its alphabet = one byte;
@@ -151,7 +151,7 @@ def load_tokenizer(spec: str, cache_dir, corpus=None):
 MAX_TOKENIZER_BYTES = 64 << 20  # a real tokenizer.json is a few MiB; parsing costs ~2x its size in memory
 
 
-def _read_capped(path: Path, follow_links: bool = True) -> bytes:
+def read_capped(path: Path, follow_links: bool = True) -> bytes:
     """The bytes of a tokenizer file: a regular file (a FIFO is refused, not waited on) of at most
     MAX_TOKENIZER_BYTES, checked before reading. Without `follow_links` a symlink is refused (a run
     directory's files: keel never writes a link there)."""
@@ -178,7 +178,7 @@ def load_saved_tokenizer(directory):
         return HFTokenizer(directory / "tokenizer.json", follow_links=False)
     config = directory / "tokenizer_config.json"
     try:
-        kind = json.loads(_read_capped(config, follow_links=False)).get("keel_tokenizer")
+        kind = safe_io.loads_json(read_capped(config, follow_links=False)).get("keel_tokenizer")
     except (OSError, ValueError, AttributeError):
         kind = None
     if kind == "bytes":

@@ -310,16 +310,20 @@ class RunDir(os.PathLike):
 
         from keel.model import TransformerLM
         from keel.runtime import device_memory
-        from keel.train.untrusted import Damaged, check_model_fits, weight_shapes
+        from keel.train.untrusted import Damaged, check_model_memory, check_model_shapes, weight_shapes
 
         try:
             shapes = weight_shapes(path)
         except Damaged as err:
             raise CheckpointError(f"checkpoint {path}: {err}") from None
         try:
-            check_model_fits(config.model, shapes, device_memory(torch.device("cpu")))
+            check_model_memory(config.model, shapes, device_memory(torch.device("cpu")))
         except Damaged as err:
             raise ConfigError(f"{self.path / 'config.yaml'}: {err}") from None
+        try:
+            check_model_shapes(config.model, shapes)
+        except Damaged as err:
+            raise CheckpointError(f"checkpoint {path}: weights do not fit the model ({err})") from None
         return TransformerLM(config.model)
 
     def resume_config(self, overrides=(), config_file: str | None = None) -> TrainConfig:

@@ -337,38 +337,52 @@ def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         items = dcp_metadata(path, manifest).state_dict_metadata.items()
         return {k.removeprefix("model."): tuple(v.size) for k, v in items
                 if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    with open_regular(path / "model.safetensors") as f:
+        return safetensors_shapes(f, "model.safetensors")
+
+
+def safetensors_shapes(f, name: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape from the header of the safetensors file open as `f` (8 bytes of length, then JSON)."""
     from keel.safe_io import loads_json
 
-    with open_regular(path / "model.safetensors") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if n > _SMALL:
-            raise Damaged(f"model.safetensors has a header of {n} bytes")
-        try:
-            header = loads_json(f.read(n))
-        except ValueError as err:
-            raise Damaged(f"model.safetensors has a malformed header ({err})") from None
+    n = int.from_bytes(f.read(8), "little")
+    if n > _SMALL:
+        raise Damaged(f"{name} has a header of {n} bytes")
+    try:
+        header = loads_json(f.read(n))
+    except ValueError as err:
+        raise Damaged(f"{name} has a malformed header ({err})") from None
     if not isinstance(header, dict):
-        raise Damaged("model.safetensors has a malformed header")
-    return {name: tuple(entry["shape"]) for name, entry in header.items()
-            if name != "__metadata__" and isinstance(entry, dict) and isinstance(entry.get("shape"), list)}
+        raise Damaged(f"{name} has a malformed header")
+    shapes = {k: v.get("shape") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+    if not all(isinstance(s, list) and all(type(d) is int and d >= 0 for d in s) for s in shapes.values()):
+        raise Damaged(f"{name} has a malformed header (a shape that is not a list of sizes)")
+    return {k: tuple(s) for k, s in shapes.items()}
 
 
-def check_model_fits(config, shapes: dict, memory: int | None) -> None:
-    """Raise `Damaged` naming the model.* field when `TransformerLM(config)` (a ModelConfig) would not fit a
-    checkpoint's `weight_shapes`, or its float32 weights and buffers would take more than `memory` bytes."""
-    from keel.model import TransformerLM
+def check_model_memory(config, shapes: dict, memory: int | None) -> None:
+    """Raise `Damaged` naming the model.* field when `TransformerLM(config)` (a ModelConfig) has more blocks
+    than a checkpoint's `weight_shapes` hold weights, or its float32 weights and RoPE tables would take more
+    than `memory` bytes."""
     from keel.model.counting import count_params
 
     if config.distinct_blocks > len(shapes):  # before counting, which walks the blocks
         raise Damaged(f"model.n_blocks={config.n_blocks} needs more weights than the checkpoint's {len(shapes)}")
-    size = 4 * (count_params(config) + 2 * config.max_seq_len * config.head_dim)  # + the RoPE tables
+    size = 4 * (count_params(config) + 2 * config.max_seq_len * config.head_dim)
     if memory is not None and size > memory:
         field = "max_seq_len" if 8 * config.max_seq_len * config.head_dim > memory else "d_model"
         raise Damaged(f"model.{field}={getattr(config, field)}: the model needs {size / 2**30:.3g} GiB, more "
                       f"than this machine's {memory / 2**30:.3g} GiB")
+
+
+def check_model_shapes(config, shapes: dict) -> None:
+    """Raise `Damaged` when a weight of `TransformerLM(config)`, built on the meta device (nothing allocated;
+    after `check_model_memory`, which bounds its blocks), has another shape than in `shapes`."""
+    from keel.model import TransformerLM
+
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in TransformerLM(config).state_dict().items()}
     for name, shape in shapes.items():
         if name in expected and expected[name] != shape:
-            raise Damaged(f"the model config gives {name} shape {expected[name]}, the checkpoint {shape} "
-                          f"(model.d_model={config.d_model}, model.vocab_size={config.vocab_size})")
+            raise Damaged(f"config.yaml's model (d_model={config.d_model}, vocab_size={config.vocab_size}) gives "
+                          f"{name} the shape {expected[name]}, the checkpoint {shape}")
