@@ -189,3 +189,56 @@ def test_an_index_pointing_outside_the_directory_is_refused(hf, tmp_path, capsys
     line = refused(capsys, "model.safetensors.index.json", "import-hf", hf, tmp_path / "run")
     assert "../outside/model.safetensors" in line and "refused" in line
     assert not (tmp_path / "run").exists()
+
+
+# ---- 5. JSON from a run directory: nesting and numbers bounded on every read; every write through safe_io ------
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def test_a_deeply_nested_manifest_is_a_damaged_checkpoint(run, capsys):
+    (run / "checkpoints" / "step_00000002" / "manifest.json").write_text(DEEP)
+    line = refused(capsys, "no intact checkpoint", EVAL[0], run, *EVAL[1:])
+    assert "checkpoints" in line
+
+
+@pytest.mark.parametrize("name", ["summary.json", "run.json"])
+def test_deeply_nested_run_files_are_noted_not_tracebacks(run, name, capsys):
+    if name == "run.json":  # read for the status of a run without a summary
+        (run / "summary.json").unlink()
+    (run / name).write_text(DEEP)
+    assert main(["runs", str(run.parent)]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{name}: not valid JSON (nested too deeply)" in err
+
+
+def test_a_deep_or_huge_metrics_line_is_skipped_by_runs_and_plot(run, tmp_path, capsys):
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(DEEP + "\n" + json.dumps({"step": 10**30, "loss": 1.0}) + "\n")
+    with open(run / "telemetry.jsonl", "a") as f:
+        f.write(json.dumps({"step": 10**30, "grad_norm": [1.0, 2.0]}) + "\n")
+    assert main(["runs", str(run.parent)]) == 0
+    assert main(["plot", str(run), "--out", str(tmp_path / "c.png")]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "metrics.jsonl: skipped 2 damaged records" in err
+    assert "telemetry.jsonl: skipped 1 damaged record" in err
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_a_deeply_nested_tokenizer_config_is_one_line(run, capsys):
+    (run / "tokenizer" / "tokenizer_config.json").write_text(DEEP)
+    refused(capsys, "tokenizer", "generate", run, "--max-new-tokens", "1")
+
+
+def test_lm_eval_results_are_not_written_through_a_planted_link(hf_model, tmp_path, monkeypatch):
+    from keel.errors import DataError
+    from keel.hf import harness
+
+    canary = tmp_path / "canary.txt"
+    canary.write_bytes(b"precious\n")
+    model = tmp_path / "model"
+    shutil.copytree(hf_model, model)
+    (model / "lm_eval-hellaswag.json").symlink_to(canary)
+    monkeypatch.setattr(harness, "_evaluate", lambda *a: {"results": {"hellaswag": {"acc": 0.5}}})
+    with pytest.raises(DataError, match="lm_eval-hellaswag.json: is a symbolic link"):
+        harness.run_lm_eval(model, ["hellaswag"])
+    assert canary.read_bytes() == b"precious\n"

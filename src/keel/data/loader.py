@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from keel.data.corpus import FORMAT, SPLITS, Corpus, DataConfig, build_corpus, cache_root
-from keel.data.tokenizer import load_tokenizer
+from keel.data.tokenizer import load_tokenizer, read_capped
 from keel.errors import DataError
+from keel.safe_io import loads_json
 
 ENCODE_BATCH = 256  # documents per tokenizer call: enough for the Rust BPE to use every core
 
@@ -121,11 +122,11 @@ def _check_splits(corpus: Corpus, info: dict) -> None:
 def _read_meta(path: Path) -> dict | None:
     """The cache's meta.json when the cache is whole, else None."""
     try:
-        meta = json.loads((path / "meta.json").read_text())
+        meta = loads_json(read_capped(path / "meta.json"))  # a regular file, bounded in size and depth
         itemsize = np.dtype(meta["dtype"]).itemsize
         whole = meta["format"] == FORMAT and all(
             (path / f"{s}.bin").stat().st_size == meta["corpus"][f"{s}_tokens"] * itemsize for s in SPLITS)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return meta if whole else None
 

@@ -7,10 +7,12 @@ the model the way `lm_eval --model hf --model_args pretrained=<export dir>` does
 from __future__ import annotations
 
 import json
+import os
 import re
 import tempfile
 from pathlib import Path
 
+from keel import safe_io
 from keel.errors import ExportError
 from keel.evals.harness import fetch_failure, fetch_message, find_tasks
 from keel.hf import register
@@ -33,8 +35,7 @@ def _evaluate(hf_dir: Path, tasks: list[str], include_path: str | None, device: 
         raise ExportError(f"--tasks: unknown task {unknown[0]!r}{where}")
     # the harness prefixes empty contexts with BOS or EOS; a byte-level tokenizer has neither, so it gets
     # byte 0 (NUL), the one choice that keeps every id a plain byte
-    tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text()) \
-        if (hf_dir / "tokenizer_config.json").is_file() else {}
+    tokenizer_config = _tokenizer_config(hf_dir / "tokenizer_config.json")
     has_special = any(tokenizer_config.get(k) for k in ("bos_token", "eos_token"))
     lm = HFLM(pretrained=str(hf_dir), backend="causal", device=device, batch_size=batch_size, dtype="float32",
               prefix_token_id=None if has_special else 0)
@@ -65,5 +66,21 @@ def run_lm_eval(path, tasks: list[str], include_path: str | None = None, device:
     results.pop("samples", None)
     name = re.sub(r"[^\w.-]+", "_", "+".join(tasks))[:100]
     out = Path(output) if output else path / f"lm_eval-{name}.json"
-    out.write_text(json.dumps(results, indent=1, default=str))
+    safe_io.write_text(out.parent, out, json.dumps(results, indent=1, default=str))  # never through a planted link
     return results, out
+
+
+def _tokenizer_config(path: Path) -> dict:
+    """tokenizer_config.json as an object ({} when absent): a regular file of bounded size and depth."""
+    from keel.data.tokenizer import read_capped
+
+    if not os.path.lexists(path):
+        return {}
+    try:
+        config = safe_io.loads_json(read_capped(path))
+    except (OSError, ValueError) as err:  # DataError is a ValueError: not a regular file, too large
+        reason = str(err).removeprefix("keel: ")[:120]
+        raise ExportError(f"{path}: cannot be read as a JSON object ({reason})") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"{path}: holds a JSON {type(config).__name__}, not an object")
+    return config

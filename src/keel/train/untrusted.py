@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from keel.safe_io import loads_json
+
 FILES = ("model.safetensors", "state.pt", "meta.json")  # format "safetensors": exactly these
 DCP_METADATA = ".metadata"
 DCP_FILES = (DCP_METADATA, "state.pt", "meta.json")  # format "dcp": these and one or more shards
@@ -105,7 +107,7 @@ def read_manifest(path: Path) -> tuple[str, dict[str, str]]:
     """(format, {file: SHA-256}) from `path`/manifest.json, checked for shape: every value a SHA-256 and
     the files exactly those of its format, so nothing outside that list is ever opened."""
     try:
-        raw = json.loads(_read_small(path / "manifest.json"))
+        raw = loads_json(_read_small(path / "manifest.json"))
     except ValueError:
         raise Damaged("manifest.json is not valid JSON") from None
     if not isinstance(raw, dict):
@@ -164,7 +166,7 @@ def inspect_checkpoint(path: Path) -> tuple[str, dict[str, str]]:
 
 def read_meta(path: Path, manifest: dict) -> dict:
     try:
-        meta = json.loads(read_checked(path / "meta.json", manifest))
+        meta = loads_json(read_checked(path / "meta.json", manifest))
     except ValueError:
         raise Damaged("meta.json is not valid JSON") from None
     if not (isinstance(meta, dict) and type(meta.get("step")) is int and meta["step"] >= 0):
@@ -343,8 +345,6 @@ def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 def safetensors_shapes(f, name: str) -> dict[str, tuple[int, ...]]:
     """Name -> shape from the header of the safetensors file open as `f` (8 bytes of length, then JSON)."""
-    from keel.safe_io import loads_json
-
     n = int.from_bytes(f.read(8), "little")
     if n > _SMALL:
         raise Damaged(f"{name} has a header of {n} bytes")
