@@ -242,3 +242,23 @@ def test_lm_eval_results_are_not_written_through_a_planted_link(hf_model, tmp_pa
     with pytest.raises(DataError, match="lm_eval-hellaswag.json: is a symbolic link"):
         harness.run_lm_eval(model, ["hellaswag"])
     assert canary.read_bytes() == b"precious\n"
+
+
+# ---- 4. a checkpoint's contents after its checksums -----------------------------------------------------------
+@pytest.mark.parametrize("key", ["torch_rng", "sampler"])
+def test_a_rechecksummed_rng_state_of_the_wrong_length_is_refused_at_load(run, key, capsys):
+    import torch
+
+    from damage import rechecksum
+
+    ckpt = run / "checkpoints" / "step_00000002"
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    short = torch.zeros(100, dtype=torch.uint8)  # the right type, the wrong length: set_state raises
+    if key == "sampler":
+        state["sampler"]["generator"] = short
+    else:
+        state[key] = short
+    torch.save(state, ckpt / "state.pt")
+    rechecksum(ckpt)
+    line = refused(capsys, key, "train", f"resume={run}", "run.steps=3", "run.progress=false")
+    assert "5056 bytes" in line

@@ -244,8 +244,13 @@ def _count(v) -> bool:
     return type(v) is int and v >= 0
 
 
-def _rng(v) -> bool:
-    return isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1
+_CPU_RNG_BYTES = torch.Generator().get_state().numel()  # 5056: the Mersenne Twister's state, seed and offset
+_CUDA_RNG_BYTES = 16  # Philox: seed and offset
+
+
+def _rng(v, size: int = _CPU_RNG_BYTES) -> bool:
+    """A generator's state as `get_state` returns it; one of another length is a RuntimeError at set_state."""
+    return isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1 and v.numel() == size
 
 
 _META = {
@@ -265,13 +270,16 @@ def check_training_state(state: dict, meta: dict, model) -> None:
     for key, (ok, allowed) in _META.items():
         if key in meta and not ok(meta[key]):
             raise Damaged(f"meta.json: {key} is {json.dumps(meta[key])[:40]}, not {allowed}")
-    for key in ("torch_rng", "cuda_rng"):
-        if key in state and not _rng(state[key]):
-            raise Damaged(f"state.pt: {key} is not a random-generator state (a 1-D uint8 tensor)")
+    if not isinstance(state, dict):
+        raise Damaged(f"state.pt holds {type(state).__name__}, not a dict")
+    for key, size in (("torch_rng", _CPU_RNG_BYTES), ("cuda_rng", _CUDA_RNG_BYTES)):
+        if key in state and not _rng(state[key], size):
+            raise Damaged(f"state.pt: {key} is not a random-generator state (a 1-D uint8 tensor of {size} bytes)")
     if "sampler" in state:
         sampler = state["sampler"]
         if not (isinstance(sampler, dict) and _rng(sampler.get("generator")) and _count(sampler.get("step"))):
-            raise Damaged("state.pt: sampler is not {generator: uint8 tensor, step: integer >= 0}")
+            raise Damaged(f"state.pt: sampler is not {{generator: uint8 tensor of {_CPU_RNG_BYTES} bytes, "
+                          "step: integer >= 0}")
     if "optimizer" in state:
         check_optimizer(state["optimizer"], model)
 
