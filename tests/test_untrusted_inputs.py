@@ -262,3 +262,20 @@ def test_a_rechecksummed_rng_state_of_the_wrong_length_is_refused_at_load(run, k
     rechecksum(ckpt)
     line = refused(capsys, key, "train", f"resume={run}", "run.steps=3", "run.progress=false")
     assert "5056 bytes" in line
+
+
+# ---- 3. a token cache with ids beyond the vocabulary ----------------------------------------------------------
+def test_a_token_cache_with_ids_beyond_the_vocabulary_is_one_line(trained, run, capsys):
+    import numpy as np
+
+    cache = next((trained.parent.parent / "cache" / "tokens").iterdir())
+    shard = cache / "val.bin"
+    saved = shard.read_bytes()
+    try:
+        ids = np.fromfile(shard, dtype=np.uint16)
+        ids[:: max(1, len(ids) // 7)] = 60_000  # the byte tokenizer has 256 ids
+        ids.tofile(shard)
+        line = refused(capsys, "val.bin", EVAL[0], run, *EVAL[1:])
+        assert "token id 60000 is outside the tokenizer's 256" in line and "delete" in line
+    finally:
+        shard.write_bytes(saved)  # the module's other tests share this cache

@@ -55,7 +55,17 @@ def prepare(cfg: DataConfig, tokenizer=None) -> Prepared:
     path = root / "tokens" / key
     meta = _read_meta(path) or _write_shards(corpus, tokenizer, path)
     dtype = np.dtype(meta["dtype"])
-    return Prepared(_map(path / "train.bin", dtype), _map(path / "val.bin", dtype), tokenizer, meta["corpus"], path)
+    train, val = (_checked(_map(path / f"{s}.bin", dtype), tokenizer.vocab_size, path / f"{s}.bin") for s in SPLITS)
+    return Prepared(train, val, tokenizer, meta["corpus"], path)
+
+
+def _checked(tokens: np.ndarray, vocab_size: int, path: Path, sample: int = 1 << 20) -> np.ndarray:
+    """`tokens`, once a sample of them (every k-th id, about `sample` in all; all of a small shard) is inside the
+    vocabulary: an id beyond it (a damaged or planted cache) would be an index error deep in the model."""
+    if len(tokens) and (top := int(tokens[::max(1, len(tokens) // sample)].max())) >= vocab_size:
+        raise DataError(f"{path}: token id {top} is outside the tokenizer's {vocab_size}; the token cache is "
+                        f"damaged: delete {path.parent} to rebuild it")
+    return tokens
 
 
 def _write_shards(corpus: Corpus, tokenizer, final: Path) -> dict:
