@@ -78,13 +78,15 @@ def test_compare_reports_graph_counts_only_when_compiled(variant):
 
 
 @pytest.mark.parametrize(("mode", "device", "compiled", "kernel_ok", "expected"), [
-    ("auto", "cuda", True, True, "composed"),  # measured faster on an H100: Inductor fuses it
+    ("auto", "cuda", True, True, None),  # measured fastest on an H100: Inductor fuses it inside each block
     ("auto", "cuda", False, True, "kernel"),  # eager on CUDA: the kernel beats the unfused ops
     ("auto", "cpu", True, False, "composed"),
     ("auto", "cpu", False, False, None),
     ("on", "cuda", True, True, "kernel"),  # asked for explicitly
     ("on", "cpu", True, False, "composed"),
     ("off", "cuda", True, True, None),
+    ("composed", "cuda", True, True, "composed"),  # what the GPU campaign measures next
+    ("composed", "cpu", True, False, "composed"),
 ])
 def test_the_junction_default_under_compile_is_the_measured_faster_path(mode, device, compiled, kernel_ok, expected):
     from keel.scale.parallel import junction_impl
@@ -92,12 +94,14 @@ def test_the_junction_default_under_compile_is_the_measured_faster_path(mode, de
     assert junction_impl(mode, device, compiled, None if kernel_ok else "no triton") == expected
 
 
-def test_fused_junction_on_without_kernel_or_compile_is_refused_in_one_line():
+def test_fused_junction_on_or_composed_without_what_they_need_is_refused_in_one_line():
     from keel.errors import ConfigError
     from keel.scale.parallel import junction_impl
 
     with pytest.raises(ConfigError, match="run.fused_junction=on: no triton and run.compile is off"):
         junction_impl("on", "cpu", False, "no triton")
+    with pytest.raises(ConfigError, match="run.fused_junction=composed: .* needs run.compile=true"):
+        junction_impl("composed", "cuda", False, None)
 
 
 def test_under_activation_checkpointing_junctions_stay_inside_blocks():

@@ -88,10 +88,10 @@ class GpuSuite:
         return {"device": device, "compile_backend": self.compile_backend, "init_on_device": device.type == "cuda"}
 
 
-# variant -> (run.compile, run.fused_junction). "compiled+composed" is the default under compile since the H100 run
-# of 2026-11-24 (keel.scale.parallel.junction_impl) and has not been measured on a GPU yet; the performance model
-# predicts it as "compiled" (it does not model the cross-block fusion)
-VARIANTS = {"eager": (False, "off"), "compiled": (True, "off"), "compiled+composed": (True, "auto"),
+# variant -> (run.compile, run.fused_junction). "compiled" is the CUDA default under compile
+# (keel.scale.parallel.junction_impl); "compiled+composed" (the CPU default: Keel's junction fused across blocks by
+# Inductor) has not been measured on a GPU yet; the performance model predicts it as "compiled"
+VARIANTS = {"eager": (False, "off"), "compiled": (True, "off"), "compiled+composed": (True, "composed"),
             "compiled+fused": (True, "on")}
 MODEL_IMPL = {"compiled+composed": "compiled"}
 

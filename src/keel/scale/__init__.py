@@ -18,7 +18,7 @@ PP_SCHEDULE_SPECS = {
 PP_SCHEDULES = tuple(PP_SCHEDULE_SPECS)  # run.pp_schedule's values
 # run.fused_junction's values and default (keel.scale.parallel.apply_fused_junction); the kernel module (and
 # triton) is imported only when a junction is fused
-FUSED_JUNCTION = ("auto", "on", "off")
+FUSED_JUNCTION = ("auto", "on", "composed", "off")  # composed: fused by the compiler across blocks (run.compile)
 FUSED_JUNCTION_DEFAULT = "auto"
 
 

@@ -102,9 +102,10 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     Where the Triton kernel (keel.kernels.junction) can run (CUDA), it computes each junction. Elsewhere, for a
     model about to be compiled (`compiled`), the junction is fused by the compiler instead: a
     `ComposedJunction` moves the next sub-layer's `LN_in` into the compiled block that ends with `LN_out`.
-    mode: "auto" fuses wherever one of the two can (the compiler's fusion for a compiled model, the kernel for
-    an eager one on CUDA; the kernel never on CPU, not even under triton's interpreter), "on" fuses with the
-    kernel or raises a ConfigError saying why it cannot, "off" leaves the plain
+    mode: "auto" fuses where it was measured faster (`junction_impl`: the kernel for an eager model on CUDA, the
+    compiler's fusion across blocks for a compiled model on CPU; never the kernel on CPU, not even under triton's
+    interpreter), "composed" asks for the compiler's fusion, "on" fuses with the kernel or raises a ConfigError
+    saying why it cannot, "off" leaves the plain
     composition. A model without junctions (Pre-LN, Post-LN, ...) has nothing to fuse under any mode.
     Under FSDP2 pass `across_blocks=False`: a junction between two blocks would read the next block's
     norm weight while that block's parameters are still sharded. Applying again replaces what an earlier
@@ -140,17 +141,29 @@ def junction_impl(mode: str, device_type: str, compiled: bool, problem: str | No
     Inductor to fuse) or None (not fused); `problem` says why the kernel cannot run here (None: it can). "on"
     with neither raises a ConfigError.
 
-    "auto" under compile lets Inductor fuse the junction, on CUDA too: measured on one H100 (../shared/gpu,
-    d=1024, 64 sub-layers) Keel/Pre-LN step time was 1.046 compiled against 1.322 compiled with the Triton kernel
-    in the graph, and torch.compile's own junction beat the kernel forward+backward (638 vs 945 us). The kernel
+    "auto" under compile on CUDA leaves the junction to Inductor inside each compiled block (None), the path
+    measured fastest on one H100 (../shared/gpu, d=1024, 64 sub-layers): Keel/Pre-LN step time 1.046 compiled
+    against 1.322 with the Triton kernel in the graph; torch.compile's own junction beat the kernel
+    forward+backward (638 vs 945 us). The composed junction across blocks ("composed") is the compiled default
+    where it was measured, on CPU (Keel/Pre-LN 1.013 and 1.009 against 1.036 and 1.057), and costs a third graph
+    to compile; the GPU campaign measures it ("compiled+composed") before it becomes the CUDA default. The kernel
     stays the eager default on CUDA (82-94% of copy bandwidth against 14-15% unfused) and is what "on" asks for.
     """
     if mode == "off":
         return None
+    if mode == "composed":
+        if not compiled:
+            raise ConfigError("run.fused_junction=composed: the compiler fuses the junction, so it needs "
+                              "run.compile=true; allowed without it: auto, on or off")
+        return "composed"
     if problem is None and (mode == "on" or (device_type == "cuda" and not compiled)):
         return "kernel"
-    if compiled:
+    if compiled and device_type != "cuda":
         return "composed"
+    if compiled and mode == "on":  # the kernel cannot run here: the compiler's fusion is what "on" can have
+        return "composed"
+    if compiled:
+        return None
     if mode == "on":
         raise ConfigError(f"run.fused_junction=on: {problem} and run.compile is off (with run.compile=true "
                           "the compiler fuses it); allowed here: auto or off")

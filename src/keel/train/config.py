@@ -4,12 +4,17 @@ Precedence: preset (or an experiment's defaults) < YAML file < dotted `key=value
 every key and type against the dataclasses; `ModelConfig` and `validate` then check values. A bare model
 field (`scheme=pre_ln`) is short for `model.scheme=pre_ln`; any other section-less key is refused with the
 section it probably belongs to (`steps=10`: did you mean run.steps?).
+
+Each command declares the fields it reads (`Reads`: TRAIN, RESUME, SUMMARY, TOKENIZER here; bench's and each
+experiment's beside them); the merge refuses any other field a YAML file or an override sets, the same way
+from either, in one line naming the field and why.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
@@ -18,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from keel.data.corpus import DataConfig
 from keel.errors import ConfigError
-from keel.model.config import CONFIG_FIELDS, ModelConfig
+from keel.model.config import ModelConfig
 from keel.model.presets import PRESETS as MODEL_PRESETS
 from keel.model.presets import cpu_demo, tiny
 from keel.runtime import DEVICES, DTYPES
@@ -76,7 +81,7 @@ class RunConfig:
     device: str = "auto"  # auto: cuda if available, else cpu
     dtype: str = "auto"  # auto: bf16 on cuda (autocast; under torchrun FSDP2 bf16 weights), float32 on cpu
     compile: bool = False  # torch.compile each block (regional; keel.scale.parallel)
-    fused_junction: str = FUSED_JUNCTION_DEFAULT  # auto: the fused Triton Keel junction where it can run; on | off
+    fused_junction: str = FUSED_JUNCTION_DEFAULT  # auto (where measured faster) | on (Triton) | composed | off
     ac_every: int = 0  # activation checkpointing: 0 none, 1 every block, k every k-th block
     fsdp_group: int = 1  # under torchrun: blocks per FSDP2 unit (one all-gather each)
     pp: int = 1  # under torchrun: pipeline stages, one rank each (keel.scale.pipeline); 1 = no pipeline
@@ -152,16 +157,87 @@ PRESETS = {name: _model_only(name) for name in MODEL_PRESETS} | {"cpu-demo": _cp
                                                                  "paper-2048": _one_gpu("paper-2048")}
 
 
-def train_preset(name: str) -> TrainConfig:
+DEFAULT_PRESET = "cpu-demo"
+
+
+def train_preset(name: str | None = None) -> TrainConfig:
+    name = name or DEFAULT_PRESET
     if name not in PRESETS:
         raise ConfigError(f"--preset: unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
     return PRESETS[name]()
 
 
-def merge(base, config_file: str | None = None, overrides=()):
-    """The one config merge, for train, experiments and bench: `base` (a dataclass instance: a preset or an
-    experiment's defaults) < a YAML file < dotted `key=value` overrides. OmegaConf checks every key and type
-    against the dataclasses; a wrong key, type or value is one ConfigError naming the field."""
+@dataclass(frozen=True)
+class Reads:
+    """The fields one command reads of its merged config. The merge refuses any other field a YAML file or an
+    override sets, never ignoring it: `<field>: not used by <command> (<why>)`.
+
+    fields: dotted fields ("run.seq_len") or whole sections ("model"); "*" is every field.
+    refuse: {field or section: why}, refused even inside `fields` (an experiment sets model.n_blocks per point).
+    only: {field: values} read only at these values (bench reads model.scheme when it is one of --schemes).
+    hints: {field or section: why} for a field not read; `why` for any other.
+    keep_unchanged: a field outside `fields` may still be given at the base's own value (resume: the run's YAML).
+    shorthand: the section a bare field belongs to (`scheme=pre_ln` is model.scheme).
+    """
+
+    command: str = ""  # "keel bench"; empty: "here" (an experiment: its error already starts with its name)
+    fields: tuple[str, ...] = ("*",)
+    why: str = ""
+    refuse: Mapping[str, str] = field(default_factory=dict)
+    only: Mapping[str, tuple] = field(default_factory=dict)
+    hints: Mapping[str, str] = field(default_factory=dict)
+    keep_unchanged: bool = False
+    shorthand: str = "model"
+
+    def refusal(self, key: str, base, config) -> str | None:
+        """Why `key`, set in the file or the overrides, is refused (None: read). `base` and `config` are the
+        merge's base and result: `only` and `keep_unchanged` compare values."""
+        section = key.split(".", 1)[0]
+        by = f"by {self.command}" if self.command else "here"
+        for name in (key, section):
+            if name in self.refuse:
+                return f"{key}: not used {by} ({self.refuse[name]})"
+        if key in self.only and _value(config, key) not in self.only[key]:
+            return f"{key}: not used {by} ({self.hints.get(key) or self.why})"
+        if "*" in self.fields or key in self.fields or section in self.fields:
+            return None
+        if self.keep_unchanged:
+            before, after = _value(base, key), _value(config, key)
+            if before == after:
+                return None
+            return f"{self.command}: {key}={after!r} differs from the run's config ({before!r}); {self.why}"
+        return f"{key}: not used {by} ({self.hints.get(key) or self.hints.get(section) or self.why})"
+
+
+def _value(node, key: str):
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else getattr(node, part, None)
+    return node
+
+
+TRAIN = Reads("keel train")
+# what a resumed run may change; anything else must keep the run's value. run.batch_size may change when the
+# number of processes does: the trainer checks that the global batch (batch_size x processes) stays what the
+# checkpoint was written with
+RESUMABLE = ("resume", "run.steps", "run.batch_size", "run.progress", "run.log_every", "run.eval_every",
+             "run.eval_batches", "run.ac_every", "run.fsdp_group", "run.ckpt_every", "run.keep_checkpoints",
+             "run.device", "run.compile", "run.fused_junction", "run.out_dir", "run.name", "run.telemetry_every",
+             "run.log_to", "run.eval_tasks", "run.eval_tasks_every", "run.eval_tasks_items",  # scoring never trains
+             "run.threads")
+RESUME = Reads("resume", RESUMABLE, why="a resumed run must keep it", keep_unchanged=True)
+SUMMARY = Reads("keel summary", ("model",), why="it describes the model: model.* fields only")
+SUMMARY_OF_RUN = Reads("keel summary", (), why="it describes the run's model as it was trained")
+TOKENIZER = Reads("keel tokenizer", ("data",), why="it trains a tokenizer on the corpus: data.* fields only",
+                  shorthand="data")
+
+
+def merge(base, config_file: str | None = None, overrides=(), reads: Reads | None = None):
+    """The one config merge, for every command: `base` (a dataclass instance: a preset, an experiment's
+    defaults, a run's own config) < a YAML file < dotted `key=value` overrides. OmegaConf checks every key and
+    type against the dataclasses; a wrong key, type or value is one ConfigError naming the field. A field set
+    that the command does not read (`reads`; default: the merged config's own `reads()`, else every field) is
+    refused the same way, whether the file or an override set it."""
+    declared = reads or (base.reads() if hasattr(base, "reads") else TRAIN)
     layers = [OmegaConf.structured(base)]
     if config_file:
         path = Path(config_file)
@@ -179,21 +255,38 @@ def merge(base, config_file: str | None = None, overrides=()):
                 raise ConfigError(f"config file {path}: {key}: expected a mapping of {type(section).__name__} "
                                   f"fields, got {loaded[key]!r}")
         layers.append(loaded)
+    given = list(_leaves(loaded, "")) if config_file else []
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r}: expected key=value, e.g. {_example(base)}")
         if not item.isprintable():
             raise ConfigError(f"{item.split('=', 1)[0]}: the value holds control characters; allowed: printable text")
-    if isinstance(getattr(base, "model", None), ModelConfig):  # shorthand: `scheme=pre_ln` means model.scheme
-        own = {f.name for f in fields(base)}
-        overrides = [f"model.{o}" if o.split("=", 1)[0] in set(CONFIG_FIELDS) - own else o for o in overrides]
+    short = getattr(base, declared.shorthand, None)  # a bare field of that section: `scheme=pre_ln`
+    if is_dataclass(short):
+        bare = {f.name for f in fields(short)} - {f.name for f in fields(base)}
+        overrides = [f"{declared.shorthand}.{o}" if o.split("=", 1)[0] in bare else o for o in overrides]
     overrides = [_as_list(base, o) for o in overrides]
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
     except Exception as err:  # OmegaConf's own errors, and YAML's for values it cannot read
         raise ConfigError(f"overrides: {str(err).splitlines()[0]}") from None
-    _refuse_fixed(base, layers[1:])
-    return to_config(layers, type(base))
+    given += [o.split("=", 1)[0] for o in overrides]
+    config = to_config(layers, type(base))
+    reads = reads or (config.reads() if hasattr(config, "reads") else TRAIN)
+    for key in dict.fromkeys(given):
+        refused = reads.refusal(key, base, config)
+        if refused:
+            raise ConfigError(refused)
+    return config
+
+
+def _leaves(node, prefix: str):
+    """The dotted keys a YAML file sets: `run: {steps: 5}` sets run.steps."""
+    for key, value in node.items():
+        if OmegaConf.is_dict(value):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
 
 
 def _as_list(base, item: str) -> str:
@@ -211,20 +304,8 @@ def _as_list(base, item: str) -> str:
     return item
 
 
-def _refuse_fixed(base, layers) -> None:
-    """A command that does not use a field (an experiment sets `model.n_blocks` per point) refuses a file or
-    override that sets it, instead of ignoring it: `base.fixed_fields()` names them and says why."""
-    fixed = base.fixed_fields() if hasattr(base, "fixed_fields") else {}
-    for layer in layers:
-        for section, node in layer.items() if fixed else ():
-            keys = [f"{section}.{k}" for k in node] if OmegaConf.is_dict(node) else [str(section)]
-            for key in keys:
-                if key in fixed:
-                    raise ConfigError(f"{key}: not used here ({fixed[key]})")
-
-
 def _example(base) -> str:
-    return "model.n_blocks=8" if isinstance(base, TrainConfig) else "steps=100"
+    return "model.n_blocks=8" if isinstance(base, TrainConfig) else "run.steps=100"
 
 
 def _suggest(key: str, schema) -> str:
@@ -278,7 +359,7 @@ def to_config(layers, schema=None):
 
 def add_config_arguments(p) -> None:
     """--preset, --config and key=value overrides: the same three layers, with the same meaning, everywhere."""
-    p.add_argument("--preset", default="cpu-demo", choices=list(PRESETS),
+    p.add_argument("--preset", choices=list(PRESETS),
                    help="cpu-demo (default: the README's main job), tiny (tests), or a paper-sized model "
                         "(paper-64 .. paper-2048) with the paper's recipe (paper-1024/2048: sized for one GPU)")
     p.add_argument("--config", help="a YAML file with any of model/data/optim/guard/run")
@@ -287,9 +368,11 @@ def add_config_arguments(p) -> None:
                         "scheme=pre_ln means model.scheme)")
 
 
-def load_config(overrides=(), config_file: str | None = None, preset: str = "cpu-demo") -> TrainConfig:
-    """A TrainConfig from a preset, an optional YAML file and dotted overrides."""
-    return merge(train_preset(preset), config_file, overrides)
+def load_config(overrides=(), config_file: str | None = None, preset: str | None = None,
+                reads: Reads = TRAIN) -> TrainConfig:
+    """A TrainConfig from a preset (default cpu-demo), an optional YAML file and dotted overrides; a field set
+    that `reads` does not read is refused."""
+    return merge(train_preset(preset), config_file, overrides, reads)
 
 
 def validate_runtime(run) -> None:
