@@ -156,7 +156,8 @@ def test_export_model_card_states_effective_options_and_no_local_paths(tmp_path,
     make_run(tmp_path / "run")  # keel with alpha and first_layer left to their defaults (None in the config)
     out = export_run(tmp_path / "run", tmp_path / "hf")
     card = (out / "README.md").read_text()
-    assert "alpha='L' (= 6)" in card and "first_layer='v2'" in card and "None" not in card
+    # the same words as `keel summary` (ModelConfig.scheme_options_shown): 6 sub-layers, alpha = L = 6
+    assert "| scheme options | alpha = L = 6 (default), first_layer = v2 (default) |" in card and "None" not in card
     assert str(tmp_path) not in card
     assert oct((out / "model.safetensors").stat().st_mode & 0o777) == oct(0o644)
 

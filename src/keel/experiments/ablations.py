@@ -72,6 +72,6 @@ def run(cfg: AblationConfig, out: Path, command: str) -> dict:
 
 
 def _alpha(m) -> float:
-    from keel.model.schemes import resolve_alpha
+    from keel.model.schemes import Keel, resolve_alpha
 
-    return resolve_alpha("L" if m.alpha is None else m.alpha, m.n_sublayers)
+    return resolve_alpha(Keel.option("alpha", m.alpha), m.n_sublayers)

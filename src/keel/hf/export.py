@@ -116,20 +116,9 @@ def _public_name(spec: str) -> str:
     return Path(spec).name if ("/" in spec or "\\" in spec) and not spec.startswith("hf:") else spec
 
 
-def _effective_options(m, scheme) -> str:
-    """The scheme's options as they took effect: `alpha='L' (= 32)`, `first_layer='v2'`, not None."""
-    parts = []
-    for name, value in m.scheme_kwargs().items():
-        live = getattr(scheme, name, None)  # e.g. Keel resolves alpha to a number and keeps first_layer
-        if value is None and live is None:
-            parts.append(f"{name}=default")
-        elif value is None or (live is not None and live != value and not isinstance(value, str)):
-            parts.append(f"{name}={live!r}" if name != "alpha" else f"alpha='L' (= {live:g})")
-        elif name == "alpha" and isinstance(value, str):
-            parts.append(f"alpha={value!r} (= {live:g})")
-        else:
-            parts.append(f"{name}={value!r}")
-    return ", ".join(parts) or "none"
+def _effective_options(m) -> str:
+    """The scheme's options as they took effect, as `keel summary` shows them: `alpha = L = 32 (default)`."""
+    return ", ".join(f"{name} = {text}" for name, text in m.scheme_options_shown().items()) or "none"
 
 
 def model_card(config, model, run_dir: Path, checkpoint: Path) -> str:
@@ -141,7 +130,7 @@ def model_card(config, model, run_dir: Path, checkpoint: Path) -> str:
 
     corpus = RunDir(run_dir).provenance().get("data")  # a planted link or damaged file: noted, not followed
     equation = type(model.scheme).__doc__.strip().splitlines()[0]
-    scheme_options = _effective_options(m, model.scheme)
+    scheme_options = _effective_options(m)
     data = ""
     if isinstance(corpus, dict):  # what the data was, without this machine's paths
         parts = [f"{k} {corpus[k]:,}" if isinstance(corpus[k], int) else f"{k} {corpus[k]}"

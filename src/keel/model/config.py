@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from keel.model.schemes import SCHEME_OPTIONS, SCHEMES
 
@@ -76,6 +76,21 @@ class ModelConfig:
     def scheme_kwargs(self) -> dict:
         """The scheme-specific fields the chosen scheme reads, for its constructor."""
         return {name: getattr(self, name) for name in SCHEMES[self.scheme].options}
+
+    def scheme_options_shown(self) -> dict[str, str]:
+        """{option: how it reads} for the chosen scheme's own options, as `keel summary` and the model card
+        print them: `{"alpha": "L = 32 (default)", "first_layer": "'v1'"}`."""
+        scheme = SCHEMES[self.scheme]
+        return {name: scheme.shown(name, getattr(self, name), self.n_sublayers) for name in scheme.options}
+
+
+def with_scheme(config: ModelConfig, scheme: str) -> ModelConfig:
+    """`config` as `scheme`: the options `scheme` reads are kept (`alpha` for keel), every other scheme's is
+    cleared. How bench and the experiments turn one model into each scheme they compare."""
+    if scheme not in SCHEMES:
+        _fail("scheme", f"unknown scheme {scheme!r}", ", ".join(SCHEMES))
+    options = {name: getattr(config, name) for name in SCHEME_OPTIONS}
+    return replace(config, scheme=scheme, **SCHEMES[scheme].switched(options))
 
 
 def _fail(field: str, problem: str, allowed: str) -> None:

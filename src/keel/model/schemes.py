@@ -38,11 +38,17 @@ POST = SublayerSpec(norm_in=False, norm_out=True)
 
 
 class Scheme:
-    """Base class. Subclasses state their equation and source in their docstring."""
+    """Base class. Subclasses state their equation and source in their docstring.
+
+    A scheme owns its options (the ModelConfig fields only it reads): `defaults` says what an unset one (None)
+    means, `shown` how one reads in `keel summary` and a model card, and `switched` what a config switched to
+    another scheme keeps of them (keel.model.config.with_scheme)."""
 
     name: ClassVar[str]
     # config fields (beyond the shared ones) that this scheme reads; any other scheme rejects them
     options: ClassVar[tuple[str, ...]] = ()
+    # what each option left unset (None) means
+    defaults: ClassVar[dict[str, object]] = {}
     # whether the model applies a norm between the last sub-layer and the LM head
     final_norm: ClassVar[bool]
     # whether attention normalises Q, K and V after projection (HybridNorm)
@@ -55,6 +61,23 @@ class Scheme:
     def check_options(cls, **values) -> None:
         """Raise a ValueError naming the field if one of this scheme's `options` (those set, not None) is
         invalid. Each scheme checks its own; ModelConfig calls this for the chosen scheme."""
+
+    @classmethod
+    def option(cls, name: str, value):
+        """An option as the scheme uses it: `value`, or its default when unset (None)."""
+        return cls.defaults.get(name) if value is None else value
+
+    @classmethod
+    def shown(cls, name: str, value, n_sublayers: int) -> str:
+        """An option as `keel summary` and the model card show it: `v2 (default)`, `'v1'`, never None."""
+        text = repr(value) if value is not None else str(cls.defaults.get(name))
+        return text + (" (default)" if value is None else "")
+
+    @classmethod
+    def switched(cls, options: dict) -> dict:
+        """Scheme options {name: value} of a config switched to this scheme: those this scheme reads are kept,
+        every other is cleared (ModelConfig refuses an option its scheme does not read)."""
+        return {name: (value if name in cls.options else None) for name, value in options.items()}
 
     def spec(self, index: int, kind: Kind) -> SublayerSpec:
         raise NotImplementedError
@@ -97,6 +120,7 @@ class DeepNorm(Scheme):
 
     name = "deepnorm"
     options = ("deepnorm_beta",)
+    defaults = {"deepnorm_beta": "deepnet"}
     final_norm = False
     scaled = ("wv.weight", "wo.weight")  # attention projections DeepNet scales; all FFN weights too
 
@@ -110,7 +134,8 @@ class DeepNorm(Scheme):
     def __init__(self, n_sublayers: int, deepnorm_beta: str | None = None):
         super().__init__(n_sublayers)
         self.a = n_sublayers**0.25
-        self.b = (4 * n_sublayers) ** -0.25 if deepnorm_beta in (None, "deepnet") else n_sublayers**-0.25
+        beta = self.option("deepnorm_beta", deepnorm_beta)
+        self.b = (4 * n_sublayers) ** -0.25 if beta == "deepnet" else n_sublayers**-0.25
 
     def spec(self, index, kind):
         return SublayerSpec(norm_in=False, norm_out=True, alpha=self.a)
@@ -127,6 +152,7 @@ class MixLN(Scheme):
 
     name = "mix_ln"
     options = ("mix_ln_fraction",)
+    defaults = {"mix_ln_fraction": 0.25}
     final_norm = True
 
     @classmethod
@@ -139,7 +165,7 @@ class MixLN(Scheme):
 
     def __init__(self, n_sublayers: int, mix_ln_fraction: float | None = None):
         super().__init__(n_sublayers)
-        fraction = 0.25 if mix_ln_fraction is None else mix_ln_fraction
+        fraction = self.option("mix_ln_fraction", mix_ln_fraction)
         self.n_post_blocks = math.floor(fraction * (n_sublayers // 2))
 
     def spec(self, index, kind):
@@ -189,6 +215,7 @@ class Keel(Scheme):
 
     name = "keel"
     options = ("alpha", "first_layer")
+    defaults = {"alpha": "L", "first_layer": "v2"}
     final_norm = False
     alpha_modes = ("L", "sqrtL")
     first_layer_rules = ("v2", "v1", "none")
@@ -208,8 +235,17 @@ class Keel(Scheme):
 
     def __init__(self, n_sublayers: int, alpha: float | str | None = None, first_layer: str | None = None):
         super().__init__(n_sublayers)
-        self.alpha = resolve_alpha("L" if alpha is None else alpha, n_sublayers)
-        self.first_layer = first_layer or "v2"
+        self.alpha = resolve_alpha(self.option("alpha", alpha), n_sublayers)
+        self.first_layer = self.option("first_layer", first_layer)
+
+    @classmethod
+    def shown(cls, name, value, n_sublayers):
+        if name != "alpha":
+            return super().shown(name, value, n_sublayers)
+        mode = cls.option("alpha", value)  # "L", "sqrtL" or a number: shown with the number it is at this depth
+        number = f"{resolve_alpha(mode, n_sublayers):g}"
+        text = f"{mode} = {number}" if mode in cls.alpha_modes else number
+        return text + (" (default)" if value is None else "")
 
     def spec(self, index, kind):
         keel = SublayerSpec(norm_in=True, norm_out=True, alpha=self.alpha)

@@ -11,7 +11,7 @@ import torch
 from keel._version import __version__
 from keel.errors import ConfigError
 from keel.model import CONFIG_FIELDS, ModelConfig, count_params, flops_per_token
-from keel.model.schemes import SCHEME_OPTIONS, SCHEMES
+from keel.model.schemes import SCHEME_OPTIONS
 from keel.model.transformer import build_scheme
 from keel.runtime import GPU_MEMORY, device_memory, use_bf16
 from keel.scale.memory import estimate_memory, format_bytes
@@ -24,8 +24,9 @@ def describe(config: ModelConfig) -> str:
     scheme = build_scheme(config)
     specs = [scheme.spec(i, "attn" if i % 2 == 0 else "ffn") for i in range(config.n_sublayers)]
     lines = [f"keel {__version__}", "", "config:"]
-    lines += [f"  {name} = {_resolved(config, scheme, name)}" for name in CONFIG_FIELDS
-              if name not in SCHEME_OPTIONS or name in SCHEMES[config.scheme].options]  # only the scheme's own
+    shown = config.scheme_options_shown()  # the scheme's own options as it uses them; no other scheme's
+    lines += [f"  {name} = {shown[name] if name in shown else repr(getattr(config, name))}" for name in CONFIG_FIELDS
+              if name not in SCHEME_OPTIONS or name in shown]
     n_total, n_body = count_params(config), count_params(config, embedding=False)
     lines += [
         "",
@@ -49,22 +50,6 @@ def describe(config: ModelConfig) -> str:
             blocks = ""
         first = b + 1
     return "\n".join(lines)
-
-
-# what a scheme option left unset (None) means; alpha is read from the built scheme
-_OPTION_DEFAULTS = {"first_layer": "v2", "mix_ln_fraction": 0.25, "deepnorm_beta": "deepnet"}
-
-
-def _resolved(config: ModelConfig, scheme, name: str) -> str:
-    """A config field as the model uses it: `alpha = L = 32`, `first_layer = v2 (default)`, not None."""
-    value = getattr(config, name)
-    if name == "alpha":
-        mode = "L" if value is None else value
-        text = f"{mode} = {scheme.alpha:g}" if mode in ("L", "sqrtL") else f"{scheme.alpha:g}"
-        return text + (" (default)" if value is None else "")
-    if value is None and name in _OPTION_DEFAULTS:
-        return f"{_OPTION_DEFAULTS[name]} (default)"
-    return repr(value)
 
 
 def recipe_warnings(config) -> list[str]:
