@@ -35,3 +35,38 @@ def test_each_option_trains_within_its_tolerance_of_float32_adamw(plain, option)
     got, _, model = curve(**option)
     assert plain[0] < plain[1].losses[0] - 1.0  # the reference learned: the comparison means something
     assert got == pytest.approx(plain[0], abs=TOLERANCE[next(iter(option.values()))])
+
+
+@pytest.mark.slow
+def test_8bit_moments_are_quantised_and_a_reloaded_optimizer_steps_exactly_as_the_original(tmp_path):
+    pytest.importorskip("torchao")
+    import torch
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from keel.model import TransformerLM
+    from keel.train.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = TransformerLM(MODEL)
+    opt = build_optimizer(model, OptimConfig(state="8bit"))
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def step(optimizer):
+        model(ids[:, :-1], ids[:, 1:])[1].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    step(opt)
+    largest = max(model.parameters(), key=lambda p: p.numel())
+    assert isinstance(opt.state[largest]["exp_avg"], OptimState8bit)
+    torch.save(opt.state_dict(), tmp_path / "optim.pt")
+    saved = torch.load(tmp_path / "optim.pt", weights_only=True)  # plain tensors: no torchao class to allow
+    assert saved["state"][0]["exp_avg"].dtype == torch.uint8  # 1 byte a moment on disk, as on the device
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    step(opt)
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(weights)
+    reloaded = build_optimizer(model, OptimConfig(state="8bit"))
+    reloaded.load_state_dict(saved)
+    step(reloaded)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, after[k], rtol=0, atol=0)

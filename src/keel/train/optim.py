@@ -44,10 +44,11 @@ def adamw_8bit(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     tensors of at least 4,096 elements; smaller ones keep float32 moments), the update itself in float32; it
     steps one parameter at a time (no foreach temporary). The `depth` extra installs torchao.
 
-    Its state dict holds the moments dequantised to float32 (on the CPU, one tensor at a time), so a checkpoint
-    is an ordinary AdamW state, loadable weights-only with no tensor class of torchao's; loading quantises each
-    again, which gives back the same codes and scales (the largest element of a block is the scale, code 1.0).
-    The checkpoint holds 8 bytes a parameter of moments where the GPU held 2."""
+    Its state dict holds each quantised moment as plain tensors: `<moment>` its uint8 codes (the parameter's
+    shape), `<moment>.scale` the block scales, `<moment>.qmap` the code book, `<moment>.signed`; a checkpoint then
+    loads weights-only with no tensor class of torchao's (keel.train.untrusted.check_optimizer checks the layout),
+    at 2 bytes a parameter per moment as on the GPU, and loading rebuilds exactly the moments that were saved
+    (dequantising and quantising again would not: the signed code book moves some block scales)."""
     import logging  # noqa: PLC0415
 
     # torchao reports the CUDA-only extensions it cannot load, and registers an enum newer torch warns about
@@ -63,30 +64,40 @@ def adamw_8bit(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     class PortableAdamW8bit(AdamW8bit):
         def state_dict(self):
             out = super().state_dict()
-            out["state"] = {k: {n: v.dequantize().cpu() if isinstance(v, OptimState8bit) else v for n, v in st.items()}
-                            for k, st in out["state"].items()}
-            out["param_groups"] = [g | {"lr": float(g["lr"])} for g in out["param_groups"]]
+            out["state"] = {k: _plain_8bit(st, OptimState8bit) for k, st in out["state"].items()}
+            out["param_groups"] = [g | {"lr": float(g["lr"])} for g in out["param_groups"]]  # a number, as torch's
             return out
 
         def load_state_dict(self, state_dict):
             params = [p for g in self.param_groups for p in g["params"]]
-            state = {}
-            for k, st in state_dict["state"].items():  # quantised one tensor at a time, on its parameter's device
-                p = params[int(k)]
-                state[k] = {n: self._requantize(p, v, n == "exp_avg") if n in ("exp_avg", "exp_avg_sq") else v
-                            for n, v in st.items()}
+            state = {k: _quantised_8bit(st, params[int(k)], OptimState8bit) for k, st in state_dict["state"].items()}
             super().load_state_dict(dict(state_dict, state=state))
             for group in self.param_groups:  # its compiled step reads the rate from a tensor
                 group["lr"] = torch.tensor(float(group["lr"]))
 
-        def _requantize(self, p, value, signed):
-            if p.numel() < 4096 or p.numel() % self.block_size:  # AdamW8bit keeps these in float32
-                return value
-            q = self._subclass_zeros(p, signed, self.block_size)
-            q.copy_(value.to(p.device, torch.float32))
-            return q
-
     return PortableAdamW8bit(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+_QUANT_PARTS = ("scale", "qmap", "signed")
+
+
+def _plain_8bit(state: dict, cls) -> dict:
+    out = {}
+    for name, value in state.items():
+        if isinstance(value, cls):  # on the CPU one tensor at a time: a GPU holds no second copy
+            out |= {name: value.codes.cpu(), f"{name}.scale": value.scale.cpu(), f"{name}.qmap": value.qmap.cpu(),
+                    f"{name}.signed": torch.tensor(float(value.signed))}
+        else:
+            out[name] = value
+    return out
+
+
+def _quantised_8bit(state: dict, param: torch.Tensor, cls) -> dict:
+    out = {k: v for k, v in state.items() if k.rpartition(".")[2] not in _QUANT_PARTS or "." not in k}
+    for name in [k for k in out if f"{k}.scale" in state]:
+        out[name] = cls(state[name].to(param.device), state[f"{name}.scale"].to(param.device),
+                        state[f"{name}.qmap"].to(param.device), bool(state[f"{name}.signed"]), dtype=param.dtype)
+    return out
 
 
 def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
