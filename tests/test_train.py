@@ -289,7 +289,9 @@ def test_weights_only_checkpoint_cannot_be_resumed(args, tmp_path, capsys):
 
 def test_tokenizer_command_names_an_unknown_field(capsys):
     assert main(["tokenizer", "bogus=1"]) == 2
-    assert "DataConfig has no field 'bogus'" in capsys.readouterr().err
+    assert "bogus: TrainConfig has no field 'bogus'" in capsys.readouterr().err  # keel train's spelling: data.*
+    assert main(["tokenizer", "data.bogus=1"]) == 2
+    assert "data.bogus: DataConfig has no field 'bogus'" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -8,64 +8,70 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
+from keel import runtime
 from keel.bench import GPU_SECTIONS, MODELLED_GPUS
 from keel.errors import ConfigError
-from keel.model import CONFIG_FIELDS
+from keel.model.config import with_scheme
 from keel.runtime import machine, resolve_device, use_bf16
-from keel.train.config import add_config_arguments, load_config
+from keel.train.config import DEFAULT_PRESET, Reads, add_config_arguments, load_config
 
 # What the comparison reads of the merged config (besides every model.* field): everything else given is refused
 RUN_FIELDS = ("batch_size", "seq_len", "grad_accum", "seed", "device", "dtype", "compile", "fused_junction",
-              "ac_every")
+              "ac_every", "threads")
 OPTIM_FIELDS = ("lr", "beta1", "beta2", "eps", "weight_decay", "decay_norms_and_embeddings", "grad_clip")
 HINTS = {"model.scheme": "the schemes compared are --schemes; name it there too",
          "run.steps": "timed steps are --steps", "run.out_dir": "the output directory is --out",
          "run.name": "the output directory is --out", "data": "bench trains on synthetic batches",
          "optim": "bench steps at the constant rate optim.lr", "run": "bench runs in one process and writes no run"}
+# What `--model-gpu <GPU>` reads of the merged config (besides every model.* field but the scheme: it predicts both)
+MODEL_RUN_FIELDS = ("batch_size", "seq_len", "dtype", "ac_every")
 
 
-def given_keys(overrides, config_file: str | None) -> list[str]:
-    """The dotted keys a user set: those of the YAML file's leaves and of the overrides (a bare model field is
-    model.<field>, as in the merge)."""
-    keys = []
-    if config_file:  # the merge has read and checked it already
+def reads(args) -> Reads:
+    """What this `keel bench` reads of the merged config, by mode: a field set in --config or an override that
+    it does not read is refused by the merge. Every mode reads run.threads (applied before it times anything)."""
+    def fixed(why: str, *fields: str) -> Reads:
+        return Reads("keel bench", ("run.threads", *fields), why)
 
-        def leaves(node, prefix):
-            for k, v in node.items():
-                if OmegaConf.is_dict(v):
-                    yield from leaves(v, f"{prefix}{k}.")
-                else:
-                    yield f"{prefix}{k}"
-        keys += list(leaves(OmegaConf.load(config_file), ""))
-    for item in overrides:
-        key = item.split("=", 1)[0]
-        keys.append(f"model.{key}" if key in CONFIG_FIELDS else key)
-    return keys
+    if args.validate_model:
+        return fixed("--validate-model runs fixed shapes")
+    if args.model_gpu == "paper":
+        return fixed("--model-gpu paper runs fixed shapes")
+    if args.model_gpu:
+        return Reads("keel bench", ("model", "run.threads", *(f"run.{f}" for f in MODEL_RUN_FIELDS)),
+                     f"it reads model.* and run.{{{','.join(MODEL_RUN_FIELDS)}}}",
+                     refuse={"model.scheme": "the model predicts both keel and pre_ln"})
+    if args.suite == "cpu":
+        return fixed("--suite cpu is a fixed campaign")
+    if args.suite == "gpu":
+        return fixed("--suite gpu is a fixed campaign; it takes run.device", "run.device")
+    # the compared schemes are --schemes; model.scheme, when one of them, picks whose options apply
+    return Reads("keel bench", ("model", *(f"run.{f}" for f in RUN_FIELDS), *(f"optim.{f}" for f in OPTIM_FIELDS)),
+                 f"it reads model.*, run.{{{','.join(RUN_FIELDS)}}} and optim.{{{','.join(OPTIM_FIELDS)}}}",
+                 only={"model.scheme": tuple(args.schemes.split(","))}, hints=HINTS)
 
 
-def refuse_unused(keys: list[str], used, why: str, hints=HINTS) -> None:
-    """A ConfigError naming the first key that `used(key)` says bench does not read: never silently ignored."""
-    for key in keys:
-        if not used(key):
-            section = key.split(".", 1)[0]
-            hint = hints.get(key) or hints.get(section) or why
-            raise ConfigError(f"{key}: not used by keel bench ({hint})")
+def bench_config(args):
+    """The merged config (--preset < --config < overrides) under this mode's `reads`, with its run.threads
+    applied: once, before anything is timed. A mode that reads no model refuses --preset too."""
+    declared = reads(args)
+    if args.preset and "model" not in declared.fields:
+        raise ConfigError(f"--preset: not used by keel bench ({declared.why})")
+    config = load_config(args.overrides, args.config, args.preset, declared)
+    runtime.set_threads(config.run.threads)
+    return config
 
 
 def run_suite(args) -> dict:
     out = Path(args.out) if args.out else None
-    used = {"cpu": (), "gpu": ("run.device",)}[args.suite]
-    refuse_unused(given_keys(args.overrides, args.config), lambda k: k in used,
-                  f"--suite {args.suite} is a fixed campaign" + ("; it takes run.device" if used else ""), hints={})
+    config = bench_config(args)
     if args.suite == "cpu":
         from keel.bench.cpu import cpu_markdown, cpu_suite
 
         result = cpu_suite(args.steps, args.warmup, writer(out, cpu_markdown), args.idle_load, args.idle_wait)
         print(cpu_markdown(result))
         return result
-    device = resolve_device(load_config(args.overrides, args.config, args.preset).run.device)
+    device = resolve_device(config.run.device)
     if device.type != "cuda" and not args.toy:
         raise ConfigError("--suite gpu: needs a CUDA device (its sizes are a GPU's); --toy runs it at toy size here")
     sections = args.sections.split(",") if args.sections else list(GPU_SECTIONS)
@@ -79,10 +85,6 @@ def run_suite(args) -> dict:
     return result
 
 
-# What `--model-gpu <GPU>` reads of the merged config (besides every model.* field but the scheme: it predicts both)
-MODEL_RUN_FIELDS = ("batch_size", "seq_len", "dtype", "ac_every")
-
-
 def run_model(args) -> str:
     """`--model-gpu`: the performance model's PREDICTED step at the merged config's shape (or, `paper`, the
     paper's shapes on every GPU: benchmarks/gpu/predicted.md); `--validate-model`: its CPU twin against
@@ -90,22 +92,14 @@ def run_model(args) -> str:
     from keel.bench.perf_model import DEVICES
     from keel.bench.perf_report import paper_markdown, prediction_markdown, validate, validation_markdown
 
-    keys = given_keys(args.overrides, args.config)
+    config = bench_config(args)
     if args.validate_model or args.model_gpu == "paper":
-        what = "--validate-model" if args.validate_model else "--model-gpu paper"
-        refuse_unused(keys, lambda k: False, f"{what} runs fixed shapes", hints={})
         if args.validate_model:
             result = validate(args.steps, args.warmup)
             text, name = validation_markdown(result), "validation"
         else:
             result, text, name = None, paper_markdown(), "predicted"
     else:
-        def used(key):
-            section, _, field = key.partition(".")
-            return (section == "model" and field != "scheme") or (section == "run" and field in MODEL_RUN_FIELDS)
-        refuse_unused(keys, used, f"it reads model.* and run.{{{','.join(MODEL_RUN_FIELDS)}}}",
-                      hints={"model.scheme": "the model predicts both keel and pre_ln"})
-        config = load_config(args.overrides, args.config, args.preset)
         run_cfg = config.run
         result, name = None, f"predicted-{args.model_gpu}"
         text = prediction_markdown(config.model, run_cfg.batch_size, run_cfg.seq_len, DEVICES[args.model_gpu],
@@ -129,30 +123,22 @@ def run(args) -> dict:
         return run_model(args)
     if args.suite:
         return run_suite(args)
-    config = load_config(args.overrides, args.config, args.preset)
-    from keel.bench.core import check_schemes, compare, depth_series, scheme_config, to_markdown
+    config = bench_config(args)  # a bad field answers at once, before torch loads
+    from keel.bench.core import check_schemes, compare, depth_series, to_markdown
 
     schemes = args.schemes.split(",")
     check_schemes(schemes)
-
-    def used(key):
-        section, _, name = key.partition(".")
-        if key == "model.scheme":  # the compared schemes are --schemes; model.scheme picks whose options apply
-            return config.model.scheme in schemes
-        return (section == "model" or (section == "run" and name in RUN_FIELDS)
-                or (section == "optim" and name in OPTIM_FIELDS))
-    refuse_unused(given_keys(args.overrides, args.config), used,
-                  f"it reads model.*, run.{{{','.join(RUN_FIELDS)}}} and optim.{{{','.join(OPTIM_FIELDS)}}}")
     model, run_cfg, device = config.model, config.run, resolve_device(config.run.device)
     result = {"machine": machine(device), "settings": {
-        "preset": args.preset, "config_file": args.config, "overrides": args.overrides, "schemes": schemes,
+        "preset": args.preset or DEFAULT_PRESET, "config_file": args.config, "overrides": args.overrides,
+        "schemes": schemes,
         "steps": args.steps, "warmup": args.warmup, "n_sublayers": model.n_sublayers,
         "dtype": "bfloat16 autocast" if use_bf16(device, run_cfg.dtype) else "float32", "model": asdict(model),
         "run": {k: getattr(run_cfg, k) for k in RUN_FIELDS},
         "optim": {k: getattr(config.optim, k) for k in OPTIM_FIELDS}}}
     result["compare"] = compare(model, run_cfg, schemes, args.steps, args.warmup, config.optim, device)
     depths = [int(d) for d in args.depths.split(",")] if args.depths else []
-    result["depth"] = depth_series(scheme_config(model, schemes[0]), run_cfg, depths, args.depth_steps,
+    result["depth"] = depth_series(with_scheme(model, schemes[0]), run_cfg, depths, args.depth_steps,
                                    config.optim, device)
     table = to_markdown(result)
     print(table)
@@ -209,4 +195,4 @@ def register(subparsers) -> None:
     p.add_argument("--validate-model", action="store_true",
                    help="the model's CPU twin: measure this machine's bandwidth and GEMM FLOP/s, predict eager "
                         "float32 steps at three shapes, time them (--steps/--warmup) and print the error")
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench, sets_threads=True)

@@ -15,12 +15,12 @@ import os
 import sys
 from pathlib import Path
 
+from keel import runtime
 from keel._version import __version__
 from keel.cli.support import (
     PLOT_FORMATS,
     DefaultsShown,
     Parser,
-    apply_threads,
     check_config_file,
     error_line,
     needs,
@@ -31,25 +31,24 @@ from keel.cli.support import (
 from keel.errors import ConfigError, KeelError
 
 
-def _config_for(args):
-    """The TrainConfig of `keel summary/bench` (and train): --preset < --config < overrides; a positional
-    run directory means that run's own config."""
-    from keel.train.config import load_config
-    from keel.train.run_dir import RunDir
-
-    run_dir = getattr(args, "run_dir", None)
-    if run_dir and "=" in run_dir:  # `keel summary scheme=pre_ln`: the optional positional took an override
-        args.overrides, run_dir = [run_dir, *args.overrides], None
-    if run_dir:
-        return RunDir.open(run_dir).resume_config(args.overrides)
-    return load_config(args.overrides, getattr(args, "config", None), args.preset)
+def _no_preset(args, why: str) -> None:
+    """--preset names a whole config; where a run's own config is used instead it is refused, not dropped."""
+    if getattr(args, "preset", None):
+        raise ConfigError(f"--preset: not used with {why}")
 
 
 def cmd_summary(args) -> int:
-    config = _config_for(args)
-    for key in (o.split("=", 1)[0] for o in args.overrides):
-        if "." in key and not key.startswith("model."):  # one merge, but summary reads the model only
-            raise ConfigError(f"{key}: not used by keel summary (it describes the model: model.* fields only)")
+    from keel.train.config import SUMMARY, SUMMARY_OF_RUN, load_config, merge
+    from keel.train.run_dir import RunDir
+
+    run_dir = args.run_dir
+    if run_dir and "=" in run_dir:  # `keel summary scheme=pre_ln`: the optional positional took an override
+        args.overrides, run_dir = [run_dir, *args.overrides], None
+    if run_dir:  # that run's model, as it was trained
+        _no_preset(args, "a run directory (its own config is described)")
+        config = merge(RunDir.open(run_dir).config(), args.config, args.overrides, SUMMARY_OF_RUN)
+    else:
+        config = load_config(args.overrides, args.config, args.preset, SUMMARY)
     from keel.train.plan import describe  # torch: after the config's checks, so a bad field answers at once
 
     print(describe(config.model))
@@ -63,9 +62,11 @@ def cmd_train(args) -> int:
     config = load_config(args.overrides, args.config, args.preset)  # a bad field or value: one line, no torch
     resume_from = None
     if config.resume:
+        _no_preset(args, "resume= (a resumed run continues with its own config)")
         run = latest_run(config.run.out_dir) if config.resume == "latest" else RunDir.open(config.resume)
         config = run.resume_config(args.overrides, args.config)
         resume_from = run.latest_checkpoint()
+    runtime.set_threads(config.run.threads)  # once, from the merged config, before any torch work
     if args.print_config:
         print(to_yaml(config), end="")
         return 0
@@ -173,12 +174,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_tokenizer(args) -> int:
-    from keel.data import DataConfig, build_corpus
+    from keel.data import build_corpus
     from keel.data.tokenizer import train_bpe
-    from keel.train.config import merge
+    from keel.train.config import TOKENIZER, TrainConfig, merge
 
     output_path(args.out, "--out", (".json",))
-    corpus = build_corpus(merge(DataConfig(), None, args.overrides))
+    corpus = build_corpus(merge(TrainConfig(), args.config, args.overrides, TOKENIZER).data)
     tok = train_bpe(corpus.documents("train"), args.vocab_size, Path(args.out))
     print(f"trained a byte-level BPE with {tok.vocab_size} tokens on {corpus.fingerprint[:12]}: {args.out}")
     return 0
@@ -260,7 +261,7 @@ def add_train_command(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the model, the run and its memory plan; train nothing")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML; train nothing")
     p.add_argument("--json", action="store_true", help="print the end-of-run summary as JSON")
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=cmd_train, sets_threads=True)
 
 
 def add_eval_command(sub) -> None:
@@ -317,7 +318,10 @@ def add_tokenizer_command(sub) -> None:
     p = sub.add_parser("tokenizer", help=COMMANDS["tokenizer"])
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--out", default="tokenizer.json")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="DataConfig fields, e.g. source=corpus.txt")
+    p.add_argument("--config", help="a YAML file; its data section is read")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="data.* fields, as keel train spells them, e.g. data.source=corpus.txt (a bare field such "
+                        "as source=corpus.txt means data.source)")
     p.set_defaults(func=cmd_tokenizer)
 
 
@@ -392,7 +396,8 @@ def _main(argv: list[str] | None) -> int:
     try:
         if getattr(args, "config", None):
             check_config_file(args.config)
-        apply_threads(args)
+        if not getattr(args, "sets_threads", False):  # train, bench and experiments: from their merged config
+            runtime.set_threads(0)
         return args.func(args)
     except KeelError as err:  # ConfigError, DataError, CheckpointError, ExportError: one line naming the field/file
         print(error_line(err), file=sys.stderr)

@@ -12,15 +12,17 @@ from keel.train.config import merge
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("experiment", help="run one of the paper's experiments (results.json, plots, report.md)",
-                              description="Overrides set the experiment's fields, e.g. depths=[16,64] "
-                                          "schemes=[keel,pre_ln] steps=200 shape.d_model=64 data.source=stdlib.")
+                              description="Overrides set the experiment's own fields and keel train's sections, "
+                                          "e.g. depths=[16,64] schemes=[keel,pre_ln] run.steps=200 "
+                                          "model.d_model=64 data.source=stdlib; a field the experiment sets per "
+                                          "point (model.n_blocks, optim.lr, ...) is refused.")
     p.add_argument("name", choices=list(NAMES))
     p.add_argument("--quick", action="store_true", help="a CPU-sized version that runs in seconds to minutes")
     p.add_argument("--out", help="output directory (default runs/experiments/<name>; with --quick "
                                  "runs/quick/<name>; --out results/<name> adds to the committed results)")
     p.add_argument("--config", help="a YAML file with any of the experiment's fields")
     p.add_argument("overrides", nargs="*", metavar="key=value")
-    p.set_defaults(func=cmd_experiment)
+    p.set_defaults(func=cmd_experiment, sets_threads=True)
 
 
 def build(name: str, quick: bool, overrides: list[str], config_file: str | None = None):
@@ -41,10 +43,12 @@ def default_out(name: str, quick: bool) -> str:
 
 
 def cmd_experiment(args) -> int:
+    from keel import runtime
     from keel.experiments import EXPERIMENTS
     from keel.experiments.common import smoke_test
 
     cfg = build(args.name, args.quick, args.overrides, args.config)
+    runtime.set_threads(cfg.run.threads)  # once, from the merged config (a YAML file's run.threads too)
     out = Path(args.out or default_out(args.name, args.quick))
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["keel experiment", args.name] + (["--quick"] if args.quick else [])

@@ -33,9 +33,11 @@ import torch
 from keel.data import DataConfig, WindowSampler, prepare
 from keel.data import eval_batches as spaced_batches
 from keel.model import ModelConfig, TransformerLM, lm_loss
+from keel.model.config import with_scheme
 from keel.model.presets import science
+from keel.model.schemes import SCHEME_OPTIONS, SCHEMES
 from keel.runtime import autocast_for, machine, resolve_device
-from keel.train.config import GuardConfig, OptimConfig, RunConfig, TrainConfig, validate
+from keel.train.config import GuardConfig, OptimConfig, Reads, RunConfig, TrainConfig, validate
 from keel.train.evaluate import evaluate
 from keel.train.guard import DivergenceGuard
 from keel.train.optim import build_optimizer, lr_at
@@ -74,8 +76,10 @@ class ExperimentConfig:
     own fields at the top level (`schemes`, `depths`, `lrs`, `seeds`, ...).
 
     `model` is the base model every point starts from; each point sets its scheme and depth (and
-    `max_seq_len` = `run.seq_len`). Fields a point sets itself or has no use for are listed by
-    `fixed_fields()`; a YAML file or override that sets one is refused, never silently ignored.
+    `max_seq_len` = `run.seq_len`), and keeps the scheme options its scheme reads (`model.alpha` applies to the
+    Keel arms only). Fields a point sets itself or has no use for are listed by `fixed_fields()`; `reads()`
+    is what the config merge enforces: a YAML file or override that sets one of those, or a scheme option
+    none of the arms reads, is refused, never silently ignored.
     """
 
     model: ModelConfig = field(default_factory=experiment_model)
@@ -95,9 +99,32 @@ class ExperimentConfig:
         out["run.seed"] = "set per point from seeds"
         return out
 
+    def arm_schemes(self) -> set[str] | None:
+        """The schemes this experiment's arms train, from its `schemes`, `scheme` or `arms` field (None: it has
+        none of them, so which is unknown)."""
+        named = [getattr(self, "schemes", None), getattr(self, "scheme", None), getattr(self, "arms", None)]
+        named = [n for n in named if isinstance(n, (list, tuple, str, dict))]
+        if not named:
+            return None
+        return {s for n in named for s in ([n] if isinstance(n, str) else n.values() if isinstance(n, dict) else n)}
+
+    def reads(self) -> Reads:
+        """What the config merge lets a YAML file or an override set: every field but `fixed_fields()`, and a
+        scheme option (model.alpha, ...) only when one of the arms' schemes reads it."""
+        refuse = self.fixed_fields()
+        arms = self.arm_schemes()
+        for name in SCHEME_OPTIONS if arms is not None else ():
+            users = [s for s, cls in SCHEMES.items() if name in cls.options]
+            if not arms & set(users):
+                refuse.setdefault(f"model.{name}", f"an option of {' and '.join(users)}; the arms here are "
+                                                   f"{', '.join(sorted(arms))}")
+        return Reads(refuse=refuse)
+
     def point_model(self, scheme: str, n_sublayers: int, **fields) -> ModelConfig:
-        """The base model at `n_sublayers` with `scheme` (and any other field given)."""
-        return replace(self.model, scheme=scheme, n_blocks=n_sublayers // 2, max_seq_len=self.run.seq_len, **fields)
+        """The base model at `n_sublayers` as `scheme` (keeping the options it reads: keel.model.config.with_scheme),
+        with any other field given."""
+        return replace(with_scheme(self.model, scheme), n_blocks=n_sublayers // 2, max_seq_len=self.run.seq_len,
+                       **fields)
 
     def tokens_per_step(self) -> int:
         return self.run.batch_size * self.run.seq_len
