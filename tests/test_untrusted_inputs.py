@@ -279,3 +279,17 @@ def test_a_token_cache_with_ids_beyond_the_vocabulary_is_one_line(trained, run, 
         assert "token id 60000 is outside the tokenizer's 256" in line and "delete" in line
     finally:
         shard.write_bytes(saved)  # the module's other tests share this cache
+
+
+# ---- 5. a FIFO named like the next checkpoint ------------------------------------------------------------------
+def test_a_fifo_named_like_the_next_checkpoint_does_not_hang_resume(run):
+    import subprocess
+    import sys
+
+    os.mkfifo(run / "checkpoints" / "step_00000004")
+    # a subprocess with a deadline: a hang fails the test instead of stalling the suite
+    out = subprocess.run([sys.executable, "-m", "keel.cli", "train", f"resume={run}", "run.steps=4",
+                          "run.ckpt_every=2", "run.progress=false"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert (run / "checkpoints" / "step_00000004" / "manifest.json").is_file()

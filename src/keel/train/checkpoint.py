@@ -343,6 +343,8 @@ def _commit(tmp: Path, final: Path, fmt: str, names) -> None:
     for name in (*names, "manifest.json", "."):
         _fsync(tmp / name)
     old = final.with_name(f".old-{final.name}-{os.getpid()}")
+    if os.path.lexists(final) and (final.is_symlink() or not final.is_dir()):
+        os.unlink(final)  # a planted link, FIFO or file holds no checkpoint; rmtree would open (and wait on) it
     if os.path.lexists(final):  # the same step written again (e.g. after a rollback): set the old one aside
         os.rename(final, old)  # first, so a crash between the renames still leaves a complete copy on disk
     try:
@@ -364,8 +366,8 @@ def _fsync(path: Path) -> None:
 
 
 def _prune(run_dir: Path, keep: int) -> None:
-    # only directories this code wrote count, and only they are removed: a symlink is left alone
-    for old in [p for p in list_checkpoints(run_dir) if not p.is_symlink()][:-keep]:
+    # only directories this code wrote count, and only they are removed: a symlink or FIFO is left alone
+    for old in [p for p in list_checkpoints(run_dir) if not p.is_symlink() and p.is_dir()][:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
