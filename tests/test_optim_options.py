@@ -70,3 +70,27 @@ def test_8bit_moments_are_quantised_and_a_reloaded_optimizer_steps_exactly_as_th
     step(reloaded)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, after[k], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_tampered_8bit_moment_is_damage_not_a_traceback():
+    pytest.importorskip("torchao")
+    import torch
+
+    from keel.model import TransformerLM
+    from keel.train.optim import build_optimizer
+    from keel.train.untrusted import Damaged, check_optimizer
+
+    model = TransformerLM(MODEL)
+    opt = build_optimizer(model, OptimConfig(state="8bit"))
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    model(ids[:, :-1], ids[:, 1:])[1].backward()
+    opt.step()
+    good = opt.state_dict()
+    check_optimizer(good, model)  # as saved: accepted
+    for name, bad in (("exp_avg", torch.zeros(3)), ("exp_avg.scale", torch.zeros(2, 2)),
+                      ("exp_avg.qmap", torch.zeros(7)), ("exp_avg.codes", torch.zeros(1))):
+        state = {k: dict(v) for k, v in good["state"].items()}
+        state[0][name] = bad
+        with pytest.raises(Damaged, match="optimizer exp_avg"):
+            check_optimizer(dict(good, state=state), model)

@@ -75,6 +75,24 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_losses(args):
 
 
 @pytest.mark.slow
+def test_a_run_with_8bit_moments_resumes_after_a_kill_to_the_uninterrupted_losses(args):
+    """optim.state=8bit (torchao): the quantised moments go through keel's checkpoint (checked, loaded
+    weights-only) and come back exactly."""
+    pytest.importorskip("torchao")
+    trainer_for(args, "run.ckpt_every=5", "optim.state=8bit", name="straight").run()
+
+    def kill(trainer, step):
+        if step == 13:
+            raise Killed
+
+    killed = trainer_for(args, "run.ckpt_every=5", "optim.state=8bit", name="killed", callbacks=[kill])
+    with pytest.raises(Killed):
+        killed.run()
+    assert main(["train", f"resume={killed.run_dir}", "run.progress=false"]) == 0
+    assert losses(killed.run_dir) == losses(killed.run_dir.parent / "straight")  # bit for bit
+
+
+@pytest.mark.slow
 def test_interrupt_saves_a_checkpoint_on_the_step_boundary(args):
     uninterrupted = trainer_for(args, name="straight").run()
 

@@ -31,6 +31,7 @@ from keel import safe_io
 from keel.data.tokenizer import load_saved_tokenizer
 from keel.errors import CheckpointError, ConfigError, DataError
 from keel.train.config import TrainConfig, load_run_config, merge, to_yaml
+from keel.train.stop import steps_done
 
 if TYPE_CHECKING:  # the model and checkpoints import torch (seconds): `keel runs` lists runs without it
     from keel.model import TransformerLM
@@ -174,7 +175,7 @@ class RunDir(os.PathLike):
             return {"run": self.name, "scheme": None, "sub-layers": None, "d_model": None, "steps": None,
                     "val_loss": None, "status": "damaged", "path": str(self.path)}
         records = self.metrics()
-        steps = max((r["step"] for r in records if "loss" in r and "event" not in r), default=0)
+        steps = steps_done(self)  # the later of the last metrics record and the summary (a Ctrl-C between records)
         val = [r["val_loss"] for r in records if _number(r.get("val_loss"))]
         return {"run": self.name, "scheme": config.model.scheme, "sub-layers": config.model.n_sublayers,
                 "d_model": config.model.d_model, "steps": f"{steps}/{config.run.steps}",

@@ -319,12 +319,35 @@ def check_optimizer(opt, model, source: str = "state.pt") -> None:
             raise Damaged(f"{source}: optimizer state names parameter {key!r}, which the model does not have")
         if missing := sorted({"step", "exp_avg", "exp_avg_sq"} - set(entry)):
             raise Damaged(f"{source}: optimizer state of parameter {key} has no {missing[0]}")
+        quantised = {name for name in ("exp_avg", "exp_avg_sq") if f"{name}.scale" in entry}
         for name, value in entry.items():
+            base, _, part = name.partition(".")
+            if base in quantised:  # optim.state=8bit: uint8 codes, their block scales and code book
+                _check_8bit(source, key, name, part, value, shapes[key])
+                continue
             if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
                 raise Damaged(f"{source}: optimizer {name} of parameter {key} is not a floating-point tensor")
             if (name == "step" and value.dim() != 0) or (value.dim() > 0 and tuple(value.shape) != shapes[key]):
                 raise Damaged(f"{source}: optimizer {name} of parameter {key} has shape {tuple(value.shape)}, "
                               f"not {() if name == 'step' else shapes[key]}")
+        for name in quantised:
+            codes, scale = entry[name], entry.get(f"{name}.scale")
+            if f"{name}.qmap" not in entry or f"{name}.signed" not in entry or codes.numel() % scale.numel():
+                raise Damaged(f"{source}: optimizer {name} of parameter {key} is 8-bit without its code book, "
+                              "sign or whole blocks")
+
+
+def _check_8bit(source: str, key, name: str, part: str, value, shape: tuple) -> None:
+    """One piece of an 8-bit moment (keel.train.optim.adamw_8bit's state dict), type and shape."""
+    expected = {"": (torch.uint8, shape), "scale": (None, None), "qmap": (None, (256,)), "signed": (None, ())}
+    if part not in expected or not isinstance(value, torch.Tensor):
+        raise Damaged(f"{source}: optimizer {name} of parameter {key} is not part of an 8-bit moment")
+    dtype, want = expected[part]
+    ok = value.dtype == dtype if dtype is not None else value.is_floating_point()
+    ok = ok and (tuple(value.shape) == want if want is not None else value.dim() == 1)
+    if not ok:
+        raise Damaged(f"{source}: optimizer {name} of parameter {key} has dtype {value.dtype} and shape "
+                      f"{tuple(value.shape)}, not an 8-bit moment's")
 
 
 def _numbers(value, n: int) -> bool:
