@@ -1,0 +1,222 @@
+"""results/ says what its numbers say: the per-seed losses rejudge reads are the point files', every row of
+results/rejudge.md is a paired t-test and a Holm adjustment recomputed here (scipy's ttest_rel and a Holm written out
+below), and every verdict cell of results/README.md's claim table, and every "p=..., Holm ..." it quotes, follows
+from those tests. Reads JSON only; trains nothing."""
+
+import importlib.util
+import json
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+from scipy import stats as sps
+
+RESULTS = Path(__file__).parent.parent / "results"
+pytestmark = pytest.mark.skipif(not (RESULTS / "rejudge.py").exists(), reason="no committed results")
+
+
+def rejudge():
+    spec = importlib.util.spec_from_file_location("rejudge", RESULTS / "rejudge.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["rejudge"] = module  # its dataclass looks its module up while being defined
+    spec.loader.exec_module(module)
+    return module
+
+
+def point(folder: str, name: str) -> dict:
+    """A point file of `folder`, or of the companion folder its seed ran in (`-s1`, `-s2`) before being merged."""
+    for where in (folder, f"{folder}-s1", f"{folder}-s2"):
+        path = RESULTS / where / "points" / f"{name}.json"
+        if path.exists():
+            return json.loads(path.read_text())
+    raise FileNotFoundError(f"{folder}: {name}")
+
+
+# experiment -> how its LR was chosen: "seed0" (rounds 1-2: seed 0 at every grid LR), "mean" (over every seed),
+# "fixed" (one LR given, no choice)
+LOSS_EXPERIMENTS = {"depth": "seed0", "ablations": "seed0", "deep-vs-wide": "seed0", "depth-long": "fixed",
+                    "depth-long-32": "fixed", "regime": "fixed", "frontier": "mean"}
+
+
+@pytest.mark.parametrize("folder", sorted(LOSS_EXPERIMENTS))
+def test_committed_arms_are_their_point_files_at_the_lr_the_rule_chooses(folder):
+    res = json.loads((RESULTS / folder / "results.json").read_text())["results"]
+    for label, arm in res["arms"].items():
+        lr = arm["lr"]
+        for seed, loss in enumerate(arm["report_losses"]):
+            assert point(folder, f"{label}-lr{lr:g}-seed{seed}")["report_loss"] == loss, (label, seed)
+        grid = [float(x) for x in arm.get("select_by_lr", {})]
+        if LOSS_EXPERIMENTS[folder] == "seed0" and len(grid) > 1:
+            assert lr == min(grid, key=lambda g: point(folder, f"{label}-lr{g:g}-seed0")["select_loss"]), label
+        if LOSS_EXPERIMENTS[folder] == "mean" and len(grid) > 1:
+            n = len(arm["report_losses"])
+            runs = {g: [point(folder, f"{label}-lr{g:g}-seed{s}") for s in range(n)] for g in grid}
+            mean_select = {g: math.inf if any(p["diverged"] for p in pts) else
+                           statistics.fmean(p["select_loss"] for p in pts) for g, pts in runs.items()}
+            assert lr == min(grid, key=mean_select.get), label
+
+
+def test_tuned_arms_are_their_point_files_at_the_lr_chosen_over_all_seeds():
+    res = json.loads((RESULTS / "tuned" / "results.json").read_text())["results"]["depths"]["64"]
+    chosen = {}
+    for label, arm in res["arms"].items():
+        grid = [float(g) for g in arm["select_by_lr"]]
+        means = {g: statistics.fmean(point("tuned", f"{label}-64-lr{g:g}-seed{s}")["select_loss"] for s in range(5))
+                 for g in grid}
+        chosen[label] = min(grid, key=means.get)
+        assert arm["lr"] == chosen[label]
+        assert arm["report_losses"] == [point("tuned", f"{label}-64-lr{arm['lr']:g}-seed{s}")["report_loss"]
+                                        for s in range(5)]
+    keel = min(("keel", "keel-sqrtL"), key=lambda a: res["arms"][a]["mean_select"])
+    assert res["tuned_keel"] == keel == "keel-sqrtL"
+
+
+def holm(ps: list[float]) -> list[float]:
+    """Holm's step-down adjustment, written out: the k-th smallest p times (m - k + 1), made non-decreasing."""
+    m = len(ps)
+    ranked = sorted(range(m), key=lambda i: ps[i])
+    out, running = [0.0] * m, 0.0
+    for k, i in enumerate(ranked, start=1):
+        running = max(running, min(1.0, (m - k + 1) * ps[i]))
+        out[i] = running
+    return out
+
+
+def recomputed() -> list[dict]:
+    """Every test of rejudge.py recomputed with scipy's ttest_rel and the Holm above."""
+    rows = []
+    for t in rejudge().tests():
+        pairs = [(x, y) for x, y in zip(t.a, t.b) if x is not None and y is not None and math.isfinite(x)
+                 and math.isfinite(y)]
+        a, b = zip(*pairs)
+        mean = statistics.fmean(x - y for x, y in pairs)
+        rows.append({"family": t.family, "what": t.what, "mean": mean, "p": float(sps.ttest_rel(a, b).pvalue),
+                     "guard": t.guard, "bounds": t.result.get("bounds", {}), "posthoc": t.posthoc})
+    for r, p in zip(rows, holm([r["p"] for r in rows])):
+        r["p_all"] = p
+    for fam in {r["family"] for r in rows}:
+        members = [r for r in rows if r["family"] == fam]
+        for r, p in zip(members, holm([m["p"] for m in members])):
+            r["p_family"] = p
+    for r in rows:
+        call = "inconclusive" if r["p_family"] >= 0.05 else ("a < b" if r["mean"] < 0 else "a > b")
+        if call != "inconclusive" and (r["guard"] or r["bounds"].get({"a > b": "agrees", "a < b": "disagrees"}[call])):
+            call = "inconclusive"
+        r["verdict"] = call
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tests_():
+    return recomputed()
+
+
+def fmt(p: float) -> str:
+    return f"{p:.2g}"
+
+
+def test_rejudge_md_is_every_test_recomputed(tests_):
+    lines = [line for line in (RESULTS / "rejudge.md").read_text().splitlines() if re.match(r"\| \d+ \|", line)]
+    assert len(lines) == len(tests_) == 72
+    for line, r in zip(lines, tests_):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert (cells[1], cells[3]) == (r["family"], r["what"])
+        assert float(cells[4].split()[0]) == pytest.approx(r["mean"], abs=6e-5)
+        assert cells[5:8] == [fmt(r["p"]), fmt(r["p_family"]), fmt(r["p_all"])], r["what"]
+        assert cells[8].split(" (")[0] == r["verdict"], r["what"]
+        assert cells[9].startswith("post-hoc") == r["posthoc"]
+    posthoc = [r["posthoc"] for r in tests_]
+    assert posthoc == sorted(posthoc)  # post-hoc rows come after every rule-defined one
+    assert sum(r["p_all"] < 0.05 for r in tests_) == 4
+
+
+def verdict_of(tests_, family: str, what: str, agrees="a < b", disagrees="a > b") -> str:
+    [r] = [r for r in tests_ if r["family"] == family and r["what"].startswith(what)]
+    return {agrees: "agrees", disagrees: "disagrees"}.get(r["verdict"], "inconclusive")
+
+
+def claim_table() -> dict[str, str]:
+    text = (RESULTS / "README.md").read_text().split("| claim (paper) |", 1)[1]
+    rows = {}
+    for line in text.splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells[3]
+    return rows
+
+
+def expected_claim_verdicts(t) -> dict[str, list[str]]:
+    """Per claim (its first words), the phrases its verdict cell must hold, from the recomputed tests."""
+    def v(*args, **kw):
+        return verdict_of(t, *args, **kw)
+
+    depth = {}
+    for fam in ("depth", "depth-long"):
+        gap, widen = v(fam, "Keel - Pre-LN, 64"), v(fam, "(Keel - Pre-LN at 64) - (at 8)")
+        depth[fam] = "agrees" if gap == widen == "agrees" else "disagrees" if gap == "disagrees" else "inconclusive"
+    per_lr = [v("lr-sweep", f"Keel - Pre-LN at LR {lr:g}") for lr in (1.5e-3, 3e-3, 6e-3, 1.2e-2)]
+    improves = v("lr-sweep", "Keel at 6e-3 - Keel at 1.5e-3")
+    lr_sweep = ("agrees" if set(per_lr) == {"agrees"} and improves == "agrees"
+                else "disagrees" if "disagrees" in per_lr else "inconclusive")
+    post_ln = [r["verdict"] for r in t if r["what"].startswith("Keel - Post-LN") and not r["posthoc"]
+               and r["family"] in ("depth", "depth-long", "depth-long-32", "regime")]
+    beats_post_ln = "disagrees" if "a > b" in post_ln and "a < b" not in post_ln else \
+        "agrees" if "a < b" in post_ln and "a > b" not in post_ln else "inconclusive"
+    trend = {v("redundancy", w, "a > b", "a < b") for w in ("Pre-LN upper-half", "Keel upper-half - lower-half "
+                                                             "delta (whole")}
+    alpha = {v("ablations", w) for w in ("alpha = sqrtL", "alpha = 2")}
+    return {
+        "Keel tolerates a higher peak LR than Pre-LN": [
+            f"**{v('max-lr', 'Keel - Pre-LN, 16', 'a > b', 'a < b')} at 16 and at 64 sub-layers**"
+            if v("max-lr", "Keel - Pre-LN, 16", "a > b", "a < b") == v("max-lr-64", "Keel - Pre-LN, 64", "a > b",
+                                                                          "a < b") == "inconclusive" else "?"],
+        "... and far higher than Post-LN": ["**agrees in direction" if v("max-lr", "Keel - Post-LN, 16", "a > b",
+                                                                         "a < b") == "agrees" else "?"],
+        "Gradient clipping masks": ["**not supported**" if v("max-lr", "Pre-LN without") == "inconclusive" else "?"],
+        "Keel's advantage over Pre-LN grows with depth": [f"**{depth['depth']} at 153,600 tokens",
+                                                          f"{depth['depth-long']} at 1M**"],
+        "Keel beats Post-LN": [f"**{beats_post_ln}**"],
+        "Keel beats Pre-LN at every LR": [f"**{lr_sweep}**"],
+        "Deep Keel beats deep Pre-LN": [f"**{v('deep-vs-wide', 'deep Keel - deep Pre-LN')} vs deep Pre-LN",
+                                        f"{v('deep-vs-wide', 'deep Keel - wide Pre-LN')} vs wide Pre-LN"],
+        "Keel uses its depth": [f"{v('depth-long', 'Keel at 64 - Keel at 8')} at 1M**"],
+        "Shallow layers are more redundant": [f"**{trend.pop()}** (Pre-LN and Keel" if len(trend) == 1 else "?"],
+        "Removing a shallow Keel layer hurts more": [
+            f"**{v('redundancy', 'lower-half delta, Keel - Pre-LN', 'a > b', 'a < b')}**"],
+        "... and a bf16 stream hurts": [
+            f"**{v('stream-precision', 'Keel bf16 - float32 stream, 64', 'a > b', 'a < b')} at 64",
+            f"at 256 (p={fmt(next(r['p'] for r in t if r['family'] == 'stream-precision-256'))})"
+            if v("stream-precision-256", "Keel bf16", "a > b", "a < b") == "inconclusive" else "?"],
+        "alpha = L is a good choice": ["**surprising**" if "agrees" in alpha else "**agrees**"],
+        "First-layer rule": ["**surprising**" if v("ablations", "first_layer = none") == "agrees" else "?"],
+    }
+
+
+def test_every_tested_verdict_cell_of_the_claim_table_follows_from_the_tests(tests_):
+    cells = claim_table()
+    for claim, phrases in expected_claim_verdicts(tests_).items():
+        [cell] = [c for k, c in cells.items() if k.startswith(claim)]
+        for phrase in phrases:
+            assert phrase in cell, (claim, phrase, cell)
+
+
+def test_every_raw_and_holm_p_quoted_in_results_readme_is_one_tests(tests_):
+    """"p=X, Holm Y" anywhere in results/README.md (the one-minute table included) is the raw and the
+    within-experiment adjusted p of one test, as rejudge.md formats them."""
+    text = (RESULTS / "README.md").read_text()
+    pairs = re.findall(r"p=([0-9.e-]+)[,;] Holm ([0-9.e-]+)", text)
+    assert len(pairs) > 20
+    known = {(fmt(r["p"]), fmt(r["p_family"])) for r in tests_}
+    assert [pair for pair in pairs if pair not in known] == []
+
+
+def test_the_one_minute_table_cites_the_rows_it_once_missed(tests_):
+    summary = (RESULTS / "README.md").read_text().split("## At this scale, in one minute", 1)[1].split("\n## ")[0]
+    r = next(r for r in tests_ if r["family"] == "depth-long-32" and "Post-LN" in r["what"])
+    assert r["verdict"] == "a > b" and f"+0.111 at 32 (`depth-long-32/`, p={fmt(r['p'])}, Holm {fmt(r['p_family'])})" \
+        in summary
+    assert not re.search(r"\btie\b", summary)  # an interval of 0.66x to 1.52x is no tie
