@@ -220,3 +220,39 @@ def test_the_one_minute_table_cites_the_rows_it_once_missed(tests_):
     assert r["verdict"] == "a > b" and f"+0.111 at 32 (`depth-long-32/`, p={fmt(r['p'])}, Holm {fmt(r['p_family'])})" \
         in summary
     assert not re.search(r"\btie\b", summary)  # an interval of 0.66x to 1.52x is no tie
+
+
+REPORTS = sorted(p.parent.name for p in RESULTS.glob("*/report.md") if p.parent.name != "depth-pilot")
+
+
+@pytest.mark.parametrize("folder", REPORTS)
+def test_a_reports_command_parses_and_merges_to_the_configuration_its_points_recorded(folder, monkeypatch):
+    """The "Produced by" command of every committed report, parsed by keel's own command line (keel.cli._main, up
+    to the experiment's function, which is replaced here) and passed through the merge (no training), builds the
+    configuration the sweep recorded in points/config.json."""
+    import shlex
+    from dataclasses import asdict
+
+    import keel.cli
+    import keel.experiments.cli as experiment_cli
+    from keel.experiments.sweep import EXECUTION_FIELDS, _differences, upgrade_recorded
+
+    text = (RESULTS / folder / "report.md").read_text()
+    command = re.search(r"Produced by:\n\n```bash\n(.*?)\n```", text, re.S).group(1)
+    words = shlex.split(command)
+    assert words[:2] == ["keel", "experiment"] and "\n" not in command
+    seen = {}
+
+    def merge_only(args):
+        seen["args"] = args
+        seen["cfg"] = experiment_cli.build(args.name, args.quick, args.overrides, args.config)
+        return 0
+
+    monkeypatch.setattr(experiment_cli, "cmd_experiment", merge_only)
+    assert keel.cli._main(words[1:]) == 0
+    args, cfg = seen["args"], seen["cfg"]
+    assert args.out == f"results/{folder}" and not args.quick
+    recorded = upgrade_recorded(json.loads((RESULTS / folder / "points" / "config.json").read_text()))
+    mine, defaults = json.loads(json.dumps(asdict(cfg))), json.loads(json.dumps(asdict(type(cfg)())))
+    assert [k for k in _differences(mine, recorded, defaults) if k not in EXECUTION_FIELDS] == []
+    assert json.loads((RESULTS / folder / "results.json").read_text())["experiment"] == args.name
