@@ -24,8 +24,8 @@ MARK = "CANARY-7f3a"
 STEP = "step_00000002"
 CKPT = f"checkpoints/{STEP}"
 # every entry the trained run holds (test_the_walk_covers_every_entry checks), then ones a hostile run adds
-ENTRIES = [".lock", "config.yaml", "run.json", "metrics.jsonl", "telemetry.jsonl", "summary.json", "curves.png",
-           f"eval-{STEP}-val.json", "tokenizer", "tokenizer/tokenizer_config.json", "checkpoints", CKPT,
+ENTRIES = [".lock", "config.yaml", ".config.sig", "run.json", "metrics.jsonl", "telemetry.jsonl", "summary.json",
+           "curves.png", f"eval-{STEP}-val.json", "tokenizer", "tokenizer/tokenizer_config.json", "checkpoints", CKPT,
            f"{CKPT}/model.safetensors", f"{CKPT}/state.pt", f"{CKPT}/meta.json", f"{CKPT}/manifest.json"]
 ADDED = ["diverged.json", "tokenizer/tokenizer.json", "checkpoints/step_00000009", "checkpoints/.tmp-step_00000009-1",
          "checkpoints/.old-step_00000009-1", "tensorboard"]

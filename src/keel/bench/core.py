@@ -18,7 +18,7 @@ import torch
 
 from keel.errors import ConfigError
 from keel.model import SCHEMES, ModelConfig, TransformerLM, count_params, flops_per_token
-from keel.model.schemes import SCHEME_OPTIONS
+from keel.model.config import with_scheme
 from keel.runtime import autocast_for, peak_flops, resolve_device
 from keel.scale.memory import estimate_memory
 from keel.scale.parallel import fused_junctions
@@ -106,10 +106,8 @@ def check_schemes(schemes: list[str]) -> None:
 
 
 def scheme_config(config: ModelConfig, scheme: str) -> ModelConfig:
-    """`config` as `scheme`: the options the registry says `scheme` reads are kept, every other one is cleared
-    (ModelConfig rejects a scheme option its scheme does not read)."""
-    cleared = {name: None for name in SCHEME_OPTIONS if name not in SCHEMES[scheme].options}
-    return replace(config, scheme=scheme, **cleared)
+    """`config` as `scheme` (keel.model.config.with_scheme, what the experiments use too)."""
+    return with_scheme(config, scheme)
 
 
 def compare(config: ModelConfig, run: RunConfig, schemes: list[str], steps: int, warmup: int,

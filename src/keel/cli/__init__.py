@@ -207,6 +207,9 @@ def cmd_import_hf(args) -> int:
 def cmd_lm_eval(args) -> int:
     needs("eval", "transformers")
     needs("eval", "lm_eval")
+    from keel.evals.offline import hub_offline_unless_reachable
+
+    hub_offline_unless_reachable()  # offline: one line at once, not a minute of retries
     import torch
 
     from keel.hf import quiet_progress

@@ -49,22 +49,6 @@ def _raise_interrupt(signum, frame):
 
 
 # ---- threads --------------------------------------------------------------------------------------------
-def apply_threads(args) -> int:
-    """Set the CPU thread count before any work of any command: `run.threads=N` when given among the
-    overrides, else the default (keel.runtime.default_threads). A run's own run.threads (a YAML file, a resumed
-    run) is applied again by the trainer."""
-    overrides = getattr(args, "overrides", None) or []
-    given = [o for o in overrides if o.split("=", 1)[0] == "run.threads"]
-    threads = 0
-    if given:
-        value = given[-1].split("=", 1)[1].strip()
-        threads = int(value) if value.isdigit() and int(value) <= 4096 else 0  # else the merge names the error
-        if args.command == "bench":  # bench refuses run fields it does not read; this one is applied here
-            args.overrides = [o for o in overrides if o not in given]
-    return runtime.set_threads(threads)
-
-
-# ---- argparse -------------------------------------------------------------------------------------------
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one `keel: error:` line and exit 2 (sub-commands inherit it)."""
 

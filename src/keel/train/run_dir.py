@@ -23,29 +23,18 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from keel import safe_io
 from keel.data.tokenizer import load_saved_tokenizer
 from keel.errors import CheckpointError, ConfigError, DataError
-from keel.train.config import TrainConfig, load_run_config, merge, to_yaml
+from keel.train.config import RESUME, TrainConfig, load_run_config, merge, to_yaml
 from keel.train.stop import steps_done
 
 if TYPE_CHECKING:  # the model and checkpoints import torch (seconds): `keel runs` lists runs without it
     from keel.model import TransformerLM
-
-# fields a resumed run may change; anything else must match the run's config
-# run.batch_size may change when the number of processes does: the trainer checks that the global batch
-# (batch_size x processes) stays what the checkpoint was written with
-RESUMABLE = {"resume", "run.steps", "run.batch_size", "run.progress", "run.log_every", "run.eval_every",
-             "run.eval_batches",
-             "run.ac_every", "run.fsdp_group", "run.ckpt_every", "run.keep_checkpoints", "run.device",
-             "run.compile", "run.fused_junction", "run.out_dir", "run.name", "run.telemetry_every", "run.log_to",
-             "run.eval_tasks", "run.eval_tasks_every", "run.eval_tasks_items",  # scoring never changes training
-             "run.threads"}
-
 
 LOCK = ".lock"
 
@@ -328,18 +317,14 @@ class RunDir(os.PathLike):
         return TransformerLM(config.model)
 
     def resume_config(self, overrides=(), config_file: str | None = None) -> TrainConfig:
-        """The run's own config with `overrides` merged in; changing anything but RESUMABLE is refused, and
-        so is a data path outside the run in a config keel did not write for this user (keel.train.trust)."""
+        """The run's own config with `overrides` merged in (keel.train.config.RESUME: changing anything but
+        RESUMABLE is refused, and so is a data path outside the run in a config keel did not write for this user:
+        keel.train.trust)."""
         from keel.train import trust
 
         saved = self.config()
         trust.check_data_paths(self.path, saved.data)
-        resumed = merge(saved, config_file, [o for o in overrides if not o.startswith("resume=")])
-        before, after = _flatten(asdict(saved)), _flatten(asdict(resumed))
-        for key in before:
-            if key not in RESUMABLE and before[key] != after[key]:
-                raise ConfigError(f"resume: {key}={after[key]!r} differs from the run's config ({before[key]!r}); "
-                                  "a resumed run must keep it")
+        resumed = merge(saved, config_file, [o for o in overrides if not o.startswith("resume=")], RESUME)
         return replace(resumed, resume=str(self.path))
 
     def _write(self, name: str, text: str) -> None:
@@ -443,16 +428,6 @@ def _read_json_object(path: Path) -> dict | None:
         _note(f"{path}: not a JSON object; ignored")
         return None
     return value
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out |= _flatten(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def load_model(path, checkpoint_path=None):
