@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from keel import evals
+from keel import evals, runtime
 from keel.data import WindowSampler, prepare
 from keel.data.tokenizer import planned_vocab_size
 from keel.errors import ConfigError, DataError, KeelError
 from keel.model import count_params, flops_per_token
-from keel.runtime import autocast_for, busy_note, peak_flops, provenance, resolve_device, set_threads
+from keel.runtime import autocast_for, busy_note, peak_flops, provenance, resolve_device
 from keel.scale import distributed
 from keel.train import checkpoint, resume, tracking
 from keel.train.config import TrainConfig
@@ -74,7 +74,8 @@ class Trainer:
 
     def _build(self) -> None:
         c = self.config
-        self.threads = set_threads(c.run.threads)  # the `keel` command set it already, unless a YAML file did
+        # the `keel` command applied it already (the same value: no change); a library user's Trainer applies it here
+        self.threads = runtime.set_threads(c.run.threads)
         pp = c.run.pp > 1  # pipeline stages (keel.scale.pipeline); FSDP2 then only within a stage's dp group
         self.fsdp = self.world.distributed and not pp
         # under FSDP2, bf16 comes from its mixed-precision policy (bf16 weights) instead of autocast
