@@ -237,6 +237,7 @@ QUICK = {
     "tuned": ["run.steps=3"],
     # the one-file corpus has no second document for identifiers/next_line
     "downstream": ["run.steps=3", "run.eval_tasks=[brackets,indent]"],
+    "depth-pilot": ["budgets=[3,4]"],
 }
 
 
@@ -270,6 +271,8 @@ QUICK_POINTS = {
               for k in _K],  # every LR with every seed
     "downstream": [f"{arm}-lr0.003-seed{k}" for arm in [f"{s}-{d}" for s in _S3 for d in (4, 8)] + ["wide-pre_ln"]
                    for k in _K],
+    # every LR of the starting grid with every seed at each budget (an edge choice adds more)
+    "depth-pilot": [f"{b}-{d}-lr{lr}-seed{k}" for b in (3, 4) for d in (2, 4) for lr in (0.003, 0.01) for k in _K],
 }
 
 

@@ -169,3 +169,28 @@ def test_an_empty_claim_is_respected_while_fresh_and_taken_over_once_stale(tmp_p
     old = time.time() - 3600
     os.utime(claim, (old, old))
     assert _claim(claim) and claim.read_text() == f"{socket.gethostname()} {os.getpid()}"
+
+
+def test_holm_adjusts_step_down_as_written_out():
+    from keel.experiments.stats import holm
+
+    # sorted 0.01, 0.03, 0.04: x3 = 0.03, x2 = 0.06, x1 = 0.04 -> running max 0.06; None stays out of the family
+    assert holm([0.01, 0.04, None, 0.03]) == pytest.approx([0.03, 0.06, None, 0.06])
+    assert holm([0.6, 0.7]) == [1.0, 1.0]
+
+
+def test_a_grid_grows_past_an_edge_choice_by_the_same_factor_until_interior_or_bound():
+    from keel.experiments.grid import Grid
+
+    loss = {1e-3: 2.0, 3e-3: 2.1, 1e-2: 2.5}  # best at the low edge
+    grid = Grid([3e-3, 1e-3, 1e-2], max_extensions=2)
+    new = grid.extend(loss.get)
+    assert new == pytest.approx(1e-3 / 3, rel=1e-5) and grid.values[0] == new
+    loss[new] = 1.9  # still improving: grows once more, then the bound
+    newer = grid.extend(loss.get)
+    assert newer == pytest.approx(1e-3 / 9, rel=1e-4)
+    loss[newer] = 1.8
+    assert grid.extend(loss.get) is None and grid.bound == "low" and grid.choice(loss.get) == newer
+    top = Grid([1e-3, 1e-2], max_extensions=1)
+    assert top.extend({1e-3: 3.0, 1e-2: 2.0}.get) == pytest.approx(1e-1)
+    assert top.extend({1e-3: 3.0, 1e-2: 2.0, 1e-1: float("nan")}.get) is None and top.bound is None  # interior
