@@ -150,7 +150,7 @@ def test_fuzzed_run_files_plot_and_eval(trained, canary, tmp_path_factory, capsy
 def test_fuzzed_run_files_generate_export_and_resume(trained, canary, tmp_path_factory, capsys, monkeypatch, name,
                                                      content, command):
     pytest.importorskip("transformers")
-    monkeypatch.setattr("keel.train.trainer.Trainer.draw_curves", lambda self: None)  # seconds each, not tested here
+    monkeypatch.setattr("keel.train.trainer.Trainer.draw_curves", lambda self, quiet=False: None)  # seconds: untested
     _run_files(trained, canary, tmp_path_factory, capsys, name, content, command)
 
 
@@ -280,7 +280,7 @@ def test_fuzzed_checkpoint_content_in_eval(trained, tmp_path_factory, capsys, mu
 @given(mutation=MUTATION)
 def test_fuzzed_checkpoint_content_on_resume_refuses_or_falls_back(trained, tmp_path_factory, capsys, monkeypatch,
                                                                    mutation):
-    monkeypatch.setattr("keel.train.trainer.Trainer.draw_curves", lambda self: None)  # seconds each, not tested here
+    monkeypatch.setattr("keel.train.trainer.Trainer.draw_curves", lambda self, quiet=False: None)  # seconds: untested
     code, out, err = _checkpoint_case(trained, tmp_path_factory, capsys, mutation,
                                       ["train", "resume=RUN", "run.steps=5", "run.progress=false"])
     if code == 0 and "trying an older one" in err:
