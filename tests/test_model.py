@@ -144,11 +144,3 @@ BAD = [
 def test_impossible_config_names_the_field(fields, message):
     with pytest.raises(ValueError, match=f"ModelConfig.({message})"):
         replace(tiny(), **fields)
-
-
-def test_the_cpu_demo_preset_has_one_definition():
-    """keel.cpu_demo() is the model `keel train --preset cpu-demo` (the README's main job) trains."""
-    from keel.model.presets import cpu_demo
-    from keel.train.config import train_preset
-
-    assert train_preset("cpu-demo").model == cpu_demo()

@@ -20,10 +20,9 @@ def tiny(**overrides) -> ModelConfig:
 
 
 def cpu_demo(**overrides) -> ModelConfig:
-    """A deep, narrow model that trains visibly on 2 CPU cores in minutes: 32 sub-layers, d=128, sequences of 128
-    (the model of `keel train`'s default job, --preset cpu-demo)."""
+    """A deep, narrow model that trains visibly on 2 CPU cores in minutes: 32 sub-layers, d=128."""
     return replace(ModelConfig(vocab_size=256, d_model=128, n_blocks=16, n_heads=4, n_kv_heads=2,
-                               d_ffn=384, max_seq_len=128), **overrides)
+                               d_ffn=384, max_seq_len=256), **overrides)
 
 
 def science(**overrides) -> ModelConfig:

@@ -120,7 +120,7 @@ class TrainConfig:
 def _cpu_demo_train() -> TrainConfig:
     """The README's main job: a 32-sub-layer Keel on the standard library's source, ~5 min on 2 cores."""
     return TrainConfig(
-        model=cpu_demo(),
+        model=cpu_demo(max_seq_len=128),
         optim=OptimConfig(lr=2e-3, warmup_steps=30),
         run=RunConfig(steps=300, batch_size=16, seq_len=128, eval_every=100, eval_batches=10, ckpt_every=100),
     )
