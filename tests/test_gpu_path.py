@@ -172,27 +172,14 @@ def test_keels_extra_operators_per_sub_layer_are_its_second_norm_and_nothing_els
     """Host cost at depth: Keel's eager step runs more ATen ops per sub-layer than Pre-LN's by exactly the ops of
     one more RMSNorm forward and backward (the norm the equation has; Pre-LN's shortcut is multiplied by its
     alpha = 1 too), counted independently on a lone RMSNorm."""
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from keel.bench.core import aten_ops_per_sublayer
+    from keel.bench.core import OpCounter, aten_ops_per_sublayer
     from keel.model.layers import RMSNorm
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
 
     x = torch.randn(2, 8, 32, requires_grad=True)
     norm = RMSNorm(32, 1e-5)
-    with Count() as with_norm:
+    with OpCounter() as with_norm:
         norm(x).sum().backward()
-    with Count() as without:
+    with OpCounter() as without:
         x.sum().backward()
     one_norm = sum(with_norm.ops.values()) - sum(without.ops.values())
     keel, pre_ln = (aten_ops_per_sublayer(replace(TINY, scheme=s)) for s in ("keel", "pre_ln"))
