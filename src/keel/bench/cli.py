@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from keel import runtime
-from keel.bench import GPU_SECTIONS, MODELLED_GPUS
+from keel.bench import CPU_PARTS, GPU_SECTIONS, MODELLED_GPUS
 from keel.errors import ConfigError
 from keel.model.config import with_scheme
 from keel.runtime import machine, resolve_device, use_bf16
@@ -65,19 +65,22 @@ def bench_config(args):
 def run_suite(args) -> dict:
     out = Path(args.out) if args.out else None
     config = bench_config(args)
+    allowed = CPU_PARTS if args.suite == "cpu" else GPU_SECTIONS
+    sections = args.sections.split(",") if args.sections else list(allowed)
+    unknown = set(sections) - set(allowed)
+    if unknown:
+        raise ConfigError(f"--sections: unknown {', '.join(sorted(unknown))}; allowed with --suite {args.suite}: "
+                          f"{', '.join(allowed)}")
     if args.suite == "cpu":
         from keel.bench.cpu import cpu_markdown, cpu_suite
 
-        result = cpu_suite(args.steps, args.warmup, writer(out, cpu_markdown), args.idle_load, args.idle_wait)
+        result = cpu_suite(args.steps, args.warmup, writer(out, cpu_markdown), args.idle_load, args.idle_wait,
+                           parts=sections)
         print(cpu_markdown(result))
         return result
     device = resolve_device(config.run.device)
     if device.type != "cuda" and not args.toy:
         raise ConfigError("--suite gpu: needs a CUDA device (its sizes are a GPU's); --toy runs it at toy size here")
-    sections = args.sections.split(",") if args.sections else list(GPU_SECTIONS)
-    unknown = set(sections) - set(GPU_SECTIONS)
-    if unknown:
-        raise ConfigError(f"--sections: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(GPU_SECTIONS)}")
     from keel.bench.gpu import GpuSuite, gpu_markdown, gpu_suite
 
     result = gpu_suite(GpuSuite.toy() if args.toy else GpuSuite(), device, writer(out, gpu_markdown), sections)
@@ -183,7 +186,9 @@ def register(subparsers) -> None:
                    help="a fixed campaign instead: cpu (compile and Keel/Pre-LN on CPU; uses --steps/--warmup), "
                         "gpu (tests, d=1024 comparison, kernel, depth, deepest model; time-boxed)")
     p.add_argument("--toy", action="store_true", help="--suite gpu at toy sizes, on any device (what CI runs)")
-    p.add_argument("--sections", help=f"--suite gpu: a comma-separated subset of {','.join(GPU_SECTIONS)}")
+    p.add_argument("--sections", help=f"--suite gpu: a comma-separated subset of {','.join(GPU_SECTIONS)}; "
+                                      f"--suite cpu: of {','.join(CPU_PARTS)} (flatness: time per sub-layer from "
+                                      "128 to 1024 sub-layers, Keel and Pre-LN)")
     p.add_argument("--idle-load", type=float, default=0.5,
                    help="--suite cpu: wait until the 1-minute load average is below this before timing")
     p.add_argument("--idle-wait", type=float, default=900, help="--suite cpu: wait at most this many seconds")

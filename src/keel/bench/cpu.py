@@ -1,6 +1,8 @@
 """`keel bench --suite cpu`: compiled against eager, Keel against Pre-LN, four models stepping alternately in
-one process, at the bench shape and at the default `keel train` job's shape. It waits for an idle machine first
-and records the load average: on a small shared machine any other job's work lands in the step times."""
+one process, at the bench shape and at the default `keel train` job's shape; compile warm-up from nothing; the
+science shape's depth series; and time per sub-layer of Keel and Pre-LN from 128 to 1024 sub-layers
+(keel.bench.flatness). Its parts (CPU_PARTS) can be run alone (`--sections`). It waits for an idle machine
+first and records the load average: on a small shared machine any other job's work lands in the step times."""
 
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ from dataclasses import asdict
 
 import torch
 
+from keel.bench import CPU_PARTS
 from keel.bench.core import Bench, alternate, cold_warmup, scheme_config, summarize
+from keel.bench.flatness import FLAT_SUBLAYERS, flatness_markdown, flatness_series
+from keel.model import ModelConfig
 from keel.model.presets import cpu_demo, science
 from keel.runtime import machine
 from keel.train.config import RunConfig
@@ -33,12 +38,19 @@ CPU_SHAPES = {"bench": ({"n_blocks": 8, "max_seq_len": 64}, 4, 64), "train-defau
 # of the shallowest; time per sub-layer within +-10% of the shallowest's from 16 to 1024 sub-layers
 CPU_TARGETS = {"compiled_keel_over_pre_ln_at_most": 1.02, "compiled_speedup_at_least": 1.3,
                "compile_time_deep_over_shallow_at_most": 2.0, "ms_per_sublayer_spread_at_most": 0.10,
-               "keel_warmup_over_pre_ln_at_most": 1.3}  # issue 37: cold compile warm-up at WARMUP_SUBLAYERS
+               "keel_warmup_over_pre_ln_at_most": 1.3,  # issue 37: cold compile warm-up at WARMUP_SUBLAYERS
+               "ms_per_sublayer_flat_128_1024_at_most": 0.10}  # issue 37.6 (keel.bench.flatness.FLAT_TARGET)
 WARMUP_SUBLAYERS = 64
 VARIANTS = ("eager", "compiled")
 # the science experiments' shape (keel.experiments.common: d=64, 8 x 64 tokens a step, one thread per point)
 SCIENCE_DEPTHS = (16, 64, 256, 1024)
 SCIENCE_BATCH = (8, 64)
+# issue 37.6's flatness at a width a 2-core CPU steps through quickly (about a minute idle for 3 passes over
+# 128-1024 sub-layers, both schemes), eager, one thread: at d=32 the step is host work (dispatch, autograd,
+# optimizer bookkeeping), what grows with depth if anything does
+CPU_FLATNESS = {"model": {"vocab_size": 256, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "max_seq_len": 16},
+                "batch_size": 1, "seq_len": 16, "sublayers": FLAT_SUBLAYERS, "steps": 5, "warmup": 1, "repeats": 3,
+                "threads": 1}
 
 
 def spread(values: list[float]) -> dict:
@@ -47,20 +59,24 @@ def spread(values: list[float]) -> dict:
 
 def cpu_suite(steps: int, warmup: int, write, max_load: float = 0.5, wait_s: float = 900, shapes=None,
               compile_backend: str = "inductor", repeats: int = 3, depths=SCIENCE_DEPTHS,
-              science_steps: int = 5, warmup_sublayers: int = WARMUP_SUBLAYERS) -> dict:
+              science_steps: int = 5, warmup_sublayers: int = WARMUP_SUBLAYERS, parts=CPU_PARTS,
+              flatness: dict | None = None) -> dict:
     """Eager and compiled, Keel and Pre-LN: four models stepping alternately in this process, per shape, the timed
-    steps taken `repeats` times (each repeat's ratios reported, and their median and range); then the science
-    shape's depth series (`science_series`). `shapes`, `depths` and `compile_backend` are for tests."""
-    device, shapes = torch.device("cpu"), shapes or CPU_SHAPES
+    steps taken `repeats` times (each repeat's ratios reported, and their median and range) ("compare"); each
+    scheme's compile warm-up from nothing ("cold_warmup"); the science shape's depth series (`science_series`,
+    "science"); Keel and Pre-LN per sub-layer from 128 to 1024 sub-layers (`cpu_flatness`, "flatness"). Only
+    `parts` run. `shapes`, `depths`, `flatness` and `compile_backend` are for tests."""
+    device, shapes, flat = torch.device("cpu"), shapes or CPU_SHAPES, flatness or CPU_FLATNESS
     models = {name: cpu_demo(**overrides) for name, (overrides, _, _) in shapes.items()}
     result = {"suite": "cpu", "machine": machine(device), "settings": {
         "shapes": {k: {"model": asdict(models[k]), "n_sublayers": models[k].n_sublayers, "batch_size": b,
                        "seq_len": t} for k, (_, b, t) in shapes.items()},
         "steps": steps, "warmup": warmup, "repeats": repeats, "dtype": "float32", "compile_backend": compile_backend,
         "science": {"depths": list(depths), "batch_size": SCIENCE_BATCH[0], "seq_len": SCIENCE_BATCH[1],
-                    "steps": science_steps, "threads": 1}},
+                    "steps": science_steps, "threads": 1},
+        "flatness": {k: list(v) if isinstance(v, tuple) else v for k, v in flat.items()}, "parts": list(parts)},
         "idle_check": wait_for_idle(max_load, wait_s) | {"max_load": max_load}, "shapes": {}}
-    for name, (_, batch, seq) in shapes.items():
+    for name, (_, batch, seq) in shapes.items() if "compare" in parts else ():
         torch._dynamo.reset()  # each shape compiles afresh, well inside Dynamo's recompile limit
         load_before = os.getloadavg()
         benches = {f"{s}/{v}": Bench(scheme_config(models[name], s),
@@ -80,7 +96,7 @@ def cpu_suite(steps: int, warmup: int, write, max_load: float = 0.5, wait_s: flo
                                   "load_average": {"before": load_before, "after": os.getloadavg()}}
         del benches
         write(result)
-    if warmup_sublayers:  # compile warm-up of each scheme from nothing (fresh Dynamo state and Inductor cache)
+    if warmup_sublayers and "cold_warmup" in parts:  # each scheme from nothing (fresh Dynamo state and caches)
         shape = next(iter(shapes.values()))
         config = cpu_demo(**(shape[0] | {"n_blocks": warmup_sublayers // 2}))
         cold = cold_warmup(config, RunConfig(batch_size=shape[1], seq_len=shape[2], dtype="float32", compile=True),
@@ -88,9 +104,17 @@ def cpu_suite(steps: int, warmup: int, write, max_load: float = 0.5, wait_s: flo
         result["cold_warmup"] = {"n_sublayers": warmup_sublayers, "schemes": cold,
                                  "keel_over_pre_ln": cold["keel"]["first_step_s"] / cold["pre_ln"]["first_step_s"]}
         write(result)
-    if depths:
+    if depths and "science" in parts:
         result["science"] = science_series(depths, science_steps, compile_backend)
         write(result)
+    if "flatness" in parts:
+        result["flatness"] = {"load_average": {"before": os.getloadavg()}}
+
+        def on_row(summary):
+            result["flatness"] |= summary
+            write(result)
+        cpu_flatness(flat, on_row)
+        result["flatness"]["load_average"]["after"] = os.getloadavg()
     met = {f"compiled_keel_over_pre_ln_{k}": v["keel_over_pre_ln_step_time"]["compiled"]["median"]
            <= CPU_TARGETS["compiled_keel_over_pre_ln_at_most"] for k, v in result["shapes"].items()}
     if "train-default" in result["shapes"]:
@@ -104,12 +128,27 @@ def cpu_suite(steps: int, warmup: int, write, max_load: float = 0.5, wait_s: flo
         for v in VARIANTS:
             met[f"ms_per_sublayer_flat_{v}"] = sci["ms_per_sublayer_spread"][v] <= CPU_TARGETS[
                 "ms_per_sublayer_spread_at_most"]
+    for scheme, r in result.get("flatness", {}).get("per_scheme", {}).items():
+        met[f"ms_per_sublayer_flat_128_1024_{scheme}"] = bool(r["flat"])
     if "cold_warmup" in result:
         met["keel_warmup_within_1_3x_pre_ln"] = result["cold_warmup"]["keel_over_pre_ln"] <= CPU_TARGETS[
             "keel_warmup_over_pre_ln_at_most"]
     result["targets"] = CPU_TARGETS | {"met": met}
     write(result)
     return result
+
+
+def cpu_flatness(flat: dict, on_row=None) -> dict:
+    """keel.bench.flatness at the `flat` shape (CPU_FLATNESS), eager, float32, on `flat["threads"]` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(flat["threads"])
+    try:
+        return flatness_series(ModelConfig(**flat["model"]),
+                               RunConfig(batch_size=flat["batch_size"], seq_len=flat["seq_len"], dtype="float32"),
+                               tuple(flat["sublayers"]), steps=flat["steps"], warmup=flat["warmup"],
+                               repeats=flat["repeats"], device=torch.device("cpu"), on_row=on_row)
+    finally:
+        torch.set_num_threads(before)
 
 
 def science_series(depths, steps: int, compile_backend: str = "inductor") -> dict:
@@ -200,12 +239,21 @@ def cpu_markdown(result: dict) -> str:
         lines += [f"| {k} | {r['first_step_s']:.2f} | {r['second_step_s']:.3f} | {r['graphs']} | "
                   f"{r['recompiles']} |" for k, r in cw["schemes"].items()]
         lines += ["", f"Keel / Pre-LN warm-up: **{cw['keel_over_pre_ln']:.2f}x**.", ""]
+    if "per_scheme" in result.get("flatness", {}):
+        f, fs = result["flatness"], st["flatness"]
+        lines += flatness_markdown(f, f"## Time per sub-layer against depth: d_model={fs['model']['d_model']}, batch "
+                                      f"{fs['batch_size']} x {fs['seq_len']}, eager, {fs['threads']} thread(s)")
+        lines[-1:-1] = [f"Each model built, timed ({fs['steps']} steps after {fs['warmup']} warm-up; median) and "
+                        f"freed alone; {fs['repeats']} passes over the depths, every other one deepest first; the "
+                        f"median of the passes. Load average {f['load_average']['before'][0]:.2f} before"
+                        + (f", {f['load_average']['after'][0]:.2f} after." if "after" in f["load_average"] else ".")]
     if "targets" in result:
         t = result["targets"]
         lines += [f"Targets (issues 19, 37): compiled Keel/Pre-LN <= {t['compiled_keel_over_pre_ln_at_most']} (median "
                   f"of the repeats), compiled >= {t['compiled_speedup_at_least']}x eager for the default job, compile "
                   f"time deepest/shallowest <= {t['compile_time_deep_over_shallow_at_most']}, ms per sub-layer within "
                   f"+-{t['ms_per_sublayer_spread_at_most']:.0%}, cold Keel/Pre-LN warm-up <= "
-                  f"{t.get('keel_warmup_over_pre_ln_at_most', '-')}: "
+                  f"{t.get('keel_warmup_over_pre_ln_at_most', '-')}, ms per sub-layer from 128 to 1024 "
+                  f"sub-layers within +-{t.get('ms_per_sublayer_flat_128_1024_at_most', 0.1):.0%}: "
                   + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in t["met"].items()) + "."]
     return "\n".join(lines) + "\n"

@@ -1,8 +1,10 @@
 """`keel bench --suite gpu`: the GPU campaign in one time-boxed command.
 
-Sections, in order: the `gpu` tests; Keel/Pre-LN eager, compiled and compiled+fused at d=1024, each beside the
-performance model's prediction (keel.bench.perf_model: step time, MFU, ratio), so the first run says how far off
-the model is; the junction kernel alone; time per sub-layer against depth; and the deepest model that trains.
+Sections, in order: the `gpu` tests; the junction kernel alone; Keel/Pre-LN eager, compiled and compiled+fused at
+d=1024, batch 1 x 4096 and at the tokens per step users train with (8 x 4096 = 32k, activation checkpointing), each
+beside the performance model's prediction (keel.bench.perf_model: step time, MFU, ratio), so a run says how far off
+the model is; time per sub-layer against depth, Keel and Pre-LN, eager and compiled (keel.bench.flatness); and
+the deepest model that trains. keel.bench.gpu_plan predicts each section's time before it runs.
 Each section is time-boxed and every result is written as soon as it exists, so a run cut off by its time limit
 still leaves data. `--toy` runs the same campaign at toy sizes on a CPU in seconds (what CI runs).
 """
@@ -17,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from keel.bench import GPU_SECTIONS
-from keel.bench.core import Bench, attempt, compare, depth_series
+from keel.bench.core import Bench, attempt, compare
+from keel.bench.flatness import flatness_markdown, flatness_series
 from keel.bench.perf_model import DEVICES, gpu_spec, predict_pair
 from keel.kernels.junction import can_fuse
 from keel.kernels.timing import copy_bandwidth, junction_bandwidth
@@ -32,8 +35,10 @@ class GpuSuite:
 
     The defaults fit one 10-minute call on an 80 GB GPU: compare runs the paper's d=1024 shape (16 heads, 8 KV
     heads, FFN 3x, vocabulary 32000) at seq 4096; from `ac_from` sub-layers on it checkpoints every block and
-    holds one model at a time (two 512-sub-layer models with AdamW state do not fit together). The depth
-    series runs at `depth_d_model` with checkpointing, so 1024 sub-layers fit too.
+    holds one model at a time (two 512-sub-layer models with AdamW state do not fit together). `tokens_points`
+    are (sub-layers, batch) compared at the tokens per step users train with, checkpointing every block, in
+    `tokens_variants`. The depth series runs Keel and Pre-LN at `depth_d_model` with checkpointing, one model at a
+    time, in `depth_variants`, so 1024 sub-layers fit too.
     """
 
     d_model: int = 1024
@@ -49,13 +54,17 @@ class GpuSuite:
     compare_sublayers: tuple[int, ...] = (64, 512)
     ac_from: int = 256
     together_upto: int = 128
+    tokens_points: tuple[tuple[int, int], ...] = ((64, 8),)  # 8 x 4096 = 32,768 tokens a step (issue 37.7)
+    tokens_variants: tuple[str, ...] = ("eager", "compiled")
     kernel_rows: int = 16384
     kernel_widths: tuple[int, ...] = (1024, 2048, 4096)
     kernel_calls: int = 20  # back-to-back calls per timing, `kernel_repeats` timings (median)
     kernel_repeats: int = 5
     depth_d_model: int = 512
-    depth_sublayers: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
-    depth_steps: int = 3
+    depth_sublayers: tuple[int, ...] = (128, 256, 512, 1024)  # issue 37.6: flat within 10% over these
+    depth_variants: tuple[str, ...] = ("eager", "compiled")
+    depth_steps: int = 2
+    depth_warmup: int = 1
     max_depth_from: int = 256
     max_depth_upto: int = 4096
     max_depth_resolution: int = 32
@@ -63,16 +72,16 @@ class GpuSuite:
     predict_on: str | None = None  # the perf-model device printed beside measurements; None: the GPU's own by name
     # seconds per section; the campaign runs in parts of at most 8 minutes each (GPU_PARTS, benchmarks/gpu/README.md)
     boxes: dict[str, float] = field(default_factory=lambda: {
-        "tests": 120, "kernel": 60, "compare": 420, "depth": 150, "max_depth": 270})
+        "tests": 120, "kernel": 60, "compare": 450, "depth": 300, "max_depth": 180})
 
     @classmethod
     def toy(cls) -> GpuSuite:
         return cls(d_model=32, n_heads=2, n_kv_heads=1, vocab_size=256, seq_len=16, batch_size=2, dtype="auto",
                    compile_backend="aot_eager", steps=2, warmup=1, compare_sublayers=(4, 8), ac_from=8,
-                   together_upto=4, kernel_rows=64, kernel_widths=(32, 48), kernel_calls=1, kernel_repeats=1,
-                   depth_d_model=32,
-                   depth_sublayers=(4, 8, 16), depth_steps=1, max_depth_from=4, max_depth_upto=16,
-                   max_depth_resolution=4, test_args=("-m", "gpu", "tests/test_junction.py"), predict_on="H100")
+                   together_upto=4, tokens_points=((4, 4),), kernel_rows=64, kernel_widths=(32, 48), kernel_calls=1,
+                   kernel_repeats=1, depth_d_model=32, depth_sublayers=(4, 8, 16), depth_steps=1, max_depth_from=4,
+                   max_depth_upto=16, max_depth_resolution=4, test_args=("-m", "gpu", "tests/test_junction.py"),
+                   predict_on="H100")
 
     def model(self, n_sublayers: int, scheme: str = "keel", d_model: int | None = None) -> ModelConfig:
         d = d_model or self.d_model
@@ -80,9 +89,10 @@ class GpuSuite:
                            n_heads=self.n_heads * d // self.d_model, n_kv_heads=self.n_kv_heads * d // self.d_model,
                            max_seq_len=self.seq_len, scheme=scheme)
 
-    def run(self, ac_every: int = 0, compile: bool = False, fused_junction: str = "auto") -> RunConfig:
-        return RunConfig(batch_size=self.batch_size, seq_len=self.seq_len, dtype=self.dtype, compile=compile,
-                         fused_junction=fused_junction, ac_every=ac_every)
+    def run(self, ac_every: int = 0, compile: bool = False, fused_junction: str = "auto",
+            batch_size: int | None = None) -> RunConfig:
+        return RunConfig(batch_size=batch_size or self.batch_size, seq_len=self.seq_len, dtype=self.dtype,
+                         compile=compile, fused_junction=fused_junction, ac_every=ac_every)
 
     def bench_options(self, device: torch.device) -> dict:
         return {"device": device, "compile_backend": self.compile_backend, "init_on_device": device.type == "cuda"}
@@ -142,57 +152,78 @@ def _section_kernel(suite, device, out, deadline, save):
         save()
 
 
-def predicted(suite: GpuSuite, device: torch.device, n_sublayers: int, variant: str, ac_every: int) -> dict | None:
+def predicted(suite: GpuSuite, device: torch.device, n_sublayers: int, variant: str, ac_every: int,
+              batch_size: int | None = None) -> dict | None:
     """The performance model's step time, tokens/s and MFU of Keel and Pre-LN, and their ratio, for one compare
     cell; None on a device the model has no spec for."""
     name = suite.predict_on or (torch.cuda.get_device_name(device) if device.type == "cuda" else "")
     spec = DEVICES.get(name) or gpu_spec(name)
     if spec is None:
         return None
-    p = predict_pair(suite.model(n_sublayers), suite.batch_size, suite.seq_len, spec, MODEL_IMPL.get(variant, variant),
-                     use_bf16(device, suite.dtype), ac_every)
+    p = predict_pair(suite.model(n_sublayers), batch_size or suite.batch_size, suite.seq_len, spec,
+                     MODEL_IMPL.get(variant, variant), use_bf16(device, suite.dtype), ac_every)
     keep = ("step_time_s", "tokens_per_s", "mfu")
     return {"device": spec.name, "keel_over_pre_ln_step_time": p["keel_over_pre_ln_step_time"],
             **{s: {k: p[s][k] for k in keep} for s in ("keel", "pre_ln")}}
 
 
+def compare_points(suite: GpuSuite) -> list[dict]:
+    """The compare cells in the order they run: each of `compare_sublayers` at batch `batch_size` in every
+    variant (checkpointing from `ac_from` sub-layers), then each of `tokens_points` in `tokens_variants`,
+    checkpointing every block. Keys of sections["compare"]: the sub-layers, and "<sub-layers>/batch<b>"."""
+    points = [{"key": str(n), "n_sublayers": n, "batch_size": suite.batch_size,
+               "ac_every": 1 if n >= suite.ac_from else 0, "variants": list(VARIANTS)}
+              for n in suite.compare_sublayers]
+    return points + [{"key": f"{n}/batch{b}", "n_sublayers": n, "batch_size": b, "ac_every": 1,
+                      "variants": list(suite.tokens_variants)} for n, b in suite.tokens_points]
+
+
+META = ("ac_every", "n_sublayers", "batch_size")  # what a row of sections["compare"] says besides its variants
+
+
 def _section_compare(suite, device, out, deadline, save):
-    """Keel against Pre-LN at each depth: eager, compiled, compiled with the fused junction; each beside its
-    prediction."""
+    """Keel against Pre-LN at each point of `compare_points`: eager, compiled, compiled with the fused junction;
+    each beside its prediction."""
     out["compare"] = {}
-    for n in suite.compare_sublayers:
+    for point in compare_points(suite):
         torch._dynamo.reset()  # new constants (alpha = L) at each depth: keep well inside the recompile limit
-        rows = out["compare"][str(n)] = {"ac_every": 1 if n >= suite.ac_from else 0}
-        for variant, (compile, fused) in VARIANTS.items():
+        n, batch = point["n_sublayers"], point["batch_size"]
+        rows = out["compare"][point["key"]] = {k: point[k] for k in META}
+        for variant in point["variants"]:
+            compile, fused = VARIANTS[variant]
             if time.monotonic() > deadline:
                 rows[variant] = {"skipped": "time box reached"}
                 continue
             if fused == "on" and not can_fuse(device, suite.d_model):
                 rows[variant] = {"skipped": f"the fused junction cannot run on {device}"}
                 continue
-            def pair(n=n, ac_every=rows["ac_every"], compile=compile, fused=fused):
-                return compare(suite.model(n), suite.run(ac_every, compile, fused), ["keel", "pre_ln"], suite.steps,
-                               suite.warmup, together=n <= suite.together_upto, **suite.bench_options(device))
+            def pair(n=n, ac_every=rows["ac_every"], compile=compile, fused=fused, batch=batch):
+                together = n * batch <= suite.together_upto * suite.batch_size  # two models' activations fit
+                return compare(suite.model(n), suite.run(ac_every, compile, fused, batch), ["keel", "pre_ln"],
+                               suite.steps, suite.warmup, together=together, **suite.bench_options(device))
 
             r = attempt(pair, device)
             rows[variant] = r if isinstance(r, dict) else {"failed": r}
-            rows[variant]["predicted"] = predicted(suite, device, n, variant, rows["ac_every"])
+            rows[variant]["predicted"] = predicted(suite, device, n, variant, rows["ac_every"], batch)
             save()
     if any(v == {"skipped": "time box reached"} for rows in out["compare"].values() for v in rows.values()):
         return "time box reached"
 
 
 def _section_depth(suite, device, out, deadline, save):
-    """Time per sub-layer from the shallowest to the deepest model, eager, checkpointing every block."""
-    def on_row(rows):
-        out["depth"] = {"d_model": suite.depth_d_model, "ac_every": 1, "rows": rows}
-        save()
+    """Time per sub-layer of Keel and Pre-LN at each of `depth_sublayers`, checkpointing every block, in each of
+    `depth_variants` (eager first: the issue's measurement), one model at a time (keel.bench.flatness)."""
+    out["depth"] = {"d_model": suite.depth_d_model, "ac_every": 1, "variants": {}}
+    for variant in suite.depth_variants:
+        compile, fused = VARIANTS[variant]
 
-    rows = depth_series(suite.model(2, d_model=suite.depth_d_model), suite.run(ac_every=1),
-                        list(suite.depth_sublayers), suite.depth_steps, deadline=deadline, on_row=on_row,
-                        **suite.bench_options(device))
-    on_row(rows)
-    if any("skipped" in r for r in rows):
+        def on_row(summary, variant=variant):
+            out["depth"]["variants"][variant] = summary
+            save()
+        on_row(flatness_series(suite.model(2, d_model=suite.depth_d_model), suite.run(1, compile, fused),
+                               suite.depth_sublayers, steps=suite.depth_steps, warmup=suite.depth_warmup,
+                               deadline=deadline, on_row=on_row, **suite.bench_options(device)))
+    if any("skipped" in r for v in out["depth"]["variants"].values() for r in v["rows"]):
         return "time box reached"
 
 
@@ -262,19 +293,23 @@ def gpu_markdown(result: dict) -> str:
         lines.append("")
     if "compare" in sec:
         devices = {r["predicted"]["device"] for rows in sec["compare"].values() for k, r in rows.items()
-                   if k != "ac_every" and r.get("predicted")}
-        lines += [f"## Keel vs Pre-LN, d={s['d_model']}, seq {s['seq_len']}, batch {s['batch_size']}, {s['dtype']}",
+                   if k not in META and r.get("predicted")}
+        lines += [f"## Keel vs Pre-LN, d={s['d_model']}, seq {s['seq_len']}, batch {s['batch_size']} (and the "
+                  f"points named with their batch), {s['dtype']}",
                   "", "Measured, and in brackets PREDICTED by keel.bench.perf_model "
                   f"({', '.join(sorted(devices)) or 'no spec for this device'}).", "",
                   "| sub-layers | variant | scheme | step (ms) [predicted] | measured/predicted | tokens/s | MFU "
                   "[predicted] | peak memory (GiB) | warm-up (s) | Keel/Pre-LN [predicted] |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for n, rows in sec["compare"].items():
+            label = rows.get("n_sublayers", n)
+            label = f"{label}{' (AC)' if rows['ac_every'] else ''}" + (
+                f", batch {rows['batch_size']}" if rows.get("batch_size", s["batch_size"]) != s["batch_size"] else "")
             for variant, r in rows.items():
-                if variant == "ac_every":
+                if variant in META:
                     continue
                 if "keel" not in r:
-                    lines.append(f"| {n} | {variant} | - | {r.get('skipped') or r.get('failed')} | | | | | | |")
+                    lines.append(f"| {label} | {variant} | - | {r.get('skipped') or r.get('failed')} | | | | | | |")
                     continue
                 p = r.get("predicted")
                 for scheme in ("keel", "pre_ln"):
@@ -287,16 +322,13 @@ def gpu_markdown(result: dict) -> str:
                         ratio += f" [{p['keel_over_pre_ln_step_time']:.3f}]" if scheme == "keel" else ""
                     step = f"{1e3 * x['step_time_s']:.1f}" + (f" [{1e3 * px['step_time_s']:.1f}]" if px else "")
                     off = f"{x['step_time_s'] / px['step_time_s']:.2f}x" if px else "n/a"
-                    lines.append(f"| {n}{' (AC)' if rows['ac_every'] else ''} | {variant} | {scheme} | {step} | "
+                    lines.append(f"| {label} | {variant} | {scheme} | {step} | "
                                  f"{off} | {x['tokens_per_s']:,.0f} | {mfu} | {mem} | {x['warmup_s']:.1f} | {ratio} |")
         lines.append("")
     if "depth" in sec:
-        lines += [f"## Time per sub-layer (Keel, d={sec['depth']['d_model']}, eager, AC every block)", "",
-                  "| sub-layers | step (ms) | ms per sub-layer |", "|---|---|---|"]
-        lines += [f"| {r['n_sublayers']} | {1e3 * r['step_time_s']:.1f} | {r['ms_per_sublayer']:.3f} |"
-                  if "step_time_s" in r else f"| {r['n_sublayers']} | {r.get('skipped') or r.get('failed')} | |"
-                  for r in sec["depth"]["rows"]]
-        lines.append("")
+        for variant, summary in sec["depth"]["variants"].items():
+            lines += flatness_markdown(summary, f"## Time per sub-layer ({variant}, d={sec['depth']['d_model']}, "
+                                                f"seq {s['seq_len']}, batch {s['batch_size']}, AC every block)")
     if "max_depth" in sec:
         d = sec["max_depth"]
         lines += [f"## Deepest Keel that trains (d={d['d_model']}, AC every block)", "",

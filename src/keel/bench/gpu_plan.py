@@ -1,0 +1,135 @@
+"""The GPU campaign's time, PREDICTED before it runs: does each part of `keel bench --suite gpu` (GPU_PARTS) fit
+its time boxes, and the boxes its 8-minute window?
+
+Every figure here is a prediction. A timed cell costs (warm-up + timed steps) x the step time predicted by the
+performance model calibrated on the measured H100 run (keel.bench.calibrate), plus a build allowance per model
+and a compile allowance per compiled model. Stated assumptions, from the one measured run where there is one:
+- compile: the first compile of a variant in a part's fresh process takes the measured cold warm-up (Keel 43 s on
+  the H100; Pre-LN's cold warm-up was never measured, so it is given Keel's); a later compile of the same variant
+  at another depth or batch finds its kernels in Inductor's and Triton's on-disk caches and takes Pre-LN's
+  measured warm-cache 3.7 s; Pre-LN has no junction to fuse, so its compiled variants compile the same graphs;
+- the depth series at d=512: the model predicts ~1 ms per sub-layer eager where 3.8-6.3 ms was measured, so its
+  step times are multiplied by the worst measured/predicted ratio of that series (DEPTH_SLOWDOWN, both variants);
+- the deepest-model search: trials as its doubling and bisection would make them if the depth that trains were
+  the measured one (640 sub-layers at d=1024), each trial a build and two steps;
+- the tests and the kernel section are not modelled: they are bounded by their boxes (`pytest -m gpu`'s time is
+  the open item 37.9).
+"""
+
+from __future__ import annotations
+
+from keel.bench import GPU_PARTS
+from keel.bench.calibrate import calibrated, measured_runs
+from keel.bench.gpu import MODEL_IMPL, VARIANTS, GpuSuite, compare_points
+from keel.bench.perf_model import predict
+from keel.model.config import with_scheme
+
+BUILD_S = 3.0  # assumed seconds to build a model on the GPU and free it again (initialised on the device)
+SCHEMES = ("keel", "pre_ln")
+
+
+def _measured() -> dict:
+    return measured_runs("H100")[-1]
+
+
+def compile_allowance(seen: set, scheme: str, variant: str) -> float:
+    """Seconds of compile warm-up for one compiled model; `seen` holds the (scheme, variant)s compiled before."""
+    warm = _measured()["compile_warmup_s"]
+    cold = max(warm.values())
+    key = (scheme, variant if scheme == "keel" else "compiled")  # Pre-LN: every compiled variant is one graph
+    first = key not in seen
+    seen.add(key)
+    return cold if first else warm["pre_ln"]
+
+
+def step_s(suite: GpuSuite, spec, n: int, scheme: str, variant: str, batch: int, ac_every: int,
+           d_model: int | None = None) -> float:
+    config = with_scheme(suite.model(n, d_model=d_model), scheme)
+    return predict(config, batch, suite.seq_len, spec, MODEL_IMPL.get(variant, variant), True, ac_every)[
+        "step_time_s"]
+
+
+def depth_slowdown(suite: GpuSuite, spec) -> float:
+    """The worst measured / predicted eager step time of the measured d=512 depth series (AC every block)."""
+    measured = _measured()["eager_ms_per_sublayer_d512_ac"]
+    return max(ms * int(n) / 1e3 / step_s(suite, spec, int(n), "keel", "eager", 1, 1, 512)
+               for n, ms in measured.items())
+
+
+def plan_compare(suite: GpuSuite, spec) -> float:
+    seen, total = set(), 0.0
+    for p in compare_points(suite):
+        for variant in p["variants"]:
+            for scheme in SCHEMES:
+                total += BUILD_S + (suite.warmup + suite.steps) * step_s(
+                    suite, spec, p["n_sublayers"], scheme, variant, p["batch_size"], p["ac_every"])
+                if VARIANTS[variant][0]:
+                    total += compile_allowance(seen, scheme, variant)
+    return total
+
+
+def plan_depth(suite: GpuSuite, spec) -> float:
+    seen, total, slow = set(), 0.0, depth_slowdown(suite, spec)
+    for variant in suite.depth_variants:
+        for n in suite.depth_sublayers:
+            for scheme in SCHEMES:
+                total += BUILD_S + slow * (suite.depth_warmup + suite.depth_steps) * step_s(
+                    suite, spec, n, scheme, variant, suite.batch_size, 1, suite.depth_d_model)
+                if VARIANTS[variant][0]:
+                    total += compile_allowance(seen, scheme, variant)
+    return total
+
+
+def max_depth_trials(suite: GpuSuite, largest: int) -> list[int]:
+    """The depths keel.bench.gpu's search tries if `largest` sub-layers is the deepest that trains."""
+    trials, good, bad, n = [], 0, None, suite.max_depth_from
+    while n <= suite.max_depth_upto:
+        trials.append(n)
+        if n <= largest:
+            good, n = n, 2 * n
+        else:
+            bad = n
+            break
+    while bad is not None and good and bad - good > suite.max_depth_resolution:
+        mid = (good + bad) // 4 * 2
+        trials.append(mid)
+        good, bad = (mid, bad) if mid <= largest else (good, mid)
+    return trials
+
+
+def plan_max_depth(suite: GpuSuite, spec) -> float:
+    largest = _measured()["max_trainable_sublayers_d1024_ac"]
+    return sum(BUILD_S + 2 * step_s(suite, spec, n, "keel", "eager", suite.batch_size, 1)
+               for n in max_depth_trials(suite, largest))
+
+
+def plan(suite: GpuSuite | None = None) -> dict:
+    """PREDICTED seconds per section and per part beside their boxes (tests and kernel: their boxes)."""
+    suite = suite or GpuSuite()
+    spec = calibrated("H100")
+    sections = {"tests": float(suite.boxes["tests"]), "kernel": float(suite.boxes["kernel"]),
+                "compare": plan_compare(suite, spec), "depth": plan_depth(suite, spec),
+                "max_depth": plan_max_depth(suite, spec)}
+    parts = {name: {"predicted_s": sum(sections[s] for s in part), "box_s": sum(suite.boxes[s] for s in part)}
+             for name, part in GPU_PARTS.items()}
+    return {"device": spec.calibrated, "sections": {s: {"predicted_s": t, "box_s": suite.boxes[s]}
+                                                    for s, t in sections.items()},
+            "parts": parts, "depth_slowdown": depth_slowdown(suite, spec), "build_s": BUILD_S,
+            "modelled": ["compare", "depth", "max_depth"]}
+
+
+def plan_markdown(p: dict) -> str:
+    lines = [f"PREDICTED time of each part (keel.bench.gpu_plan, the model calibrated on {p['device']}; tests and "
+             "kernel are their boxes, not modelled):", "",
+             "| part | sections | predicted (s) | boxes (s) |", "|---|---|---|---|"]
+    lines += [f"| {name} | {', '.join(GPU_PARTS[name])} | {r['predicted_s']:.0f} | {r['box_s']:.0f} |"
+              for name, r in p["parts"].items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import json
+
+    result = plan()
+    print(plan_markdown(result))
+    print(json.dumps(result["sections"], indent=1), f"depth slowdown {result['depth_slowdown']:.2f}")
