@@ -15,18 +15,23 @@ import torch
 
 from keel.kernels.junction import available, keel_junction
 
-# (width, alpha, f dtype, eps, outputs that receive a gradient); 200 is not a power of two.
-CASES = [(d, alpha, dtype, 1e-5, "yu") for d in (64, 96, 200) for alpha in (1.0, 32.0, 1024.0)
+# (width, alpha, f dtype, eps, outputs that receive a gradient, u's dtype: None = float32); 200 is not a power of
+# two.
+CASES = [(d, alpha, dtype, 1e-5, "yu", None) for d in (64, 96, 200) for alpha in (1.0, 32.0, 1024.0)
          for dtype in (torch.float32, torch.bfloat16)]
-CASES += [(96, 32.0, torch.float32, 1e-5, "y"), (96, 32.0, torch.float32, 1e-5, "u"),
-          (200, 1.0, torch.float32, 0.5, "yu")]  # an eps large enough that misplacing it shows
-IDS = [f"d{d}-alpha{alpha:g}-{str(dtype)[6:]}-eps{eps:g}-grad_{uses}" for d, alpha, dtype, eps, uses in CASES]
+CASES += [(96, 32.0, torch.float32, 1e-5, "y", None), (96, 32.0, torch.float32, 1e-5, "u", None),
+          (200, 1.0, torch.float32, 0.5, "yu", None),  # an eps large enough that misplacing it shows
+          # u written in the branch's compute dtype, its gradient arriving in it
+          (200, 32.0, torch.bfloat16, 1e-5, "yu", torch.bfloat16),
+          (96, 1024.0, torch.bfloat16, 1e-5, "u", torch.bfloat16)]
+IDS = [f"d{d}-alpha{alpha:g}-{str(dtype)[6:]}-eps{eps:g}-grad_{uses}" + (f"-u_{str(u)[6:]}" if u else "")
+       for d, alpha, dtype, eps, uses, u in CASES]
 N_ROWS = 7  # uneven over the backward kernel's 4 programs on CPU, so one program gets a short run
 GRAD_NAMES = ("x", "f", "w_out", "w_in")
 
 
 def make_inputs(index: int) -> dict:
-    d, alpha, dtype, eps, uses = CASES[index]
+    d, alpha, dtype, eps, uses, u_dtype = CASES[index]
     g = torch.Generator().manual_seed(index)
     shape = (1, N_ROWS, d)  # a leading batch dim, as the model passes (batch, seq, d)
     return {
@@ -34,16 +39,19 @@ def make_inputs(index: int) -> dict:
         # Non-unit, mixed-sign gains, so a swapped or dropped weight cannot pass.
         "w_out": 1 + 0.5 * torch.randn(d, generator=g), "w_in": 1 + 0.5 * torch.randn(d, generator=g),
         "dy": torch.randn(shape, generator=g) if "y" in uses else None,
-        "du": torch.randn(shape, generator=g) if "u" in uses else None,
-        "alpha": alpha, "eps": eps,
+        # a du already in u's dtype, so the float64 reference sees the very values the kernel reads
+        "du": torch.randn(shape, generator=g).to(u_dtype or torch.float32).float() if "u" in uses else None,
+        "alpha": alpha, "eps": eps, "u_dtype": u_dtype,
     }
 
 
 def run_junction(inputs: dict, impl: str, dtype: torch.dtype | None = None) -> dict:
-    """Outputs and the gradients of x, f, w_out, w_in (None where none flows) for one case."""
+    """Outputs and the gradients of x, f, w_out, w_in (None where none flows) for one case; `dtype` (the float64
+    reference) computes everything, u too, in that dtype."""
     leaves = [inputs[k].detach().to(dtype or inputs[k].dtype).requires_grad_() for k in GRAD_NAMES]
     x, f, w_out, w_in = leaves
-    y, u = keel_junction(x, f, inputs["alpha"], w_out, w_in, inputs["eps"], impl=impl)
+    y, u = keel_junction(x, f, inputs["alpha"], w_out, w_in, inputs["eps"], impl=impl,
+                         u_dtype=None if dtype else inputs["u_dtype"])
     upstream = [(out, inputs[k].to(out.dtype)) for out, k in ((y, "dy"), (u, "du")) if inputs[k] is not None]
     grads = torch.autograd.grad([o for o, _ in upstream], leaves, [g for _, g in upstream], allow_unused=True)
     return {"y": y.detach(), "u": u.detach(), **{f"d{k}": g for k, g in zip(GRAD_NAMES, grads)}}
@@ -99,8 +107,11 @@ def test_fused_on_cuda_matches_float64_reference(index):
 
 def check_against_float64(got: dict, inputs: dict) -> None:
     ref = run_junction(inputs, "torch", dtype=torch.float64)
-    assert got["y"].dtype == got["u"].dtype == torch.float32
-    for name in ("y", "u", "dx", "dw_out", "dw_in"):
+    assert got["y"].dtype == torch.float32
+    assert got["u"].dtype == (inputs["u_dtype"] or torch.float32)
+    if inputs["u_dtype"] is not None:  # rounded once, at the store: one bf16 step (see df below)
+        assert_close_to(got["u"], ref["u"], rtol=2**-7)
+    for name in ("y", "dx", "dw_out", "dw_in") + (("u",) if inputs["u_dtype"] is None else ()):
         if ref[name] is None:
             assert got[name] is None, name
         else:
@@ -119,6 +130,8 @@ def test_torch_impl_is_the_written_out_equation():
     w_out, w_in = 1 + 0.5 * torch.randn(d, generator=g), 1 + 0.5 * torch.randn(d, generator=g)
     y, u = keel_junction(x, f, alpha, w_out, w_in, eps, impl="torch")
     assert y.dtype == u.dtype == torch.float32
+    _, u_bf16 = keel_junction(x, f, alpha, w_out, w_in, eps, impl="torch", u_dtype=torch.bfloat16)
+    assert torch.equal(u_bf16, u.to(torch.bfloat16))
 
     def rms_norm(v, w):  # v / sqrt(mean(v^2) + eps) * w, spelled with a vector norm
         return v / torch.sqrt(torch.linalg.vector_norm(v, dim=-1, keepdim=True) ** 2 / d + eps) * w

@@ -26,18 +26,18 @@ MAX_FUSED_WIDTH = 16384
 
 
 def junction_reference(x: torch.Tensor, f: torch.Tensor, alpha: float, w_out: torch.Tensor, w_in: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, u_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(y, u)` for `z = alpha*x + f`, `y = RMSNorm(z) * w_out`, `u = RMSNorm(y) * w_in`, in plain PyTorch.
 
-    z, y and u are float32, or float64 for float64 inputs: with alpha in the hundreds one sub-layer
+    z, y and u are computed in float32, or float64 for float64 inputs: with alpha in the hundreds one sub-layer
     moves the normalised stream by about |f| / (alpha |x|), below bf16's resolution, so the sum must
-    never happen in f's (possibly bf16) precision.
+    never happen in f's (possibly bf16) precision. u is then rounded to `u_dtype` where given.
     """
     dtype = torch.promote_types(x.dtype, torch.float32)
     z = alpha * x.to(dtype) + f.to(dtype)
     y = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps) * w_out.to(dtype)
     u = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * w_in.to(dtype)
-    return y, u
+    return y, u if u_dtype is None else u.to(u_dtype)
 
 
 def available(x: torch.Tensor) -> bool:
@@ -56,12 +56,14 @@ def can_fuse(device: torch.device, width: int) -> bool:
 
 
 def keel_junction(x: torch.Tensor, f: torch.Tensor, alpha: float, w_out: torch.Tensor, w_in: torch.Tensor,
-                  eps: float, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                  eps: float, impl: str = "auto",
+                  u_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The junction `(y, u)` (see the module docstring): y is the new stream, u the next branch's input.
 
     x: the float32 residual stream, shape (..., d); f: the branch output, same shape, float32 or bf16/fp16;
-    w_out, w_in: shape (d,). Both outputs are float32 (u too: under autocast the next matmul casts it,
-    and keel's own RMSNorm also returns float32 for a float32 stream).
+    w_out, w_in: shape (d,). y is float32. u is float32 (as keel's own RMSNorm returns for a float32 stream), or
+    `u_dtype`: the dtype the next branch computes in, which u only feeds (bf16 halves its bytes and those of its
+    gradient, which then arrives in bf16 too).
     impl: "triton" (fused; fails where `available(x)` is False), "torch" (`junction_reference`), or
     "auto" (triton where available, else torch). Differentiable in x, f, w_out and w_in.
     """
@@ -71,28 +73,34 @@ def keel_junction(x: torch.Tensor, f: torch.Tensor, alpha: float, w_out: torch.T
         raise ValueError(f"junction needs f of x's shape {tuple(x.shape)} and weights of shape ({x.shape[-1]},); "
                          f"got f {tuple(f.shape)}, w_out {tuple(w_out.shape)}, w_in {tuple(w_in.shape)}")
     if impl == "torch" or (impl == "auto" and not available(x)):
-        return junction_reference(x, f, alpha, w_out, w_in, eps)
+        return junction_reference(x, f, alpha, w_out, w_in, eps, u_dtype)
     if not available(x):
         raise ValueError(f"the triton junction cannot run here (triton installed: {triton is not None}, "
                          f"device {x.device}, dtype {x.dtype}, width {x.shape[-1]}); use impl='auto' or 'torch'")
-    y, u, _, _ = _junction(x, f, float(alpha), w_out, w_in, float(eps))
+    y, u, _, _ = _junction(x, f, float(alpha), w_out, w_in, float(eps), u_dtype or x.dtype)
     return y, u
 
 
 # The fused path is a pair of custom operators (forward, backward) with an autograd formula, not a bare
 # autograd.Function: torch.compile then keeps each as one opaque node in the graph of a compiled block
 # (no graph break, and AOTAutograd traces the backward through `_backward` below) and only needs their
-# shapes (`register_fake`). Letting Inductor see inside (torch.library.triton_op) would gain nothing: the
-# kernel already makes one pass over the row, and the interpreter, which the CPU tests rely on, has no
-# JIT kernels for Inductor to take.
+# shapes (`register_fake`). They stay opaque custom ops rather than torch.library.triton_op (which lets Inductor
+# launch the kernel from its own generated code) because:
+# - by default the kernel is not in a compiled graph at all: under compile on CUDA, run.fused_junction=auto
+#   leaves the junction to Inductor, measured faster (keel.scale.parallel.junction_impl); only "on" puts it there;
+# - Inductor would still not fuse into it (it fuses its own kernels only), and the measured gap to Inductor's
+#   junction (945 vs 638 us forward+backward at d=1024 on an H100) lies inside the kernel, not around it;
+# - under triton's interpreter, which the CPU tests rely on, a triton_op cannot be compiled: torch 2.13's
+#   wrap_triton hands back the interpreted kernel, which AOTAutograd's fake tensors cannot run ("Cannot access
+#   data pointer of Tensor"), so the compiled case of tests/test_fused_junction_model.py would lose its check.
 @torch.library.custom_op("keel::junction", mutates_args=())
 def _junction(x: torch.Tensor, f: torch.Tensor, alpha: float, w_out: torch.Tensor, w_in: torch.Tensor,
-              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, u, rstd_z, rstd_y); the reciprocal RMSs have x's shape without its last dimension."""
+              eps: float, u_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, u, rstd_z, rstd_y), u in `u_dtype`; the reciprocal RMSs have x's shape without its last dimension."""
     d = x.shape[-1]
     x2, f2 = x.reshape(-1, d).contiguous(), f.reshape(-1, d).contiguous()
     n_rows = x2.shape[0]
-    y, u = torch.empty_like(x2), torch.empty_like(x2)
+    y, u = torch.empty_like(x2), torch.empty_like(x2, dtype=u_dtype)
     rstd_z = torch.empty(n_rows, device=x.device, dtype=torch.float32)
     rstd_y = torch.empty_like(rstd_z)
     if n_rows:
@@ -105,8 +113,9 @@ def _junction(x: torch.Tensor, f: torch.Tensor, alpha: float, w_out: torch.Tenso
 # new_empty, not empty_like: the real outputs are contiguous whatever x's strides, and the compiler plans
 # its buffers by these
 @_junction.register_fake
-def _(x, f, alpha, w_out, w_in, eps):
-    return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty(x.shape[:-1]), x.new_empty(x.shape[:-1])
+def _(x, f, alpha, w_out, w_in, eps, u_dtype):
+    return (x.new_empty(x.shape), x.new_empty(x.shape, dtype=u_dtype), x.new_empty(x.shape[:-1]),
+            x.new_empty(x.shape[:-1]))
 
 
 @torch.library.custom_op("keel::junction_backward", mutates_args=())
@@ -141,7 +150,7 @@ def _(x, f, w_out, w_in, rstd_z, rstd_y, dy, du, alpha):
 
 
 def _setup_context(ctx, inputs, output):
-    x, f, alpha, w_out, w_in, _ = inputs
+    x, f, alpha, w_out, w_in, _, _ = inputs
     _, _, rstd_z, rstd_y = output
     ctx.save_for_backward(x, f, w_out, w_in, rstd_z, rstd_y)
     ctx.alpha = alpha
@@ -152,10 +161,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, du, _drstd_z, _drstd_y):
     if dy is None and du is None:
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
     x, f, w_out, w_in, rstd_z, rstd_y = ctx.saved_tensors
     dx, df, dw_out, dw_in = _junction_backward(x, f, w_out, w_in, rstd_z, rstd_y, dy, du, ctx.alpha)
-    return dx, df, None, dw_out, None if du is None else dw_in, None
+    return dx, df, None, dw_out, None if du is None else dw_in, None, None
 
 
 _junction.register_autograd(_backward, setup_context=_setup_context)
@@ -195,7 +204,7 @@ else:
         u = y * rstd_y * w_in
 
         tl.store(y_ptr + offs, y, mask=mask)
-        tl.store(u_ptr + offs, u, mask=mask)
+        tl.store(u_ptr + offs, u.to(u_ptr.dtype.element_ty), mask=mask)
         tl.store(rstd_z_ptr + row, rstd_z)
         tl.store(rstd_y_ptr + row, rstd_y)
 
