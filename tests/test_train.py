@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from keel import TransformerLM
 from keel.cli import main
@@ -74,22 +75,33 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_losses(args):
     assert losses(killed.run_dir) == straight  # every logged loss, bit for bit
 
 
+TORCHAO_OPTIONS = {"8bit": ("optim.state=8bit",),
+                   "bf16-weights": ("run.weights=bfloat16", "run.dtype=bfloat16"),
+                   "bf16-weights-8bit": ("run.weights=bfloat16", "run.dtype=bfloat16", "optim.state=8bit")}
+
+
 @pytest.mark.slow
-def test_a_run_with_8bit_moments_resumes_after_a_kill_to_the_uninterrupted_losses(args):
-    """optim.state=8bit (torchao): the quantised moments go through keel's checkpoint (checked, loaded
-    weights-only) and come back exactly."""
+@pytest.mark.parametrize("option", list(TORCHAO_OPTIONS))
+def test_a_run_with_torchaos_adamw_resumes_after_a_kill_to_the_uninterrupted_losses(args, option):
+    """optim.state=8bit and run.weights=bfloat16 (torchao): the quantised moments go through keel's checkpoint
+    (checked, loaded weights-only) and come back exactly; stochastic rounding draws from the generator the
+    checkpoint restores, so a resumed bf16-weight run rounds as the uninterrupted one did."""
     pytest.importorskip("torchao")
-    trainer_for(args, "run.ckpt_every=5", "optim.state=8bit", name="straight").run()
+    extra = ("run.ckpt_every=5", *TORCHAO_OPTIONS[option])
+    trainer_for(args, *extra, name="straight").run()
 
     def kill(trainer, step):
         if step == 13:
             raise Killed
 
-    killed = trainer_for(args, "run.ckpt_every=5", "optim.state=8bit", name="killed", callbacks=[kill])
+    killed = trainer_for(args, *extra, name="killed", callbacks=[kill])
     with pytest.raises(Killed):
         killed.run()
     assert main(["train", f"resume={killed.run_dir}", "run.progress=false"]) == 0
     assert losses(killed.run_dir) == losses(killed.run_dir.parent / "straight")  # bit for bit
+    weights = load_file(checkpoint.list_checkpoints(killed.run_dir)[-1] / "model.safetensors")
+    assert {v.dtype for v in weights.values()} == {torch.bfloat16 if "run.weights=bfloat16" in extra
+                                                  else torch.float32}
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ A training step passes through three phases, and the plan is the largest of them
   optimizer  weights, gradients and AdamW's two moments, plus, for torch's foreach AdamW, one temporary as
              large as its biggest parameter group (`_foreach_sqrt` of the second moments): 20 bytes per
              parameter in float32, 16 with the fused AdamW (`optim_temp_bytes`);
-where the states are the float32 master weights (sharded over ranks under FSDP2, plus the unsharded copies
+where the states are the float32 master weights (bf16 weights and gradients with run.weights=bfloat16; sharded over ranks under FSDP2, plus the unsharded copies
 FSDP2 all-gathers for the units in use: the root and about two block groups) and AdamW's moments (after the
 first step); gradients have the weights' layout. The parts (params, grads, optimizer, activations,
 autocast_cache, optimizer_temp) and each phase's total are returned with the peak phase.
@@ -77,8 +77,8 @@ def activation_bytes(config: ModelConfig, batch_size: int, seq_len: int, ac_ever
     return int(4 * (words + (recomputed if recompute else 0)) * batch_size * seq_len)
 
 
-def _states(n: float, tensors: int, shard: int, state_bytes: float = 8) -> dict[str, int]:
-    return {"grads": int(4 * n / shard), "optimizer": int(state_bytes * n / shard + 4 * tensors)}
+def _states(n: float, tensors: int, shard: int, state_bytes: float = 8, grad_bytes: int = 4) -> dict[str, int]:
+    return {"grads": int(grad_bytes * n / shard), "optimizer": int(state_bytes * n / shard + 4 * tensors)}
 
 
 # bytes per parameter of AdamW's two moments, by optim.state
@@ -95,12 +95,13 @@ def optim_temp_bytes(n_largest_group: float, implementation: str = "foreach") ->
 def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, ac_every: int = 0, world_size: int = 1,
                     param_bytes: int = 4, fsdp_group: int = 0, pp: int = 1, pp_schedule: str = "1f1b",
                     pp_microbatches: int = 1, grad_accum: int = 1, bf16_autocast: bool = False,
-                    optim_impl: str = "foreach", state: str = "float32") -> dict:
+                    optim_impl: str = "foreach", state: str = "float32", weights: str = "float32") -> dict:
     """Bytes per process for one training step (see the module docstring): the parts, `phases` (forward,
     backward, optimizer: bytes each), `peak_phase`, and `total` (the peak phase's bytes). `fsdp_group` > 0 means
     FSDP2 with that many blocks per unit, `param_bytes` 2 for its bf16 mixed precision; `bf16_autocast` for a
     single process computing under bf16 autocast. `optim_impl` (foreach or fused) and `state` (STATE_BYTES) are
-    the optimizer's. `pp` > 1: a pipeline of `pp` ranks per replica (world_size / pp replicas),
+    the optimizer's. `weights` bfloat16 (run.weights) holds weights and gradients in 2 bytes a parameter, with
+    no autocast copies (the matmuls read the bf16 weights themselves). `pp` > 1: a pipeline of `pp` ranks per replica (world_size / pp replicas),
     `pp_microbatches` per batch of `batch_size`."""
     if pp > 1:
         return max(pipeline_memory(config, batch_size, seq_len, ac_every, world_size, param_bytes, pp, pp_schedule,
@@ -112,15 +113,18 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, ac_every
     if fsdp_group:
         per_block = sum(blocks) / len(blocks)
         gathered = param_bytes * (sum(root.values()) + 2 * fsdp_group * per_block)
-    compute_bytes = 2 if (bf16_autocast or param_bytes == 2) else 4
+    bf16_weights = weights == "bfloat16"
+    compute_bytes = 2 if (bf16_autocast or param_bytes == 2 or bf16_weights) else 4
+    own = 2 if bf16_weights else 4  # bytes a parameter of the weights this process holds, and of their gradients
     matrices = n - root["embed"] - root["final_norm"]  # the decayed group: every weight matrix (norm gains aside)
     kept = activation_bytes(config, batch_size, seq_len, ac_every, compute_bytes, recompute=False)
     recomputed = activation_bytes(config, batch_size, seq_len, ac_every, compute_bytes) - kept
-    out = {"params": int(4 * n / shard + gathered), **_states(n, count_param_tensors(config), shard,
-                                                              STATE_BYTES[state]),
+    out = {"params": int(own * n / shard + gathered), **_states(n, count_param_tensors(config), shard,
+                                                                STATE_BYTES[state], own),
            "activations": kept + recomputed,
-           "autocast_cache": int(2 * matrices / shard) if bf16_autocast and not fsdp_group else 0,
-           "optimizer_temp": optim_temp_bytes(matrices / shard, "per-parameter" if state == "8bit" else optim_impl)}
+           "autocast_cache": int(2 * matrices / shard) if bf16_autocast and not (fsdp_group or bf16_weights) else 0,
+           "optimizer_temp": optim_temp_bytes(matrices / shard, "per-parameter" if state == "8bit" or bf16_weights
+                                              else optim_impl)}
     held = out["params"] + out["optimizer"] + out["autocast_cache"]
     logits_grad = 4 * batch_size * seq_len * config.vocab_size
     # under checkpointing a block's forward keeps nothing, but while it runs its FFN's two projections are alive

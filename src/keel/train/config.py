@@ -30,6 +30,7 @@ from keel.runtime import DEVICES, DTYPES
 from keel.scale import FUSED_JUNCTION, FUSED_JUNCTION_DEFAULT, PP_SCHEDULES, check_pipeline
 
 SCHEDULES = ("cosine", "wsd", "constant")
+WEIGHTS = ("float32", "bfloat16")  # run.weights
 GUARD_POLICIES = ("stop", "rollback")
 TRACKERS = ("tensorboard", "wandb")
 
@@ -80,6 +81,10 @@ class RunConfig:
     seed: int = 0
     device: str = "auto"  # auto: cuda if available, else cpu
     dtype: str = "auto"  # auto: bf16 on cuda (autocast; under torchrun FSDP2 bf16 weights), float32 on cpu
+    # the parameters' own dtype: float32 (autocast computes in bf16 from float32 weights) | bfloat16 (no float32
+    # copy: weights and gradients 2 bytes a parameter each; bf16 compute; each AdamW update stochastically rounded
+    # to bf16 by torchao, the `depth` extra: keel.train.optim). One process only (FSDP2 has its own bf16 policy)
+    weights: str = "float32"
     compile: bool = False  # torch.compile each block (regional; keel.scale.parallel)
     fused_junction: str = FUSED_JUNCTION_DEFAULT  # auto (where measured faster) | on (Triton) | composed | off
     ac_every: int = 0  # activation checkpointing: 0 none, 1 every block, k every k-th block
@@ -387,6 +392,14 @@ def validate_runtime(run) -> None:
         raise ConfigError(f"run.grad_accum: got {run.grad_accum!r}; allowed: an integer >= 1")
     if run.ac_every < 0:
         raise ConfigError(f"run.ac_every: got {run.ac_every!r}; allowed: an integer >= 0 (0 disables)")
+    if run.weights not in WEIGHTS:
+        raise ConfigError(f"run.weights: got {run.weights!r}; allowed: {', '.join(WEIGHTS)}")
+    if run.weights == "bfloat16" and run.dtype == "float32":
+        raise ConfigError("run.weights=bfloat16 computes in bf16: set run.dtype=auto (bf16 on CUDA) or bfloat16, "
+                          "or keep run.weights=float32")
+    if run.weights == "bfloat16" and getattr(run, "pp", 1) > 1:
+        raise ConfigError("run.weights=bfloat16 is for one process; a pipeline (run.pp > 1) keeps float32 weights "
+                          "(set run.weights=float32)")
     if not 0 <= run.threads <= 4096:
         raise ConfigError(f"run.threads: got {run.threads!r}; allowed: an integer >= 1, or 0 for one per physical core")
 

@@ -21,8 +21,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         plain_matrix = p.dim() >= 2 and id(p) not in embeddings
         (decay if plain_matrix or cfg.decay_norms_and_embeddings else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if cfg.state == "8bit":
-        return adamw_8bit(groups, cfg)
+    bf16 = any(p.dtype == torch.bfloat16 for g in groups for p in g["params"])  # run.weights=bfloat16
+    if cfg.state == "8bit" or bf16:
+        return torchao_adamw(groups, cfg, bf16)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     impl = optimizer_implementation(cfg, device)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
@@ -39,10 +40,16 @@ def optimizer_implementation(cfg: OptimConfig, device: torch.device) -> str:
     return cfg.implementation
 
 
-def adamw_8bit(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """torchao's AdamW8bit: both moments block-wise quantised to 8 bits (2 bytes a parameter instead of 8, for
-    tensors of at least 4,096 elements; smaller ones keep float32 moments), the update itself in float32; it
-    steps one parameter at a time (no foreach temporary). The `depth` extra installs torchao.
+def torchao_adamw(groups: list[dict], cfg: OptimConfig, bf16_weights: bool = False) -> torch.optim.Optimizer:
+    """torchao's AdamW, which steps one parameter at a time (no foreach temporary) and computes each update in
+    float32. The `depth` extra installs torchao.
+
+    optim.state=8bit: its AdamW8bit, both moments block-wise quantised to 8 bits (2 bytes a parameter instead of
+    8, for tensors of at least 4,096 elements; smaller ones keep their moments in the parameter's dtype).
+    bf16 parameters (run.weights=bfloat16): the float32 result of each update is rounded to bf16 stochastically
+    (`bf16_stochastic_round`: up or down with probability by distance, so an update below bf16's spacing, which
+    round-to-nearest would drop every step, still moves the weight in expectation); with optim.state=float32
+    the moments are float32 (torchao's own AdamW would keep them in the parameter's dtype).
 
     Its state dict holds each quantised moment as plain tensors: `<moment>` its uint8 codes (the parameter's
     shape), `<moment>.scale` the block scales, `<moment>.qmap` the code book, `<moment>.signed`; a checkpoint then
@@ -55,13 +62,20 @@ def adamw_8bit(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
-        from torchao.optim import AdamW8bit  # noqa: PLC0415
+        from torchao.optim import AdamW8bit, _AdamW  # noqa: PLC0415
         from torchao.optim.subclass_8bit import OptimState8bit  # noqa: PLC0415
     except ImportError:
-        raise ConfigError("optim.state=8bit needs the optional package torchao: pip install 'keel-lm[depth]' "
-                          "(or set optim.state=float32)") from None
+        need = "optim.state=8bit" if cfg.state == "8bit" else "run.weights=bfloat16"
+        raise ConfigError(f"{need} needs the optional package torchao: pip install 'keel-lm[depth]' (or set "
+                          + ("optim.state=float32)" if cfg.state == "8bit" else "run.weights=float32)")) from None
 
-    class PortableAdamW8bit(AdamW8bit):
+    class Float32MomentsAdamW(_AdamW):  # torchao's AdamW with its moments in float32 whatever the weights' dtype
+        def _new_buffer(self, p, signed):
+            return torch.zeros_like(p, dtype=torch.float32)
+
+    base = AdamW8bit if cfg.state == "8bit" else Float32MomentsAdamW
+
+    class PortableAdamW(base):
         def state_dict(self):
             out = super().state_dict()
             out["state"] = {k: _plain_8bit(st, OptimState8bit) for k, st in out["state"].items()}
@@ -72,10 +86,18 @@ def adamw_8bit(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
             params = [p for g in self.param_groups for p in g["params"]]
             state = {k: _quantised_8bit(st, params[int(k)], OptimState8bit) for k, st in state_dict["state"].items()}
             super().load_state_dict(dict(state_dict, state=state))
+            # torch's loader casts floating state to its parameter's dtype: float32 moments of bf16 weights
+            # come back in the dtype they were saved in
+            for k, entry in state.items():
+                mine = self.state[params[int(k)]]
+                for name, value in entry.items():
+                    if type(value) is torch.Tensor and value.is_floating_point() and mine[name].dtype != value.dtype:
+                        mine[name] = value.to(mine[name].device)
             for group in self.param_groups:  # its compiled step reads the rate from a tensor
                 group["lr"] = torch.tensor(float(group["lr"]))
 
-    return PortableAdamW8bit(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return PortableAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                         bf16_stochastic_round=bf16_weights)
 
 
 _QUANT_PARTS = ("scale", "qmap", "signed")

@@ -110,29 +110,32 @@ def memory_plan(config, world_size: int = 1, device: torch.device | None = None)
                            param_bytes=2 if fsdp and bf16 else 4, bf16_autocast=bf16 and not fsdp,
                            fsdp_group=r.fsdp_group if fsdp else 0, pp=r.pp, pp_schedule=r.pp_schedule,
                            pp_microbatches=r.pp_microbatches, grad_accum=r.grad_accum,
-                           optim_impl=optimizer_implementation(config.optim, device), state=config.optim.state)
+                           optim_impl=optimizer_implementation(config.optim, device), state=config.optim.state,
+                           weights=r.weights)
 
 
 def gpu_fit_lines(config) -> list[str]:
     """For one process on each GPU of GPU_MEMORY, by the memory plan (bf16 autocast, the run's batch, sequence
     and checkpointing): whether the run fits as configured, else the first of the optimiser options (fused AdamW,
-    then 8-bit moments) and activation checkpointing with which it would. Predictions, not measurements."""
+    then 8-bit moments), activation checkpointing and bf16 weights with which it would. Predictions, not measurements."""
     r, o = config.run, config.optim
-    steps = [("as configured", o.implementation if o.implementation != "auto" else "fused", o.state, r.ac_every)]
-    steps += [("with optim.implementation=fused", "fused", o.state, r.ac_every),
-              ("with optim.implementation=fused optim.state=8bit", "fused", "8bit", r.ac_every),
-              ("with optim.state=8bit run.ac_every=1", "fused", "8bit", 1)]
+    w = r.weights
+    steps = [("as configured", o.implementation if o.implementation != "auto" else "fused", o.state, r.ac_every, w)]
+    steps += [("with optim.implementation=fused", "fused", o.state, r.ac_every, w),
+              ("with optim.implementation=fused optim.state=8bit", "fused", "8bit", r.ac_every, w),
+              ("with optim.state=8bit run.ac_every=1", "fused", "8bit", 1, w),
+              ("with run.weights=bfloat16 optim.state=8bit run.ac_every=1", "fused", "8bit", 1, "bfloat16")]
     out = []
     for gpu, have in GPU_MEMORY.items():
         usable = have - 2**29  # the CUDA context
-        for text, impl, state, ac in steps:
+        for text, impl, state, ac, weights in steps:
             need = estimate_memory(config.model, r.batch_size, r.seq_len, ac_every=ac, bf16_autocast=True,
-                                   grad_accum=r.grad_accum, optim_impl=impl, state=state)["total"]
+                                   grad_accum=r.grad_accum, optim_impl=impl, state=state, weights=weights)["total"]
             if need <= usable:
                 out.append(f"  {gpu}: fits {text} ({format_bytes(need)} of {format_bytes(have)})")
                 break
         else:
-            out.append(f"  {gpu}: does not fit one GPU even with 8-bit moments and checkpointing "
+            out.append(f"  {gpu}: does not fit one GPU even with bf16 weights, 8-bit moments and checkpointing "
                        f"({format_bytes(need)} of {format_bytes(have)}): shard it (torchrun, FSDP2) or pipeline it")
     return out
 

@@ -44,12 +44,31 @@ def build_model(config: ModelConfig, run, device: torch.device, fsdp: bool = Fal
     # the pipeline's plan first: its errors come before any allocation
     pipeline = plan_pipeline(config, run, device) if getattr(run, "pp", 1) > 1 else None
     model = (model if model is not None else TransformerLM(config)).to(device)
+    if getattr(run, "weights", "float32") == "bfloat16":
+        hold_bf16_weights(model, run, device, fsdp)
     # under FSDP2, bf16 comes from its mixed-precision policy (bf16 weights) instead of autocast; a pipeline's
     # stages compute under autocast
     param_dtype = torch.bfloat16 if fsdp and pipeline is None and use_bf16(device, run.dtype) else None
     return parallelize(model, fused_junction=run.fused_junction, ac_every=run.ac_every, compile=run.compile,
                        fsdp=fsdp, pipeline=pipeline, device_type=device.type, param_dtype=param_dtype,
                        fsdp_group=getattr(run, "fsdp_group", 1), compile_backend=compile_backend)
+
+
+def hold_bf16_weights(model: nn.Module, run, device: torch.device, fsdp: bool = False) -> None:
+    """run.weights=bfloat16: every parameter becomes bf16 in place (the same Parameter objects, so tied weights
+    stay tied; buffers such as RoPE's tables keep their dtype), and the residual stream is still summed in
+    float32 (keel.model.numerics). The optimizer then rounds its float32 update stochastically
+    (keel.train.optim.build_optimizer sees the bf16 parameters)."""
+    from keel.errors import ConfigError  # noqa: PLC0415
+
+    if fsdp:
+        raise ConfigError("run.weights=bfloat16: under torchrun FSDP2 already holds bf16 copies of float32 shards "
+                          "(its mixed-precision policy); set run.weights=float32")
+    if not use_bf16(device, run.dtype):
+        raise ConfigError(f"run.weights=bfloat16 computes in bf16, and run.dtype={run.dtype} on {device.type} "
+                          "computes in float32: set run.dtype=bfloat16")
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
 
 
 def total_grad_norm(model: nn.Module) -> torch.Tensor:
@@ -137,4 +156,4 @@ def on_device(batch: Batch, device: torch.device) -> Batch:
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-__all__ = ["StepResult", "TrainStep", "build_model", "on_device", "total_grad_norm", "autocast_for", "resolve_device"]
+__all__ = ["StepResult", "TrainStep", "build_model", "hold_bf16_weights", "on_device", "total_grad_norm", "autocast_for", "resolve_device"]
