@@ -5,6 +5,7 @@ models train in one child process started with TRITON_INTERPRET=1 (this file run
 trains the same models unfused and compares loss and every gradient.
 """
 
+import inspect
 import os
 import subprocess
 import sys
@@ -12,29 +13,35 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch import nn
 from torch._dynamo.utils import counters
 
 from keel.errors import ConfigError
 from keel.kernels.junction import available
 from keel.model.config import ModelConfig
-from keel.model.transformer import TransformerLM
-from keel.scale.parallel import apply_fused_junction, fused_junctions, junctions
+from keel.model.layers import RMSNorm
+from keel.model.transformer import Residual, TransformerLM
+from keel.scale.parallel import FusedResidual, StreamOfPair, apply_ac, apply_fused_junction, fused_junctions, junctions
 from keel.train.config import OptimConfig, RunConfig
 from keel.train.optim import build_optimizer
 from keel.train.step import TrainStep, build_model
 
 # d=48 is not a power of two, so the kernel's masked lanes take part
 BASE = ModelConfig(n_blocks=3, d_model=48, n_heads=2, n_kv_heads=1, max_seq_len=16)
-# (name, config, RunConfig fields, autocast bf16, compile backend, fused junctions expected)
+# (name, config, RunConfig fields, bf16: None, "autocast" or "weights" (the whole model in bf16, as FSDP2's mixed
+# precision and run.weights=bfloat16 have it), compile backend, fused junctions expected)
 CASES = [
-    ("keel-v2", BASE, {}, False, None, 4),  # sub-layer 0 has no LN_out: junctions 1-2, 2-3, 3-4, 4-5
-    ("keel-first-none", replace(BASE, first_layer="none"), {}, False, None, 5),
-    ("keel-ac", BASE, {"ac_every": 1}, False, None, 2),  # under AC inside blocks only: 2-3, 4-5
-    ("keel-compiled", BASE, {"compile": True}, False, "aot_eager", 4),
-    ("keel-bf16-autocast", BASE, {"dtype": "bfloat16"}, True, None, 4),
-    ("pre-ln", replace(BASE, scheme="pre_ln"), {}, False, None, 0),
-    # 2 blocks applied twice: 5 of the 6 residuals fused (block 0's first attention has no LN_out)
-    ("keel-looped", replace(BASE, n_blocks=4, loop_blocks=2), {}, False, None, 5),
+    ("keel-v2", BASE, {}, None, None, 4),  # sub-layer 0 has no LN_out: junctions 1-2, 2-3, 3-4, 4-5
+    ("keel-first-none", replace(BASE, first_layer="none"), {}, None, None, 5),
+    ("keel-ac", BASE, {"ac_every": 1}, None, None, 2),  # under AC inside blocks only: 2-3, 4-5
+    ("keel-compiled", BASE, {"compile": True}, None, "aot_eager", 4),
+    ("keel-bf16-autocast", BASE, {"dtype": "bfloat16"}, "autocast", None, 4),
+    ("keel-bf16-weights", BASE, {}, "weights", None, 4),
+    ("pre-ln", replace(BASE, scheme="pre_ln"), {}, None, None, 0),
+    # 2 blocks applied twice: 5 of the 6 residuals fused (block 0's first attention has no LN_out); the residual
+    # that ends the stack also feeds the second pass, so the head takes the stream from its pair
+    ("keel-looped", replace(BASE, n_blocks=4, loop_blocks=2), {}, None, None, 5),
+    ("keel-looped-one-block", replace(BASE, n_blocks=3, loop_blocks=1), {}, None, None, 3),
 ]
 IDS = [c[0] for c in CASES]
 
@@ -44,14 +51,21 @@ def loss_and_grads(index: int, fused: str, device: str = "cpu", backend: str | N
     torch.manual_seed(0)
     torch._dynamo.reset()
     counters.clear()
+    plain = TransformerLM(config).to(torch.bfloat16 if bf16 == "weights" else torch.float32)
     model = build_model(config, RunConfig(device=device, fused_junction=fused, **fields), torch.device(device),
-                        model=TransformerLM(config), compile_backend=backend or case_backend or "inductor")
+                        model=plain, compile_backend=backend or case_backend or "inductor")
+    u_dtypes = set()  # the dtypes of the branch inputs u that fused junctions hand on
+    hooks = [] if case_backend else [m.register_forward_pre_hook(
+        lambda m, args: u_dtypes.add(str(args[0][1].dtype)) if isinstance(args[0], tuple) else None)
+        for m in model.modules() if isinstance(m, FusedResidual)]
     ids = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1)).to(device)
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16 == "autocast"):
         _, loss = model(ids[:, :-1], ids[:, 1:])
     loss.backward()
-    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.cpu() for n, p in model.named_parameters()}
-    return {"loss": loss.detach().cpu(), "grads": grads, "fused": fused_junctions(model),
+    for h in hooks:
+        h.remove()
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.float().cpu() for n, p in model.named_parameters()}
+    return {"loss": loss.detach().cpu(), "grads": grads, "fused": fused_junctions(model), "u_dtypes": u_dtypes,
             "graph_breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"]}
 
 
@@ -118,9 +132,12 @@ def test_fused_model_on_cuda_trains_like_the_plain_composition(index):
 def check_against_plain(got: dict, plain: dict, index: int, rel_float32: float = 1e-5) -> None:
     name, _, _, bf16, backend, expected = CASES[index]
     assert plain["fused"] == 0 and got["fused"] == expected
+    if expected and backend is None:  # u in the dtype the next branch computes in: that of its weights
+        assert got["u_dtypes"] == {"torch.bfloat16" if bf16 == "weights" else "torch.float32"}
     # Relative to each tensor's scale. float32: the kernel sums in another order than PyTorch, so results agree to
     # float32 rounding, grown through a few sub-layers. bf16 autocast: a last-bit difference in a branch input can
-    # flip its bf16 rounding, one bf16 step (2^-8) that the branches carry on; 2e-2 is a few such steps.
+    # flip its bf16 rounding, one bf16 step (2^-8) that the branches carry on; 2e-2 is a few such steps (bf16
+    # weights: their gradients are bf16 too, and the interpreter truncates u to bf16 where PyTorch rounds).
     rel = 2e-2 if bf16 else rel_float32
     torch.testing.assert_close(got["loss"], plain["loss"], rtol=rel, atol=0)
     assert got["grads"].keys() == plain["grads"].keys()  # the hook registers nothing: state dicts are unchanged
@@ -176,6 +193,87 @@ def test_junctions_are_a_norm_out_followed_by_a_norm_in():
     # looped, 2 blocks x 2 passes: block 1's FFN (sub-layers 3 and 7) always precedes block 0's later-pass
     # attention (its own residual, sub-layer 4), or ends the stack
     assert pairs(replace(BASE, n_blocks=4, loop_blocks=2)) == [(1, 2), (2, 3), (3, 4), (4, 5), (5, 2)]
+    # ... where the head can take the stream of a pair (`StreamOfPair`, in place of an identity final norm); a
+    # final norm could not, so the residual that ends the stack would not be fused
+    looped = TransformerLM(replace(BASE, n_blocks=4, loop_blocks=2))
+    looped.final_norm = RMSNorm(BASE.d_model)
+    assert len(junctions(looped)) == 4
+
+
+def test_the_models_residual_is_the_papers_equation_with_no_junction_path():
+    """The fused junction lives outside the model (keel.scale.parallel swaps modules in): the model's own
+    sub-layer and stack know nothing of pairs."""
+    assert not hasattr(Residual, "junction")
+    source = inspect.getsource(Residual) + inspect.getsource(TransformerLM.run_blocks)
+    assert "tuple" not in source and ".junction" not in source
+
+
+def loss_and_grads_of(model: TransformerLM) -> tuple[torch.Tensor, dict]:
+    ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    model.zero_grad(set_to_none=True)
+    _, loss = model(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def structure(model: nn.Module) -> list[tuple[str, str]]:
+    return [(name, type(m).__name__) for name, m in model.named_modules()]
+
+
+# The compiler's fusion ("composed", for a model about to be compiled) swaps the same modules as the kernel and
+# needs no triton, so these run eagerly in this process: it computes exactly the plain composition.
+@pytest.mark.parametrize("config", [BASE, replace(BASE, n_blocks=4, loop_blocks=2), replace(BASE, loop_blocks=1)],
+                         ids=["keel", "keel-looped", "keel-looped-one-block"])
+def test_swapping_in_the_junction_keeps_parameters_state_dict_and_numbers(config):
+    torch.manual_seed(0)
+    model = TransformerLM(config)
+    keys, params = list(model.state_dict()), list(model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters())
+    plain_loss, plain_grads = loss_and_grads_of(model)
+    plain_structure = structure(model)
+
+    n = apply_fused_junction(model, "composed", compiled=True)
+    assert n == len(junctions(model)) == fused_junctions(model) > 0
+    # both sub-layers of every junction are swapped, the others stay plain
+    names = {id(m): name for name, m in model.named_modules()}
+    assert {name for name, m in model.named_modules() if isinstance(m, FusedResidual)} == {
+        names[id(m)] for pair in junctions(model) for m in pair}
+    assert list(model.state_dict()) == keys  # checkpoints load either way
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))  # the optimizer's own Parameters
+    assert all(a is b for a, b in zip(optimizer.param_groups[0]["params"], model.parameters(), strict=True))
+    loss, grads = loss_and_grads_of(model)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-6 * grad.abs().max().item(), msg=name)
+    # the residual that ends a looped stack also feeds the next pass a pair; the head then takes its stream
+    assert isinstance(model.final_norm, StreamOfPair) == (config.loop_blocks is not None)
+
+    fused_structure = structure(model)
+    assert apply_fused_junction(model, "composed", compiled=True) == n  # again: the same modules, nothing stacked
+    assert structure(model) == fused_structure and list(model.state_dict()) == keys
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+
+    twin = TransformerLM(config)
+    twin.load_state_dict(model.state_dict())  # a fused model's checkpoint into a plain one
+    torch.testing.assert_close(loss_and_grads_of(twin)[0], plain_loss, rtol=1e-6, atol=0)
+
+    assert apply_fused_junction(model, "off") == 0
+    assert structure(model) == plain_structure  # plain Residuals and final norm again, of exactly their types
+    assert type(model.final_norm) is nn.Identity
+    assert all(type(m) is Residual for m in model.modules() if isinstance(m, Residual))
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    torch.testing.assert_close(loss_and_grads_of(model)[0], plain_loss, rtol=1e-6, atol=0)
+
+
+def test_turning_the_junction_off_reaches_inside_checkpoint_wrappers():
+    """Tools that hook single sub-layers turn the junction off on a model built for training, AC included."""
+    model = TransformerLM(BASE)
+    assert apply_fused_junction(model, "composed", across_blocks=False, compiled=True) == 2
+    apply_ac(model, 1)
+    assert sum(isinstance(m, FusedResidual) for m in model.modules()) == 4  # 2 pairs, one per block past block 0
+    apply_fused_junction(model, "off")
+    assert not any(isinstance(m, FusedResidual) for m in model.modules())
+    assert [type(b).__name__ for b in model.blocks] == ["CheckpointWrapper"] * BASE.n_blocks
 
 
 if __name__ == "__main__":

@@ -57,17 +57,9 @@ class Residual(nn.Module):
     """`x' = norm_out(alpha * x + norm_branch(F(norm_in(x))))`, absent norms skipped.
 
     The sum is always formed in (at least) float32, whatever autocast or the weights' dtype do: see
-    `keel.model.numerics.stream_dtype` for why.
-
-    `junction`, when set (from outside: keel.scale.parallel.apply_fused_junction), is a callable
-    `(x, h) -> (y, u)` that computes this sub-layer's `y = norm_out(alpha * x + h)` and the next
-    sub-layer's branch input `u = norm_in'(y)` in one piece (a fused kernel, or inside one compiled graph).
-    The module then returns the pair, and the next `Residual` takes it as its `x` and skips its own norm_in:
-    the same equation, with the junction between the two sub-layers computed in one pass. Code that hooks or
-    replaces single sub-layers (analysis tools) should use a model without it.
+    `keel.model.numerics.stream_dtype` for why. (keel.scale.parallel.apply_fused_junction may swap a subclass in
+    from outside that computes one sub-layer's norm_out and the next one's norm_in in one piece.)
     """
-
-    junction: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __init__(self, spec: SublayerSpec, make_norm: Callable[[], nn.Module], dropout: float = 0.0):
         super().__init__()
@@ -77,25 +69,21 @@ class Residual(nn.Module):
         self.norm_branch = make_norm() if spec.norm_branch else None
         self.norm_out = make_norm() if spec.norm_out else None
 
-    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], branch: Callable[..., torch.Tensor],
-                *args) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(x, tuple):  # (stream, norm_in(stream)) from the previous sub-layer's fused junction
-            x, u = x
-        else:
-            x = upcast(x)
-            u = x if self.norm_in is None else self.norm_in(x)
-        h = branch(u, *args)
-        if self.norm_branch is not None:
-            h = self.norm_branch(h)
-        if self.dropout is not None:
-            h = self.dropout(h)
-        if self.junction is not None:
-            return self.junction(x, h)
+    def forward(self, x: torch.Tensor, branch: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+        x = upcast(x)
+        h = self.update(x if self.norm_in is None else self.norm_in(x), branch, *args)
         y = self.alpha * x + h.to(x.dtype)
         return y if self.norm_out is None else self.norm_out(y)
 
+    def update(self, u: torch.Tensor, branch: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+        """`norm_branch(F(u))`, then dropout: what the sub-layer adds to `alpha * x`."""
+        h = branch(u, *args)
+        if self.norm_branch is not None:
+            h = self.norm_branch(h)
+        return h if self.dropout is None else self.dropout(h)
+
     def extra_repr(self) -> str:
-        return f"alpha={self.alpha:g}" + (", fused junction" if self.junction is not None else "")
+        return f"alpha={self.alpha:g}"
 
 
 class Block(nn.Module):
@@ -222,8 +210,6 @@ class TransformerLM(nn.Module):
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, hd) each
         for block, later, view in passes:
             x = block(x, cos, sin, view, later=later)
-        if isinstance(x, tuple):  # a fused junction at a loop's end also computed the next pass's norm_in
-            x = x[0]
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

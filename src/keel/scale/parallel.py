@@ -5,7 +5,8 @@ The model (keel.model.transformer) is single-device code and knows nothing of th
 this fixed order (torchtitan's, with the kernel swap first, as its model converters come first):
 
   0. `apply_fused_junction`  compute each Keel junction (`LN_out` of one sub-layer and `LN_in` of the next)
-                     in one piece, through the `Residual.junction` hook: with the fused kernel of
+                     in one piece, by swapping the two sub-layers' `Residual` modules for `FusedResidual`s
+                     (as torchtitan's model converters swap modules): with the fused kernel of
                      keel.kernels.junction on CUDA, or, for a compiled model elsewhere, composed inside the
                      compiled block that ends with `LN_out`, so the compiler fuses it across the block boundary;
   1. `apply_ac`      wrap every k-th block in activation checkpointing (its inner activations are
@@ -17,15 +18,19 @@ this fixed order (torchtitan's, with the kernel swap first, as its model convert
                      group of blocks, then the root (embedding, final norm, head): the whole model over
                      every rank, or under a pipeline each stage over its data-parallel replicas.
 
-The junction goes first: it only points hooks at norm modules, which AC, compile and FSDP all keep (under
-FSDP only junctions inside one block are fused; see `apply_fused_junction`), and the compiler then sees the
-fused op as one node. AC goes inside compile so the compiler sees the checkpoint boundary, and both go inside
-the stages and FSDP so a unit's all-gather covers what the wrapped block computes. Each step keeps the parameter
-names of the state dict as they were (`checkpoint_wrapper` strips its prefix from state dicts; `Module.compile`
-compiles in place), so checkpoints are interchangeable between runs with and without any of them.
+The junction goes first: its swapped-in modules hold the very norm modules they replace (the same parameters
+under the same names), which AC, compile and FSDP then wrap like any other (under FSDP only junctions inside
+one block are fused; see `apply_fused_junction`), and the compiler sees the fused op as one node. AC goes
+inside compile so the compiler sees the checkpoint boundary, and both go inside the stages and FSDP so a unit's
+all-gather covers what the wrapped block computes. Each step keeps the parameter names of the state dict as
+they were (`checkpoint_wrapper` strips its prefix from state dicts; `Module.compile` compiles in place), so
+checkpoints are interchangeable between runs with and without any of them.
 """
 
 from __future__ import annotations
+
+import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -35,16 +40,59 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from keel.errors import ConfigError
 from keel.model.layers import RMSNorm
+from keel.model.numerics import upcast
 from keel.model.transformer import Residual
 from keel.scale import FUSED_JUNCTION, FUSED_JUNCTION_DEFAULT  # noqa: F401 (FUSED_JUNCTION: re-exported)
 
 
+class FusedResidual(Residual):
+    """A `Residual` at a fused junction, swapped in by `apply_fused_junction`: the same alpha and the same norm
+    modules (so the same parameters, under the same state-dict keys), and the same equation, with the junction
+    between two sub-layers computed in one piece.
+
+    `x` is the stream, or the pair (stream, norm_in(stream)) a previous `FusedResidual` computed, whose norm_in
+    it then skips. With `junction` set, a callable `(x, h) -> (y, u)` computing this sub-layer's
+    `y = norm_out(alpha * x + h)` and the next sub-layer's branch input `u = norm_in'(y)`, it returns that pair;
+    without, the stream. Code that hooks or replaces single sub-layers (analysis tools) should use a model
+    without it (`apply_fused_junction(model, "off")`).
+    """
+
+    junction: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], branch: Callable[..., torch.Tensor],
+                *args) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(x, tuple):
+            x, u = x
+        else:
+            x = upcast(x)
+            u = x if self.norm_in is None else self.norm_in(x)
+        h = self.update(u, branch, *args)
+        if self.junction is not None:
+            return self.junction(x, h)
+        y = self.alpha * x + h.to(x.dtype)
+        return y if self.norm_out is None else self.norm_out(y)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", fused junction" if self.junction is not None else "")
+
+
+class StreamOfPair(nn.Identity):
+    """A looped model's final norm (an identity: the stack ends in a norm_out) where the `FusedResidual` that ends
+    the stack also hands the next pass a pair: it hands the head the stream."""
+
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return x[0] if isinstance(x, tuple) else x
+
+
 class FusedJunction:
-    """The `Residual.junction` hook: `(x, h) -> (norm_out(alpha*x + h), next_norm_in(...))` in one fused op.
+    """`FusedResidual.junction` with the Triton kernel: `(x, h) -> (norm_out(alpha*x + h), next_norm_in(...))`.
 
     It holds the two norm modules, not their weights, so it reads whatever tensor each holds at call time
     (FSDP2 swaps the sharded and the gathered parameter in and out). A plain object, not an nn.Module, so
-    the next sub-layer's norm is not registered twice and state dicts stay as they were.
+    the next sub-layer's norm is not registered twice and state dicts stay as they were. It writes u in the
+    dtype of the next norm's gain, which is that of the branch weights u feeds (FSDP2's mixed precision and
+    run.weights=bfloat16 cast whole blocks): the dtype the branch casts its input to, so a bf16 u halves
+    those bytes and the branch's cast is a no-op.
     """
 
     def __init__(self, alpha: float, norm_out: RMSNorm, next_norm_in: RMSNorm):
@@ -53,12 +101,13 @@ class FusedJunction:
         self.alpha, self.norm_out, self.next_norm_in, self.op = alpha, norm_out, next_norm_in, keel_junction
 
     def __call__(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.op(x, h, self.alpha, self.norm_out.weight, self.next_norm_in.weight, self.norm_out.eps,
-                             impl="triton")
+        w_in = self.next_norm_in.weight
+        return self.op(x, h, self.alpha, self.norm_out.weight, w_in, self.norm_out.eps, impl="triton",
+                       u_dtype=w_in.dtype)
 
 
 class ComposedJunction:
-    """The `Residual.junction` hook for a compiled model where the Triton kernel cannot run (CPU): the same two
+    """`FusedResidual.junction` for a compiled model where the Triton kernel cannot run (CPU): the same two
     norms, `(x, h) -> (norm_out(alpha*x + h), next_norm_in(...))`, composed from the modules themselves, so it
     computes exactly what the plain model does (any norm type). Its point is where it runs: inside the compiled
     block that ends with `norm_out`, so the compiler fuses the shortcut sum, `LN_out` and the next block's
@@ -78,14 +127,17 @@ def junctions(model: nn.Module, across_blocks: bool = True) -> list[tuple[Residu
     junctions (also Mix-LN's one Post-LN to Pre-LN boundary). `across_blocks=False`: only pairs in one block.
 
     In a looped model one `Residual` computes several sub-layers; it is fused only if every one of them is
-    followed by the same `Residual` (or by nothing: the model keeps the stream of a pair that ends the stack),
-    since its hook hands every successor the branch input of that one.
+    followed by the same `Residual`, or by nothing where the model has no final norm (`StreamOfPair` then hands
+    the head the stream of the pair that ends the stack), since it hands every successor the branch input of
+    that one.
     """
     subs = model.sublayers()
     successors: dict[str, set[str]] = {}
     for a, b in zip(subs, [*subs[1:], None]):
         if b is None:
             successors.setdefault(a.path, set())
+            if not isinstance(model.final_norm, nn.Identity):  # a final norm that would have to take the pair
+                successors[a.path].add("")
         elif a.norm_out and b.norm_in and (across_blocks or a.block == b.block):
             successors.setdefault(a.path, set()).add(b.path)
         else:
@@ -109,12 +161,15 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     composition. A model without junctions (Pre-LN, Post-LN, ...) has nothing to fuse under any mode.
     Under FSDP2 pass `across_blocks=False`: a junction between two blocks would read the next block's
     norm weight while that block's parameters are still sharded. Applying again replaces what an earlier
-    call did ("off" removes it: tools that hook or swap single sub-layers want that). `mode` is one of
-    FUSED_JUNCTION, as keel.train.config checks.
+    call did ("off" swaps the plain `Residual`s back: tools that hook or swap single sub-layers want that).
+    `mode` is one of FUSED_JUNCTION, as keel.train.config checks.
+
+    Both sub-layers of each junction become `FusedResidual`s (the first computes the pair, the second takes it),
+    put in place of the plain modules by `setattr` on their parents; each holds the submodules of the one it
+    replaces, so parameters stay the same objects (an optimizer built before still holds them) under the
+    same state-dict keys. Hooks registered on a replaced module do not carry over.
     """
-    for m in model.modules():
-        if isinstance(m, Residual):
-            m.junction = None
+    _swap(model, _unfused)
     pairs = junctions(model, across_blocks)
     if mode == "off" or not pairs:
         return 0
@@ -131,9 +186,49 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     impl = junction_impl(mode, device.type, compiled, problem)
     if impl is None:
         return 0
-    for a, b in pairs:
-        a.junction = (FusedJunction if impl == "kernel" else ComposedJunction)(a.alpha, a.norm_out, b.norm_in)
+    op = FusedJunction if impl == "kernel" else ComposedJunction
+    ops = {a: op(a.alpha, a.norm_out, b.norm_in) for a, b in pairs}
+    takers = {b for _, b in pairs}
+    ends_stack = model.get_submodule(model.sublayers()[-1].path) in ops  # a looped model (see `junctions`)
+
+    def fused(m: nn.Module) -> nn.Module | None:
+        if m not in ops and m not in takers:
+            return None
+        new = _rebuilt(m, FusedResidual)
+        new.junction = ops.get(m)
+        return new
+    _swap(model, fused)
+    if ends_stack:
+        model.final_norm = StreamOfPair()
     return len(pairs)
+
+
+def _unfused(m: nn.Module) -> nn.Module | None:
+    if isinstance(m, FusedResidual):
+        return _rebuilt(m, Residual)
+    return nn.Identity() if isinstance(m, StreamOfPair) else None
+
+
+def _rebuilt(res: Residual, cls: type[Residual]) -> Residual:
+    """A `cls` holding `res`'s alpha and its very submodules (norms, dropout): the same parameters under the same
+    names. Hooks registered on `res` stay behind."""
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    for key in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+        new.__dict__[key] = copy.copy(res.__dict__[key])
+    # alpha, training, and the absent norms (None attributes, not registered modules)
+    new.__dict__.update((k, v) for k, v in vars(res).items() if not k.startswith("_") and k != "junction")
+    return new
+
+
+def _swap(model: nn.Module, replacement: Callable[[nn.Module], nn.Module | None]) -> None:
+    """Put `replacement(child)` in place of every child of every module of `model` for which it returns one.
+    Walks the modules as registered (inside AC's wrappers too), not by `sublayers()` paths."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            new = replacement(child)
+            if new is not None:
+                setattr(parent, name, new)
 
 
 def junction_impl(mode: str, device_type: str, compiled: bool, problem: str | None) -> str | None:
@@ -172,7 +267,7 @@ def junction_impl(mode: str, device_type: str, compiled: bool, problem: str | No
 
 def fused_junctions(model: nn.Module) -> int:
     """How many sub-layers of `model` compute their junction fused."""
-    return sum(getattr(m, "junction", None) is not None for m in model.modules() if isinstance(m, Residual))
+    return sum(isinstance(m, FusedResidual) and m.junction is not None for m in model.modules())
 
 
 def apply_ac(model: nn.Module, every: int) -> int:
