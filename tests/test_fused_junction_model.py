@@ -276,5 +276,56 @@ def test_turning_the_junction_off_reaches_inside_checkpoint_wrappers():
     assert [type(b).__name__ for b in model.blocks] == ["CheckpointWrapper"] * BASE.n_blocks
 
 
+FSDP_CONFIG = replace(BASE, n_blocks=4, d_model=32)
+
+
+def fsdp_batch() -> torch.Tensor:
+    return torch.randint(0, FSDP_CONFIG.vocab_size, (4, 17), generator=torch.Generator().manual_seed(1))
+
+
+def _fsdp_worker(rank: int, port: int, out: str) -> None:
+    """One of two ranks: the swapped-in junction (inside blocks), AC and FSDP2 in parallelize's order, one
+    forward and backward on this rank's half of the batch."""
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+    from keel.scale.parallel import apply_fsdp  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = TransformerLM(FSDP_CONFIG)
+        fused = apply_fused_junction(model, "composed", across_blocks=False, compiled=True)
+        apply_ac(model, 1)
+        apply_fsdp(model, init_device_mesh("cpu", (2,)), group=2)
+        ids = fsdp_batch()[rank * 2:rank * 2 + 2]
+        _, loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG)
+        grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor()
+                 for n, p in model.named_parameters()}
+        if rank == 0:
+            torch.save({"loss": loss.detach(), "grads": grads, "fused": fused}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_swapped_junction_under_ac_and_fsdp2_on_two_ranks_matches_one_process(spawn, tmp_path):
+    spawn(_fsdp_worker, str(tmp_path / "rank0.pt"), nprocs=2, timeout=120)
+    got = torch.load(tmp_path / "rank0.pt")
+    torch.manual_seed(0)
+    model = TransformerLM(FSDP_CONFIG)
+    ids = fsdp_batch()
+    _, loss = model(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    assert got["fused"] == FSDP_CONFIG.n_blocks - 1  # inside blocks only; block 0 has no junction
+    torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-5, atol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-5 * p.grad.abs().max().item(),
+                                   msg=name)
+
+
 if __name__ == "__main__":
     interpreted_child(*sys.argv[1:])
