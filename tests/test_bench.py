@@ -1,12 +1,15 @@
 """`keel bench`: step times read from a fake clock give hand-computed tokens/s and MFU, the table matches a
 committed golden file, the merged config's run.* / optim.* settings reach the step it times (and a setting it does
-not read is refused); the cpu and gpu suites at toy size, end to end."""
+not read is refused); the cpu and gpu suites at toy size, end to end; time per sub-layer against depth
+(keel.bench.flatness) from a fake clock, and the GPU campaign's plan (keel.bench.gpu_plan)."""
 
 import argparse
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,10 +19,12 @@ import torch
 from keel.bench import cli as bench_cli
 from keel.bench import core
 from keel.bench import cpu as bench_cpu
+from keel.bench import flatness as bench_flatness
 from keel.bench.cli import register
 from keel.bench.core import Bench, compare, depth_series
-from keel.bench.cpu import cpu_markdown, cpu_suite
-from keel.bench.gpu import GPU_SECTIONS, GpuSuite, gpu_markdown, gpu_suite
+from keel.bench.cpu import CPU_FLATNESS, cpu_markdown, cpu_suite
+from keel.bench.flatness import flatness_series
+from keel.bench.gpu import GPU_SECTIONS, META, GpuSuite, compare_points, gpu_markdown, gpu_suite
 from keel.cli import main
 from keel.errors import ConfigError
 from keel.model import SCHEMES, ModelConfig, TransformerLM
@@ -30,13 +35,21 @@ REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
 # seconds one training step takes on the fake clock, per sub-layer, by scheme
 COST_PER_SUBLAYER = {"keel": 0.05, "pre_ln": 0.04, "deepnorm": 0.06}
+TINY_FLAT = {"model": {"vocab_size": 64, "d_model": 16, "n_heads": 2, "n_kv_heads": 1, "max_seq_len": 8},
+             "batch_size": 1, "seq_len": 8, "sublayers": (4, 8, 16), "steps": 3, "warmup": 1, "repeats": 2,
+             "threads": 1}
+
+
+class Seen(list):
+    """What the fake clock saw, one entry per step."""
 
 
 @pytest.fixture
 def fake_clock(monkeypatch):
     """core.clock reads a fake time that only a training step advances: n_sublayers x COST_PER_SUBLAYER[scheme]
-    seconds. Returns what each step saw: its TrainStep, the batch, the lr and the autocast context."""
-    now, seen = [0.0], []
+    seconds, plus `seen.overhead(model config, call)` where a test sets one (`call`: 1 for a TrainStep's first
+    step). Returns what each step saw: its TrainStep, the batch, the lr and the autocast context."""
+    now, seen = [0.0], Seen()
     real = TrainStep.__call__
 
     def timed(self, next_batch, lr):
@@ -45,6 +58,8 @@ def fake_clock(monkeypatch):
         result = real(self, lambda: batch, lr)
         config = self.model.config
         now[0] += COST_PER_SUBLAYER[config.scheme] * config.n_sublayers
+        if hasattr(seen, "overhead"):
+            now[0] += seen.overhead(config, sum(e["step"] is self for e in seen))
         return result
     monkeypatch.setattr(TrainStep, "__call__", timed)
     monkeypatch.setattr(core, "clock", lambda: now[0])
@@ -165,10 +180,12 @@ def test_gpu_suite_runs_end_to_end_at_toy_size(tmp_path):
     for row in kernel["rows"]:
         for impl in ("fused", "unfused", "compiled"):
             assert row[impl]["fwd_GBps"] == pytest.approx(row["bytes_fwd"] / row[impl]["fwd_s"] / 1e9)
-    for n in suite.compare_sublayers:
-        rows = sections["compare"][str(n)]
-        assert rows["ac_every"] == (1 if n >= suite.ac_from else 0)
-        for variant in ("eager", "compiled", "compiled+composed", "compiled+fused"):
+    assert list(sections["compare"]) == [p["key"] for p in compare_points(suite)] == ["4", "8", "4/batch4"]
+    for point in compare_points(suite):
+        n, rows = point["n_sublayers"], sections["compare"][point["key"]]
+        assert rows["ac_every"] == point["ac_every"] and rows["batch_size"] == point["batch_size"]
+        assert [k for k in rows if k not in META] == point["variants"]
+        for variant in point["variants"]:
             r = rows[variant]
             assert r["keel_over_pre_ln_step_time"] == r["keel"]["step_time_s"] / r["pre_ln"]["step_time_s"]
             # Keel v2 with n sub-layers has n - 2 junctions (sub-layer 0 has no LN_out; the last has no successor);
@@ -176,9 +193,16 @@ def test_gpu_suite_runs_end_to_end_at_toy_size(tmp_path):
             fused = n // 2 - 1 if rows["ac_every"] else n - 2
             assert r["keel"]["fused_junctions"] == (fused if variant in ("compiled+composed", "compiled+fused") else 0)
             assert r["pre_ln"]["fused_junctions"] == 0
-    depth = sections["depth"]["rows"]
-    assert [r["n_sublayers"] for r in depth] == list(suite.depth_sublayers)
-    assert all(r["ms_per_sublayer"] == pytest.approx(1e3 * r["step_time_s"] / r["n_sublayers"]) for r in depth)
+    # the 32k-token point's stand-in: 4 sequences a step, the batch-1 points' tokens x 2
+    big = sections["compare"]["4/batch4"]["compiled"]
+    assert big["keel"]["tokens_per_s"] == pytest.approx(4 * suite.seq_len / big["keel"]["step_time_s"])
+    assert set(sections["depth"]["variants"]) == set(suite.depth_variants)
+    for depth in sections["depth"]["variants"].values():
+        assert [(r["n_sublayers"], r["scheme"]) for r in depth["rows"]] == [
+            (n, s) for n in suite.depth_sublayers for s in ("keel", "pre_ln")]
+        assert all(r["ms_per_sublayer"] == pytest.approx(1e3 * r["step_time_s"] / r["n_sublayers"])
+                   for r in depth["rows"])
+        assert set(depth["per_scheme"]["keel"]["ratio_to_first"]) == {str(n) for n in suite.depth_sublayers}
     # nothing runs out of memory on a CPU at toy size: the search doubles up to its limit
     assert sections["max_depth"]["largest"] == suite.max_depth_upto
     assert [t["n_sublayers"] for t in sections["max_depth"]["trials"]] == [4, 8, 16]
@@ -193,8 +217,8 @@ def test_gpu_suite_sections_stop_at_their_time_box_and_keep_what_they_have(tmp_p
     assert sections["tests"]["summary"] == "timed out"  # given the 1-second minimum
     assert sections["kernel"]["rows"] == [] and "copy_GBps" in sections["kernel"]
     assert all(v == {"skipped": "time box reached"} for rows in sections["compare"].values()
-               for k, v in rows.items() if k != "ac_every")
-    assert all(r["skipped"] == "time box reached" for r in sections["depth"]["rows"])
+               for k, v in rows.items() if k not in META)
+    assert all(r["skipped"] == "time box reached" for v in sections["depth"]["variants"].values() for r in v["rows"])
     assert sections["max_depth"]["trials"] == [] and sections["max_depth"]["largest"] is None
     assert all(v == "time box reached" for v in result["status"].values())
     assert len(written) >= 2 * len(GPU_SECTIONS)  # before and after each section at least
@@ -212,10 +236,12 @@ def test_cpu_suite_compares_compiled_and_eager_side_by_side(fake_clock, monkeypa
     monkeypatch.setattr(bench_cpu, "machine", lambda device: {"cpu": "x86_64", "cpu_count": 2, "torch_threads": 2,
                                                          "torch_version": "2.x"})
     monkeypatch.setattr(os, "getloadavg", lambda: (0.25, 0.5, 0.75))
+    monkeypatch.setattr(bench_flatness, "gc_stats", lambda: {"objects_after_build": 1000, "full_collect_s": 0.002})
     shapes = {"bench": ({"n_blocks": 2, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "max_seq_len": 16}, 2, 16)}
     writes = []
     result = cpu_suite(2, 1, writes.append, max_load=1e9, wait_s=0, shapes=shapes, compile_backend="eager",
-                       repeats=2, depths=(4, 8), science_steps=2, warmup_sublayers=4)
+                       repeats=2, depths=(4, 8), science_steps=2, warmup_sublayers=4,
+                       flatness=TINY_FLAT | {"sublayers": (4, 8), "steps": 1, "repeats": 1})
     shape = result["shapes"]["bench"]
     assert set(shape["results"]) == {"keel/eager", "keel/compiled", "pre_ln/eager", "pre_ln/compiled"}
     # 4 sub-layers: Keel 0.20 s, Pre-LN 0.16 s a step on the fake clock, compiled or not; 32 tokens a step
@@ -236,7 +262,131 @@ def test_cpu_suite_compares_compiled_and_eager_side_by_side(fake_clock, monkeypa
     assert cold["keel_over_pre_ln"] == pytest.approx(1.25)
     assert set(result["targets"]["met"]) == {"compiled_keel_over_pre_ln_bench", "compile_time_flat_in_depth",
                                              "ms_per_sublayer_flat_eager", "ms_per_sublayer_flat_compiled",
-                                             "keel_warmup_within_1_3x_pre_ln"}
+                                             "keel_warmup_within_1_3x_pre_ln", "ms_per_sublayer_flat_128_1024_keel",
+                                             "ms_per_sublayer_flat_128_1024_pre_ln"}
     assert result["targets"]["met"]["keel_warmup_within_1_3x_pre_ln"]
-    assert len(writes) == 4  # after the shape, the warm-up, the science series, and with the targets
+    # after the shape, the warm-up, the science series, each of the 4 flatness models, and with the targets
+    assert len(writes) == 8
     assert cpu_markdown(result) == (GOLDEN / "bench-cpu.md").read_text()
+
+
+def test_flatness_ratios_and_medians_are_those_of_the_clock(fake_clock):
+    """Per step 0.1 s of fixed cost plus the scheme's cost per sub-layer; the first timed step of every model 1 s
+    slower (the median of the three drops it). Hand-computed: Keel 0.3, 0.5, 0.9 s at 4, 8, 16 sub-layers = 75,
+    62.5, 56.25 ms per sub-layer, ratios 1, 5/6, 3/4; Pre-LN 0.26, 0.42, 0.74 s = 65, 52.5, 46.25 ms, ratios 1,
+    21/26, 37/52."""
+    fake_clock.overhead = lambda config, call: 0.1 + (1.0 if call == 2 else 0.0)  # call 1 is the warm-up
+    config = ModelConfig(**TINY_FLAT["model"])
+    out = flatness_series(config, RunConfig(batch_size=1, seq_len=8, device="cpu"), (4, 8, 16), steps=3,
+                          warmup=1, repeats=2)
+    keel, pre_ln = out["per_scheme"]["keel"], out["per_scheme"]["pre_ln"]
+    assert keel["ms_per_sublayer"] == pytest.approx({"4": 75.0, "8": 62.5, "16": 56.25})
+    assert keel["ratio_to_first"] == pytest.approx({"4": 1.0, "8": 5 / 6, "16": 0.75})
+    assert pre_ln["ratio_to_first"] == pytest.approx({"4": 1.0, "8": 21 / 26, "16": 37 / 52})
+    assert keel["max_departure"] == pytest.approx(0.25) and pre_ln["max_departure"] == pytest.approx(15 / 52)
+    assert keel["flat"] is False and pre_ln["flat"] is False
+    assert out["keel_over_pre_ln_step_time"] == pytest.approx({"4": 0.3 / 0.26, "8": 0.5 / 0.42, "16": 0.9 / 0.74})
+    # two passes, the second deepest first; each model one warm-up and three timed steps
+    assert [(r["repeat"], r["n_sublayers"], r["scheme"]) for r in out["rows"]] == [
+        (0, 4, "keel"), (0, 4, "pre_ln"), (0, 8, "keel"), (0, 8, "pre_ln"), (0, 16, "keel"), (0, 16, "pre_ln"),
+        (1, 16, "keel"), (1, 16, "pre_ln"), (1, 8, "keel"), (1, 8, "pre_ln"), (1, 4, "keel"), (1, 4, "pre_ln")]
+    assert len(fake_clock) == 12 * 4
+    assert out["rows"][0]["step_times_s"] == pytest.approx([1.3, 0.3, 0.3])
+    # TrainStep keeps the collector out of its steps: none ran inside a timed one
+    assert all(r["gc"]["collections_in_timed_steps"] == {} for r in out["rows"])
+
+
+def test_flatness_is_met_when_cost_per_sub_layer_is_constant_and_each_model_is_freed_first(fake_clock, monkeypatch):
+    built = []
+    real_init = core.Bench.__init__
+
+    def init(self, *args, **kwargs):
+        fake_clock.clear()  # what the clock saw holds each step's TrainStep, and so its model
+        gc.collect()
+        assert all(ref() is None for ref in built), "an earlier model is still alive"
+        real_init(self, *args, **kwargs)
+        built.append(weakref.ref(self.model))
+    monkeypatch.setattr(core.Bench, "__init__", init)
+    out = flatness_series(ModelConfig(**TINY_FLAT["model"]), RunConfig(batch_size=1, seq_len=8, device="cpu"),
+                          (4, 8), steps=1, warmup=0)
+    assert len(built) == 4
+    assert all(s["max_departure"] == pytest.approx(0.0) and s["flat"] for s in out["per_scheme"].values())
+
+
+def test_flatness_stops_at_its_deadline_and_does_not_go_deeper_after_running_out_of_memory(fake_clock, monkeypatch):
+    def measure(config, *args):
+        if config.n_sublayers >= 8 and config.scheme == "keel":
+            raise torch.OutOfMemoryError("out of memory")
+        return {"step_time_s": 0.01 * config.n_sublayers}
+    monkeypatch.setattr(bench_flatness, "measure_one", measure)
+    run = RunConfig(batch_size=1, seq_len=8, device="cpu")
+    out = flatness_series(ModelConfig(**TINY_FLAT["model"]), run, (4, 8, 16))
+    cells = {(r["n_sublayers"], r["scheme"]): r for r in out["rows"]}
+    assert cells[(8, "keel")]["failed"] == "out of memory"
+    assert cells[(16, "keel")]["skipped"] == "failed at 8 sub-layers" and "step_time_s" in cells[(16, "pre_ln")]
+    assert out["per_scheme"]["keel"]["flat"] is None and out["per_scheme"]["pre_ln"]["flat"] is True
+    late = flatness_series(ModelConfig(**TINY_FLAT["model"]), run, (4, 8), deadline=0.0)
+    assert all(r["skipped"] == "time box reached" for r in late["rows"])
+    assert late["per_scheme"]["keel"]["max_departure"] is None
+
+
+def test_cpu_flatness_part_writes_its_json_as_it_goes(fake_clock, monkeypatch, tmp_path):
+    """`keel bench --suite cpu --sections flatness`: only that part runs, at CPU_FLATNESS's shape (a tiny one
+    here), and bench.json is rewritten after every model; its ratios survive the round trip through JSON."""
+    monkeypatch.setattr(bench_cpu, "CPU_FLATNESS", TINY_FLAT)
+    written = []
+    real = bench_cli.writer
+
+    def writer(out, markdown):
+        write = real(out, markdown)
+
+        def recorded(result):
+            write(result)
+            written.append(json.loads((out / "bench.json").read_text()))
+        return recorded
+    monkeypatch.setattr(bench_cli, "writer", writer)
+    bench("--suite", "cpu", "--sections", "flatness", "--idle-wait", "0", "--idle-load", "1e9", "--out",
+          str(tmp_path))
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert set(result) >= {"flatness", "targets"} and "shapes" in result and not result["shapes"]
+    assert "science" not in result and "cold_warmup" not in result
+    flat = result["flatness"]
+    # fake clock: 0.05 s (Keel) and 0.04 s (Pre-LN) per sub-layer at every depth
+    assert flat["per_scheme"]["keel"]["ms_per_sublayer"] == pytest.approx({"4": 50.0, "8": 50.0, "16": 50.0})
+    assert flat["per_scheme"]["pre_ln"]["ratio_to_first"] == pytest.approx({"4": 1.0, "8": 1.0, "16": 1.0})
+    assert flat["keel_over_pre_ln_step_time"] == pytest.approx({"4": 1.25, "8": 1.25, "16": 1.25})
+    assert result["targets"]["met"] == {"ms_per_sublayer_flat_128_1024_keel": True,
+                                        "ms_per_sublayer_flat_128_1024_pre_ln": True}
+    assert set(flat["load_average"]) == {"before", "after"}
+    # one write after each of the 2 x 3 x 2 models, and the final one with the targets
+    assert [len(w["flatness"]["rows"]) for w in written if "rows" in w["flatness"]][:12] == list(range(1, 13))
+    assert len(written) == 12 + 1
+    md = (tmp_path / "bench.md").read_text()
+    assert "| 16 | 50.000 | 1.000 | 40.000 | 1.000 | 1.250 |" in md and "keel 0.0% (met)" in md
+    assert main(["bench", "--suite", "cpu", "--sections", "flatness,nope", "--idle-wait", "0"]) == 2
+
+
+def test_the_default_cpu_flatness_is_the_issues_depths_at_a_small_width():
+    assert tuple(CPU_FLATNESS["sublayers"]) == (128, 256, 512, 1024)
+    assert CPU_FLATNESS["model"]["d_model"] <= 64 and CPU_FLATNESS["batch_size"] == 1 and CPU_FLATNESS["repeats"] >= 3
+
+
+def test_the_gpu_campaign_compares_at_32k_tokens_per_step_with_checkpointing():
+    points = compare_points(GpuSuite())
+    big = [p for p in points if p["batch_size"] * GpuSuite().seq_len >= 32768]
+    assert big and all(p["ac_every"] == 1 and "compiled" in p["variants"] for p in big)
+    assert any(p["batch_size"] == 1 and p["n_sublayers"] == 64 for p in points)  # the batch 1 x 4096 point stays
+    suite = GpuSuite()
+    assert suite.depth_d_model == 512 and suite.depth_sublayers == (128, 256, 512, 1024)
+    assert suite.depth_variants == ("eager", "compiled")
+
+
+def test_every_gpu_part_fits_its_boxes_by_the_calibrated_model_and_the_readme_says_so():
+    pytest.importorskip("scipy")
+    from keel.bench.gpu_plan import plan, plan_markdown
+
+    p = plan()
+    assert all(s["predicted_s"] <= s["box_s"] for s in p["sections"].values())
+    assert all(part["predicted_s"] <= part["box_s"] <= 480 for part in p["parts"].values())
+    assert sum(part["box_s"] for part in p["parts"].values()) <= 1800
+    assert plan_markdown(p) in (REPO / "benchmarks" / "gpu" / "README.md").read_text()

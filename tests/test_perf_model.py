@@ -163,6 +163,10 @@ def test_gpu_campaign_prediction_column():
     assert p["device"] == "H100" and p["keel"]["step_time_s"] == expected["keel"]["step_time_s"]
     assert p["keel_over_pre_ln_step_time"] == expected["keel_over_pre_ln_step_time"]
     assert predicted(GpuSuite(), torch.device("cpu"), 4, "eager", 0) is None  # no spec for a CPU by name
+    # a point at more tokens per step (the campaign's 8 x 4096 with checkpointing) is predicted at its batch
+    big = predicted(suite, torch.device("cpu"), 4, "compiled", 1, batch_size=8)
+    expected = pm.predict_pair(suite.model(4), 8, suite.seq_len, pm.DEVICES["H100"], "compiled", False, 1)
+    assert big["keel"]["tokens_per_s"] == expected["keel"]["tokens_per_s"]
 
 
 def test_validation_reports_predicted_against_measured(monkeypatch):

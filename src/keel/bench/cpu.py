@@ -193,13 +193,16 @@ def _spread_text(x: dict, fmt: str = "{:.3f}") -> str:
 
 def cpu_markdown(result: dict) -> str:
     m, st = result["machine"], result["settings"]
+    compared = "compare" in st.get("parts", ["compare"])
     lines = [f"# keel bench --suite cpu ({m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads, "
              f"torch {m['torch_version']})", "",
-             f"Four models step alternately in one process (Keel and Pre-LN, eager and compiled), "
-             f"{st['steps']} timed steps each, {st['repeats']} times over, after {st['warmup']} warm-up steps "
-             f"(compilation happens there), float32; ratios are per repeat, shown as median (min-max). Compiled Keel "
-             f"fuses its junctions across blocks (`run.fused_junction=auto`). Load average before timing: "
-             f"{result['idle_check']['load_average'][0]:.2f} (waited {result['idle_check']['waited_s']} s)."
+             (f"Four models step alternately in one process (Keel and Pre-LN, eager and compiled), "
+              f"{st['steps']} timed steps each, {st['repeats']} times over, after {st['warmup']} warm-up steps "
+              f"(compilation happens there), float32; ratios are per repeat, shown as median (min-max). Compiled "
+              f"Keel fuses its junctions across blocks (`run.fused_junction=auto`). " if compared else
+              f"Parts run: {', '.join(st['parts'])}. ")
+             + f"Load average before timing: {result['idle_check']['load_average'][0]:.2f} (waited "
+             f"{result['idle_check']['waited_s']} s)."
              + ("" if result["idle_check"]["idle"] else " **The machine never became idle: other work is in these "
                 "times.**"), ""]
     for name, shape in result["shapes"].items():

@@ -56,6 +56,13 @@ class GcWatch:
         gc.callbacks.remove(self)
 
 
+def gc_stats() -> dict:
+    """The objects Python's collector tracks now, and the seconds one full collection of them takes."""
+    start = time.perf_counter()
+    gc.collect()
+    return {"objects_after_build": len(gc.get_objects()), "full_collect_s": time.perf_counter() - start}
+
+
 def measure_one(config: ModelConfig, run: RunConfig, steps: int, warmup: int, optim: OptimConfig | None,
                 device: torch.device, bench_options: dict) -> dict:
     """One model's median step time over `steps` timed steps after `warmup` untimed ones. Its Bench lives only
@@ -63,10 +70,7 @@ def measure_one(config: ModelConfig, run: RunConfig, steps: int, warmup: int, op
     if run.compile:  # alpha differs at each depth: compile from nothing, well inside Dynamo's recompile limit
         fresh_compile_state()
     b = Bench(config, run, optim, device, **bench_options)
-    start = time.perf_counter()
-    gc.collect()
-    full_collect_s = time.perf_counter() - start
-    objects = len(gc.get_objects())
+    after_build = gc_stats()
     for _ in range(warmup):
         b.step(record=False)
     with GcWatch() as watch:
@@ -76,9 +80,8 @@ def measure_one(config: ModelConfig, run: RunConfig, steps: int, warmup: int, op
     layers = b.config.n_sublayers  # the sub-layers a step runs (a looped model's unrolled count)
     return {"step_time_s": step, "step_times_s": list(b.times), "ms_per_sublayer": 1e3 * step / layers,
             "peak_memory_bytes": b.peak, "fused_junctions": b.fused,
-            "gc": {"objects_after_build": objects, "full_collect_s": full_collect_s,
-                   "collections_in_timed_steps": {str(g): c for g, c in sorted(watch.collections.items())},
-                   "seconds_in_timed_steps": watch.seconds}}
+            "gc": after_build | {"seconds_in_timed_steps": watch.seconds, "collections_in_timed_steps": {
+                str(g): c for g, c in sorted(watch.collections.items())}}}
 
 
 def flatness_series(config: ModelConfig, run: RunConfig, sublayers=FLAT_SUBLAYERS, schemes=("keel", "pre_ln"),
