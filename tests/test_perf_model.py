@@ -181,3 +181,23 @@ def test_validation_reports_predicted_against_measured(monkeypatch):
         assert row[s]["error"] == pytest.approx(row[s]["predicted_s"] / measured[s] - 1)
     assert result["max_abs_error"] == max(abs(row[s]["error"]) for s in ("keel", "pre_ln"))
     assert row["device"]["bandwidth_GBps"] > 0 and "Largest |error|" in pr.validation_markdown(result)
+
+
+def test_the_stored_fit_is_what_calibrate_gives_on_the_newest_measured_run():
+    """keel.bench.calibrate.calibrated reads each device's fit from calibrated_gpu.json (a dry run needs it in a
+    second, the least squares takes many): stored and refitted agree, so a new measurement without
+    `python -m keel.bench.calibrate --store` fails here."""
+    import json
+
+    from keel.bench import calibrate
+
+    stored = json.loads(calibrate.FITS.read_text())
+    fresh = json.loads(calibrate.fits_json())
+    assert set(fresh) == set(stored) == {r["device"] for r in calibrate.measured_runs()}
+    for device, fit in fresh.items():
+        assert stored[device]["calibrated"] == fit["calibrated"]
+        for name in ("matmul_eff", "memory_eff", "launch_eager", "launch_compiled"):
+            assert stored[device][name] == pytest.approx(fit[name], rel=1e-4), (device, name)
+        read = calibrate.calibrated(device)
+        assert (read.matmul_eff, read.launch_s["compiled"]) == (stored[device]["matmul_eff"],
+                                                                 stored[device]["launch_compiled"])

@@ -3,6 +3,7 @@ and summaries that must not mislead. Each test failed on 868f8d0."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,7 +140,7 @@ def test_damaged_logs_are_skipped_with_one_note(trained, tmp_path, capsys, damag
 
 # ---- presets and summaries that must not mislead ----------------------------------------------------------
 def test_dry_run_warns_of_a_warmup_never_left_and_a_tokenizer_far_smaller_than_the_vocabulary(capsys):
-    assert main(["train", "--preset", "paper-512", "--dry-run"]) == 0
+    assert main(["train", "--preset", "paper-512", "--dry-run", "run.steps=1000", "data.tokenizer=bytes"]) == 0
     out = capsys.readouterr().out
     warnings = [line for line in out.splitlines() if line.startswith("keel: warning:")]
     assert len(warnings) == 2, out[-1500:]
@@ -149,6 +150,39 @@ def test_dry_run_warns_of_a_warmup_never_left_and_a_tokenizer_far_smaller_than_t
     # a self-consistent recipe (the README's main job) is not warned about
     assert main(["train", "--dry-run"]) == 0
     assert "warning" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["paper-64", "paper-512", "paper-1024", "paper-2048"])
+def test_a_paper_preset_is_the_papers_recipe_and_says_what_a_run_of_it_needs(name, capsys):
+    """The paper's recipe (PAPER.md section 5): 2,500 warm-up steps that the run leaves, a global batch of 1024
+    sequences of 4096, its peak rate for the depth, a tokenizer of the model's vocabulary; the dry run prints the
+    tokens, the memory per GPU and the predicted hours on an H100, and names the paper's data."""
+    from keel.train.config import train_preset
+
+    c = train_preset(name)
+    assert c.optim.warmup_steps == 2500 < c.run.steps and c.optim.min_lr == 1e-7 and c.optim.schedule == "cosine"
+    assert (c.optim.beta1, c.optim.beta2, c.optim.weight_decay, c.optim.grad_clip) == (0.9, 0.95, 0.01, 1.0)
+    assert c.run.seq_len == 4096 and c.run.batch_size * c.run.grad_accum == 1024
+    assert c.optim.lr == {64: 9e-3, 512: 6e-3, 1024: 4.5e-3, 2048: 4.5e-3}[c.model.n_sublayers]
+    assert c.data.tokenizer == "bpe:32000" and c.model.vocab_size == 32000
+    tokens = c.run.steps * 1024 * 4096
+    assert 249e9 < tokens < 251e9  # the 250B tokens of the paper's depth-scaling runs
+    assert main(["train", "--preset", name, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "warning" not in out, out[-1500:]
+    assert f"= {tokens:,} tokens" in out and "memory per process" in out and "H100 80GB: fits" in out
+    hours = re.search(r"time on one H100 \(PREDICTED by keel.bench.perf_model, calibrated on [^)]*\)\): ([\d,.]+) "
+                      "hours", out)
+    assert hours and float(hours[1].replace(",", "")) > 100, out[-800:]
+    assert "data.source=hf:HuggingFaceFW/fineweb-edu" in out
+
+
+def test_the_cpu_demo_preset_and_keel_cpu_demo_are_one_model():
+    import keel
+    from keel.train.config import TrainConfig, train_preset
+
+    assert train_preset("cpu-demo").model == keel.cpu_demo() == TrainConfig().model
+    assert train_preset("cpu-demo").run.seq_len <= keel.cpu_demo().max_seq_len
 
 
 def test_training_start_warns_once_when_warmup_outlasts_the_run(tmp_path, capsys):

@@ -16,6 +16,7 @@ from keel.bench.perf_model import (
     S,
     fits,
     paper_config,
+    predict,
     predict_pair,
     step_ops,
 )
@@ -236,3 +237,19 @@ def validation_markdown(result: dict) -> str:
                                               f"{r['ratio']['measured']:.3f}" for r in result["rows"]),
               "", f"Largest |error|: **{result['max_abs_error']:.1%}** (target: within 25%)."]
     return "\n".join(lines) + "\n"
+
+
+def time_lines(config, gpu: str = "H100") -> list[str]:
+    """The run's time on one `gpu` (bf16, compiled or eager as configured, its batch, sequence and checkpointing),
+    by keel.bench.perf_model calibrated on the project's measured GPU figures (keel.bench.calibrate): a
+    prediction, labelled as one."""
+    from keel.bench.calibrate import calibrated  # noqa: PLC0415 (scipy, for a fit not stored: only here)
+
+    r = config.run
+    spec = calibrated(gpu) or DEVICES[gpu]
+    fitted = f"calibrated on {spec.calibrated}" if spec.calibrated else "uncalibrated datasheet figures"
+    p = predict(config.model, r.batch_size, r.seq_len, spec, "compiled" if r.compile else "eager", True, r.ac_every)
+    hours = p["step_time_s"] * r.grad_accum * r.steps / 3600
+    took = f"{hours:,.1f} hours" if hours < 48 else f"{hours:,.0f} hours ({hours / 24:,.0f} days)"
+    return [f"time on one {gpu} (PREDICTED by keel.bench.perf_model, {fitted}): {took}, "
+            f"{p['step_time_s'] * r.grad_accum:,.2f} s a step at MFU {p['mfu']:.0%}"]

@@ -74,7 +74,9 @@ def cmd_train(args) -> int:
     from keel.train.trainer import DIVERGED_EXIT, INTERRUPTED_EXIT, Trainer
 
     if args.dry_run:
-        print(plan(config))
+        from keel.bench.perf_report import time_lines  # noqa: PLC0415
+
+        print(plan(config, time_lines(config)))
         return 0
     trainer = Trainer(config)
     if os.environ.get("RANK", "0") == "0":  # after the trainer's checks: a refused config gets one line

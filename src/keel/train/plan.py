@@ -140,8 +140,9 @@ def gpu_fit_lines(config) -> list[str]:
     return out
 
 
-def plan(config) -> str:
-    """`keel train --dry-run`: the model, the run's token budget and the memory plan."""
+def plan(config, predicted: list[str] = ()) -> str:
+    """`keel train --dry-run`: the model, the run's token budget, the memory plan, and `predicted` (the CLI's
+    keel.bench.perf_report.time_lines: the run's time on a GPU by the calibrated performance model)."""
     r = config.run
     tokens = r.steps * r.batch_size * r.grad_accum * r.seq_len
     return "\n".join([
@@ -152,5 +153,20 @@ def plan(config) -> str:
         f"memory per process (single process, {r.dtype} on {r.device}): {memory_line(config)}",
         "on one GPU (PREDICTED by the memory plan, bf16 autocast; validated on CPU within 10%):",
         *gpu_fit_lines(config),
+        *predicted,
+        *data_notes(config, tokens),
         *recipe_warnings(config),
     ])
+
+
+def data_notes(config, tokens: int) -> list[str]:
+    """What the run's data is, where a budget outgrows the offline default; and, for a paper preset, what differs
+    from the paper's recipe (keel.train.config.PAPER_PRESETS)."""
+    from keel.train.config import PAPER_DATA  # noqa: PLC0415 (config imports this module's users)
+
+    out = []
+    if config.data.source == "stdlib" and tokens > 10**9:
+        out.append(f"data: 'stdlib', the offline default (Python's own source, tens of MB): {tokens:,} tokens repeat "
+                   f"it thousands of times; the paper trained on web text, e.g. FineWeb-EDU: {PAPER_DATA} (needs "
+                   "network and `pip install datasets`; data.tokenizer then trains its BPE on it)")
+    return out
