@@ -13,6 +13,15 @@ from keel.model.config import ModelConfig
 from keel.model.numerics import upcast
 
 
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x` in the dtype the branch's matmuls compute in: autocast's where it is on (cast once here, not again by
+    each of the branch's matmuls), else the weights'. The values are those autocast would have made."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x.to(weight.dtype)
+
+
 class _GainNorm(nn.Module):
     """A norm's parameters: a learnable gain (init 1), no bias, and eps."""
 
@@ -114,7 +123,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         """`cos`/`sin` start at the position of x's first token; `cache` (a KVCache) holds the earlier ones."""
         B, T, _ = x.shape
-        x = x.to(self.wq.weight.dtype)  # the stream is float32; compute in the weights' dtype
+        x = compute_dtype(x, self.wq.weight)  # the stream is float32; compute in the matmuls' dtype
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (B, T, H*hd), (B, T, KV*hd) x2
         if self.q_norm is not None:
             q, k, v = self.q_norm(q), self.k_norm(k), self.v_norm(v)
@@ -145,7 +154,7 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(config.ffn_dim, config.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.w_up.weight.dtype)
+        x = compute_dtype(x, self.w_up.weight)
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
@@ -158,7 +167,7 @@ class GeluFFN(nn.Module):
         self.w_down = nn.Linear(config.ffn_dim, config.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.gelu(self.w_up(x.to(self.w_up.weight.dtype))))
+        return self.w_down(F.gelu(self.w_up(compute_dtype(x, self.w_up.weight))))
 
 
 def make_ffn(config: ModelConfig) -> nn.Module:
