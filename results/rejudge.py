@@ -160,6 +160,13 @@ def tuned_tests() -> list[Test]:
     ]
 
 
+def pilot_tests() -> list[Test]:
+    r = results("depth-pilot")["budgets"]
+    return [Test("depth-pilot", "depth pilot, rule 20", f"Pre-LN 64 - 16 sub-layers, {b['tokens']:,} tokens",
+                 b["arms"]["64"]["report_losses"], b["arms"]["16"]["report_losses"], "rule 20")
+            for b in r.values()]
+
+
 def tests() -> list[Test]:
     """Every test results/ reports, rule-defined first (by experiment), then the post-hoc ones."""
     dl = {s: merged("depth-long", "depth-long-s2", s) for s in
@@ -250,7 +257,7 @@ def tests() -> list[Test]:
         Test("ablations", "ablations", "first_layer = none - v2", arm("ablations", "first_layernone"),
              arm("ablations", "keelalphaL-v2"), "rule 3", "as above"),
     ] + frontier_tests() + [paper_ratio(x, d) for d in (16, 64) for x in ("pre_ln", "post_ln")] \
-      + downstream_tests() + tuned_tests() + [
+      + downstream_tests() + tuned_tests() + pilot_tests() + [
         Test("max-lr-64", "max LR, Table 1", "Keel - Pre-LN, 64 sub-layers, max LR", max_lr("max-lr-64", "keel", 64),
              max_lr("max-lr-64", "pre_ln", 64), "post-hoc: seeds 0 and 1 were committed and looked at before rule 11 "
              "(round 2) gave this row a third seed and a verdict"),
