@@ -12,7 +12,8 @@ A training step passes through three phases, and the plan is the largest of them
   optimizer  weights, gradients and AdamW's two moments, plus, for torch's foreach AdamW, one temporary as
              large as its biggest parameter group (`_foreach_sqrt` of the second moments): 20 bytes per
              parameter in float32, 16 with the fused AdamW (`optim_temp_bytes`);
-where the states are the float32 master weights (bf16 weights and gradients with run.weights=bfloat16; sharded over ranks under FSDP2, plus the unsharded copies
+where the states are the float32 master weights (bf16 weights and gradients with run.weights=bfloat16; sharded
+over ranks under FSDP2, plus the unsharded copies
 FSDP2 all-gathers for the units in use: the root and about two block groups) and AdamW's moments (after the
 first step); gradients have the weights' layout. The parts (params, grads, optimizer, activations,
 autocast_cache, optimizer_temp) and each phase's total are returned with the peak phase.
@@ -101,7 +102,8 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, ac_every
     FSDP2 with that many blocks per unit, `param_bytes` 2 for its bf16 mixed precision; `bf16_autocast` for a
     single process computing under bf16 autocast. `optim_impl` (foreach or fused) and `state` (STATE_BYTES) are
     the optimizer's. `weights` bfloat16 (run.weights) holds weights and gradients in 2 bytes a parameter, with
-    no autocast copies (the matmuls read the bf16 weights themselves). `pp` > 1: a pipeline of `pp` ranks per replica (world_size / pp replicas),
+    no autocast copies (the matmuls read the bf16 weights themselves). `pp` > 1: a pipeline of `pp` ranks per
+    replica (world_size / pp replicas),
     `pp_microbatches` per batch of `batch_size`."""
     if pp > 1:
         return max(pipeline_memory(config, batch_size, seq_len, ac_every, world_size, param_bytes, pp, pp_schedule,

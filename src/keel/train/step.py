@@ -156,4 +156,5 @@ def on_device(batch: Batch, device: torch.device) -> Batch:
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-__all__ = ["StepResult", "TrainStep", "build_model", "hold_bf16_weights", "on_device", "total_grad_norm", "autocast_for", "resolve_device"]
+__all__ = ["StepResult", "TrainStep", "build_model", "hold_bf16_weights", "on_device", "total_grad_norm",
+           "autocast_for", "resolve_device"]
