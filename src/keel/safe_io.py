@@ -34,11 +34,12 @@ CAP_TOKENIZER = 64 * MiB  # tokenizer.json
 MAX_INT_DIGITS = 18  # every integer keel writes (steps, counts, sizes) is below 10**18
 
 
-def loads_json(text: str | bytes):
+def loads_json(text: str | bytes, bound_ints: bool = True):
     """`json.loads` for a file from elsewhere: nesting deeper than Python's recursion limit (about 1,000) and
-    an integer of more than MAX_INT_DIGITS digits are ValueErrors, as any other malformed JSON is."""
+    an integer of more than MAX_INT_DIGITS digits are ValueErrors, as any other malformed JSON is.
+    `bound_ints=False` for data that is not keel's (a corpus's JSONL records), whose integers are its own."""
     try:
-        return json.loads(text, parse_int=_bounded_int)
+        return json.loads(text, parse_int=_bounded_int if bound_ints else None)
     except RecursionError:
         raise ValueError("nested too deeply") from None
 

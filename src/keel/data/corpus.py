@@ -21,6 +21,7 @@ from functools import cached_property
 from pathlib import Path
 
 from keel.errors import DataError
+from keel.safe_io import loads_json
 
 FORMAT = "keel-tokens-1"  # part of every cache key: change it when the shard layout or the split rule changes
 SPLITS = ("train", "val")
@@ -184,10 +185,10 @@ class _Jsonl(_Records):
                     continue
                 if want(index):
                     where = f"{self.path}:{lineno}"
-                    try:
-                        record = json.loads(line)
-                    except ValueError:
-                        raise DataError(f"{where}: not valid JSON") from None
+                    try:  # bounded depth: a record nested 100,000 deep is a RecursionError in json.loads
+                        record = loads_json(line, bound_ints=False)
+                    except ValueError as err:
+                        raise DataError(f"{where}: not valid JSON ({str(err)[:80]})") from None
                     if not isinstance(record, dict) or self.text_field not in record:
                         raise DataError(f"{where}: no field {self.text_field!r} (data.text_field)")
                     yield index, _as_text(record[self.text_field], where, self.text_field)

@@ -156,16 +156,20 @@ class WindowSampler:
     Each call draws the starts of the whole global batch (batch_size * world_size windows) from one
     generator seeded by `seed`, and rank r keeps windows [r * batch_size, (r + 1) * batch_size): the
     global batch is the same whatever the world size. `state_dict()` holds only tensors and ints, and
-    `load_state_dict` makes the sampler draw exactly what the uninterrupted one would have."""
+    `load_state_dict` makes the sampler draw exactly what the uninterrupted one would have.
+
+    With `vocab_size`, every batch is checked to hold only ids below it (`source`: the shard, for the message),
+    since `prepare` checks a cache only on a sample."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, rank: int = 0,
-                 world_size: int = 1, split: str = "train"):
+                 world_size: int = 1, split: str = "train", vocab_size: int | None = None, source=None):
         if len(tokens) < seq_len + 1:
             raise DataError(f"{split} split: {len(tokens)} tokens, fewer than run.seq_len + 1 = {seq_len + 1}; "
                             "use more text or a shorter run.seq_len")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.vocab_size, self.source = vocab_size, source or f"the {split} split"
         self.rank, self.world_size = rank, world_size
         self.generator = torch.Generator().manual_seed(seed)
         self.step = 0
@@ -175,7 +179,7 @@ class WindowSampler:
         starts = torch.randint(n_starts, (self.batch_size * self.world_size,), generator=self.generator)
         mine = starts[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
         self.step += 1
-        return _windows(self.tokens, mine.numpy(), self.seq_len)
+        return _windows(self.tokens, mine.numpy(), self.seq_len, self.vocab_size, self.source)
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state(), "step": self.step}
@@ -185,11 +189,12 @@ class WindowSampler:
         self.step = int(state["step"])
 
 
-def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
-                 max_batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int, vocab_size: int | None = None,
+                 source=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """At most `max_batches` batches of evenly spaced, non-overlapping windows over `tokens`: all of them
     from the start when there are few enough, else spread from the first token to the last. The same
-    windows every call, so validation losses are comparable; the last batch may be smaller."""
+    windows every call, so validation losses are comparable; the last batch may be smaller. `vocab_size` and
+    `source` as for WindowSampler."""
     n_windows = (len(tokens) - 1) // seq_len
     count = min(n_windows, batch_size * max_batches)
     if count <= 0:
@@ -199,9 +204,16 @@ def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int,
     else:  # spacing (len - seq_len - 1) / (count - 1) > seq_len, because n_windows > count
         starts = np.linspace(0, len(tokens) - seq_len - 1, count).astype(np.int64)
     for i in range(0, count, batch_size):
-        yield _windows(tokens, starts[i:i + batch_size], seq_len)
+        yield _windows(tokens, starts[i:i + batch_size], seq_len, vocab_size, source or "a batch")
 
 
-def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int, vocab_size: int | None = None,
+             source=None) -> tuple[torch.Tensor, torch.Tensor]:
     rows = torch.from_numpy(tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64))  # (B, T + 1)
+    # one reduction over a batch already in memory: an id past the embedding (a cache damaged where `prepare`'s
+    # sample did not look) would otherwise be an IndexError, or on a GPU a device-side assert, inside the model
+    if vocab_size is not None and len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < vocab_size:
+        bad = int(rows.max()) if int(rows.max()) >= vocab_size else int(rows.min())
+        raise DataError(f"{source}: token id {bad} is outside the model's vocabulary of {vocab_size} "
+                        "(model.vocab_size); the token cache is damaged: delete it to rebuild it")
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

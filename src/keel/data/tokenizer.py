@@ -145,7 +145,10 @@ def load_tokenizer(spec: str, cache_dir, corpus=None):
             return HFTokenizer(path)
         return train_bpe(corpus.documents("train"), vocab_size, path)
     path = Path(spec).expanduser()
-    return HFTokenizer(path / "tokenizer.json" if path.is_dir() else path)
+    try:
+        return HFTokenizer(path / "tokenizer.json" if path.is_dir() else path)
+    except DataError as err:  # a FIFO, a directory, a damaged file: named as the field that chose it
+        raise DataError(str(err) if "data.tokenizer" in str(err) else f"data.tokenizer: {err}") from None
 
 
 MAX_TOKENIZER_BYTES = 64 << 20  # a real tokenizer.json is a few MiB; parsing costs ~2x its size in memory
@@ -202,7 +205,9 @@ def planned_vocab_size(spec: str) -> int | None:
         return 256
     if spec == "bpe" or spec.startswith("bpe:"):
         return _bpe_vocab(spec)
-    try:
-        return Tokenizer.from_file(str(spec)).get_vocab_size()
+    path = Path(spec).expanduser()
+    try:  # through read_capped: Tokenizer.from_file would wait forever on a FIFO
+        raw = read_capped(path / "tokenizer.json" if path.is_dir() else path)
+        return Tokenizer.from_str(raw.decode("utf-8")).get_vocab_size()
     except Exception:
         return None

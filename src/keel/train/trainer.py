@@ -103,7 +103,8 @@ class Trainer:
         self.replicas, self.replica = (self.model.dp_size, self.model.dp_rank) if pp else (self.world.size,
                                                                                           self.world.rank)
         self.sampler = WindowSampler(self.data.train, c.run.seq_len, c.run.batch_size, seed=c.run.seed,
-                                     rank=self.replica, world_size=self.replicas)
+                                     rank=self.replica, world_size=self.replicas, vocab_size=c.model.vocab_size,
+                                     source=self.data.cache_path / "train.bin")  # each batch's ids checked
         self.guard = DivergenceGuard(c.guard, c.model.vocab_size)
         self.train_step = (PipelineStep if pp else TrainStep)(
             self.model, self.optimizer, grad_accum=c.run.grad_accum, grad_clip=c.optim.grad_clip,
