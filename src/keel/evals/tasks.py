@@ -12,12 +12,12 @@ import difflib
 import hashlib
 import importlib.util
 import json
-import os
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from keel import safe_io
 from keel.data.corpus import DataConfig, build_corpus, cache_root
 from keel.errors import ConfigError
 from keel.evals import probes
@@ -48,21 +48,38 @@ class Probe(Task):
         corpus = build_corpus(data)
         key = hashlib.sha256(f"{corpus.fingerprint}|{tokenizer.name}".encode()).hexdigest()[:16]
         path = cache_root(data) / "evals" / key / f"{self.name}-v{self.version}.jsonl"
-        if path.is_file():
-            return [json.loads(line) for line in path.read_text().splitlines()]
+        if (cached := _read_items(path, self)) is not None:
+            return cached
         # seeded by the probe alone: the same text gives the same items wherever it lies (the fingerprint holds
         # paths and modification times)
         rng = random.Random(f"{self.name}:{self.version}")
         items = [{"version": self.version, "task": self.name, **item}
                  for item in self.generate(list(corpus.documents("val")), rng, STORED)]
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:  # ranks that generate at once write the same items; a reader sees a whole file or none
-            tmp.write_text("".join(json.dumps(item) + "\n" for item in items))
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        # ranks that generate at once write the same items; a reader sees a whole file or none, and a planted
+        # link is refused, not written through
+        safe_io.write_text(path.parent, path, "".join(json.dumps(item) + "\n" for item in items))
         return items
+
+
+def _valid_item(item, probe: Probe) -> bool:
+    """An item scoring can use: this probe's and version's, a text context, text choices and an answer among them."""
+    return (isinstance(item, dict) and item.get("task") == probe.name and item.get("version") == probe.version
+            and isinstance(item.get("context"), str) and isinstance(item.get("choices"), list)
+            and item["choices"] and all(isinstance(c, str) for c in item["choices"])
+            and type(item.get("answer")) is int and 0 <= item["answer"] < len(item["choices"]))
+
+
+def _read_items(path: Path, probe: Probe) -> list[dict] | None:
+    """The cached items at `path`, or None (to generate them again) when there are none or the file is damaged:
+    a link, FIFO or oversized file (keel.safe_io), lines that are not bounded JSON, or items scoring cannot use.
+    The cache may be shared, so its contents are read as from elsewhere."""
+    try:
+        text = safe_io.read_text(path.parent, path, safe_io.CAP_LOG)
+        items = [safe_io.loads_json(line) for line in text.splitlines()] if text is not None else None
+    except ValueError:  # DataError is one too
+        return None
+    return items if items is not None and all(_valid_item(item, probe) for item in items) else None
 
 
 @dataclass(frozen=True)

@@ -121,11 +121,24 @@ def _effective_options(m) -> str:
     return ", ".join(f"{name} = {text}" for name, text in m.scheme_options_shown().items()) or "none"
 
 
+def _checkpoint_step(checkpoint: Path):
+    """meta.json's step ("?" if unreadable): a regular file, bounded in size, depth and numbers, since the
+    checkpoint loaded may have been swapped since it was checked."""
+    from keel import safe_io
+
+    try:
+        meta = safe_io.loads_json(safe_io.read_bytes(checkpoint, checkpoint / "meta.json", safe_io.CAP_SMALL) or b"{}")
+    except ValueError:  # DataError is one too
+        return "?"
+    step = meta.get("step") if isinstance(meta, dict) else None
+    return step if type(step) is int else "?"
+
+
 def model_card(config, model, run_dir: Path, checkpoint: Path) -> str:
     from keel.model.counting import count_params
 
     m, d, r = config.model, config.data, config.run
-    step = json.loads((checkpoint / "meta.json").read_text()).get("step", "?")
+    step = _checkpoint_step(checkpoint)
     from keel.train.run_dir import RunDir
 
     corpus = RunDir(run_dir).provenance().get("data")  # a planted link or damaged file: noted, not followed
