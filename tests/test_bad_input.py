@@ -49,6 +49,9 @@ def test_bad_config_files_name_the_file_or_field(text, needle, args, tmp_path, c
     (["--top-p", "0"], "--top-p"), (["--top-p", "-1"], "--top-p"), (["--temperature", "nan"], "--temperature"),
     (["--temperature", "-1"], "--temperature"), (["--max-new-tokens", "-1"], "--max-new-tokens"),
     (["--prompt", "caf\udce9"], "--prompt"),
+    # issue 36: NaN probabilities in float32 (1e-308 is inf logits, or a top-p that rounds to 0), or for ever
+    (["--temperature", "1e-308"], "--temperature"), (["--top-p", "1e-308"], "--top-p"),
+    (["--max-new-tokens", str(10**20)], "--max-new-tokens"),
 ])
 def test_bad_generate_flags(flags, needle, tmp_path, capsys, make_run):
     make_run(tmp_path / "run")
@@ -67,6 +70,33 @@ def test_bad_eval_and_export_targets(tmp_path, capsys, make_run):
     assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "file.txt" / "sub")]) == 2
     one_line_error(capsys, "cannot write there")
     assert (tmp_path / "file.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["eval", "RUN", "--device", "meta"], "--device"),  # was a RuntimeError at the first .item()
+    (["tokenizer", "--vocab-size", str(10**20), "--out", "OUT/tok.json"], "--vocab-size"),
+    (["lm-eval", "RUN", "--tasks", ",,,"], "--tasks"),  # was lm_eval's ValueError traceback
+    (["lm-eval", "RUN", "--tasks", "hellaswag", "--limit", "-1"], "--limit"),
+    (["lm-eval", "RUN", "--tasks", "hellaswag", "--batch-size", "0"], "--batch-size"),
+    (["lm-eval", "RUN", "--tasks", "hellaswag", "--num-fewshot", "-1"], "--num-fewshot"),
+    (["lm-eval", "RUN", "--tasks", "hellaswag", "--device", "meta"], "--device"),
+])
+def test_bad_command_line_values_are_refused_before_any_work(argv, needle, tmp_path, capsys, make_run):
+    """Issue 36.6 and 36.9: checked before anything is loaded or fetched (lm-eval's Hub probe included), so
+    these hold whether or not the eval extra is installed."""
+    make_run(tmp_path / "run")
+    argv = [str(tmp_path / "run") if a == "RUN" else a.replace("OUT", str(tmp_path)) for a in argv]
+    assert main(argv) == 2
+    one_line_error(capsys, needle)
+    assert not (tmp_path / "tok.json").exists() and not list((tmp_path / "run").glob("lm_eval-*"))
+
+
+def test_a_config_file_nested_100000_deep_is_one_line(args, tmp_path, capsys):
+    """YAML's composer recurses once per level: was a RecursionError traceback from the --config check."""
+    (tmp_path / "deep.yaml").write_text("model:\n  scheme: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    assert main(["train", "--preset", "tiny", "--config", str(tmp_path / "deep.yaml"), *args()]) == 2
+    one_line_error(capsys, "deep.yaml: nested too deeply")
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
 def test_a_damaged_run_config_is_blamed_on_the_file(tmp_path, capsys, make_run):

@@ -86,6 +86,20 @@ def test_a_downloaded_run_cannot_resume_from_paths_outside_it(run, tmp_path, mon
     refused(capsys, "data.source", "train", f"resume={run}", "run.steps=3", "run.progress=false")
 
 
+def test_trust_config_flag_trusts_for_that_command_only(run, tmp_path, monkeypatch, capsys):
+    """--trust-config is KEEL_TRUST_CONFIG=1 for one invocation: eval and a resume follow the downloaded run's
+    paths with it, and a command without it is refused again. A resume rewrites config.yaml, signed for this
+    user: the user trusted it, and the run is now theirs."""
+    monkeypatch.setenv("KEEL_CONFIG_DIR", str(tmp_path / "another-user"))
+    monkeypatch.delenv("KEEL_TRUST_CONFIG", raising=False)
+    assert main([EVAL[0], str(run), *EVAL[1:], "--trust-config"]) == 0
+    refused(capsys, "data.source", EVAL[0], run, *EVAL[1:])
+    refused(capsys, "data.source", "train", f"resume={run}", "run.steps=3", "run.progress=false")
+    assert main(["train", f"resume={run}", "run.steps=3", "run.progress=false", "--trust-config"]) == 0
+    assert main([EVAL[0], str(run), *EVAL[1:]]) == 0  # signed by the resume
+    refused(capsys, "--trust-config", "train", "--preset", "tiny", "--trust-config")  # a new run: nothing to trust
+
+
 def test_a_device_as_data_source_is_refused_before_reading(run, monkeypatch, capsys):
     monkeypatch.setenv("KEEL_TRUST_CONFIG", "1")  # even a trusted config: /dev/zero never ends
     edit_config(run, data__source="/dev/zero")
@@ -114,6 +128,32 @@ def test_model_sizes_are_checked_before_anything_is_allocated(run, tmp_path, mon
     line = refused(capsys, "config.yaml", command[0], run, *argv)
     assert f"model.{field}" in line or "shape" in line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field, value, needle", [("max_seq_len", 10**12, "model.max_seq_len"),
+                                                   ("d_model", 128, "shape")])
+def test_a_resume_checks_model_sizes_as_eval_does(run, monkeypatch, field, value, needle, capsys):
+    """model.max_seq_len=10**12 was an allocator RuntimeError traceback (4 TB of RoPE tables); d_model=128 was
+    refused only after the data was prepared and a model built. Both now before the trainer starts."""
+    monkeypatch.setenv("KEEL_TRUST_CONFIG", "1")
+    edit_config(run, **{f"model__{field}": value})
+    line = refused(capsys, needle, "train", f"resume={run}", "run.steps=3", "run.progress=false")
+    assert "config.yaml" in line
+    assert not (run / "checkpoints" / "step_00000003").exists()
+
+
+def test_a_fifo_as_data_tokenizer_does_not_hang(tmp_path):
+    """Tokenizer.from_file waited on the FIFO for ever (SIGTERM could not stop it): one line naming the field."""
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "tokenizer.json"
+    os.mkfifo(fifo)
+    out = subprocess.run([sys.executable, "-m", "keel.cli", "train", "--preset", "tiny", f"data.tokenizer={fifo}",
+                          f"run.out_dir={tmp_path / 'runs'}", "run.steps=1"], capture_output=True, text=True,
+                         timeout=60)  # subprocess.run kills it at the deadline: a hang fails, not stalls
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "data.tokenizer" in out.stderr and "not a regular file" in out.stderr
 
 
 # ---- 2. keel import-hf reads its directory as the run-directory readers do -----------------------------------
@@ -279,6 +319,67 @@ def test_a_token_cache_with_ids_beyond_the_vocabulary_is_one_line(trained, run, 
         assert "token id 60000 is outside the tokenizer's 256" in line and "delete" in line
     finally:
         shard.write_bytes(saved)  # the module's other tests share this cache
+
+
+def test_ids_beyond_the_model_where_the_cache_sample_did_not_look_are_one_line(trained, corpus, tmp_path, capsys):
+    """`prepare` checks every k-th id of a large shard; the sampler checks each batch it cuts, so a bad id between
+    the sampled ones is one line naming the shard, not an IndexError inside the embedding."""
+    import numpy as np
+
+    cache = tmp_path / "cache"
+    shutil.copytree(trained.parent.parent / "cache", cache)
+    shard_dir = next((cache / "tokens").iterdir())
+    n = 5 << 20  # > 2 x the sample of 2**20 ids: the sample reads every 5th id
+    ids = np.resize(np.fromfile(shard_dir / "train.bin", dtype=np.uint16), n)
+    ids[1::5] = 60_000  # never sampled: the byte tokenizer's ids are < 256
+    ids.tofile(shard_dir / "train.bin")
+    meta = json.loads((shard_dir / "meta.json").read_text())
+    meta["corpus"]["train_tokens"] = n
+    (shard_dir / "meta.json").write_text(json.dumps(meta))
+    line = refused(capsys, "train.bin", "train", "--preset", "tiny", f"data.source={corpus}",
+                   f"data.cache_dir={cache}", f"run.out_dir={tmp_path / 'runs'}", "run.steps=2", "run.progress=false")
+    assert "token id 60000" in line and "model.vocab_size" in line
+
+
+def test_the_batch_check_in_the_samplers():
+    import numpy as np
+
+    from keel.data import WindowSampler, eval_batches
+    from keel.errors import DataError
+
+    tokens = np.arange(100, dtype=np.uint16)
+    x, _ = WindowSampler(tokens, 8, 2, seed=0, vocab_size=100).next_batch()  # ids 0..99: all inside
+    assert int(x.max()) < 100
+    with pytest.raises(DataError, match="shard.bin: token id 9[0-9] is outside the model's vocabulary of 90"):
+        for _ in range(50):  # some window reaches ids >= 90
+            WindowSampler(tokens, 8, 2, seed=0, vocab_size=90, source="shard.bin").next_batch()
+    with pytest.raises(DataError, match="a batch: token id 9[0-9] is outside"):
+        list(eval_batches(tokens, 8, 4, 100, vocab_size=90))
+
+
+def test_cached_probe_items_from_a_shared_cache_are_checked(corpus, tmp_path):
+    """The probes' items are cached in data.cache_dir, which may be shared: a file nested 100,000 deep was a
+    RecursionError traceback, and items scoring cannot use were scored. Both are now generated again."""
+    from keel.data.corpus import DataConfig
+    from keel.data.tokenizer import ByteTokenizer
+    from keel.evals.tasks import PROBES
+
+    probe = next(iter(PROBES.values()))
+    data = DataConfig(source=str(corpus), cache_dir=str(tmp_path / "cache"))
+    items = probe.items(data, ByteTokenizer())
+    path = next((tmp_path / "cache" / "evals").rglob(f"{probe.name}-v*.jsonl"))
+    for damage in ("[" * 100_000 + "]" * 100_000 + "\n", json.dumps({"task": probe.name, "answer": "x"}) + "\n"):
+        path.write_text(damage)
+        assert probe.items(data, ByteTokenizer()) == items
+        assert path.read_text().count("\n") == len(items)  # written whole again
+
+
+def test_a_jsonl_record_nested_100000_deep_is_one_line(tmp_path, capsys):
+    source = tmp_path / "data.jsonl"
+    source.write_text('{"text": "fine"}\n' + '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    line = refused(capsys, "data.jsonl:2", "tokenizer", f"data.source={source}", "--out", tmp_path / "tok.json",
+                   f"data.cache_dir={tmp_path / 'cache'}")
+    assert "nested too deeply" in line
 
 
 # ---- 5. a FIFO named like the next checkpoint ------------------------------------------------------------------

@@ -22,6 +22,7 @@ from keel.cli.support import (
     DefaultsShown,
     Parser,
     check_config_file,
+    check_device,
     error_line,
     needs,
     output_path,
@@ -29,6 +30,13 @@ from keel.cli.support import (
     run_interruptible,
 )
 from keel.errors import ConfigError, KeelError
+from keel.train.trust import trusting
+
+MAX_NEW_TOKENS = 1_000_000  # keel generate: a long text; 10**20 would run for ever
+SMALLEST = 1e-6  # keel generate's smallest --temperature and --top-p (see cmd_generate)
+MAX_VOCAB = 1 << 24  # keel tokenizer: past the largest vocabularies in use (~256k)
+MAX_BATCH = 1 << 16  # keel lm-eval's --batch-size
+MAX_FEWSHOT = 10_000  # keel lm-eval's --num-fewshot
 
 
 def _no_preset(args, why: str) -> None:
@@ -61,11 +69,16 @@ def cmd_train(args) -> int:
 
     config = load_config(args.overrides, args.config, args.preset)  # a bad field or value: one line, no torch
     resume_from = None
+    if args.trust_config and not config.resume:
+        raise ConfigError("--trust-config: only with resume=RUN (a new run's config is the one you gave)")
     if config.resume:
         _no_preset(args, "resume= (a resumed run continues with its own config)")
         run = latest_run(config.run.out_dir) if config.resume == "latest" else RunDir.open(config.resume)
         config = run.resume_config(args.overrides, args.config)
         resume_from = run.latest_checkpoint()
+        from keel.train.resume import check_model_fits
+
+        check_model_fits(run.path, config, resume_from)  # as eval does, before the trainer allocates anything
     runtime.set_threads(config.run.threads)  # once, from the merged config, before any torch work
     if args.print_config:
         print(to_yaml(config), end="")
@@ -128,6 +141,7 @@ def cmd_plot(args) -> int:
 def cmd_eval(args) -> int:
     if args.batches < 0:
         raise ConfigError(f"--batches: got {args.batches}; allowed: an integer >= 1, or 0 for run.eval_batches")
+    check_device(args.device, "--device")
     from keel.train.evaluate import evaluate_run
     from keel.train.report import EVAL_KEYS, key_values
 
@@ -144,12 +158,16 @@ def cmd_eval(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    if args.max_new_tokens < 0:
-        raise ConfigError(f"--max-new-tokens: got {args.max_new_tokens}; allowed: an integer >= 0")
-    if not (args.temperature >= 0 and math.isfinite(args.temperature)):
-        raise ConfigError(f"--temperature: got {args.temperature}; allowed: a finite number >= 0 (0 = greedy)")
-    if not 0 < args.top_p <= 1:
-        raise ConfigError(f"--top-p: got {args.top_p}; allowed: a number in (0, 1] (1 = off)")
+    if not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        raise ConfigError(f"--max-new-tokens: got {args.max_new_tokens}; "
+                          f"allowed: an integer in [0, {MAX_NEW_TOKENS:,}]")
+    # sampling runs in float32: a temperature below SMALLEST makes the logits inf, a top-p below it rounds to 0
+    # and drops every token; either way the probabilities are NaN. Both are greedy long before that.
+    if not (args.temperature == 0 or SMALLEST <= args.temperature and math.isfinite(args.temperature)):
+        raise ConfigError(f"--temperature: got {args.temperature}; allowed: 0 (greedy) or a finite number >= "
+                          f"{SMALLEST:g}")
+    if not SMALLEST <= args.top_p <= 1:
+        raise ConfigError(f"--top-p: got {args.top_p}; allowed: a number in [{SMALLEST:g}, 1] (1 = off)")
     if args.top_k < 0:
         raise ConfigError(f"--top-k: got {args.top_k}; allowed: an integer >= 0 (0 = off)")
     if not 0 <= args.seed < 2**63:
@@ -176,6 +194,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_tokenizer(args) -> int:
+    if not 0 < args.vocab_size <= MAX_VOCAB:
+        raise ConfigError(f"--vocab-size: got {args.vocab_size}; allowed: an integer in [1, {MAX_VOCAB:,}]")
     from keel.data import build_corpus
     from keel.data.tokenizer import train_bpe
     from keel.train.config import TOKENIZER, TrainConfig, merge
@@ -207,6 +227,17 @@ def cmd_import_hf(args) -> int:
 
 
 def cmd_lm_eval(args) -> int:
+    tasks = [t for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ConfigError(f"--tasks: got {args.tasks!r}; allowed: comma-separated task names, e.g. hellaswag,arc_easy")
+    if args.limit is not None and not (args.limit > 0 and math.isfinite(args.limit)):
+        raise ConfigError(f"--limit: got {args.limit}; allowed: a number > 0 (examples per task, a fraction if < 1)")
+    if not 1 <= args.batch_size <= MAX_BATCH:
+        raise ConfigError(f"--batch-size: got {args.batch_size}; allowed: an integer in [1, {MAX_BATCH:,}]")
+    if args.num_fewshot is not None and not 0 <= args.num_fewshot <= MAX_FEWSHOT:
+        raise ConfigError(f"--num-fewshot: got {args.num_fewshot}; allowed: an integer in [0, {MAX_FEWSHOT:,}]")
+    if args.device != "auto":
+        check_device(args.device, "--device")
     needs("eval", "transformers")
     needs("eval", "lm_eval")
     from keel.evals.offline import hub_offline_unless_reachable
@@ -218,13 +249,19 @@ def cmd_lm_eval(args) -> int:
     from keel.hf.harness import run_lm_eval
 
     quiet_progress()
-    tasks = [t for t in args.tasks.split(",") if t]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     results, out = run_lm_eval(args.path, tasks, args.include_path, device, args.batch_size, args.num_fewshot,
                                args.limit, args.checkpoint)
     print(json.dumps(results["results"], indent=1, default=str))
     print(f"results: {out}")
     return 0
+
+
+def add_trust_argument(p) -> None:
+    p.add_argument("--trust-config", action="store_true",
+                   help="follow the run config's data.source and data.cache_dir even outside the run directory "
+                        "when keel did not write that config for you (a downloaded or copied run), as "
+                        "KEEL_TRUST_CONFIG=1 does (docs/reliability.md)")
 
 
 def add_export_hf_command(sub) -> None:
@@ -266,6 +303,7 @@ def add_train_command(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the model, the run and its memory plan; train nothing")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML; train nothing")
     p.add_argument("--json", action="store_true", help="print the end-of-run summary as JSON")
+    add_trust_argument(p)
     p.set_defaults(func=cmd_train, sets_threads=True)
 
 
@@ -275,8 +313,9 @@ def add_eval_command(sub) -> None:
     p.add_argument("--checkpoint", help="a checkpoint directory (default: the run's newest intact one)")
     p.add_argument("--split", default="val", choices=["val", "train"])
     p.add_argument("--batches", type=int, default=0, help="number of batches (default: run.eval_batches)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, cuda:1, ...")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_trust_argument(p)
     p.set_defaults(func=cmd_eval)
 
 
@@ -403,7 +442,8 @@ def _main(argv: list[str] | None) -> int:
             check_config_file(args.config)
         if not getattr(args, "sets_threads", False):  # train, bench and experiments: from their merged config
             runtime.set_threads(0)
-        return args.func(args)
+        with trusting(getattr(args, "trust_config", False)):  # --trust-config: as KEEL_TRUST_CONFIG=1, this call only
+            return args.func(args)
     except KeelError as err:  # ConfigError, DataError, CheckpointError, ExportError: one line naming the field/file
         print(error_line(err), file=sys.stderr)
         return 2

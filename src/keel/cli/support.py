@@ -123,6 +123,16 @@ def check_config_file(value: str) -> None:
             yaml.load(f, Loader=Loader)
     except (yaml.YAMLError, TypeError):  # TypeError: a mapping used as a key
         pass  # the config layer reports a YAML error in its own words
+    except RecursionError:  # YAML's composer recurses once per level: `[[[...]]]` 100,000 deep
+        raise ConfigError(f"config file {value}: nested too deeply to be a config") from None
+
+
+def check_device(value: str, flag: str) -> None:
+    """A device named on the command line: auto, cpu, cuda or cuda:N. Others torch knows (meta, a GPU of
+    another kind) would fail deep inside a command, e.g. `meta` at the first `.item()`."""
+    kind, _, index = value.partition(":")
+    if value != "auto" and not (kind == "cpu" and not index or kind == "cuda" and (not index or index.isdigit())):
+        raise ConfigError(f"{flag}: got {value!r}; allowed: auto, cpu, cuda, cuda:N")
 
 
 def needs(extra: str, module: str) -> None:

@@ -10,18 +10,21 @@ for transformers, keel therefore follows those paths only when one of these hold
   here is trusted and a downloaded one, whose signature no key here matches, is not;
 - the path lies inside the run directory itself, or is the built-in corpus ("stdlib"), or is empty (the
   user's own default cache);
-- the user trusts the config explicitly: KEEL_TRUST_CONFIG=1, or `trust=True` from a command's flag.
+- the user trusts the config explicitly: KEEL_TRUST_CONFIG=1, `--trust-config` on `keel eval` or on
+  `keel train resume=RUN` (`trusting()`), or `trust=True` to `evaluate_run`.
 Anything else is refused in one line naming the field, before a byte is read or written. The model's sizes
 are checked whatever the trust (keel.train.untrusted.check_model_fits): a checkpoint is data, not a config.
 """
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import hashlib
 import hmac
 import os
 import secrets
+from contextlib import contextmanager
 from pathlib import Path
 
 from keel import safe_io
@@ -70,9 +73,24 @@ def sign(run_path: Path) -> None:
         safe_io.write_text(run_path, run_path / SIGNATURE, _signature(key, config) + "\n")
 
 
+_TRUST_ALL = contextvars.ContextVar("keel_trust_config", default=False)
+
+
+@contextmanager
+def trusting(trust: bool = True):
+    """Within this block every run's config is trusted when `trust` (a command's --trust-config), as with
+    KEEL_TRUST_CONFIG=1 but for this call only."""
+    token = _TRUST_ALL.set(trust or _TRUST_ALL.get())
+    try:
+        yield
+    finally:
+        _TRUST_ALL.reset(token)
+
+
 def trusted(run_path: Path) -> bool:
-    """Whether keel wrote `run_path`'s config.yaml, as it is now, for this user (or KEEL_TRUST_CONFIG=1)."""
-    if os.environ.get("KEEL_TRUST_CONFIG") == "1":
+    """Whether keel wrote `run_path`'s config.yaml, as it is now, for this user (or KEEL_TRUST_CONFIG=1, or
+    inside `trusting()`)."""
+    if os.environ.get("KEEL_TRUST_CONFIG") == "1" or _TRUST_ALL.get():
         return True
     key = _key(create=False)
     try:
@@ -99,4 +117,4 @@ def check_data_paths(run_path: Path, data, trust: bool = False, tokenizer: bool 
         if value and (value.startswith("hf:") or not Path(value).expanduser().resolve().is_relative_to(root)):
             raise DataError(f"{run_path / 'config.yaml'}: {field}={value} lies outside the run directory, and "
                             "this config was not written by keel for you (a downloaded or copied run); keel does "
-                            "not follow its paths unless you trust it: KEEL_TRUST_CONFIG=1")
+                            "not follow its paths unless you trust it: --trust-config (or KEEL_TRUST_CONFIG=1)")

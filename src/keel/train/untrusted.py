@@ -417,3 +417,24 @@ def check_model_shapes(config, shapes: dict) -> None:
         if name in expected and expected[name] != shape:
             raise Damaged(f"config.yaml's model (d_model={config.d_model}, vocab_size={config.vocab_size}) gives "
                           f"{name} the shape {expected[name]}, the checkpoint {shape}")
+
+
+def check_model_fits(config_path: Path, model_config, checkpoint: Path, memory: int | None) -> None:
+    """The checks before `TransformerLM(model_config)` is built for `checkpoint`, by eval, generate, export-hf
+    (RunDir.build_model) and a resume (keel.train.resume): the checkpoint's weight shapes read (CheckpointError),
+    the model's size bounded by `memory` (ConfigError naming `config_path` and the model.* field), and its
+    weights' shapes compared with the checkpoint's (CheckpointError). Nothing is allocated."""
+    from keel.errors import CheckpointError, ConfigError
+
+    try:
+        shapes = weight_shapes(checkpoint)
+    except Damaged as err:
+        raise CheckpointError(f"checkpoint {checkpoint}: {err}") from None
+    try:
+        check_model_memory(model_config, shapes, memory)
+    except Damaged as err:
+        raise ConfigError(f"{config_path}: {err}") from None
+    try:
+        check_model_shapes(model_config, shapes)
+    except Damaged as err:
+        raise CheckpointError(f"checkpoint {checkpoint}: weights do not fit the model ({err})") from None
