@@ -20,6 +20,7 @@ _REGISTRY = {
     "downstream": ("downstream", "DownstreamConfig", "run"),
     "tuned": ("tuned", "TunedConfig", "run"),
     "depth-pilot": ("pilot", "PilotConfig", "run"),
+    "depth-sweep": ("depth_sweep", "DepthSweepConfig", "run"),
 }
 NAMES = tuple(_REGISTRY)
 

@@ -1,0 +1,438 @@
+"""depth-sweep: which scheme wins at each depth, at the budget where added depth pays (issue 38 item 3; rule 21
+in results/README.md, written before the runs).
+
+Keel, Pre-LN, Post-LN and DeepNorm at each depth of `depths`, in that order, one depth finished (grid growth and
+marginal seeds included) before the next starts, so a partial sweep still answers whole depths:
+  - every arm's LR comes from `lrs` with every seed, chosen by the mean select-half loss over the seeds (a
+    diverged seed counts as +inf), the grid grown past an edge choice (keel.experiments.grid);
+  - Post-LN's warm-up is tuned too, one round of coordinate search: its LR at the base warm-up, then at that LR
+    the warm-up grid `warmups` (grown past an edge through `warmups_below` / `warmups_above`, capped at the
+    run), then, if the warm-up moved, its LR grid again at the new warm-up;
+  - Keel - X on the report half per depth (paired over seeds), and per seed the least-squares slope of
+    Keel - Pre-LN over log2(sub-layers), tested against 0; Holm over the tests run so far ("interim" until every
+    depth is in); a marginal test gets `marginal_seeds` on both arms at their chosen hyper-parameters and is
+    run again on all seeds.
+The report (report.md, results.json, plot) is written after every finished depth.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+
+from keel.errors import ConfigError
+from keel.experiments import stats
+from keel.experiments.budget import budget_point, tokens, unigram_level
+from keel.experiments.common import (
+    ExperimentConfig,
+    experiment_run,
+    markdown_table,
+    mean_sd,
+    pm,
+    pyplot,
+    save,
+    tiny_quick,
+    write_outputs,
+)
+from keel.experiments.grid import Grid, _finite
+from keel.experiments.sweep import Sweep
+from keel.train.config import OptimConfig, RunConfig
+
+REF, SLOPE_VS = "keel", "pre_ln"  # every test is Keel - X; the growth test is Keel's lead over Pre-LN
+NAMES = {"keel": "Keel", "pre_ln": "Pre-LN", "post_ln": "Post-LN", "deepnorm": "DeepNorm"}
+MARGINAL_BELOW = 0.20  # an adjusted p in [ALPHA, this) is marginal (so is a raw p < ALPHA that Holm lifts)
+
+
+@dataclass
+class DepthSweepConfig(ExperimentConfig):
+    schemes: list[str] = field(default_factory=lambda: ["keel", "pre_ln", "post_ln", "deepnorm"])
+    depths: list[int] = field(default_factory=lambda: [16, 64, 32, 128, 256])  # sub-layers, run in this order
+    lrs: list[float] = field(default_factory=lambda: [1e-3, 3e-3, 1e-2])  # the starting LR grid of every arm
+    max_extensions: int = 2  # values added past one edge of a grid before the choice is called a bound
+    warmup_scheme: str = "post_ln"  # the arm whose warm-up is tuned too (every other arm: optim.warmup_steps)
+    warmups: list[int] = field(default_factory=lambda: [100, 300, 1000])  # holds optim.warmup_steps
+    warmups_below: list[int] = field(default_factory=lambda: [30, 10])  # the rule's values past the low edge
+    warmups_above: list[int] = field(default_factory=lambda: [3000, 9000])  # past the high edge; capped at run.steps
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # choose the hyper-parameters and test
+    marginal_seeds: list[int] = field(default_factory=lambda: [3, 4])  # added to both arms of a marginal test
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(warmup_steps=100))
+    run: RunConfig = field(default_factory=lambda: experiment_run(steps=8000, eval_batches=448))  # whole report half
+    curve_every: int = 500
+    curve_batches: int = 4
+    probe: bool = False  # budget_point's probe (not part of rule 21)
+    probe_batches: int = 4
+
+    PER_POINT: ClassVar[dict[str, str]] = ExperimentConfig.PER_POINT | {"model.scheme": "schemes"}
+
+    @classmethod
+    def quick(cls) -> DepthSweepConfig:
+        return tiny_quick(cls, 6, depths=[2, 4], seeds=[0, 1], marginal_seeds=[2], lrs=[3e-3, 1e-2],
+                          max_extensions=1, warmups=[2, 3, 4], warmups_below=[1], warmups_above=[6], curve_every=2,
+                          curve_batches=1)
+
+    def warmup_ladders(self) -> tuple[list[int], list[int]]:
+        """The values past the warm-up grid's low and high edges, the high ones capped at the whole run."""
+        return list(self.warmups_below), [min(w, self.run.steps) for w in self.warmups_above]
+
+
+def check(cfg: DepthSweepConfig) -> None:
+    below, above = cfg.warmup_ladders()
+    problems = [
+        (REF not in cfg.schemes or SLOPE_VS not in cfg.schemes, f"schemes must hold {REF} and {SLOPE_VS}"),
+        (cfg.optim.warmup_steps not in cfg.warmups, "warmups must hold optim.warmup_steps (every arm's warm-up)"),
+        (min(len(below), len(above)) < cfg.max_extensions, "warmups_below/above need max_extensions values each"),
+        (not all(a > b for a, b in zip([min(cfg.warmups), *below], below)),
+         "warmups_below must fall from below the lowest warm-up"),
+        (not all(b > a for a, b in zip([max(cfg.warmups), *above], above)),
+         "warmups_above (capped at run.steps) must rise from above the highest warm-up"),
+        (bool(set(cfg.seeds) & set(cfg.marginal_seeds)), "marginal_seeds must be new seeds"),
+    ]
+    for bad, why in problems:
+        if bad:
+            raise ConfigError(f"depth-sweep: {why}")
+
+
+@dataclass
+class LadderGrid(Grid):
+    """A grid that grows past an edge through written-out values (rule 21's warm-ups: 100 -> 30 -> 10 below,
+    1000 -> 3000 -> 9000 above, capped at the run) instead of Grid's computed factor; when it grows and when
+    the choice is a bound is Grid's rule."""
+
+    below: list[float] = field(default_factory=list)
+    above: list[float] = field(default_factory=list)
+
+    def extend(self, score: Callable[[float], float]) -> float | None:
+        computed = super().extend(score)
+        if computed is None:
+            return None
+        low = computed < self.start[0]
+        n = sum((v < self.start[0]) if low else (v > self.start[1]) for v in self.added)  # the new one included
+        value = (self.below if low else self.above)[n - 1]
+        self.values = sorted(value if v == computed else v for v in self.values)
+        self.added[-1] = value
+        return value
+
+
+def key(scheme: str, depth: int, lr: float, warmup: int, seed: int) -> str:
+    return f"{scheme}-{depth}-lr{lr:g}-wu{warmup}-seed{seed}"
+
+
+def mean_select(cfg: DepthSweepConfig, points: dict, scheme: str, depth: int, lr: float, warmup: int) -> float:
+    return float(np.mean([_finite(points[key(scheme, depth, lr, warmup, s)].get("select_loss")) for s in cfg.seeds]))
+
+
+# ---- choosing the hyper-parameters -------------------------------------------------------------------------
+# An arm's search is a generator: it yields the (lr, warm-up) pairs it needs next (each to run with every seed)
+# and returns its choice; a depth's driver runs what all arms ask for at once (two processes share those points).
+Search = Generator[list[tuple[float, int]], None, dict]
+
+
+def _grow(grid: Grid, hp: Callable[[float], tuple[float, int]], score: Callable) -> Generator:
+    yield [hp(v) for v in grid.values]
+    while (new := grid.extend(lambda v: score(*hp(v)))) is not None:
+        yield [hp(new)]
+    return grid.choice(lambda v: score(*hp(v)))
+
+
+def tune_arm(cfg: DepthSweepConfig, scheme: str, score: Callable[[float, int], float]) -> Search:
+    """Rule 21's choice for one arm at one depth; `score(lr, warmup)` is the mean select-half loss over seeds."""
+    base = cfg.optim.warmup_steps
+    lr_grid = Grid(list(cfg.lrs), cfg.max_extensions)
+    lr = yield from _grow(lr_grid, lambda v: (v, base), score)
+    tuned = {"lr": lr, "warmup": base, "lr_grid": lr_grid.describe()}
+    if scheme != cfg.warmup_scheme:
+        return tuned
+    below, above = cfg.warmup_ladders()
+    wu_grid = LadderGrid([float(w) for w in cfg.warmups], cfg.max_extensions, below=below, above=above)
+    warmup = int((yield from _grow(wu_grid, lambda w: (lr, int(w)), score)))
+    tuned |= {"warmup": warmup, "warmup_grid": wu_grid.describe(), "warmup_chosen_at_lr": lr}
+    if warmup != base:  # one round of coordinate search: the LR again at the new warm-up, and that is final
+        again = Grid(list(cfg.lrs), cfg.max_extensions)
+        tuned |= {"lr": (yield from _grow(again, lambda v: (v, warmup), score)), "lr_grid_again": again.describe()}
+    return tuned
+
+
+def _job(cfg: DepthSweepConfig, scheme: str, depth: int, lr: float, warmup: int, seed: int):
+    at = replace(cfg, optim=replace(cfg.optim, warmup_steps=warmup))
+    return lambda: budget_point(at, at.point_model(scheme, depth), lr, seed)
+
+
+def tune_depth(cfg: DepthSweepConfig, sweep: Sweep, depth: int, points: dict) -> dict[str, dict]:
+    """Every arm's search at `depth`, run side by side; adds the points to `points`, returns each arm's choice
+    with the (lr, warm-up) pairs it tried."""
+    searches = {s: tune_arm(cfg, s, lambda lr, w, s=s: mean_select(cfg, points, s, depth, lr, w))
+                for s in cfg.schemes}
+    asked = {s: next(search) for s, search in searches.items()}
+    tried, tuned = {s: [] for s in cfg.schemes}, {}
+    while asked:
+        jobs = {key(s, depth, lr, w, seed): _job(cfg, s, depth, lr, w, seed)
+                for s, hps in asked.items() for lr, w in hps for seed in cfg.seeds}
+        points |= sweep.run(jobs, f"depth-sweep {depth} sub-layers")
+        following = {}
+        for s, hps in asked.items():
+            tried[s] += [hp for hp in hps if hp not in tried[s]]
+            try:
+                following[s] = next(searches[s])
+            except StopIteration as done:
+                tuned[s] = done.value | {"tried": tried[s]}
+        asked = following
+    return {s: tuned[s] for s in cfg.schemes}
+
+
+# ---- the tests -----------------------------------------------------------------------------------------------
+def marginal(p: float | None, p_holm: float | None) -> bool:
+    """Rule 21's marginal test: raw p < 0.05 that Holm lifts to >= 0.05, or an adjusted p in [0.05, 0.20)."""
+    if p is None or p_holm is None:
+        return False
+    return p_holm >= stats.ALPHA and (p < stats.ALPHA or p_holm < MARGINAL_BELOW)
+
+
+def slope(x: list[float], y: list[float]) -> float:
+    """The least-squares slope of y against x (NaN if a y is not finite)."""
+    if not all(stats._finite(v) for v in y):
+        return math.nan
+    xm, ym = np.mean(x), np.mean(y)
+    return float(np.sum((np.array(x) - xm) * (np.array(y) - ym)) / np.sum((np.array(x) - xm) ** 2))
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def summarise_arm(cfg: DepthSweepConfig, points: dict, scheme: str, depth: int, tuned: dict) -> dict:
+    lr, warmup = tuned["lr"], tuned["warmup"]
+    chosen = {s: points[k]["report_loss"] for s in [*cfg.seeds, *cfg.marginal_seeds]
+              if (k := key(scheme, depth, lr, warmup, s)) in points}
+    tried = [points[key(scheme, depth, *hp, s)] for hp in tuned["tried"] for s in cfg.seeds]
+    extra = [points[key(scheme, depth, lr, warmup, s)] for s in cfg.marginal_seeds if s in chosen]
+    return tuned | {"trains": trains(cfg, points, scheme, depth, tuned),
+                    "report_by_seed": chosen, "report_losses": [chosen[s] for s in cfg.seeds],
+                    "select_by_hp": {f"{lr_:g}@{w}": mean_select(cfg, points, scheme, depth, lr_, w)
+                                     for lr_, w in tuned["tried"]},
+                    "core_seconds": sum(p["seconds"] for p in tried + extra)}
+
+
+def trains(cfg: DepthSweepConfig, points: dict, scheme: str, depth: int, tuned: dict) -> bool:
+    """False when every seed diverged at every (lr, warm-up) the arm tried: it "does not train" (no t-test)."""
+    return any(stats._finite(points[key(scheme, depth, *hp, s)].get("select_loss"))
+               for hp in tuned["tried"] for s in cfg.seeds)
+
+
+def slope_depths(cfg: DepthSweepConfig, points: dict, tuned: dict[int, dict]) -> list[int]:
+    """The depths the growth test spans: those run so far at which Keel and Pre-LN both train."""
+    return sorted(d for d in tuned if all(trains(cfg, points, s, d, tuned[d][s]) for s in (REF, SLOPE_VS)))
+
+
+def test_arms(test_id: str, slope_depths: list[int]) -> list[tuple[str, int]]:
+    """The (scheme, depth) arms a test compares: `<scheme>@<depth>` is Keel - scheme there; `slope` every depth."""
+    if test_id == "slope":
+        return [(s, d) for d in slope_depths for s in (REF, SLOPE_VS)]
+    scheme, depth = test_id.split("@")
+    return [(REF, int(depth)), (scheme, int(depth))]
+
+
+def _paired(cfg: DepthSweepConfig, seeds: list[int], a: list, b: list) -> dict:
+    """The test on `seeds`; on more seeds than `cfg.seeds` (a marginal test run again) also the first test."""
+    n = len(cfg.seeds)
+    return {"test": stats.paired(a, b)} | ({"test_first": stats.paired(a[:n], b[:n])} if len(seeds) > n else {})
+
+
+def analyse(cfg: DepthSweepConfig, points: dict, tuned: dict[int, dict], extended: set[str], unigram: float) -> dict:
+    """Every arm of the depths in `tuned` and the tests among them, Holm-adjusted over the tests run so far; a
+    test in `extended` is on `seeds` + `marginal_seeds`."""
+    arms = {d: {s: summarise_arm(cfg, points, s, d, t) for s, t in tuned[d].items()} for d in tuned}
+    tests = []
+    for d in tuned:
+        for x in [s for s in cfg.schemes if s != REF]:
+            tid = f"{x}@{d}"
+            seeds = cfg.seeds + (cfg.marginal_seeds if tid in extended else [])
+            idle = [s for s in (REF, x) if not arms[d][s]["trains"]]
+            tests.append({"id": tid, "what": f"Keel - {NAMES.get(x, x)} at {d}", "seeds": seeds,
+                          "does_not_train": idle} | ({} if idle else _paired(
+                              cfg, seeds, [arms[d][REF]["report_by_seed"].get(s) for s in seeds],
+                              [arms[d][x]["report_by_seed"].get(s) for s in seeds])))
+    spans = slope_depths(cfg, points, tuned)
+    seeds = cfg.seeds + (cfg.marginal_seeds if "slope" in extended else [])
+    if len(spans) >= 2:
+        gaps = {s: [_minus(arms[d][REF]["report_by_seed"][s], arms[d][SLOPE_VS]["report_by_seed"][s])
+                    for d in spans] for s in seeds}
+        slopes = [slope([math.log2(d) for d in spans], gaps[s]) for s in seeds]
+        tests.append({"id": "slope", "what": f"slope of Keel - Pre-LN per doubling of depth over {spans}",
+                      "seeds": seeds, "does_not_train": [], "slopes": slopes, "depths": spans}
+                     | _paired(cfg, seeds, slopes, [0.0] * len(slopes)))
+    for t in tests:
+        t.setdefault("test", None)
+    for t, p_holm in zip(tests, stats.holm([t["test"]["p"] if t["test"] else None for t in tests])):
+        p = t["test"]["p"] if t["test"] else None
+        t |= {"p": p, "p_holm": p_holm, "marginal": marginal(p, p_holm), "extended": t["id"] in extended,
+              "verdict": (f"{' and '.join(NAMES.get(s, s) for s in t['does_not_train'])} does not train (no t-test)"
+                          if t["does_not_train"] else "inconclusive" if p_holm is None or p_holm >= stats.ALPHA
+                          else "Keel better" if t["test"]["mean"] < 0 else "Keel worse")
+              + (" (its lead over Pre-LN grows with depth)" if t["id"] == "slope" and p_holm is not None
+                 and p_holm < stats.ALPHA and t["test"]["mean"] < 0 else "")}
+    final = all(d in tuned for d in cfg.depths)
+    return {"status": "final" if final else "interim", "depths_done": list(tuned), "unigram": unigram,
+            "arms": arms, "tests": tests, "family_size": sum(t["p"] is not None for t in tests),
+            "core_hours": sum(a["core_seconds"] for by in arms.values() for a in by.values()) / 3600}
+
+
+def settle(cfg: DepthSweepConfig, sweep: Sweep, tuned: dict, points: dict, extended: set[str],
+           unigram: float) -> dict:
+    """The marginal rule over the tests run so far: every marginal test (once) gets `marginal_seeds` on both
+    arms at their chosen hyper-parameters, until no test newly turns marginal. An extended test stays on all
+    seeds (for the slope: at every later depth too)."""
+    while True:
+        jobs, spans = {}, slope_depths(cfg, points, tuned)
+        for tid in extended:
+            for s, d in test_arms(tid, spans):
+                lr, w = tuned[d][s]["lr"], tuned[d][s]["warmup"]
+                jobs |= {key(s, d, lr, w, seed): _job(cfg, s, d, lr, w, seed) for seed in cfg.marginal_seeds
+                         if key(s, d, lr, w, seed) not in points}
+        if jobs:
+            points |= sweep.run(jobs, "depth-sweep marginal seeds")
+        res = analyse(cfg, points, tuned, extended, unigram)
+        new = {t["id"] for t in res["tests"] if t["marginal"]} - extended
+        if not new:
+            return res
+        extended |= new
+
+
+def run(cfg: DepthSweepConfig, out: Path, command: str) -> dict:
+    check(cfg)
+    sweep, points, tuned, extended, unigram = Sweep(out, cfg), {}, {}, set(), unigram_level(cfg)
+    for depth in cfg.depths:  # each depth whole (its marginal seeds included) before the next
+        tuned[depth] = tune_depth(cfg, sweep, depth, points)
+        res = settle(cfg, sweep, tuned, points, extended, unigram)
+        write_report(cfg, out, command, points, res)
+    return res
+
+
+# ---- the report ------------------------------------------------------------------------------------------------
+def _name(scheme: str) -> str:
+    return NAMES.get(scheme, scheme)
+
+
+def _grid_note(g: dict) -> str:
+    return "".join([f"; added {', '.join(f'{v:g}' for v in g['added'])}" if g["added"] else "",
+                    f"; bound at the {g['bound']} edge" if g["bound"] else ""])
+
+
+def _choice_cells(cfg: DepthSweepConfig, arm: dict) -> tuple[str, str]:
+    """The chosen LR and warm-up with their grids' growth, for the per-depth table."""
+    lr = f"{arm['lr']:g}" + _grid_note(arm["lr_grid"])
+    if "warmup_grid" not in arm:
+        return lr, f"{arm['warmup']}"
+    wu = f"{arm['warmup']} (chosen at LR {arm['warmup_chosen_at_lr']:g}{_grid_note(arm['warmup_grid'])})"
+    if "lr_grid_again" in arm:
+        lr = (f"{arm['lr']:g} (chosen again at warm-up {arm['warmup']}{_grid_note(arm['lr_grid_again'])}; first "
+              f"{arm['warmup_chosen_at_lr']:g} at warm-up {cfg.optim.warmup_steps}{_grid_note(arm['lr_grid'])})")
+    return lr, wu + "; one round of coordinate search"
+
+
+def summary_rows(cfg: DepthSweepConfig, res: dict) -> list[list]:
+    """Per depth: the scheme with the lowest mean report loss (seeds `cfg.seeds`), its gap to each other scheme
+    (the test's paired mean where one of the two is Keel, else the difference of the means) and the adjusted p."""
+    tests, rows = {t["id"]: t for t in res["tests"]}, []
+    for d, arms in res["arms"].items():
+        means = {s: mean_sd(a["report_losses"])[0] for s, a in arms.items() if a["trains"]}
+        if not means:
+            rows.append([d, "no scheme trains", *["-" for _ in cfg.schemes]])
+            continue
+        win = min(means, key=means.get)
+        cells = []
+        for s in cfg.schemes:
+            t = tests.get(f"{s}@{d}") if win == REF else tests.get(f"{win}@{d}") if s == REF else None
+            if s == win:
+                cells.append("-")
+            elif not arms[s]["trains"]:
+                cells.append("does not train")
+            elif t is not None and t["test"] is not None:
+                gap = t["test"]["mean"] * (1 if win == REF else -1)
+                p = "n/a" if t["p_holm"] is None else f"{t['p_holm']:.2g}"
+                cells.append(f"{gap:+.3f} (Holm p={p}, n={t['test']['n']})")
+            else:
+                cells.append(f"{means[win] - means[s]:+.3f} (not tested)")
+        rows.append([d, f"{_name(win)} ({means[win]:.3f})", *cells])
+    return rows
+
+
+def write_report(cfg: DepthSweepConfig, out: Path, command: str, points: dict, res: dict) -> None:
+    """report.md, results.json and the plot for the depths done so far, each file replaced whole (two processes
+    write the same report when they finish a depth together)."""
+    rows = []
+    for d, arms in res["arms"].items():
+        for s, arm in arms.items():
+            lr, wu = _choice_cells(cfg, arm)
+            extra = {k: v for k, v in arm["report_by_seed"].items() if k in cfg.marginal_seeds}
+            loss = pm(arm["report_losses"]) + (f"; seeds {cfg.seeds + list(extra)}: "
+                                               f"{pm(list(arm['report_by_seed'].values()))}" if extra else "")
+            rows.append([d, _name(s), lr, wu, loss if arm["trains"] else "does not train",
+                         ", ".join(f"{hp}: {v:.3f}" for hp, v in arm["select_by_hp"].items()),
+                         f"{arm['core_seconds'] / 3600:.2f}"])
+    status = res["status"]
+    banner = (f"**FINAL**: every depth of {cfg.depths} is in; Holm over the {res['family_size']} tests run."
+              if status == "final" else
+              f"**INTERIM**: depths {res['depths_done']} of {cfg.depths} are in; the verdicts below adjust over the "
+              f"{res['family_size']} tests run so far and can change when later tests join the family.")
+    table = banner + "\n\n" + markdown_table(
+        ["sub-layers", "scheme", "chosen LR", "warm-up", "report loss (mean ± SD over seeds)",
+         "mean select loss per LR@warm-up", "core-hours"], rows)
+    vrows = [[t["what"], f"{len(t['seeds'])}" + (f" (marginal on {len(cfg.seeds)}: "
+                                                 f"{stats.describe(t['test_first'])})" if t["extended"] else ""),
+              stats.describe(t["test"]) if t["test"] else "no t-test",
+              "n/a" if t["p_holm"] is None else f"{t['p_holm']:.2g}", t["verdict"], status] for t in res["tests"]]
+    verdicts = markdown_table(["test (report loss, paired over seeds)", "seeds", "mean [95% CI], raw p",
+                               "Holm p", "verdict", "interim or final"], vrows)
+    minute = markdown_table(["sub-layers", "lowest mean report loss", *[f"gap to {_name(s)}" for s in cfg.schemes]],
+                            summary_rows(cfg, res))
+    below, above = cfg.warmup_ladders()
+    notes = (f"{', '.join(_name(s) for s in cfg.schemes)} at {cfg.depths} sub-layers (in that order), d="
+             f"{cfg.model.d_model}, {cfg.run.steps} steps x {cfg.run.batch_size}x{cfg.run.seq_len} = {tokens(cfg):,} "
+             f"tokens, warm-up {cfg.optim.warmup_steps} then cosine. LR per (scheme, depth) from {cfg.lrs}, grown "
+             f"past an edge choice up to {cfg.max_extensions} values per side, chosen by the mean select-half loss "
+             f"over seeds {cfg.seeds} (a diverged seed counts as +inf). {_name(cfg.warmup_scheme)}'s warm-up from "
+             f"{cfg.warmups} at its chosen LR (grown through {below} / {above}), then its LR again at a new warm-up. "
+             f"Report loss on {cfg.run.eval_batches} report-half batches. Unigram level {res['unigram']:.3f} nats. "
+             f"Cost so far: {res['core_hours']:.1f} core-hours (sum of point times, one thread each).\n\n"
+             f"Tests: Keel - X per depth and the per-seed least-squares slope of Keel - Pre-LN over log2(sub-layers) "
+             f"against 0 (negative: Keel's lead grows with depth); Holm over the tests run; \"Keel better\" / \"Keel "
+             f"worse\" at adjusted p < {stats.ALPHA}. A marginal test (raw p < {stats.ALPHA} with adjusted p >= "
+             f"{stats.ALPHA}, or adjusted p in [{stats.ALPHA}, {MARGINAL_BELOW})) is run again with seeds "
+             f"{cfg.marginal_seeds} added to both arms at their chosen hyper-parameters.\n\n{verdicts}\n\n"
+             f"At this scale, in one minute ({status}; each depth's lowest mean report loss over seeds {cfg.seeds}, "
+             f"its gap to every other scheme and the adjusted p of the test between them):\n\n{minute}")
+    results = {"points": {k: {f: v for f, v in p.items() if f != "losses"} for k, p in points.items()}, **res}
+    tmp = Path(tempfile.mkdtemp(prefix=".report.tmp-", dir=out))
+    try:
+        write_outputs(tmp, "depth-sweep", cfg, command, results, table, [_plot(cfg, res, tmp)], notes)
+        for f in tmp.iterdir():
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _plot(cfg: DepthSweepConfig, res: dict, out: Path) -> str:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    depths = sorted(res["arms"])
+    for i, s in enumerate(cfg.schemes):
+        got = [(d, mean_sd(res["arms"][d][s]["report_losses"])) for d in depths if res["arms"][d][s]["trains"]]
+        ax.errorbar([d for d, _ in got], [m for _, (m, _) in got], yerr=[sd for _, (_, sd) in got], marker="o",
+                    color=f"C{i}", capsize=3, label=_name(s))
+    ax.axhline(res["unigram"], color="grey", ls="--", lw=0.8, label="unigram level")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(depths, [str(d) for d in depths])
+    ax.set_xlabel("sub-layers")
+    ax.set_ylabel("report-half loss at the chosen hyper-parameters")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"depth sweep at {tokens(cfg):,} tokens ({res['status']}): mean ± SD over seeds {cfg.seeds}",
+                 fontsize=10)
+    return save(fig, out, "depth-sweep.png")

@@ -1,0 +1,246 @@
+"""depth-sweep (rule 21): the warm-up ladder, the marginal rule, the analysis against scipy and a hand-written Holm,
+the whole tuning and marginal logic end to end on made-up losses (no training), and (slow) the --quick run."""
+
+import json
+import math
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from keel.errors import ConfigError
+from keel.experiments import depth_sweep as ds
+from keel.experiments.depth_sweep import DepthSweepConfig, LadderGrid, analyse, key, marginal
+
+
+def test_the_warmup_grid_grows_through_the_rules_values_capped_at_the_run():
+    below, above = DepthSweepConfig().warmup_ladders()
+    assert (below, above) == ([30, 10], [3000, 8000])  # 9000 capped at the 8000-step run
+    up = LadderGrid([100.0, 300.0, 1000.0], 2, below=below, above=above)
+    assert [up.extend(lambda w: -w) for _ in range(3)] == [3000, 8000, None] and up.bound == "high"
+    assert up.values == [100, 300, 1000, 3000, 8000]
+    down = LadderGrid([100.0, 300.0, 1000.0], 2, below=below, above=above)
+    assert [down.extend(lambda w: w) for _ in range(3)] == [30, 10, None] and down.bound == "low"
+    inside = LadderGrid([100.0, 300.0, 1000.0], 2, below=below, above=above)
+    near = lambda w: abs(math.log(w / 1500))  # noqa: E731 (1000 is nearer than 3000)
+    assert inside.extend(near) == 3000 and inside.extend(near) is None
+    assert inside.bound is None and inside.added == [3000]
+
+
+def test_marginal_is_a_raw_p_holm_lifts_or_an_adjusted_p_under_0_20():
+    assert marginal(0.04, 0.06) and marginal(0.04, 0.5) and marginal(0.06, 0.19) and marginal(0.05, 0.05)
+    assert not marginal(0.01, 0.04) and not marginal(0.06, 0.20) and not marginal(0.3, 0.9)
+    assert not marginal(None, None)
+
+
+def test_a_config_the_rule_cannot_run_is_refused():
+    with pytest.raises(ConfigError, match="optim.warmup_steps"):
+        ds.check(DepthSweepConfig(warmups=[300, 1000, 3000]))
+    with pytest.raises(ConfigError, match="warmups_above"):
+        ds.check(DepthSweepConfig(warmups_above=[3000, 9000], run=ds.experiment_run(steps=2000)))  # both capped
+    with pytest.raises(ConfigError, match="new seeds"):
+        ds.check(DepthSweepConfig(marginal_seeds=[2, 3]))
+    ds.check(DepthSweepConfig())
+    ds.check(DepthSweepConfig.quick())
+    assert json.dumps(asdict(DepthSweepConfig())) == json.dumps(asdict(DepthSweepConfig()))  # two processes agree
+
+
+# ---- the analysis on synthetic points, against scipy and a written-out Holm ------------------------------------
+REPORT = {  # (scheme, depth) -> report loss per seed 0..4
+    ("keel", 16): [1.40, 1.42, 1.41, 1.43, 1.40], ("pre_ln", 16): [1.45, 1.44, 1.47, 1.48, 1.44],
+    ("post_ln", 16): [1.38, 1.43, 1.39, 1.40, 1.41], ("deepnorm", 16): [1.50, 1.41, 1.52, 1.49, 1.55],
+    ("keel", 64): [1.35, 1.38, 1.36, 1.37, 1.36], ("pre_ln", 64): [1.49, 1.53, 1.50, 1.50, 1.48],
+    ("post_ln", 64): [1.33, 1.37, 1.35, 1.36, 1.30], ("deepnorm", 64): [None] * 5,
+    ("keel", 32): [1.37, 1.40, 1.38, 1.39, 1.38], ("pre_ln", 32): [1.46, 1.45, 1.50, 1.46, 1.47],
+    ("post_ln", 32): [1.36, 1.39, 1.37, 1.36, 1.37], ("deepnorm", 32): [1.45, 1.47, 1.44, 1.46, 1.45],
+}
+
+
+def synthetic(depths):
+    points, tuned = {}, {}
+    for d in depths:
+        tuned[d] = {}
+        for s in ("keel", "pre_ln", "post_ln", "deepnorm"):
+            tuned[d][s] = {"lr": 3e-3, "warmup": 100, "lr_grid": {"values": [1e-3, 3e-3, 1e-2], "added": [],
+                                                                     "bound": None}, "tried": [(3e-3, 100)]}
+            for seed, v in enumerate(REPORT[(s, d)]):
+                points[key(s, d, 3e-3, 100, seed)] = {"select_loss": None if v is None else v - 0.1,
+                                                      "report_loss": v, "seconds": 10.0, "diverged": v is None}
+    return points, tuned
+
+
+def holm_by_hand(ps):
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    out, running = [None] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        out[i] = running
+    return out
+
+
+def test_the_tests_are_scipys_paired_t_tests_holm_adjusted_over_those_run_so_far():
+    cfg = DepthSweepConfig()
+    points, tuned = synthetic([16, 64, 32])  # in the rule's order; 128 and 256 not in yet
+    res = analyse(cfg, points, tuned, set(), 3.3)
+    assert res["status"] == "interim" and res["depths_done"] == [16, 64, 32]
+    tests = {t["id"]: t for t in res["tests"]}
+    assert set(tests) == {f"{x}@{d}" for x in ("pre_ln", "post_ln", "deepnorm") for d in (16, 64, 32)} | {"slope"}
+    # DeepNorm diverged at every LR it tried at 64: no t-test, not in the Holm family
+    assert tests["deepnorm@64"]["test"] is None and tests["deepnorm@64"]["p_holm"] is None
+    assert tests["deepnorm@64"]["verdict"] == "DeepNorm does not train (no t-test)" and res["family_size"] == 9
+    raw = {}
+    for tid, t in tests.items():
+        if tid == "slope" or t["test"] is None:
+            continue
+        x, d = tid.split("@")
+        expected = sps.ttest_rel(REPORT[("keel", int(d))][:3], REPORT[(x, int(d))][:3])
+        assert t["p"] == pytest.approx(expected.pvalue, rel=1e-9) and t["test"]["n"] == 3
+        raw[tid] = expected.pvalue
+    # the growth test: per seed the least-squares slope of Keel - Pre-LN on log2(16, 32, 64) = 4, 5, 6
+    slopes = [np.polyfit([4, 5, 6], [REPORT[("keel", d)][s] - REPORT[("pre_ln", d)][s] for d in (16, 32, 64)], 1)[0]
+              for s in range(3)]
+    assert tests["slope"]["slopes"] == pytest.approx(slopes, rel=1e-9) and tests["slope"]["depths"] == [16, 32, 64]
+    raw["slope"] = sps.ttest_1samp(slopes, 0.0).pvalue
+    assert tests["slope"]["p"] == pytest.approx(raw["slope"], rel=1e-9)
+    ids = list(raw)
+    for tid, adj in zip(ids, holm_by_hand([raw[i] for i in ids])):
+        t = tests[tid]
+        assert t["p_holm"] == pytest.approx(adj, rel=1e-9)
+        assert t["verdict"] == ("inconclusive" if adj >= 0.05 else "Keel better" if t["test"]["mean"] < 0
+                                else "Keel worse")
+        assert t["marginal"] == ((raw[tid] < 0.05 <= adj) or 0.05 <= adj < 0.20)
+    assert tests["pre_ln@64"]["verdict"] == "Keel better"  # -0.14, -0.15, -0.14
+    # the whole sweep in: final
+    done = DepthSweepConfig(depths=[16, 64, 32])
+    assert analyse(done, points, tuned, set(), 3.3)["status"] == "final"
+
+
+def test_an_extended_test_is_run_on_all_five_seeds():
+    cfg = DepthSweepConfig()
+    points, tuned = synthetic([16, 64])
+    for seed in (3, 4):  # seeds only a marginal test runs
+        del points[key("deepnorm", 16, 3e-3, 100, seed)]
+    res = analyse(cfg, points, tuned, {"post_ln@16", "slope"}, 3.3)
+    tests = {t["id"]: t for t in res["tests"]}
+    t = tests["post_ln@16"]
+    assert t["seeds"] == [0, 1, 2, 3, 4] and t["extended"] and t["test"]["n"] == 5
+    assert t["p"] == pytest.approx(sps.ttest_rel(REPORT[("keel", 16)], REPORT[("post_ln", 16)]).pvalue, rel=1e-9)
+    first = sps.ttest_rel(REPORT[("keel", 16)][:3], REPORT[("post_ln", 16)][:3]).pvalue  # the one that was marginal
+    assert t["test_first"]["p"] == pytest.approx(first, rel=1e-9)
+    assert tests["pre_ln@16"]["test"]["n"] == 3  # its Keel arm has seeds 3 and 4, but this test is not marginal
+    slopes = [(REPORT[("keel", 64)][s] - REPORT[("pre_ln", 64)][s] - REPORT[("keel", 16)][s]
+               + REPORT[("pre_ln", 16)][s]) / 2 for s in range(5)]  # two depths: the difference over log2(64/16)
+    assert tests["slope"]["slopes"] == pytest.approx(slopes, rel=1e-9)
+    assert tests["slope"]["p"] == pytest.approx(sps.ttest_1samp(slopes, 0.0).pvalue, rel=1e-9)
+    # the report losses of an arm stay those of seeds 0-2; the extra seeds are kept beside them
+    assert res["arms"][16]["keel"]["report_losses"] == REPORT[("keel", 16)][:3]
+    assert res["arms"][16]["keel"]["core_seconds"] == 50.0 and res["arms"][16]["deepnorm"]["core_seconds"] == 30.0
+
+
+# ---- the whole logic on made-up losses ---------------------------------------------------------------------------
+GAP = {16: [-0.05, -0.03, -0.06, -0.04, -0.05], 64: [-0.20, -0.25, -0.22, -0.21, -0.23]}  # Keel - Pre-LN per seed
+
+
+def fake_point(cfg, model_cfg, lr, seed):
+    """Select-half losses with known optima: Keel's LR past the grid's top, Pre-LN's inside, Post-LN's warm-up past
+    the grid's top and its LR higher at a long warm-up, DeepNorm's LR at the bottom (diverging at 64)."""
+    s, d, w = model_cfg.scheme, model_cfg.n_sublayers, cfg.optim.warmup_steps
+    fake_point.calls.append((s, d, lr, w, seed))
+    if s == "deepnorm" and d == 64:
+        return {"select_loss": None, "report_loss": None, "seconds": 1.0, "diverged": True}
+    target = {"keel": 2e-2, "pre_ln": 3e-3, "deepnorm": 1e-3, "post_ln": 3e-3 if w < 1000 else 1.2e-2}[s]
+    select = 1.0 + math.log(lr / target) ** 2 + (math.log(w / 2000) ** 2 if s == "post_ln" else 0) + 0.001 * seed
+    keel = 1.5 - 0.001 * d + 0.01 * seed
+    report = {"keel": keel, "pre_ln": keel - GAP[d][seed], "post_ln": keel + (0.3, -0.1, 0.2, 0.0, 0.0)[seed],
+              "deepnorm": keel + 0.5 + 0.1 * seed}[s]
+    return {"select_loss": select, "report_loss": report, "seconds": 1.0, "diverged": False}
+
+
+def test_the_sweep_tunes_each_arm_by_the_rule_and_adds_seeds_to_marginal_tests(tmp_path, monkeypatch):
+    fake_point.calls = []
+    monkeypatch.setattr(ds, "budget_point", fake_point)
+    monkeypatch.setattr(ds, "unigram_level", lambda cfg: 3.3)
+    reports = []
+
+    def write_report(cfg, out, command, points, res):
+        write(cfg, out, command, points, res)
+        reports.append((res["status"], list(res["depths_done"]), (out / "report.md").read_text()))
+    write = ds.write_report
+    monkeypatch.setattr(ds, "write_report", write_report)
+    cfg = DepthSweepConfig(depths=[64, 16])
+    res = ds.run(cfg, tmp_path, "keel experiment depth-sweep")
+
+    # the points of seeds 0-2, written out from rule 21 and the made-up optima
+    hps = {"keel": [(lr, 100) for lr in (0.001, 0.003, 0.01, 0.0333333, 0.111111)],
+           "pre_ln": [(lr, 100) for lr in (0.001, 0.003, 0.01)],
+           "post_ln": [(lr, 100) for lr in (0.001, 0.003, 0.01)] + [(0.003, w) for w in (300, 1000, 3000, 8000)]
+           + [(lr, 3000) for lr in (0.001, 0.01, 0.0333333)],  # (0.003, 3000) ran already
+           "deepnorm": {16: [(lr, 100) for lr in (0.000333333, 0.001, 0.003, 0.01)],
+                        64: [(lr, 100) for lr in (0.000111111, 0.000333333, 0.001, 0.003, 0.01)]}}
+    expected = {key(s, d, lr, w, seed) for s, by in hps.items() for d in (64, 16)
+                for lr, w in (by[d] if isinstance(by, dict) else by) for seed in (0, 1, 2)}
+    saved = {p.stem for p in (tmp_path / "points").glob("*.json")} - {"config"}
+    assert {k for k in saved if not k.endswith(("seed3", "seed4"))} == expected
+    assert len(fake_point.calls) == len(saved)  # every point trained once
+    first_calls = [c[1] for c in fake_point.calls if c[4] < 3]
+    assert first_calls == sorted(first_calls, key=[64, 16].index)  # 64 whole before 16 starts
+
+    arms = res["arms"]
+    assert (arms[64]["keel"]["lr"], arms[64]["keel"]["lr_grid"]["added"]) == (0.0333333, [0.0333333, 0.111111])
+    post = arms[16]["post_ln"]
+    assert (post["lr"], post["warmup"], post["warmup_chosen_at_lr"]) == (0.01, 3000, 0.003)
+    assert post["warmup_grid"]["added"] == [3000, 8000] and post["lr_grid_again"]["added"] == [0.0333333]
+    assert arms[64]["deepnorm"]["lr_grid"]["bound"] == "low" and not arms[64]["deepnorm"]["trains"]
+
+    tests = {t["id"]: t for t in res["tests"]}
+    assert tests["deepnorm@64"]["verdict"] == "DeepNorm does not train (no t-test)"
+    # Keel - Pre-LN at 16 is marginal on 3 seeds (raw p 0.034, Holm lifts it); it runs again on 5
+    three = sps.ttest_rel([1.484, 1.494, 1.504], [1.484 + 0.05, 1.494 + 0.03, 1.504 + 0.06]).pvalue
+    assert 0.03 < three < 0.04
+    assert tests["pre_ln@16"]["extended"] and tests["pre_ln@16"]["test"]["n"] == 5
+    assert tests["pre_ln@16"]["p"] == pytest.approx(sps.ttest_1samp(GAP[16], 0).pvalue, rel=1e-9)
+    for tid, t in tests.items():  # every extended test has seeds 3 and 4 on both arms at their chosen (lr, warm-up)
+        for s, d in ds.test_arms(tid, t.get("depths", [])) if t["extended"] else []:
+            a = arms[d][s]
+            assert {key(s, d, a["lr"], a["warmup"], k) for k in (3, 4)} <= saved
+    extra = {k for k in saved if k.endswith(("seed3", "seed4"))}
+    assert extra == {key(s, d, arms[d][s]["lr"], arms[d][s]["warmup"], k) for tid, t in tests.items() if t["extended"]
+                     for s, d in ds.test_arms(tid, t.get("depths", [])) for k in (3, 4)}
+
+    # a report after each depth: interim after the first, final after the last
+    assert [(s, d) for s, d, _ in reports] == [("interim", [64]), ("final", [64, 16])]
+    assert "**INTERIM**" in reports[0][2] and "| interim |" in reports[0][2] and "**FINAL**" in reports[1][2]
+    report = (tmp_path / "report.md").read_text()
+    assert "one round of coordinate search" in report and "At this scale, in one minute" in report
+    assert "bound at the low edge" in report and "does not train" in report
+    assert json.loads((tmp_path / "results.json").read_text())["results"]["status"] == "final"
+    assert not list(tmp_path.glob(".report*"))
+
+    # run again: every point is reused
+    fake_point.calls = []
+    ds.run(cfg, tmp_path, "keel experiment depth-sweep")
+    assert fake_point.calls == []
+
+
+@pytest.mark.slow
+def test_quick_depth_sweep_trains_end_to_end(tmp_path):
+    import argparse
+    import inspect
+
+    from keel.experiments.cli import build
+    (tmp_path / "text.txt").write_text(inspect.getsource(argparse) * 2)
+    cfg = build("depth-sweep", True, ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16",
+                                      "run.batch_size=2", f"data.source={tmp_path / 'text.txt'}",
+                                      f"data.cache_dir={tmp_path / 'cache'}"])
+    out = tmp_path / "out"
+    out.mkdir()
+    res = ds.run(cfg, out, "keel experiment depth-sweep --quick")
+    assert res["status"] == "final" and list(res["arms"]) == [2, 4]
+    for d in (2, 4):
+        post = res["arms"][d]["post_ln"]
+        assert post["warmup_grid"]["values"][:3] == [1, 2, 3] or post["warmup_grid"]["values"][:3] == [2, 3, 4]
+        for s in cfg.schemes:
+            assert len(res["arms"][d][s]["report_losses"]) == 2
+    assert len([t for t in res["tests"] if t["id"] != "slope"]) == 6 and res["tests"][-1]["id"] == "slope"
+    assert (out / "depth-sweep.png").exists() and "**FINAL**" in (out / "report.md").read_text()
