@@ -238,6 +238,7 @@ QUICK = {
     # the one-file corpus has no second document for identifiers/next_line
     "downstream": ["run.steps=3", "run.eval_tasks=[brackets,indent]"],
     "depth-pilot": ["budgets=[3,4]"],
+    "depth-sweep": [],
 }
 
 
@@ -273,6 +274,8 @@ QUICK_POINTS = {
                    for k in _K],
     # every LR of the starting grid with every seed at each budget (an edge choice adds more)
     "depth-pilot": [f"{b}-{d}-lr{lr}-seed{k}" for b in (3, 4) for d in (2, 4) for lr in (0.003, 0.01) for k in _K],
+    "depth-sweep": [f"{s}-{d}-lr{lr}-wu2-seed{k}" for s in ("keel", "pre_ln", "post_ln", "deepnorm") for d in (2, 4)
+                    for lr in (0.003, 0.01) for k in _K],
 }
 
 
