@@ -80,6 +80,10 @@ def test_bad_eval_and_export_targets(tmp_path, capsys, make_run):
     (["lm-eval", "RUN", "--tasks", "hellaswag", "--batch-size", "0"], "--batch-size"),
     (["lm-eval", "RUN", "--tasks", "hellaswag", "--num-fewshot", "-1"], "--num-fewshot"),
     (["lm-eval", "RUN", "--tasks", "hellaswag", "--device", "meta"], "--device"),
+    (["bench", "--steps", "-1"], "--steps"),  # was a StatisticsError traceback
+    (["bench", "--steps", str(10**20)], "--steps"),  # timed for ever
+    (["bench", "--warmup", "-2"], "--warmup"),
+    (["train", "--preset", "tiny", "run.name=" + "a" * 300, "run.out_dir=OUT/runs"], "at most 255 bytes"),
 ])
 def test_bad_command_line_values_are_refused_before_any_work(argv, needle, tmp_path, capsys, make_run):
     """Issue 36.6 and 36.9: checked before anything is loaded or fetched (lm-eval's Hub probe included), so

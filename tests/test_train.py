@@ -405,3 +405,20 @@ def test_a_full_disk_at_start_leaves_nothing_that_blocks_a_retry(args, tmp_path,
     assert not (tmp_path / "runs" / "full").exists()
     monkeypatch.setattr(RunDir, "_write", real_write)
     assert main(["train", "--preset", "tiny", *args("run.steps=2", name="full")]) == 0
+
+
+def test_a_signal_during_the_last_step_says_the_run_is_complete(args, capsys):
+    """Issue 36.7: SIGINT inside the last step (after the loop's last look at the flag) used to end the run with
+    exit 0 and no line at all. Now the run, complete and saved, says so in one line on stderr."""
+    import signal
+
+    def signal_in_last_step(trainer, step):
+        if step == 19:  # run.steps=20: the flag is set after the loop's last check, as the step starts
+            os.kill(os.getpid(), signal.SIGINT)
+
+    trainer = trainer_for(args, name="last", callbacks=[signal_in_last_step])
+    summary = trainer.run()
+    err = capsys.readouterr().err
+    assert summary["interrupted"] is False and summary["steps"] == 20
+    assert err.count("interrupted during the last step; the run completed its 20 steps and is saved") == 1, err
+    assert checkpoint.list_checkpoints(trainer.run_dir)[-1].name == "step_00000020"

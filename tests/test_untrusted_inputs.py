@@ -394,3 +394,58 @@ def test_a_fifo_named_like_the_next_checkpoint_does_not_hang_resume(run):
                          timeout=120)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert (run / "checkpoints" / "step_00000004" / "manifest.json").is_file()
+
+
+def test_eval_refuses_token_ids_beyond_the_models_vocabulary_in_one_line():
+    """keel.train.evaluate checks each batch's ids against model.config.vocab_size: an id from a cache made for
+    another vocabulary is one DataError naming the tokens, not an IndexError from the embedding."""
+    import numpy as np
+
+    from keel.errors import DataError
+    import torch
+
+    from keel.model import ModelConfig, TransformerLM
+    from keel.train.evaluate import evaluate
+
+    model = TransformerLM(ModelConfig(vocab_size=256, d_model=32, n_blocks=1, n_heads=2, max_seq_len=16))
+    tokens = np.arange(200, dtype=np.uint16) % 256
+    assert evaluate(model, tokens, 16, 2, 2, torch.device("cpu"))["val_loss"] > 0  # in range: evaluated
+    tokens[5] = 300  # inside the first window
+    with pytest.raises(DataError, match="token id 300 is outside the model's vocabulary of 256"):
+        evaluate(model, tokens, 16, 2, 2, torch.device("cpu"))
+
+
+def test_a_checkpoint_pruned_while_being_read_is_read_again_from_the_newest(make_run, tmp_path, monkeypatch):
+    """Issue 36.8: a run still training prunes its oldest checkpoint (run.keep_checkpoints); a reader that chose it
+    takes the newest again, and says so in one line if it keeps losing the race."""
+    import shutil
+
+    from keel.errors import CheckpointError
+    from keel.train import checkpoint
+    from keel.train.run_dir import RunDir
+
+    model = make_run(tmp_path / "run")
+    checkpoint.save(tmp_path / "run", 8, model, {}, {}, keep=2)  # two checkpoints: 7 and 8
+    run = RunDir(tmp_path / "run")
+    real_load, calls = checkpoint.load, []
+
+    def pruned_on_first_read(path, model):  # the trainer deletes the checkpoint between choice and read
+        calls.append(path)
+        if len(calls) == 1:
+            shutil.rmtree(path)
+        return real_load(path, model)
+
+    before = run.checkpoints()
+    assert len(before) >= 2
+    monkeypatch.setattr(checkpoint, "load", pruned_on_first_read)
+    _, _, _, path = run.load_model()
+    assert calls[0] == before[-1] and path == run.checkpoints()[-1] == before[-2]
+
+    def always_pruned(path, model):  # the trainer writes the next checkpoint and prunes this one, every time
+        step = int(path.name.split("_")[1])
+        checkpoint.save(tmp_path / "run", step + 1, model, {}, {}, keep=3)
+        shutil.rmtree(path)
+        return real_load(path, model)
+    monkeypatch.setattr(checkpoint, "load", always_pruned)
+    with pytest.raises(CheckpointError, match="removed while being read"):
+        run.load_model()

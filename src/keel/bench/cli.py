@@ -162,7 +162,20 @@ def writer(out: Path | None, markdown):
     return write
 
 
+STEP_LIMITS = {"steps": (1, 100_000), "warmup": (0, 100_000), "depth_steps": (1, 100_000)}  # flag: [low, high]
+
+
+def check_counts(args) -> None:
+    """--steps, --warmup and --depth-steps in their range: a negative count has no median to report, and a huge
+    one would time for ever."""
+    for name, (low, high) in STEP_LIMITS.items():
+        value = getattr(args, name)
+        if not low <= value <= high:
+            raise ConfigError(f"--{name.replace('_', '-')}: got {value}; allowed: an integer in [{low}, {high:,}]")
+
+
 def cmd_bench(args) -> int:
+    check_counts(args)
     run(args)
     return 0
 

@@ -457,8 +457,9 @@ def validate(c: TrainConfig) -> None:
     if not 0 <= c.run.seed < 2**63:
         fail("run.seed", c.run.seed, "an integer in [0, 2**63)")
     if c.run.name and (c.run.name in (".", "..") or any(ch in c.run.name for ch in "/\\")
-                       or not c.run.name.isprintable()):
-        fail("run.name", c.run.name, "a plain directory name: printable characters, no '/', not '.' or '..'")
+                       or not c.run.name.isprintable() or len(c.run.name.encode()) > 255):
+        fail("run.name", c.run.name[:60] + ("..." if len(c.run.name) > 60 else ""),
+             "a plain directory name: printable characters, no '/', not '.' or '..', at most 255 bytes")
     validate_runtime(c.run)
     if c.optim.schedule not in SCHEDULES:
         fail("optim.schedule", c.optim.schedule, ", ".join(SCHEDULES))

@@ -36,7 +36,10 @@ def evaluate(model, tokens, seq_len: int, batch_size: int, max_batches: int, dev
     `replicas`-th window, its share of a batch at a time, and the sums are added over all ranks. Every rank
     gets the result. Each rank runs as many forward passes as every other (a rank short of windows runs one
     it does not count), since FSDP2 and the pipeline's stages gather and send in each."""
-    windows = list(eval_batches(tokens, seq_len, batch_size * max_batches, 1))
+    # ids beyond the model's vocabulary (a cache from elsewhere) are one line naming it, not an IndexError
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    windows = list(eval_batches(tokens, seq_len, batch_size * max_batches, 1, vocab_size=vocab,
+                                source=getattr(tokens, "filename", None) or "the validation tokens"))
     if not windows:
         raise DataError("validation split is too short for one window of run.seq_len tokens")
     xs, ys = windows[0]  # (windows, T) each

@@ -288,32 +288,33 @@ class RunDir(os.PathLike):
         from keel.train import checkpoint
 
         config = self.config()
-        path = Path(checkpoint_path) if checkpoint_path else self.latest_checkpoint()
-        model = self.build_model(config, path)
-        checkpoint.load(path, model)
-        return config, model, self.tokenizer(), path
+        for attempt in range(3):
+            path = Path(checkpoint_path) if checkpoint_path else self.latest_checkpoint()
+            try:
+                model = self.build_model(config, path)
+                checkpoint.load(path, model)
+                return config, model, self.tokenizer(), path
+            except (OSError, CheckpointError):
+                # a run still training prunes its oldest checkpoint (run.keep_checkpoints): the one being read
+                # can vanish under the reader. Then the newest is taken again; anything else is the error it is.
+                if checkpoint_path or path.exists():
+                    raise
+                if attempt == 2:
+                    raise CheckpointError(f"checkpoint {path}: removed while being read, three times over (a run "
+                                          "still training prunes its old checkpoints); try again") from None
+        raise AssertionError("unreachable")
 
     def build_model(self, config: TrainConfig, path: Path) -> TransformerLM:
         """`TransformerLM(config.model)`, once its sizes are checked against checkpoint `path` and this
-        machine's memory without allocating anything (config.yaml may come from elsewhere)."""
+        machine's memory without allocating anything (config.yaml may come from elsewhere:
+        keel.train.untrusted.check_model_fits, the one copy of these checks)."""
         import torch
 
         from keel.model import TransformerLM
         from keel.runtime import device_memory
-        from keel.train.untrusted import Damaged, check_model_memory, check_model_shapes, weight_shapes
+        from keel.train.untrusted import check_model_fits
 
-        try:
-            shapes = weight_shapes(path)
-        except Damaged as err:
-            raise CheckpointError(f"checkpoint {path}: {err}") from None
-        try:
-            check_model_memory(config.model, shapes, device_memory(torch.device("cpu")))
-        except Damaged as err:
-            raise ConfigError(f"{self.path / 'config.yaml'}: {err}") from None
-        try:
-            check_model_shapes(config.model, shapes)
-        except Damaged as err:
-            raise CheckpointError(f"checkpoint {path}: weights do not fit the model ({err})") from None
+        check_model_fits(self.path / "config.yaml", config.model, path, device_memory(torch.device("cpu")))
         return TransformerLM(config.model)
 
     def resume_config(self, overrides=(), config_file: str | None = None) -> TrainConfig:

@@ -302,6 +302,9 @@ class Trainer:
                 boundary = self._boundary()
                 bar.update(1)
                 self._after_step(result, bar, outcome)
+            if stop.signum is not None:  # a signal during the last step or its checkpoint: nothing left to stop
+                self.say(f"keel: interrupted during the last step; the run completed its {self.step} steps and is "
+                         "saved", file=sys.stderr)
         except Diverged as err:
             outcome |= {"diverged": True, "divergence_reason": str(err)}
         except KeyboardInterrupt:
