@@ -422,3 +422,17 @@ def test_a_signal_during_the_last_step_says_the_run_is_complete(args, capsys):
     assert summary["interrupted"] is False and summary["steps"] == 20
     assert err.count("interrupted during the last step; the run completed its 20 steps and is saved") == 1, err
     assert checkpoint.list_checkpoints(trainer.run_dir)[-1].name == "step_00000020"
+
+
+def test_the_model_is_frozen_out_of_full_collections_while_the_run_trains_and_thawed_after(args):
+    """gc.freeze after building: Python's collector no longer walks the model's objects between steps; the run
+    thaws them when it ends, so a process that trains many runs (tests, sweeps) still collects their cycles."""
+    import gc
+
+    frozen = []
+    trainer = trainer_for(args, "run.steps=3", name="frozen",
+                          callbacks=[lambda trainer, step: frozen.append(gc.get_freeze_count())])
+    params = sum(1 for _ in trainer.model.parameters())
+    trainer.run()
+    assert min(frozen) > params  # the model's modules and parameters among them
+    assert gc.get_freeze_count() == 0

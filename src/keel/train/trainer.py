@@ -9,6 +9,7 @@ rank 0 writes files, prints and shows progress.
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import time
 from pathlib import Path
@@ -205,9 +206,15 @@ class Trainer:
         return on_device(batch, self.device)
 
     def run(self, resume_from: Path | None = None) -> dict:
+        # everything built so far (the model, its optimiser, torch's and keel's own objects) lives until the run
+        # ends: frozen, Python's collector no longer walks it at every full collection between steps (a deep
+        # model is hundreds of thousands of objects: benchmarks/cpu/flatness), and it is thawed on the way out
+        gc.collect()
+        gc.freeze()
         try:
             return self._run(resume_from)
         finally:  # however the run ends, the next process may take the directory
+            gc.unfreeze()
             if self.world.main:
                 self.run_dir.unlock()
 
