@@ -400,10 +400,9 @@ def test_eval_refuses_token_ids_beyond_the_models_vocabulary_in_one_line():
     """keel.train.evaluate checks each batch's ids against model.config.vocab_size: an id from a cache made for
     another vocabulary is one DataError naming the tokens, not an IndexError from the embedding."""
     import numpy as np
-
-    from keel.errors import DataError
     import torch
 
+    from keel.errors import DataError
     from keel.model import ModelConfig, TransformerLM
     from keel.train.evaluate import evaluate
 
