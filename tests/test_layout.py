@@ -23,7 +23,7 @@ LAYERS = {
     "kernels": set(),  # torch and triton only: scale applies them, bench times them
     "data": {"_lazy", "errors", "safe_io"},
     "scale": {"errors", "runtime", "model", "kernels"},
-    "evals": {"errors", "runtime", "model", "data"},
+    "evals": {"errors", "safe_io", "runtime", "model", "data"},
     "train": _BELOW_TRAIN | {"evals"},
     "generate": {"model"},
     "hf": _BELOW_TRAIN | {"train", "evals"},

@@ -15,7 +15,8 @@ from keel.experiments.cli import build
 from keel.experiments.common import point_config, train_curve
 from keel.model import ModelConfig
 from keel.train import step as step_module
-from keel.train.config import PRESETS, RunConfig, load_config, to_yaml
+from keel.train.config import RunConfig, load_config, to_yaml
+from keel.train.presets import PRESETS
 from keel.train.run_dir import RunDir
 from keel.train.trainer import Trainer
 

@@ -21,6 +21,7 @@ ENV = os.environ | {"OMP_NUM_THREADS": "1"}
 
 
 # ---- interrupts at any moment ---------------------------------------------------------------------------
+@pytest.mark.slow  # eight subprocess runs, each waited on for up to 6 s (tests/test_first_hour_2.py has a fast one)
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_signal_at_any_moment_is_one_line_and_exit_130(tmp_path, signum):
     """Signalled during Python's imports of torch (the first seconds), while a run starts, and mid-training:
@@ -103,7 +104,12 @@ DAMAGE = {
 }
 
 
-@pytest.mark.parametrize("damage", list(DAMAGE))
+# one damage per file in the fast tier; every damage in the slow one (each costs a plot and a resumed run)
+FAST_DAMAGE = ("string loss", "torn summary", "telemetry scalar")
+
+
+@pytest.mark.parametrize("damage", [d if d in FAST_DAMAGE else pytest.param(d, marks=pytest.mark.slow)
+                                    for d in DAMAGE])
 def test_damaged_logs_are_skipped_with_one_note(trained, tmp_path, capsys, damage):
     """keel runs, keel plot and keel train resume= on a run whose logs were damaged: no traceback; a damaged
     record is skipped with one note naming the file, an unusable file is ignored (runs, plot) or refused in
@@ -157,7 +163,7 @@ def test_a_paper_preset_is_the_papers_recipe_and_says_what_a_run_of_it_needs(nam
     """The paper's recipe (PAPER.md section 5): 2,500 warm-up steps that the run leaves, a global batch of 1024
     sequences of 4096, its peak rate for the depth, a tokenizer of the model's vocabulary; the dry run prints the
     tokens, the memory per GPU and the predicted hours on an H100, and names the paper's data."""
-    from keel.train.config import train_preset
+    from keel.train.presets import train_preset
 
     c = train_preset(name)
     assert c.optim.warmup_steps == 2500 < c.run.steps and c.optim.min_lr == 1e-7 and c.optim.schedule == "cosine"
@@ -179,12 +185,14 @@ def test_a_paper_preset_is_the_papers_recipe_and_says_what_a_run_of_it_needs(nam
 
 def test_the_cpu_demo_preset_and_keel_cpu_demo_are_one_model():
     import keel
-    from keel.train.config import TrainConfig, train_preset
+    from keel.train.config import TrainConfig
+    from keel.train.presets import train_preset
 
     assert train_preset("cpu-demo").model == keel.cpu_demo() == TrainConfig().model
     assert train_preset("cpu-demo").run.seq_len <= keel.cpu_demo().max_seq_len
 
 
+@pytest.mark.slow  # a training run, for one warning line
 def test_training_start_warns_once_when_warmup_outlasts_the_run(tmp_path, capsys):
     assert main(["train", "--preset", "tiny", "run.steps=2", "optim.warmup_steps=5", "run.progress=false",
                  f"run.out_dir={tmp_path}", "run.eval_every=0"]) == 0
@@ -249,6 +257,7 @@ _lines = st.lists(st.one_of(st.dictionaries(_keys, _values, max_size=5).map(json
                             st.text(max_size=12)), max_size=6)
 
 
+@pytest.mark.slow  # 80 examples; the damaged-log tests above keep the readers in the fast tier
 @settings(max_examples=80, deadline=None)
 @given(metrics=_lines, telemetry=_lines, summary=st.one_of(_values.map(json.dumps), st.text(max_size=12)))
 def test_log_readers_never_raise_on_any_lines(trained, metrics, telemetry, summary):

@@ -162,8 +162,8 @@ def plan(config, predicted: list[str] = ()) -> str:
 
 def data_notes(config, tokens: int) -> list[str]:
     """What the run's data is, where a budget outgrows the offline default; and, for a paper preset, what differs
-    from the paper's recipe (keel.train.config.PAPER_PRESETS)."""
-    from keel.train.config import PAPER_DATA  # noqa: PLC0415 (config imports this module's users)
+    from the paper's recipe (keel.train.presets.PAPER_PRESETS)."""
+    from keel.train.presets import PAPER_DATA  # noqa: PLC0415 (presets import config, which imports this module's users)
 
     out = []
     if config.data.source == "stdlib" and tokens > 10**9:
