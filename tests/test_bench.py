@@ -209,6 +209,7 @@ def test_gpu_suite_runs_end_to_end_at_toy_size(tmp_path):
     assert (tmp_path / "bench.md").read_text() == gpu_markdown(result)
 
 
+@pytest.mark.slow
 def test_gpu_suite_sections_stop_at_their_time_box_and_keep_what_they_have(tmp_path):
     suite = replace(GpuSuite.toy(), boxes=dict.fromkeys(GPU_SECTIONS, 0.0))
     written = []
@@ -232,6 +233,7 @@ def test_gpu_suite_at_full_size_needs_cuda():
         bench("--suite", "gpu")
 
 
+@pytest.mark.slow  # compiles and trains 4 models, then the flatness series
 def test_cpu_suite_compares_compiled_and_eager_side_by_side(fake_clock, monkeypatch, tmp_path):
     monkeypatch.setattr(bench_cpu, "machine", lambda device: {"cpu": "x86_64", "cpu_count": 2, "torch_threads": 2,
                                                          "torch_version": "2.x"})
@@ -270,6 +272,7 @@ def test_cpu_suite_compares_compiled_and_eager_side_by_side(fake_clock, monkeypa
     assert cpu_markdown(result) == (GOLDEN / "bench-cpu.md").read_text()
 
 
+@pytest.mark.slow  # 12 models x 4 real steps
 def test_flatness_ratios_and_medians_are_those_of_the_clock(fake_clock):
     """Per step 0.1 s of fixed cost plus the scheme's cost per sub-layer; the first timed step of every model 1 s
     slower (the median of the three drops it). Hand-computed: Keel 0.3, 0.5, 0.9 s at 4, 8, 16 sub-layers = 75,
@@ -296,6 +299,7 @@ def test_flatness_ratios_and_medians_are_those_of_the_clock(fake_clock):
     assert all(r["gc"]["collections_in_timed_steps"] == {} for r in out["rows"])
 
 
+@pytest.mark.slow
 def test_flatness_is_met_when_cost_per_sub_layer_is_constant_and_each_model_is_freed_first(fake_clock, monkeypatch):
     built = []
     real_init = core.Bench.__init__
@@ -313,6 +317,7 @@ def test_flatness_is_met_when_cost_per_sub_layer_is_constant_and_each_model_is_f
     assert all(s["max_departure"] == pytest.approx(0.0) and s["flat"] for s in out["per_scheme"].values())
 
 
+@pytest.mark.slow
 def test_flatness_stops_at_its_deadline_and_does_not_go_deeper_after_running_out_of_memory(fake_clock, monkeypatch):
     def measure(config, *args):
         if config.n_sublayers >= 8 and config.scheme == "keel":
@@ -330,6 +335,7 @@ def test_flatness_stops_at_its_deadline_and_does_not_go_deeper_after_running_out
     assert late["per_scheme"]["keel"]["max_departure"] is None
 
 
+@pytest.mark.slow  # 12 models, bench.json rewritten after each
 def test_cpu_flatness_part_writes_its_json_as_it_goes(fake_clock, monkeypatch, tmp_path):
     """`keel bench --suite cpu --sections flatness`: only that part runs, at CPU_FLATNESS's shape (a tiny one
     here), and bench.json is rewritten after every model; its ratios survive the round trip through JSON."""
@@ -381,6 +387,7 @@ def test_the_gpu_campaign_compares_at_32k_tokens_per_step_with_checkpointing():
     assert suite.depth_variants == ("eager", "compiled")
 
 
+@pytest.mark.slow
 def test_every_gpu_part_fits_its_boxes_by_the_calibrated_model_and_the_readme_says_so():
     pytest.importorskip("scipy")
     from keel.bench.gpu_plan import plan, plan_markdown

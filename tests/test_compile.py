@@ -96,7 +96,7 @@ def test_no_recompiles_after_warmup_on_cuda_with_the_fused_junction():
     assert warm == 6 and later == 0  # block 0, the middle blocks, the last block; in train and in eval mode
 
 
-@pytest.mark.parametrize("n_blocks", [4, 16])
+@pytest.mark.parametrize("n_blocks", [4, pytest.param(16, marks=pytest.mark.slow)])  # flat in depth: with 16, in CI
 def test_compiled_keel_fuses_every_junction_across_blocks_with_graphs_flat_in_depth(n_blocks):
     """On CPU, `run.compile=true` (fused_junction auto) moves each next sub-layer's LN_in into the compiled block
     that ends with LN_out (`ComposedJunction`), so the junction between two blocks is one compiled graph's work.

@@ -397,6 +397,7 @@ def test_a_prepared_budget_point_starts_from_the_same_init(corpus_cfg):
     assert plain["losses"] == prepared["losses"] and plain["report_loss"] == prepared["report_loss"]
 
 
+@pytest.mark.slow
 def test_depth_can_take_each_arms_lr_from_an_earlier_run(corpus_cfg, tmp_path):
     short = build("depth", True, [*TINY, *QUICK["depth"], *corpus_cfg, "seeds=[0]", "lrs=[1e-3,1e-2]"])
     EXPERIMENTS["depth"][1](short, tmp_path / "short", "keel experiment depth --quick")
@@ -450,6 +451,7 @@ def test_a_bare_experiment_command_never_writes_into_the_committed_results(quick
     assert sorted(p.name for p in (tmp_path / "results" / "depth").rglob("*")) == ["config.json", "points"]
 
 
+@pytest.mark.slow  # compiles the model (18 s cold on a loaded machine)
 def test_a_sweep_recorded_eager_continues_compiled_and_each_point_says_how_it_ran(corpus_cfg, tmp_path):
     """run.compile is how a point is computed, not what (EXECUTION_FIELDS): adding seeds compiled to a sweep
     recorded eager is allowed, and each point records its own execution."""

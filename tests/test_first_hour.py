@@ -212,6 +212,7 @@ def test_generated_text_reaches_the_terminal_without_control_bytes():
 
 
 # ---- interruption and wall time -----------------------------------------------------------------------------
+@pytest.mark.slow  # sleeps a second on purpose
 def test_resumed_run_counts_wall_time_of_all_segments(tmp_path, capsys):
     """Segment one sleeps a second then is interrupted (as by Ctrl-C) at step 3; the resumed run's summary counts
     that second too. Before: wall_seconds of the last segment only."""

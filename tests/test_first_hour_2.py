@@ -24,6 +24,7 @@ def test_import_keel_before_torch_makes_idle_openmp_threads_sleep():
     assert (run.returncode, run.stdout) == (0, "passive\n"), run.stderr[-1500:]
 
 
+@pytest.mark.slow  # a Python that imports torch, as is the next test's
 def test_a_wait_policy_the_user_chose_is_kept():
     run = _policy_after("import keel\nimport torch", OMP_WAIT_POLICY="active")
     assert (run.returncode, run.stdout) == (0, "active\n"), run.stderr[-1500:]
@@ -48,6 +49,7 @@ def test_with_torch_imported_first_the_policy_is_left_alone_and_a_busy_machine_i
     assert keel._passive_openmp() is None
 
 
+@pytest.mark.slow  # two Pythons that import torch; the in-process test above keeps the warning in the fast tier
 @pytest.mark.parametrize("load, warned", [(0.0, False), (99.0, True)])
 def test_importing_keel_after_torch_warns_only_on_a_busy_machine(load, warned):
     code = (f"import os, warnings\nos.getloadavg = lambda: ({load!r}, 0.0, 0.0)\nimport torch\n"
@@ -163,7 +165,8 @@ def _server(answer: int | None):
         def log_message(self, *args):
             pass
     server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # shutdown() waits for serve_forever's next poll: 0.5 s by default, a test's main cost
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     return f"http://127.0.0.1:{server.server_address[1]}", server.shutdown
 
 

@@ -116,11 +116,12 @@ def test_each_pipeline_stage_holds_what_the_plan_says(ac_every):
 
 
 # (model fields, batch, seq, ac_every, optimizer implementation, bf16 autocast): activation-heavy and
-# parameter-heavy shapes
+# parameter-heavy shapes; the activation-heavy ones (a second or more each) in the slow tier
+SLOW = pytest.mark.slow
 PHASE_CASES = [
-    ({"d_model": 128, "n_blocks": 6}, 8, 128, 0, "foreach", False),
-    ({"d_model": 128, "n_blocks": 6, "scheme": "pre_ln"}, 8, 128, 1, "foreach", False),
-    ({"d_model": 128, "n_blocks": 6}, 8, 128, 1, "fused", False),
+    pytest.param({"d_model": 128, "n_blocks": 6}, 8, 128, 0, "foreach", False, marks=SLOW),
+    pytest.param({"d_model": 128, "n_blocks": 6, "scheme": "pre_ln"}, 8, 128, 1, "foreach", False, marks=SLOW),
+    pytest.param({"d_model": 128, "n_blocks": 6}, 8, 128, 1, "fused", False, marks=SLOW),
     ({"d_model": 384, "n_blocks": 4}, 1, 16, 0, "foreach", False),  # the optimizer step peaks: 20 bytes a parameter
     ({"d_model": 384, "n_blocks": 4}, 1, 16, 1, "fused", False),  # 16
     ({"d_model": 384, "n_blocks": 4}, 2, 64, 0, "fused", True),  # bf16 copies of the weights kept for the backward
@@ -154,8 +155,8 @@ def test_the_phase_plan_is_within_10_percent_of_torchs_storage_tracker(fields, b
 # 8-bit moments: (model fields, batch, seq, ac_every, optim.state)
 BF16_WEIGHT_CASES = [
     ({"d_model": 384, "n_blocks": 4}, 1, 16, 0, "float32"),  # parameter-heavy: the optimizer step or backward peaks
-    ({"d_model": 384, "n_blocks": 4}, 1, 16, 0, "8bit"),
-    ({"d_model": 128, "n_blocks": 6}, 8, 128, 1, "float32"),  # activation-heavy, checkpointed
+    pytest.param({"d_model": 384, "n_blocks": 4}, 1, 16, 0, "8bit", marks=SLOW),
+    pytest.param({"d_model": 128, "n_blocks": 6}, 8, 128, 1, "float32", marks=SLOW),  # activation-heavy, checkpointed
 ]
 
 

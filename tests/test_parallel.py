@@ -64,6 +64,7 @@ def test_compiling_blocks_compiles_a_constant_number_of_graphs_whatever_the_dept
     assert compiled_graphs(12, ac_every, scheme="mix_ln", mix_ln_fraction=0.5) == 2
 
 
+@pytest.mark.slow  # Inductor's C++ build: 15 s on a cold cache (a fresh machine), on a loaded 2-core one
 def test_inductor_compiled_blocks_match_eager():
     if shutil.which("gcc") is None and shutil.which("cc") is None:
         pytest.skip("no C compiler for inductor's CPU backend")
@@ -82,6 +83,7 @@ def test_inductor_compiled_blocks_match_eager():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # a Python that imports torch
 def test_fused_junction_values_and_default_are_written_once_and_importing_them_is_light():
     import inspect
     import subprocess

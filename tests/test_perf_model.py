@@ -137,6 +137,7 @@ def test_mfu_is_bench_convention_and_peaks_are_runtimes():
     assert pm.gpu_spec("NVIDIA H100 80GB HBM3").name == "H100" and pm.gpu_spec("Tesla T4") is None
 
 
+@pytest.mark.slow
 def test_committed_predictions_are_what_the_code_generates():
     assert (REPO / "benchmarks" / "gpu" / "predicted.md").read_text() == pr.paper_markdown()
 
@@ -183,6 +184,7 @@ def test_validation_reports_predicted_against_measured(monkeypatch):
     assert row["device"]["bandwidth_GBps"] > 0 and "Largest |error|" in pr.validation_markdown(result)
 
 
+@pytest.mark.slow  # the least squares on every device
 def test_the_stored_fit_is_what_calibrate_gives_on_the_newest_measured_run():
     """keel.bench.calibrate.calibrated reads each device's fit from calibrated_gpu.json (a dry run needs it in a
     second, the least squares takes many): stored and refitted agree, so a new measurement without

@@ -126,6 +126,7 @@ def library_code() -> str:
     return library_blocks()[0]
 
 
+@pytest.mark.slow  # 30 steps of the README's model; the next test keeps the Python API in the fast tier
 def test_readme_library_example_trains_a_next_token_model():
     """Its loss is the next-token loss (checked against an independent shift), and 30 AdamW steps of the
     README's own call lower it as a next-token model's would: the copy task (targets=idx) falls to ~0.01."""
