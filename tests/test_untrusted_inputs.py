@@ -350,9 +350,10 @@ def test_the_batch_check_in_the_samplers():
     tokens = np.arange(100, dtype=np.uint16)
     x, _ = WindowSampler(tokens, 8, 2, seed=0, vocab_size=100).next_batch()  # ids 0..99: all inside
     assert int(x.max()) < 100
+    sampler = WindowSampler(tokens, 8, 2, seed=0, vocab_size=90, source="shard.bin")
     with pytest.raises(DataError, match="shard.bin: token id 9[0-9] is outside the model's vocabulary of 90"):
-        for _ in range(50):  # some window reaches ids >= 90
-            WindowSampler(tokens, 8, 2, seed=0, vocab_size=90, source="shard.bin").next_batch()
+        for _ in range(50):  # 50 batches of one sampler: some window reaches ids >= 90
+            sampler.next_batch()
     with pytest.raises(DataError, match="a batch: token id 9[0-9] is outside"):
         list(eval_batches(tokens, 8, 4, 100, vocab_size=90))
 

@@ -249,7 +249,10 @@ def time_lines(config, gpu: str = "H100") -> list[str]:
     spec = calibrated(gpu) or DEVICES[gpu]
     fitted = f"calibrated on {spec.calibrated}" if spec.calibrated else "uncalibrated datasheet figures"
     p = predict(config.model, r.batch_size, r.seq_len, spec, "compiled" if r.compile else "eager", True, r.ac_every)
-    hours = p["step_time_s"] * r.grad_accum * r.steps / 3600
+    optimizer = p["groups"].get("optimizer", {}).get("time_s", 0.0)  # once a step, not once a micro-batch
+    step = (p["step_time_s"] - optimizer) * r.grad_accum + optimizer
+    hours = step * r.steps / 3600
+    mfu = p["mfu"] * p["step_time_s"] * r.grad_accum / step
     took = f"{hours:,.1f} hours" if hours < 48 else f"{hours:,.0f} hours ({hours / 24:,.0f} days)"
-    return [f"time on one {gpu} (PREDICTED by keel.bench.perf_model, {fitted}): {took}, "
-            f"{p['step_time_s'] * r.grad_accum:,.2f} s a step at MFU {p['mfu']:.0%}"]
+    return [f"time on one {gpu} (PREDICTED by keel.bench.perf_model, {fitted}): {took}, {step:,.2f} s a step of "
+            f"{r.grad_accum} micro-batches at MFU {mfu:.0%}"]

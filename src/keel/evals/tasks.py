@@ -77,9 +77,9 @@ def _read_items(path: Path, probe: Probe) -> list[dict] | None:
     try:
         text = safe_io.read_text(path.parent, path, safe_io.CAP_LOG)
         items = [safe_io.loads_json(line) for line in text.splitlines()] if text is not None else None
-    except ValueError:  # DataError is one too
+    except (ValueError, OSError):  # DataError is a ValueError too
         return None
-    return items if items is not None and all(_valid_item(item, probe) for item in items) else None
+    return items if items and all(_valid_item(item, probe) for item in items) else None
 
 
 @dataclass(frozen=True)

@@ -90,9 +90,9 @@ class FusedJunction:
     It holds the two norm modules, not their weights, so it reads whatever tensor each holds at call time
     (FSDP2 swaps the sharded and the gathered parameter in and out). A plain object, not an nn.Module, so
     the next sub-layer's norm is not registered twice and state dicts stay as they were. It writes u in the
-    dtype of the next norm's gain, which is that of the branch weights u feeds (FSDP2's mixed precision and
-    run.weights=bfloat16 cast whole blocks): the dtype the branch casts its input to, so a bf16 u halves
-    those bytes and the branch's cast is a no-op.
+    dtype the branch u feeds computes in: autocast's where autocast is on, else that of the next norm's gain,
+    which is the branch weights' (FSDP2's mixed precision and run.weights=bfloat16 cast whole blocks); a bf16 u
+    halves those bytes and the branch's own cast is a no-op.
     """
 
     def __init__(self, alpha: float, norm_out: RMSNorm, next_norm_in: RMSNorm):
@@ -101,9 +101,11 @@ class FusedJunction:
         self.alpha, self.norm_out, self.next_norm_in, self.op = alpha, norm_out, next_norm_in, keel_junction
 
     def __call__(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w_in = self.next_norm_in.weight
+        w_in, device = self.next_norm_in.weight, x.device.type
+        # the dtype the next branch computes in (keel.model.layers.compute_dtype): autocast's where it is on
+        u_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w_in.dtype
         return self.op(x, h, self.alpha, self.norm_out.weight, w_in, self.norm_out.eps, impl="triton",
-                       u_dtype=w_in.dtype)
+                       u_dtype=u_dtype)
 
 
 class ComposedJunction:

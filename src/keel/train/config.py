@@ -178,7 +178,7 @@ RESUMABLE = ("resume", "run.steps", "run.batch_size", "run.progress", "run.log_e
              "run.eval_batches", "run.ac_every", "run.fsdp_group", "run.ckpt_every", "run.keep_checkpoints",
              "run.device", "run.compile", "run.fused_junction", "run.out_dir", "run.name", "run.telemetry_every",
              "run.log_to", "run.eval_tasks", "run.eval_tasks_every", "run.eval_tasks_items",  # scoring never trains
-             "run.threads")
+             "run.threads", "run.dtype")  # run.dtype as run.device: auto means bf16 on CUDA, float32 on a CPU
 RESUME = Reads("resume", RESUMABLE, why="a resumed run must keep it", keep_unchanged=True)
 SUMMARY = Reads("keel summary", ("model",), why="it describes the model: model.* fields only")
 SUMMARY_OF_RUN = Reads("keel summary", (), why="it describes the run's model as it was trained")

@@ -161,8 +161,8 @@ def plan(config, predicted: list[str] = ()) -> str:
 
 
 def data_notes(config, tokens: int) -> list[str]:
-    """What the run's data is, where a budget outgrows the offline default; and, for a paper preset, what differs
-    from the paper's recipe (keel.train.presets.PAPER_PRESETS)."""
+    """What the run's data is, where a budget outgrows the offline default (the paper presets' case:
+    keel.train.presets.PAPER_PRESETS), and the one line that gets the paper's data."""
     from keel.train.presets import PAPER_DATA  # noqa: PLC0415 (presets import config, which imports this module's users)
 
     out = []

@@ -49,7 +49,9 @@ PAPER_DATA = "data.source=hf:HuggingFaceFW/fineweb-edu"  # the paper's FineWeb-E
 def _paper_recipe(name: str, one_gpu: bool = False):
     """A paper shape with the paper's recipe. `one_gpu` (paper-1024, paper-2048): AdamW's moments in 8 bits
     (torchao), so that by keel.scale.memory's plan (validated on CPU against torch's storage tracker) 1024
-    sub-layers fit one 80 GB GPU and 2048 one 141 GB GPU; `--dry-run` prints it and what differs from the paper."""
+    sub-layers fit one 80 GB GPU and 2048 one 141 GB GPU; `--dry-run` prints it. The LR is the paper's for Keel at
+    the depth: another scheme at a paper shape (`model.scheme=pre_ln`) keeps it unless optim.lr is set (the paper
+    trained Pre-LN at 3e-3 at 512 and 1024 sub-layers)."""
     def build() -> TrainConfig:
         model = MODEL_PRESETS[name]()
         return TrainConfig(model=model, data=DataConfig(tokenizer=f"bpe:{model.vocab_size}"),

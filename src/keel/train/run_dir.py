@@ -288,7 +288,7 @@ class RunDir(os.PathLike):
         from keel.train import checkpoint
 
         config = self.config()
-        for attempt in range(3):
+        for _ in range(3):
             path = Path(checkpoint_path) if checkpoint_path else self.latest_checkpoint()
             try:
                 model = self.build_model(config, path)
@@ -299,10 +299,8 @@ class RunDir(os.PathLike):
                 # can vanish under the reader. Then the newest is taken again; anything else is the error it is.
                 if checkpoint_path or path.exists():
                     raise
-                if attempt == 2:
-                    raise CheckpointError(f"checkpoint {path}: removed while being read, three times over (a run "
-                                          "still training prunes its old checkpoints); try again") from None
-        raise AssertionError("unreachable")
+        raise CheckpointError(f"checkpoint {path}: removed while being read, three times over (a run still "
+                              "training prunes its old checkpoints); try again")
 
     def build_model(self, config: TrainConfig, path: Path) -> TransformerLM:
         """`TransformerLM(config.model)`, once its sizes are checked against checkpoint `path` and this
