@@ -1,7 +1,7 @@
 """Shared fixtures and the test tiers.
 
 Tiers (markers, registered in pyproject.toml):
-  slow         takes more than a few seconds (real training runs, subprocesses, quick experiments)
+  slow         takes about a second or more (training runs, subprocesses, compiles, quick experiments)
   distributed  starts several processes (torchrun, gloo on CPU)
   gpu          needs CUDA; skipped where there is none
 `python -m pytest -q` runs the fast tier (neither slow nor distributed); `python -m pytest -q -m "not gpu"`
@@ -18,6 +18,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+# before torch: `import keel` lets torch's idle OpenMP threads sleep (OMP_WAIT_POLICY=passive, inherited by the
+# tests' subprocesses). With them spinning, the fast tier took 497 s, not 133 s, on 2 cores at load 3 to 4.
+import keel  # noqa: F401
+
+# isort: split
 import pytest
 import torch
 
