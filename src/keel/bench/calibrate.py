@@ -15,7 +15,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from keel.bench.perf_model import DEVICES, DeviceSpec, paper_config, predict
+from keel.bench.perf_model import DEVICES, Code, DeviceSpec, paper_config, predict
 from keel.model.counting import count_params
 
 MEASURED = Path(__file__).with_name("measured_gpu.json")
@@ -45,7 +45,7 @@ def _predicted(spec: DeviceSpec, run: dict, variant: str, scheme: str) -> float:
     shape = run["shape"]
     config = scheme_config(paper_config(shape["d_model"], shape["n_sublayers"]), scheme)
     return predict(config, shape["batch_size"], shape["seq_len"], spec, variant, shape["dtype"] == "bfloat16",
-                   shape["ac_every"])["step_time_s"]
+                   shape["ac_every"], Code(**run.get("code", {})))["step_time_s"]
 
 
 def calibrate(run: dict, base: DeviceSpec | None = None, matmul_eff: float | None = None

@@ -125,14 +125,24 @@ def _consumers(config, kind):
     return 3 if kind == "attn" else (2 if config.ffn == "swiglu" else 1)
 
 
-def _boundary(config, prev, nxt, cons, c, bf16, mode):
+@dataclass(frozen=True)
+class Code:
+    """What keel's code did at the junction when a step was measured, where it has changed since: a measured run is
+    calibrated with the model of the code it ran (measured_gpu.json's "code"), and predictions use today's."""
+
+    cast_once: bool = True  # under autocast a branch casts its float32 input once (keel.model.layers.compute_dtype),
+    # not once per matmul (before 2026-11-25)
+    fused_u_compute_dtype: bool = True  # the fused kernel writes u in the compute dtype, not float32 plus a cast
+
+
+def _boundary(config, prev, nxt, cons, c, bf16, mode, code: Code = Code()):
     """Bytes per token and launches between sub-layers: `y = norm_out(alpha*x + h)` of `prev` (None: the
     embedding) and `u = norm_in(y)` cast for the `cons` linears of `nxt` (None: the final norm and head).
 
     mode: "eager" (one pass per op), "graph" (both in one compiled graph: one kernel each way, plus one pass
     re-reading the rows for the norm gains' column sums), "split" (a compiled-graph boundary between them: the
     stream is written, then read back), "fused" (keel.kernels.junction: one kernel each way, gains summed in
-    registers; u is written float32 and cast by one more kernel for the matmuls)."""
+    registers; u written in the compute dtype the matmuls read, its gradient read back in it)."""
     d = config.d_model
     n_out, n_in = bool(prev and prev.norm_out), bool(nxt and nxt.norm_in)
     has_u = nxt is not None and (n_in or bf16)  # a float32 branch without norm_in reads the stream itself
@@ -143,11 +153,18 @@ def _boundary(config, prev, nxt, cons, c, bf16, mode):
         fwd, lf, bwd, lb = nb * norms, nl * norms, bb * norms, bl * norms
         if prev:  # h cast to the stream, alpha*x (also alpha = 1.0: Residual multiplies), + h; backward alpha*g
             fwd, lf, bwd, lb = fwd + 20 + 6 * bf16, lf + 2 + bf16, bwd + 8 + 6 * bf16, lb + 1 + bf16
-        if nxt:  # autocast casts u once per linear; the grads of u's consumers and of y's two uses are added
+        if nxt and bf16 and code.cast_once:  # the branch casts u to bf16 once; backward: its consumers' bf16
+            # gradients summed, cast back once, added to the gradient of y's other use
+            fwd, lf = fwd + 6, lf + 1
+            bwd, lb = bwd + 6 * (cons - 1) + 6 + 12, lb + cons + 1
+        elif nxt:  # autocast casts u once per linear; the grads of u's consumers and of y's two uses are added
             fwd, lf = fwd + 6 * cons * bf16, lf + cons * bf16
             bwd, lb = bwd + 6 * cons * bf16 + 12 * cons, lb + cons * bf16 + cons
         return fwd * d, lf, bwd * d, lb
-    if mode == "fused":  # x, h in; y, u out (float32); cast u; backward: sum the grads of u, then x h dy du in
+    if mode == "fused" and code.fused_u_compute_dtype:  # x, h in; y, u out (u in the compute dtype); backward:
+        pre = cons > 1  # sum u's gradients, then x h dy du in, dx dh out
+        return (2 * S + c + c) * d, 1, ((du + c) * pre + 3 * S + c + 2 * c) * d, 1 + pre + 4
+    if mode == "fused":  # u written float32 and cast by one more kernel for the matmuls
         pre = bf16 or cons > 1
         return (3 * S + c + (S + c) * bf16) * d, 1 + bf16, ((du + S) * pre + 4 * S + 2 * c) * d, 1 + pre + 4
     if mode == "graph":  # x, h in, y, u out; backward dy, du, x, h in (z, y recomputed), dx, dh out
@@ -165,8 +182,9 @@ def _boundary(config, prev, nxt, cons, c, bf16, mode):
     return fwd * d, lf, bwd * d, lb
 
 
-def step_ops(config: ModelConfig, batch: int, seq: int, bf16: bool, impl: str, ac_every: int = 0) -> list[Op]:
-    """Every op group of one training step (`batch` sequences of `seq` tokens, one micro-batch)."""
+def step_ops(config: ModelConfig, batch: int, seq: int, bf16: bool, impl: str, ac_every: int = 0,
+             code: Code = Code()) -> list[Op]:
+    """Every op group of one training step (`batch` sequences of `seq` tokens, one micro-batch) of `code`."""
     if impl not in IMPLS:
         raise ValueError(f"impl: got {impl!r}; allowed: {', '.join(IMPLS)}")
     M, c, d, V = batch * seq, 2 if bf16 else 4, config.d_model, config.vocab_size
@@ -184,7 +202,8 @@ def step_ops(config: ModelConfig, batch: int, seq: int, bf16: bool, impl: str, a
             mode = "fused"
         else:  # per-block compile: the attention -> FFN boundary is inside a block's graph
             mode = "graph" if j % 2 and prev and nxt else "split"
-        fwd, lf, bwd, lb = _boundary(config, prev, nxt, _consumers(config, kinds[j]) if nxt else 0, c, bf16, mode)
+        fwd, lf, bwd, lb = _boundary(config, prev, nxt, _consumers(config, kinds[j]) if nxt else 0, c, bf16, mode,
+                                     code)
         kind = "fused" if mode == "fused" else "memory"
         ops += [Op("norm+junction", "fwd", 0, fwd * M, lf, kind), Op("norm+junction", "bwd", 0, bwd * M, lb, kind)]
         if (max(j - 1, 0) // 2) in checkpointed:
@@ -227,9 +246,10 @@ def op_time(op: Op, device: DeviceSpec, impl: str, bf16: bool) -> float:
 
 
 def predict(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, impl: str, bf16: bool = True,
-            ac_every: int = 0) -> dict:
-    """Predicted step time, tokens/s and MFU of one training step, and time, FLOPs and bytes per op group."""
-    ops = step_ops(config, batch, seq, bf16, impl, ac_every)
+            ac_every: int = 0, code: Code = Code()) -> dict:
+    """Predicted step time, tokens/s and MFU of one training step of `code` (today's unless a measured run's), and
+    time, FLOPs and bytes per op group."""
+    ops = step_ops(config, batch, seq, bf16, impl, ac_every, code)
     groups: dict[str, dict] = {}
     for op in ops:
         g = groups.setdefault(op.group, {"time_s": 0.0, "flops": 0.0, "bytes": 0.0, "memory_bound_s": 0.0})
