@@ -142,6 +142,7 @@ def test_a_resume_checks_model_sizes_as_eval_does(run, monkeypatch, field, value
     assert not (run / "checkpoints" / "step_00000003").exists()
 
 
+@pytest.mark.slow  # a subprocess with its own imports, several seconds
 def test_a_fifo_as_data_tokenizer_does_not_hang(tmp_path):
     """Tokenizer.from_file waited on the FIFO for ever (SIGTERM could not stop it): one line naming the field."""
     import subprocess
@@ -384,6 +385,7 @@ def test_a_jsonl_record_nested_100000_deep_is_one_line(tmp_path, capsys):
 
 
 # ---- 5. a FIFO named like the next checkpoint ------------------------------------------------------------------
+@pytest.mark.slow  # a subprocess with its own imports, several seconds
 def test_a_fifo_named_like_the_next_checkpoint_does_not_hang_resume(run):
     import subprocess
     import sys
