@@ -289,6 +289,7 @@ def test_interrupt_during_validation_still_resumes_exactly(args, monkeypatch):
     assert losses(run_dir) == losses(run_dir.parent / "straight")
 
 
+@pytest.mark.slow
 def test_resume_keeps_extended_steps_and_leaves_a_finished_run_alone(args, tmp_path, capsys):
     assert main(["train", "--preset", "tiny", *args()]) == 0
     run_dir = tmp_path / "runs" / "run"
@@ -306,6 +307,7 @@ def test_validation_split_too_short_is_named_before_training(args, capsys):
     assert "run.eval_every" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_weights_only_checkpoint_cannot_be_resumed(args, tmp_path, capsys):
     assert main(["train", "--preset", "tiny", *args()]) == 0
     run_dir = tmp_path / "runs" / "run"
@@ -389,6 +391,7 @@ def test_rollback_does_not_repeat_steps_in_the_log(args):
     assert all(r["tokens_per_s"] > 0 for r in records if "tokens_per_s" in r)
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_start_leaves_nothing_that_blocks_a_retry(args, tmp_path, monkeypatch, capsys):
     """It used to leave an empty config.yaml that blocked both a new run of that name and resume=."""
     from keel.train.run_dir import RunDir
@@ -407,6 +410,7 @@ def test_a_full_disk_at_start_leaves_nothing_that_blocks_a_retry(args, tmp_path,
     assert main(["train", "--preset", "tiny", *args("run.steps=2", name="full")]) == 0
 
 
+@pytest.mark.slow
 def test_a_signal_during_the_last_step_says_the_run_is_complete(args, capsys):
     """Issue 36.7: SIGINT inside the last step (after the loop's last look at the flag) used to end the run with
     exit 0 and no line at all. Now the run, complete and saved, says so in one line on stderr."""
@@ -424,6 +428,7 @@ def test_a_signal_during_the_last_step_says_the_run_is_complete(args, capsys):
     assert checkpoint.list_checkpoints(trainer.run_dir)[-1].name == "step_00000020"
 
 
+@pytest.mark.slow
 def test_the_model_is_frozen_out_of_full_collections_while_the_run_trains_and_thawed_after(args):
     """gc.freeze after building: Python's collector no longer walks the model's objects between steps; the run
     thaws them when it ends, so a process that trains many runs (tests, sweeps) still collects their cycles."""

@@ -104,8 +104,8 @@ DAMAGE = {
 }
 
 
-# one damage per file in the fast tier; every damage in the slow one (each costs a plot and a resumed run)
-FAST_DAMAGE = ("string loss", "torn summary", "telemetry scalar")
+# one damage in the fast tier (each costs a plot and a resumed run: about 2 s); every damage in the slow one
+FAST_DAMAGE = ("torn summary",)
 
 
 @pytest.mark.parametrize("damage", [d if d in FAST_DAMAGE else pytest.param(d, marks=pytest.mark.slow)

@@ -81,6 +81,7 @@ def test_run_status_running_then_new(args):
     assert RunDir(trainer.run_dir.path).status() == "new"
 
 
+@pytest.mark.slow
 def test_print_config_round_trips_and_resume_latest(args, tmp_path, capsys):
     assert main(["train", "--preset", "tiny", "--print-config", *args("run.steps=3", name="a")]) == 0
     text = capsys.readouterr().out
