@@ -103,6 +103,9 @@ def test_compile_true_runs_the_compiled_step(corpus, tmp_path):
 
 
 def test_every_model_preset_is_a_training_preset():
+    from keel.model.presets import PRESETS as MODEL_PRESETS
+
+    assert set(PRESETS) == set(MODEL_PRESETS)  # `--preset` offers the model presets' names
     for name in PRESETS:
         config = load_config([], preset=name)
         assert config.model.n_blocks >= 1

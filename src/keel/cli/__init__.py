@@ -76,9 +76,9 @@ def cmd_train(args) -> int:
         run = latest_run(config.run.out_dir) if config.resume == "latest" else RunDir.open(config.resume)
         config = run.resume_config(args.overrides, args.config)
         resume_from = run.latest_checkpoint()
-        from keel.train.resume import check_model_fits
+        from keel.train.resume import check_resume_fits
 
-        check_model_fits(run.path, config, resume_from)  # as eval does, before the trainer allocates anything
+        check_resume_fits(run.path, config, resume_from)  # as eval does, before the trainer allocates anything
     runtime.set_threads(config.run.threads)  # once, from the merged config, before any torch work
     if args.print_config:
         print(to_yaml(config), end="")

@@ -68,7 +68,6 @@ PAPER_PRESETS = ("paper-64", "paper-128", "paper-512", "paper-1024", "paper-2048
 # `paper-1024` and `paper-2048` with 8-bit moments, to fit one GPU
 PRESETS = {name: _paper_recipe(name, one_gpu=name in ("paper-1024", "paper-2048")) for name in PAPER_PRESETS} \
     | {"cpu-demo": _cpu_demo_train, "tiny": _tiny_train}
-assert set(PRESETS) == set(MODEL_PRESETS)
 
 
 DEFAULT_PRESET = "cpu-demo"

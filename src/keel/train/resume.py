@@ -29,13 +29,13 @@ def check_resumable(path: Path, state: dict, meta: dict, sharded: bool = False) 
             raise CheckpointError(f"checkpoint {path}: {name} has no {missing[0]}, which a resume restores")
 
 
-def check_model_fits(run_path: Path, config, checkpoint: Path) -> None:
+def check_resume_fits(run_path: Path, config, checkpoint: Path) -> None:
     """Before a resume builds anything: the run's model sizes (config.yaml, which may come from elsewhere)
     against `checkpoint`'s weights and the memory of the device it trains on, as `keel eval` checks them."""
     from keel.runtime import device_memory, resolve_device
-    from keel.train.untrusted import check_model_fits as check
+    from keel.train.untrusted import check_model_fits
 
-    check(Path(run_path) / "config.yaml", config.model, Path(checkpoint),
+    check_model_fits(Path(run_path) / "config.yaml", config.model, Path(checkpoint),
           device_memory(resolve_device(config.run.device)))
 
 
