@@ -157,3 +157,16 @@ def test_a_run_that_does_not_fit_its_data_or_device_is_refused_naming_the_field(
         monkeypatch.setattr(plan, "device_memory", lambda device: 1024)
     with pytest.raises(ConfigError, match=needle):
         plan.check_fits(config, data, 1, torch.device("cpu"))
+
+
+def test_on_and_off_are_text_for_a_text_field_and_a_yaml_boolean_is_named(args, tmp_path, capsys):
+    """YAML 1.1 reads on/off/yes/no as booleans: `run.fused_junction=off` on the command line was refused as
+    'False'. Typed as an override it is the text; in a YAML file unquoted, the message says why."""
+    from keel.train.config import load_config
+
+    assert load_config(["run.fused_junction=off"], preset="tiny").run.fused_junction == "off"
+    assert load_config(["run.fused_junction=on"], preset="tiny").run.fused_junction == "on"
+    assert load_config(["run.compile=off"], preset="tiny").run.compile is False  # a boolean field stays one
+    (tmp_path / "c.yaml").write_text("run:\n  fused_junction: off\n")
+    assert main(["train", "--preset", "tiny", "--config", str(tmp_path / "c.yaml"), "--dry-run", *args()]) == 2
+    one_line_error(capsys, "write 'off'")

@@ -244,9 +244,14 @@ def _leaves(node, prefix: str):
             yield f"{prefix}{key}"
 
 
+# words YAML 1.1 (what OmegaConf parses an override's value with) reads as a boolean or null
+YAML_WORDS = {"on", "off", "yes", "no", "y", "n", "true", "false", "null", "~"}
+
+
 def _as_list(base, item: str) -> str:
     """`run.log_to=tensorboard` for a list field means `run.log_to=[tensorboard]` (and `a,b` means `[a,b]`):
-    the brackets are easy to forget, and unquoted they are a glob to zsh."""
+    the brackets are easy to forget, and unquoted they are a glob to zsh. For a text field, a word YAML would
+    read as a boolean or null is kept as the text typed: `run.fused_junction=off` is "off", not False."""
     key, value = item.split("=", 1)
     node, parts = base, key.split(".")
     for part in parts[:-1]:
@@ -256,6 +261,8 @@ def _as_list(base, item: str) -> str:
     kind = str({f.name: f.type for f in fields(node)}.get(parts[-1], ""))  # "list[str]", or the type itself
     if kind.removeprefix("typing.").lower().startswith("list[") and value.strip():
         return f"{key}=[{value}]"
+    if kind in ("str", "<class 'str'>") and value.strip().lower() in YAML_WORDS:
+        return f"{key}='{value.strip()}'"
     return item
 
 
@@ -339,7 +346,10 @@ def validate_runtime(run) -> None:
     if run.dtype not in DTYPES:
         raise ConfigError(f"run.dtype: got {run.dtype!r}; allowed: {', '.join(DTYPES)}")
     if run.fused_junction not in FUSED_JUNCTION:
-        raise ConfigError(f"run.fused_junction: got {run.fused_junction!r}; allowed: {', '.join(FUSED_JUNCTION)}")
+        yaml = " (YAML reads an unquoted on or off as a boolean: write 'off')" if run.fused_junction in (
+            "True", "False") else ""
+        raise ConfigError(f"run.fused_junction: got {run.fused_junction!r}; allowed: {', '.join(FUSED_JUNCTION)}"
+                          + yaml)
     if run.grad_accum < 1:
         raise ConfigError(f"run.grad_accum: got {run.grad_accum!r}; allowed: an integer >= 1")
     if run.ac_every < 0:
