@@ -105,9 +105,37 @@ def test_two_processes_running_one_sweep_train_each_point_once(tmp_path):
         t.join()
     assert sorted(calls) == sorted(points)  # every point trained exactly once between the two
     # each point as its job returned it, plus how it ran (Sweep.execution)
-    assert results[0] == results[1] == {k: {"name": k, "execution": {"compile": False, "threads": torch_threads()}}
+    assert results[0] == results[1] == {k: {"name": k, "execution": {"compile": False, "threads": torch_threads(),
+                                                                               "eager_fallbacks": 0}}
                                         for k in points}
     assert not list(tmp_path.glob("points/*.claim"))
+
+
+def test_each_point_compiles_from_an_empty_dynamo_cache_and_records_a_fallback(tmp_path, monkeypatch):
+    # one process runs many points: each new model's graphs would count against Dynamo's recompile limit, and
+    # past it later points would run eagerly while recording compile=True
+    import torch
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+
+    @torch.compile(backend="eager")
+    def step(x):
+        return x.sin() + 1
+
+    def point(shapes):
+        def run():
+            for n in shapes:
+                step(torch.ones(n))
+            return {}
+        return run
+    points = {f"p{i}": point([2 * i + 1, 2 * i + 2]) for i in range(4)}  # two graphs each, eight in all
+    points["greedy"] = point([20, 21, 22])  # three graphs in one point: over the limit of two by itself
+    ran = Sweep(tmp_path, _Cfg(), poll_seconds=0.01).run(points, "sweep")
+    assert [ran[f"p{i}"]["execution"]["eager_fallbacks"] for i in range(4)] == [0, 0, 0, 0]
+    assert ran["greedy"]["execution"]["eager_fallbacks"] == 1
+    torch._dynamo.reset()
 
 
 def test_a_claim_of_a_dead_process_is_taken_over_and_a_live_one_respected(tmp_path):

@@ -24,6 +24,25 @@ from keel.errors import ConfigError
 EXECUTION_FIELDS = ("run.compile", "run.threads")
 
 
+def _eager_fallbacks() -> int:
+    """How many frames Dynamo gave up compiling (recompile limit) during the point just run: 0 means it ran as
+    compiled as `run.compile` says."""
+    from torch._dynamo.utils import counters
+
+    return sum(n for k, n in counters["unimplemented"].items() if "recompile limit" in k.lower())
+
+
+def _fresh_compile(fn: Callable[[], dict]) -> dict:
+    """Runs a point from an empty Dynamo cache: the models of earlier points in this process would otherwise count
+    against Dynamo's recompile limit and, past it, leave later points running eagerly."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    return fn()
+
+
 @dataclass
 class Sweep:
     """Runs named points once each, keeping each result on disk as soon as it is done. The directory
@@ -40,7 +59,8 @@ class Sweep:
     def execution(self) -> dict:
         """How this process computes its points (recorded in each; a point without it ran eager)."""
         run = getattr(self.config, "run", None)  # a sweep of another config (tests) records only the threads
-        return {"compile": bool(getattr(run, "compile", False)), "threads": torch.get_num_threads()}
+        return {"compile": bool(getattr(run, "compile", False)), "threads": torch.get_num_threads(),
+                "eager_fallbacks": _eager_fallbacks()}
 
     def run(self, points: dict[str, Callable[[], dict]], desc: str) -> dict[str, dict]:
         (self.out / "points").mkdir(parents=True, exist_ok=True)
@@ -74,7 +94,7 @@ class Sweep:
                         if not path.exists():  # finished by another process between our look and our claim
                             bar.set_postfix_str(key)
                             # a point is either finished on disk or not there
-                            _write_atomic(path, json.dumps(fn() | {"execution": self.execution()}))
+                            _write_atomic(path, json.dumps(_fresh_compile(fn) | {"execution": self.execution()}))
                     finally:
                         claim.unlink(missing_ok=True)
                 results[key] = json.loads(path.read_text())
