@@ -242,7 +242,7 @@ def test_cpu_suite_compares_compiled_and_eager_side_by_side(fake_clock, monkeypa
     shapes = {"bench": ({"n_blocks": 2, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "max_seq_len": 16}, 2, 16)}
     writes = []
     result = cpu_suite(2, 1, writes.append, max_load=1e9, wait_s=0, shapes=shapes, compile_backend="eager",
-                       repeats=2, depths=(4, 8), science_steps=2, warmup_sublayers=4,
+                       repeats=2, depths=(4, 8), science_steps=2, warmup_sublayers=4, cold_processes=False,
                        flatness=TINY_FLAT | {"sublayers": (4, 8), "steps": 1, "repeats": 1})
     shape = result["shapes"]["bench"]
     assert set(shape["results"]) == {"keel/eager", "keel/compiled", "pre_ln/eager", "pre_ln/compiled"}

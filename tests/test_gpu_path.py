@@ -3,6 +3,8 @@ is freed before the next is built, proved by a weak reference), compile warm-up 
 empty cache with its graph count, and the fused-junction default under compile is the measured-faster path."""
 
 import gc
+import os
+import statistics
 import weakref
 from dataclasses import replace
 
@@ -59,6 +61,19 @@ def test_cold_warmup_compiles_each_scheme_from_nothing_and_counts_its_graphs():
     off = cold_warmup(config, RunConfig(batch_size=2, seq_len=16, compile=True, fused_junction="off"), ["keel"],
                       compile_backend="aot_eager")
     assert off["keel"]["graphs"] == 2
+
+
+@pytest.mark.slow  # four Python processes, each importing torch
+def test_cold_warmup_in_fresh_processes_alternates_the_order():
+    # in one process the first compile pays the process's one-time costs: each measurement gets its own process
+    run = RunConfig(batch_size=2, seq_len=16, compile=True)
+    got = cold_warmup(TINY, run, ["keel", "pre_ln"], repeats=2, processes=True, compile_backend="eager")
+    pids = got["keel"]["processes"] + got["pre_ln"]["processes"]
+    assert len(set(pids)) == 4 and os.getpid() not in pids
+    # Keel's two blocks: the first-layer rule's and the last
+    assert (got["keel"]["graphs"], got["pre_ln"]["graphs"]) == (2, 1)
+    assert len(got["keel"]["each_first_step_s"]) == 2
+    assert got["pre_ln"]["first_step_s"] == pytest.approx(statistics.median(got["pre_ln"]["each_first_step_s"]))
 
 
 def test_the_step_times_of_cold_warmup_come_from_the_clock(monkeypatch):

@@ -10,10 +10,14 @@ show that cost per sub-layer stays flat.
 from __future__ import annotations
 
 import gc
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -149,20 +153,66 @@ def _measure_group(config, run, group, steps, warmup, optim, device, bench_optio
 
 
 def cold_warmup(config: ModelConfig, run: RunConfig, schemes: list[str], optim: OptimConfig | None = None,
-                device: torch.device | None = None, **bench_options) -> dict:
-    """Compile warm-up of each scheme from nothing: its first training step alone in the process, after a Dynamo
+                device: torch.device | None = None, repeats: int = 1, processes: bool = False,
+                **bench_options) -> dict:
+    """Compile warm-up of each scheme from nothing: its first training step (compile + one step), after a Dynamo
     reset and with an empty Inductor cache directory of its own, so no scheme reuses kernels another compiled
     (in one shared cache the scheme compiled second finds the first one's identical kernels, and on-disk caches
-    from earlier runs make any order fast). Per scheme: the first step's seconds (compile + one step), the
-    second step's, and Dynamo's graph and recompile counts."""
+    from earlier runs make any order fast). Per scheme: the first step's seconds, the second step's, and Dynamo's
+    graph and recompile counts.
+
+    `processes`: each measurement in a fresh Python process, as a user's `keel train` starts. In one process the
+    first compile also pays the process's own one-time costs (Inductor's lazy imports and set-up, the first C++
+    build): on 2 loaded cores about 10 s, which whichever scheme went first was charged (Keel/Pre-LN 3.2x with
+    Keel first, 0.91x with Pre-LN first, the same code). `repeats` > 1 alternates the order (each repeat
+    reversed from the last) and reports each scheme's median, with every repeat's seconds in `each_first_step_s`.
+    """
     import tempfile  # noqa: PLC0415
 
     device = device or resolve_device(run.device)
+    each: dict[str, list[dict]] = {s: [] for s in schemes}
+    for r in range(repeats):
+        for s in (schemes if r % 2 == 0 else schemes[::-1]):
+            with tempfile.TemporaryDirectory(prefix="keel-inductor-") as cache:
+                if processes:
+                    each[s].append(_first_steps_in_process(scheme_config(config, s), run, optim, device,
+                                                           bench_options, cache))
+                else:
+                    with _inductor_cache(cache):
+                        each[s].append(_first_steps(scheme_config(config, s), run, optim, device, bench_options))
     out = {}
-    for s in schemes:
-        with tempfile.TemporaryDirectory(prefix="keel-inductor-") as cache, _inductor_cache(cache):
-            out[s] = _first_steps(scheme_config(config, s), run, optim, device, bench_options)
+    for s, results in each.items():
+        firsts = [x["first_step_s"] for x in results]
+        out[s] = {k: v for k, v in results[0].items() if k != "pid"} | {"first_step_s": statistics.median(firsts),
+                               "second_step_s": statistics.median(x["second_step_s"] for x in results)}
+        if repeats > 1:
+            out[s]["each_first_step_s"] = firsts
+        if processes:
+            out[s]["processes"] = [x["pid"] for x in results]
     return out
+
+
+def _first_steps_in_process(config, run, optim, device, bench_options, cache: str) -> dict:
+    """`_first_steps` in a new Python process (same interpreter, same thread count) with `cache` as its Inductor
+    cache; the spec goes in on stdin and the result comes back as the last line of stdout."""
+    spec = {"config": asdict(config), "run": asdict(run), "optim": None if optim is None else asdict(optim),
+            "device": str(device), "bench_options": bench_options, "threads": torch.get_num_threads()}
+    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache}
+    done = subprocess.run([sys.executable, "-m", "keel.bench.core"], input=json.dumps(spec), env=env,
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"cold warm-up of {config.scheme} in a fresh process failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _first_steps_main() -> None:
+    """`python -m keel.bench.core`: one `_first_steps` from the JSON spec on stdin (`_first_steps_in_process`)."""
+    spec = json.loads(sys.stdin.read())
+    torch.set_num_threads(spec["threads"])
+    optim = None if spec["optim"] is None else OptimConfig(**spec["optim"])
+    result = _first_steps(ModelConfig(**spec["config"]), RunConfig(**spec["run"]), optim,
+                          torch.device(spec["device"]), spec["bench_options"])
+    print(json.dumps(result | {"pid": os.getpid()}))
 
 
 def _first_steps(config, run, optim, device, bench_options) -> dict:
@@ -301,3 +351,7 @@ def aten_ops_per_sublayer(config: ModelConfig, blocks: tuple[int, int] = (4, 8))
             model(ids[:, :-1], ids[:, 1:])[1].backward()
         totals.append(sum(count.ops.values()))
     return (totals[1] - totals[0]) / (2 * (blocks[1] - blocks[0]))
+
+
+if __name__ == "__main__":
+    _first_steps_main()

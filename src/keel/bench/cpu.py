@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -60,12 +60,12 @@ def spread(values: list[float]) -> dict:
 def cpu_suite(steps: int, warmup: int, write, max_load: float = 0.5, wait_s: float = 900, shapes=None,
               compile_backend: str = "inductor", repeats: int = 3, depths=SCIENCE_DEPTHS,
               science_steps: int = 5, warmup_sublayers: int = WARMUP_SUBLAYERS, parts=CPU_PARTS,
-              flatness: dict | None = None) -> dict:
+              flatness: dict | None = None, cold_repeats: int = 2, cold_processes: bool = True) -> dict:
     """Eager and compiled, Keel and Pre-LN: four models stepping alternately in this process, per shape, the timed
     steps taken `repeats` times (each repeat's ratios reported, and their median and range) ("compare"); each
     scheme's compile warm-up from nothing ("cold_warmup"); the science shape's depth series (`science_series`,
     "science"); Keel and Pre-LN per sub-layer from 128 to 1024 sub-layers (`cpu_flatness`, "flatness"). Only
-    `parts` run. `shapes`, `depths`, `flatness` and `compile_backend` are for tests."""
+    `parts` run. `shapes`, `depths`, `flatness`, `compile_backend` and `cold_processes` are for tests."""
     device, shapes, flat = torch.device("cpu"), shapes or CPU_SHAPES, flatness or CPU_FLATNESS
     models = {name: cpu_demo(**overrides) for name, (overrides, _, _) in shapes.items()}
     result = {"suite": "cpu", "machine": machine(device), "settings": {
@@ -99,10 +99,18 @@ def cpu_suite(steps: int, warmup: int, write, max_load: float = 0.5, wait_s: flo
     if warmup_sublayers and "cold_warmup" in parts:  # each scheme from nothing (fresh Dynamo state and caches)
         shape = next(iter(shapes.values()))
         config = cpu_demo(**(shape[0] | {"n_blocks": warmup_sublayers // 2}))
-        cold = cold_warmup(config, RunConfig(batch_size=shape[1], seq_len=shape[2], dtype="float32", compile=True),
-                           ["keel", "pre_ln"], device=device, compile_backend=compile_backend)
-        result["cold_warmup"] = {"n_sublayers": warmup_sublayers, "schemes": cold,
-                                 "keel_over_pre_ln": cold["keel"]["first_step_s"] / cold["pre_ln"]["first_step_s"]}
+        run = RunConfig(batch_size=shape[1], seq_len=shape[2], dtype="float32", compile=True)
+        # each measurement in a fresh process, the order alternating (keel.bench.core.cold_warmup); Keel with its
+        # junction inside blocks too (one graph fewer than the compiled CPU default's junction across blocks)
+        cold = cold_warmup(config, run, ["keel", "pre_ln"], device=device, compile_backend=compile_backend,
+                           repeats=cold_repeats, processes=cold_processes)
+        cold["keel, junction off"] = cold_warmup(config, replace(run, fused_junction="off"), ["keel"], device=device,
+                                                 compile_backend=compile_backend, processes=cold_processes)["keel"]
+        result["cold_warmup"] = {"n_sublayers": warmup_sublayers, "schemes": cold, "repeats": cold_repeats,
+                                 "fresh_processes": cold_processes,
+                                 "keel_over_pre_ln": cold["keel"]["first_step_s"] / cold["pre_ln"]["first_step_s"],
+                                 "keel_off_over_pre_ln": (cold["keel, junction off"]["first_step_s"]
+                                                          / cold["pre_ln"]["first_step_s"])}
         write(result)
     if depths and "science" in parts:
         result["science"] = science_series(depths, science_steps, compile_backend)
@@ -236,13 +244,19 @@ def cpu_markdown(result: dict) -> str:
                   f"{sci['ms_per_sublayer_spread']['compiled']:.1%}.", ""]
     if "cold_warmup" in result:
         cw = result["cold_warmup"]
+        where = ("in a fresh process (as `keel train` starts), " if cw.get("fresh_processes") else "")
+        order = (f"{cw['repeats']} times, the order alternating; the median, " if cw.get("repeats", 1) > 1 else "")
         lines += [f"## Compile warm-up from nothing, {cw['n_sublayers']} sub-layers", "",
-                  "Each scheme alone, after a Dynamo reset, with an empty Inductor cache of its own (no scheme reuses "
-                  "another's kernels or an earlier run's).", "",
-                  "| scheme | first step (s) | second step (s) | graphs | recompiles |", "|---|---|---|---|---|"]
-        lines += [f"| {k} | {r['first_step_s']:.2f} | {r['second_step_s']:.3f} | {r['graphs']} | "
-                  f"{r['recompiles']} |" for k, r in cw["schemes"].items()]
-        lines += ["", f"Keel / Pre-LN warm-up: **{cw['keel_over_pre_ln']:.2f}x**.", ""]
+                  f"Each scheme alone {where}after a Dynamo reset, with an empty Inductor cache of its own (no scheme "
+                  f"reuses another's kernels or an earlier run's); {order}first step = compile + one step.", "",
+                  "| scheme | first step (s) | each (s) | second step (s) | graphs | recompiles |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {k} | {r['first_step_s']:.2f} | "
+                  f"{', '.join(f'{x:.2f}' for x in r.get('each_first_step_s', [r['first_step_s']]))} | "
+                  f"{r['second_step_s']:.3f} | {r['graphs']} | {r['recompiles']} |" for k, r in cw["schemes"].items()]
+        lines += ["", f"Keel / Pre-LN warm-up: **{cw['keel_over_pre_ln']:.2f}x** (the compiled default)"
+                  + (f"; with Keel's junction off, {cw['keel_off_over_pre_ln']:.2f}x" if "keel_off_over_pre_ln" in cw
+                     else "") + ".", ""]
     if "per_scheme" in result.get("flatness", {}):
         f, fs = result["flatness"], st["flatness"]
         lines += flatness_markdown(f, f"## Time per sub-layer against depth: d_model={fs['model']['d_model']}, batch "
