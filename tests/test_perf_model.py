@@ -156,6 +156,21 @@ def test_cli_prints_the_prediction_table(capsys):
     assert main(["bench", "--model-gpu", "paper", "model.d_model=64"]) == 2
 
 
+def test_the_prediction_and_the_dry_run_give_one_memory_verdict(capsys):
+    # paper-1024 fits one H100 only with its memory options (8-bit moments, checkpointing): the prediction reads
+    # the run's own plan, not float32 weights and moments (which do not fit)
+    assert main(["bench", "--preset", "paper-1024", "--model-gpu", "H100"]) == 0
+    text = capsys.readouterr().out
+    from keel.scale.memory import estimate_memory
+    from keel.train.plan import memory_plan
+
+    config = load_config([], None, "paper-1024")
+    planned = memory_plan(config, device=torch.device("cuda"))["total"]
+    assert f"{planned / 2**30:.1f} GiB: fits in 79.6 GiB" in text
+    plain = estimate_memory(config.model, 1, 4096, config.run.ac_every, bf16_autocast=True)["total"]
+    assert plain > pm.DEVICES["H100"].memory >= planned
+
+
 def test_gpu_campaign_prediction_column():
     suite = GpuSuite.toy()  # predicts with the H100 spec so CI exercises the column
     p = predicted(suite, torch.device("cpu"), 4, "compiled", 0)

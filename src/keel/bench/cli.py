@@ -106,8 +106,13 @@ def run_model(args) -> str:
     else:
         run_cfg = config.run
         result, name = None, f"predicted-{args.model_gpu}"
+        import torch  # noqa: PLC0415
+
+        from keel.train.plan import memory_plan  # noqa: PLC0415
+
+        memory = memory_plan(config, device=torch.device("cuda"))["total"]
         text = prediction_markdown(config.model, run_cfg.batch_size, run_cfg.seq_len, DEVICES[args.model_gpu],
-                                   bf16=run_cfg.dtype != "float32", ac_every=run_cfg.ac_every)
+                                   bf16=run_cfg.dtype != "float32", ac_every=run_cfg.ac_every, memory=memory)
     print(text)
     if args.out:
         out = Path(args.out)

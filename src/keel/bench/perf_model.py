@@ -287,8 +287,9 @@ def paper_config(d_model: int, n_sublayers: int, scheme: str = "keel") -> ModelC
                        max_seq_len=4096, scheme=scheme)
 
 
-def fits(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, ac_every: int = 0) -> bool:
-    """Whether keel.scale.memory's estimate of one process's training memory fits the device."""
+def fits(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, ac_every: int = 0, **plan) -> bool:
+    """Whether keel.scale.memory's estimate of one process's training memory fits the device; `plan`: the rest of
+    estimate_memory's options (bf16_autocast, optim_impl, state, weights, ...)."""
     from keel.scale.memory import estimate_memory  # noqa: PLC0415
 
-    return estimate_memory(config, batch, seq, ac_every)["total"] <= device.memory
+    return estimate_memory(config, batch, seq, ac_every, **plan)["total"] <= device.memory

@@ -24,8 +24,10 @@ from keel.model import ModelConfig
 
 
 def prediction_markdown(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, bf16: bool = True,
-                        ac_every: int = 0) -> str:
-    """The PREDICTED step of Keel and Pre-LN at one shape on `device`, per implementation and per op group."""
+                        ac_every: int = 0, memory: int | None = None) -> str:
+    """The PREDICTED step of Keel and Pre-LN at one shape on `device`, per implementation and per op group.
+    `memory`: the run's bytes by its memory plan (keel.train.plan.memory_plan: its weights, optimizer and
+    checkpointing as configured); without it, float32 weights and AdamW moments."""
     pairs = {impl: predict_pair(config, batch, seq, device, impl, bf16, ac_every) for impl in IMPLS}
     lines = [f"# PREDICTED (keel.bench.perf_model, not measured): {device.name}, d={config.d_model}, "
              f"{config.n_sublayers} sub-layers, batch {batch} x {seq}, {'bf16 autocast' if bf16 else 'float32'}"
@@ -45,9 +47,14 @@ def prediction_markdown(config: ModelConfig, batch: int, seq: int, device: Devic
         lines.append(f"| {g} | " + " | ".join(f"{1e3 * p['keel']['groups'][g]['time_s']:.2f} / "
                                               f"{1e3 * p['pre_ln']['groups'][g]['time_s']:.2f}"
                                               for p in pairs.values()) + " |")
-    fit = fits(config, batch, seq, device, ac_every)
-    lines += ["", f"Training memory (keel.scale.memory estimate) {'fits' if fit else 'does NOT fit'} in "
-              f"{device.memory / 2**30:.1f} GiB."]
+    if memory is None:
+        fit = fits(config, batch, seq, device, ac_every, bf16_autocast=bf16)
+        lines += ["", f"Training memory (keel.scale.memory estimate, float32 weights and AdamW moments) "
+                  f"{'fits' if fit else 'does NOT fit'} in {device.memory / 2**30:.1f} GiB."]
+    else:
+        lines += ["", f"Training memory (the run's memory plan, as configured: keel train --dry-run), "
+                  f"{memory / 2**30:.1f} GiB: {'fits' if memory <= device.memory else 'does NOT fit'} in "
+                  f"{device.memory / 2**30:.1f} GiB."]
     return "\n".join(lines) + "\n"
 
 
@@ -123,13 +130,14 @@ def paper_markdown(gpus=("H100", "H200", "A100"), shapes=((1024, 64), (1024, 512
               f"## Predicted step, batch {batch} x {seq} tokens, bf16 autocast (AC every block from {ac_from} "
               "sub-layers, as the GPU campaign runs)", "",
               "| d | sub-layers | GPU | implementation | Keel step (ms) | Pre-LN step (ms) | Keel MFU | Pre-LN MFU "
-              "| Keel/Pre-LN | fits one GPU |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| Keel/Pre-LN | fits one GPU (float32 weights and moments) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for d, n in shapes:
         ac = 1 if n >= ac_from else 0
         for g in gpus:
             for impl in IMPLS:
                 p = predict_pair(paper_config(d, n), batch, seq, DEVICES[g], impl, True, ac)
-                fit = fits(paper_config(d, n), batch, seq, DEVICES[g], ac)
+                fit = fits(paper_config(d, n), batch, seq, DEVICES[g], ac, bf16_autocast=True)
                 lines.append(f"| {d} | {n} | {g} | {impl} | {1e3 * p['keel']['step_time_s']:,.0f} | "
                              f"{1e3 * p['pre_ln']['step_time_s']:,.0f} | {p['keel']['mfu']:.1%} | "
                              f"{p['pre_ln']['mfu']:.1%} | **{p['keel_over_pre_ln_step_time']:.3f}** | "
