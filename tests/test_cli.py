@@ -28,3 +28,13 @@ def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "keel.cli", "summary", "--preset", "tiny"],
                          capture_output=True, text=True, check=True).stdout
     assert "parameters:" in out
+
+
+@pytest.mark.slow  # a Python process importing torch
+def test_a_reader_that_closes_the_pipe_early_gets_no_traceback():
+    # `keel summary | head -1`: the reader is gone before keel prints, as with head on a long table
+    proc = subprocess.Popen([sys.executable, "-m", "keel.cli", "summary", "--preset", "tiny"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141 and "Traceback" not in err and "BrokenPipe" not in err

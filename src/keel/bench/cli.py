@@ -111,7 +111,10 @@ def run_model(args) -> str:
         from keel.train.plan import memory_plan  # noqa: PLC0415
 
         memory = memory_plan(config, device=torch.device("cuda"))["total"]
-        text = prediction_markdown(config.model, run_cfg.batch_size, run_cfg.seq_len, DEVICES[args.model_gpu],
+        from keel.bench.calibrate import calibrated  # noqa: PLC0415
+
+        spec = calibrated(args.model_gpu) or DEVICES[args.model_gpu]  # the dry run's model: one prediction
+        text = prediction_markdown(config.model, run_cfg.batch_size, run_cfg.seq_len, spec,
                                    bf16=run_cfg.dtype != "float32", ac_every=run_cfg.ac_every, memory=memory)
     print(text)
     if args.out:

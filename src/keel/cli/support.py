@@ -17,6 +17,7 @@ from keel import runtime
 from keel.errors import ConfigError
 
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, as shells report Ctrl-C
+BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE, as shells report a reader that went away
 PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 
@@ -38,6 +39,9 @@ def run_interruptible(work: Callable[[], int]) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the message short
         print("keel: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT
+    except BrokenPipeError:  # `keel ... | head` closed the pipe: stop quietly, as other command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
+        return BROKEN_PIPE_EXIT
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
