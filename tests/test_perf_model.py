@@ -159,6 +159,7 @@ def test_cli_prints_the_prediction_table(capsys):
     assert main(["bench", "--model-gpu", "paper", "model.d_model=64"]) == 2
 
 
+@pytest.mark.slow  # a 6.5B-parameter plan through the CLI
 def test_the_prediction_and_the_dry_run_give_one_memory_verdict(capsys):
     # paper-1024 fits one H100 only with its memory options (8-bit moments, checkpointing): the prediction reads
     # the run's own plan, not float32 weights and moments (which do not fit)

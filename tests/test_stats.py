@@ -111,6 +111,7 @@ def test_two_processes_running_one_sweep_train_each_point_once(tmp_path):
     assert not list(tmp_path.glob("points/*.claim"))
 
 
+@pytest.mark.slow  # compiles
 def test_each_point_compiles_from_an_empty_dynamo_cache_and_records_a_fallback(tmp_path, monkeypatch):
     # one process runs many points: each new model's graphs would count against Dynamo's recompile limit, and
     # past it later points would run eagerly while recording compile=True
