@@ -145,13 +145,13 @@ def check_against_plain(got: dict, plain: dict, index: int, rel_float32: float =
         torch.testing.assert_close(got["grads"][key], grad, rtol=rel, atol=rel * grad.abs().max().item(), msg=key)
     if backend is not None:  # the custom op stays in the compiled block's graph
         assert got["graph_breaks"] == 0
-        assert got["graphs"] == 3  # block 0 (tensor in), middle blocks (pair in and out), last block (tensor out)
+        assert got["graphs"] == 2  # block 0 (tensor in), every other block (pair in and out, the last one too)
 
 
 @pytest.mark.slow
 def test_fused_compiled_training_compiles_nothing_after_warmup(fused):
-    # block 0, the middle blocks and the last block, in train and in eval mode; then nothing new
-    assert fused["graphs_per_phase"] == [6, 0]
+    # block 0 and the rest, in train and in eval mode; then nothing new
+    assert fused["graphs_per_phase"] == [4, 0]
 
 
 @pytest.mark.slow
@@ -245,8 +245,9 @@ def test_swapping_in_the_junction_keeps_parameters_state_dict_and_numbers(config
     torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-6 * grad.abs().max().item(), msg=name)
-    # the residual that ends a looped stack also feeds the next pass a pair; the head then takes its stream
-    assert isinstance(model.final_norm, StreamOfPair) == (config.loop_blocks is not None)
+    # the residual that ends the stack also hands on a pair (a looped one's feeds the next pass; a plain one's so
+    # that the last block compiles to the middle blocks' graph): the head takes its stream
+    assert isinstance(model.final_norm, StreamOfPair)
 
     fused_structure = structure(model)
     assert apply_fused_junction(model, "composed", compiled=True) == n  # again: the same modules, nothing stacked

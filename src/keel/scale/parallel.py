@@ -58,6 +58,7 @@ class FusedResidual(Residual):
     """
 
     junction: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    hands_head = False  # the stack's last sub-layer, whose u goes unused (apply_fused_junction): not a junction
 
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], branch: Callable[..., torch.Tensor],
                 *args) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -191,13 +192,25 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     op = FusedJunction if impl == "kernel" else ComposedJunction
     ops = {a: op(a.alpha, a.norm_out, b.norm_in) for a, b in pairs}
     takers = {b for _, b in pairs}
-    ends_stack = model.get_submodule(model.sublayers()[-1].path) in ops  # a looped model (see `junctions`)
+    last = model.get_submodule(model.sublayers()[-1].path)
+    ends_stack = last in ops  # a looped model (see `junctions`)
+    # Compiled with junctions across blocks, every block takes (stream, u) and hands one on, except the last,
+    # which hands the head a stream: a block layout of its own, one more graph to compile (seconds each, cold).
+    # Its last sub-layer then computes a junction too, with a copy of its own norm_in as the "next" norm, and the
+    # head takes the stream of the pair: the last block compiles to the middle blocks' graph. The copy is held by
+    # the junction (a plain object), not registered: parameters and state dicts are unchanged, and u, unused,
+    # costs one norm per step and takes no gradient into the model.
+    tail = compiled and across_blocks and not ends_stack and last in takers and last.norm_out is not None
+    if tail and isinstance(model.final_norm, nn.Identity):
+        ops[last] = op(last.alpha, last.norm_out, copy.deepcopy(last.norm_in))
+        ends_stack = True
 
     def fused(m: nn.Module) -> nn.Module | None:
         if m not in ops and m not in takers:
             return None
         new = _rebuilt(m, FusedResidual)
         new.junction = ops.get(m)
+        new.hands_head = tail and m is last
         return new
     _swap(model, fused)
     if ends_stack:
@@ -219,7 +232,8 @@ def _rebuilt(res: Residual, cls: type[Residual]) -> Residual:
     for key in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
         new.__dict__[key] = copy.copy(res.__dict__[key])
     # alpha, training, and the absent norms (None attributes, not registered modules)
-    new.__dict__.update((k, v) for k, v in vars(res).items() if not k.startswith("_") and k != "junction")
+    skip = ("junction", "hands_head")  # FusedResidual's own, set by apply_fused_junction
+    new.__dict__.update((k, v) for k, v in vars(res).items() if not k.startswith("_") and k not in skip)
     return new
 
 
@@ -242,9 +256,10 @@ def junction_impl(mode: str, device_type: str, compiled: bool, problem: str | No
     measured fastest on one H100 (../shared/gpu, d=1024, 64 sub-layers): Keel/Pre-LN step time 1.046 compiled
     against 1.322 with the Triton kernel in the graph; torch.compile's own junction beat the kernel
     forward+backward (638 vs 945 us). The composed junction across blocks ("composed") is the compiled default
-    where it was measured, on CPU (Keel/Pre-LN 1.013 and 1.009 against 1.036 and 1.057), and costs a third graph
-    to compile; the GPU campaign measures it ("compiled+composed") before it becomes the CUDA default. The kernel
-    stays the eager default on CUDA (82-94% of copy bandwidth against 14-15% unfused) and is what "on" asks for.
+    where it was measured, on CPU (Keel/Pre-LN 1.013 and 1.009 against 1.036 and 1.057), with the same two graphs
+    to compile (the last block hands on a pair too; `apply_fused_junction`); the GPU campaign measures it
+    ("compiled+composed") before it becomes the CUDA default. The kernel stays the eager default on CUDA (82-94% of
+    copy bandwidth against 14-15% unfused) and is what "on" asks for.
     """
     if mode == "off":
         return None
@@ -269,7 +284,7 @@ def junction_impl(mode: str, device_type: str, compiled: bool, problem: str | No
 
 def fused_junctions(model: nn.Module) -> int:
     """How many sub-layers of `model` compute their junction fused."""
-    return sum(isinstance(m, FusedResidual) and m.junction is not None for m in model.modules())
+    return sum(isinstance(m, FusedResidual) and m.junction is not None and not m.hands_head for m in model.modules())
 
 
 def apply_ac(model: nn.Module, every: int) -> int:
