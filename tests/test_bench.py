@@ -180,6 +180,12 @@ def test_gpu_suite_runs_end_to_end_at_toy_size(tmp_path):
     for row in kernel["rows"]:
         for impl in ("fused", "unfused", "compiled"):
             assert row[impl]["fwd_GBps"] == pytest.approx(row["bytes_fwd"] / row[impl]["fwd_s"] / 1e9)
+    # compile warm-up from nothing: each scheme in a process of its own, graphs counted there
+    warm = sections["warmup"]
+    assert warm["schemes"]["keel"]["graphs"] == 2 and warm["schemes"]["pre_ln"]["graphs"] == 1
+    assert len({*warm["schemes"]["keel"]["processes"], *warm["schemes"]["pre_ln"]["processes"], os.getpid()}) == 3
+    assert warm["keel_over_pre_ln"] == warm["schemes"]["keel"]["first_step_s"] / warm["schemes"]["pre_ln"][
+        "first_step_s"]
     assert list(sections["compare"]) == [p["key"] for p in compare_points(suite)] == ["4", "8", "4/batch4"]
     for point in compare_points(suite):
         n, rows = point["n_sublayers"], sections["compare"][point["key"]]
@@ -217,6 +223,7 @@ def test_gpu_suite_sections_stop_at_their_time_box_and_keep_what_they_have(tmp_p
     sections = result["sections"]
     assert sections["tests"]["summary"] == "timed out"  # given the 1-second minimum
     assert sections["kernel"]["rows"] == [] and "copy_GBps" in sections["kernel"]
+    assert sections["warmup"]["schemes"] == {}  # no process started past the deadline
     assert all(v == {"skipped": "time box reached"} for rows in sections["compare"].values()
                for k, v in rows.items() if k not in META)
     assert all(r["skipped"] == "time box reached" for v in sections["depth"]["variants"].values() for r in v["rows"])

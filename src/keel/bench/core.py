@@ -154,7 +154,7 @@ def _measure_group(config, run, group, steps, warmup, optim, device, bench_optio
 
 def cold_warmup(config: ModelConfig, run: RunConfig, schemes: list[str], optim: OptimConfig | None = None,
                 device: torch.device | None = None, repeats: int = 1, processes: bool = False,
-                **bench_options) -> dict:
+                deadline: float | None = None, **bench_options) -> dict:
     """Compile warm-up of each scheme from nothing: its first training step (compile + one step), after a Dynamo
     reset and with an empty Inductor cache directory of its own, so no scheme reuses kernels another compiled
     (in one shared cache the scheme compiled second finds the first one's identical kernels, and on-disk caches
@@ -166,6 +166,7 @@ def cold_warmup(config: ModelConfig, run: RunConfig, schemes: list[str], optim: 
     build): on 2 loaded cores about 10 s, which whichever scheme went first was charged (Keel/Pre-LN 3.2x with
     Keel first, 0.91x with Pre-LN first, the same code). `repeats` > 1 alternates the order (each repeat
     reversed from the last) and reports each scheme's median, with every repeat's seconds in `each_first_step_s`.
+    `deadline` (time.monotonic()): no measurement starts after it; a scheme never measured is left out.
     """
     import tempfile  # noqa: PLC0415
 
@@ -173,6 +174,8 @@ def cold_warmup(config: ModelConfig, run: RunConfig, schemes: list[str], optim: 
     each: dict[str, list[dict]] = {s: [] for s in schemes}
     for r in range(repeats):
         for s in (schemes if r % 2 == 0 else schemes[::-1]):
+            if deadline is not None and time.monotonic() > deadline:
+                break
             with tempfile.TemporaryDirectory(prefix="keel-inductor-") as cache:
                 if processes:
                     each[s].append(_first_steps_in_process(scheme_config(config, s), run, optim, device,
@@ -182,6 +185,8 @@ def cold_warmup(config: ModelConfig, run: RunConfig, schemes: list[str], optim: 
                         each[s].append(_first_steps(scheme_config(config, s), run, optim, device, bench_options))
     out = {}
     for s, results in each.items():
+        if not results:
+            continue
         firsts = [x["first_step_s"] for x in results]
         out[s] = {k: v for k, v in results[0].items() if k != "pid"} | {"first_step_s": statistics.median(firsts),
                                "second_step_s": statistics.median(x["second_step_s"] for x in results)}
@@ -197,7 +202,8 @@ def _first_steps_in_process(config, run, optim, device, bench_options, cache: st
     cache; the spec goes in on stdin and the result comes back as the last line of stdout."""
     spec = {"config": asdict(config), "run": asdict(run), "optim": None if optim is None else asdict(optim),
             "device": str(device), "bench_options": bench_options, "threads": torch.get_num_threads()}
-    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache}
+    # Triton's cache too: without TRITON_CACHE_DIR it lives inside Inductor's (cache_dir_utils.triton_cache_dir)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"} | {"TORCHINDUCTOR_CACHE_DIR": cache}
     done = subprocess.run([sys.executable, "-m", "keel.bench.core"], input=json.dumps(spec), env=env,
                           capture_output=True, text=True, check=False)
     if done.returncode != 0:

@@ -1,6 +1,7 @@
 """`keel bench --suite gpu`: the GPU campaign in one time-boxed command.
 
-Sections, in order: the `gpu` tests; the junction kernel alone; Keel/Pre-LN eager, compiled and compiled+fused at
+Sections, in order: the `gpu` tests; the junction kernel alone; compile warm-up from nothing, Keel and Pre-LN,
+each in a fresh process with empty caches of its own; Keel/Pre-LN eager, compiled and compiled+fused at
 d=1024, batch 1 x 4096 and at the tokens per step users train with (8 x 4096 = 32k, activation checkpointing), each
 beside the performance model's prediction (keel.bench.perf_model: step time, MFU, ratio), so a run says how far off
 the model is; time per sub-layer against depth, Keel and Pre-LN, eager and compiled (keel.bench.flatness); and
@@ -19,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from keel.bench import GPU_SECTIONS
-from keel.bench.core import Bench, attempt, compare
+from keel.bench.core import Bench, attempt, cold_warmup, compare
 from keel.bench.flatness import flatness_markdown, flatness_series
 from keel.bench.perf_model import DEVICES, gpu_spec, predict_pair
 from keel.kernels.junction import can_fuse
@@ -60,6 +61,8 @@ class GpuSuite:
     kernel_widths: tuple[int, ...] = (1024, 2048, 4096)
     kernel_calls: int = 20  # back-to-back calls per timing, `kernel_repeats` timings (median)
     kernel_repeats: int = 5
+    warmup_sublayers: int = 64  # compile warm-up from nothing at d_model, batch_size x seq_len, compiled default
+    warmup_repeats: int = 2  # each scheme this many times, the order alternating, each in a fresh process
     depth_d_model: int = 512
     depth_sublayers: tuple[int, ...] = (128, 256, 512, 1024)  # issue 37.6: flat within 10% over these
     depth_variants: tuple[str, ...] = ("eager", "compiled")
@@ -72,14 +75,15 @@ class GpuSuite:
     predict_on: str | None = None  # the perf-model device printed beside measurements; None: the GPU's own by name
     # seconds per section; the campaign runs in parts of at most 8 minutes each (GPU_PARTS, benchmarks/gpu/README.md)
     boxes: dict[str, float] = field(default_factory=lambda: {
-        "tests": 120, "kernel": 60, "compare": 450, "depth": 300, "max_depth": 180})
+        "tests": 120, "kernel": 60, "warmup": 300, "compare": 450, "depth": 300, "max_depth": 180})
 
     @classmethod
     def toy(cls) -> GpuSuite:
         return cls(d_model=32, n_heads=2, n_kv_heads=1, vocab_size=256, seq_len=16, batch_size=2, dtype="auto",
                    compile_backend="aot_eager", steps=2, warmup=1, compare_sublayers=(4, 8), ac_from=8,
                    together_upto=4, tokens_points=((4, 4),), kernel_rows=64, kernel_widths=(32, 48), kernel_calls=1,
-                   kernel_repeats=1, depth_d_model=32, depth_sublayers=(4, 8, 16), depth_steps=1, max_depth_from=4,
+                   kernel_repeats=1, warmup_sublayers=4, warmup_repeats=1, depth_d_model=32,
+                   depth_sublayers=(4, 8, 16), depth_steps=1, max_depth_from=4,
                    max_depth_upto=16, max_depth_resolution=4, test_args=("-m", "gpu", "tests/test_junction.py"),
                    predict_on="H100")
 
@@ -150,6 +154,23 @@ def _section_kernel(suite, device, out, deadline, save):
                                                         calls=suite.kernel_calls, repeats=suite.kernel_repeats,
                                                         compile_backend=suite.compile_backend))
         save()
+
+
+def _section_warmup(suite, device, out, deadline, save):
+    """Compile warm-up from nothing, Keel against Pre-LN, at `warmup_sublayers` with the compiled default: each
+    first training step in a fresh Python process with an empty Inductor (and Triton) cache of its own, the order
+    alternating (keel.bench.core.cold_warmup). The 2026-11-24 run compiled Keel first in one process (43 s) and
+    Pre-LN second, reusing Keel's cached kernels (3.7 s): this is the fair comparison, with each scheme's graph and
+    recompile counts."""
+    schemes = cold_warmup(suite.model(suite.warmup_sublayers), suite.run(compile=True), ["keel", "pre_ln"],
+                          device=device, repeats=suite.warmup_repeats, processes=True, deadline=deadline,
+                          compile_backend=suite.compile_backend, init_on_device=device.type == "cuda")
+    out["warmup"] = {"n_sublayers": suite.warmup_sublayers, "repeats": suite.warmup_repeats, "schemes": schemes}
+    if len(schemes) == 2:
+        out["warmup"]["keel_over_pre_ln"] = schemes["keel"]["first_step_s"] / schemes["pre_ln"]["first_step_s"]
+    save()
+    if time.monotonic() > deadline:
+        return "time box reached"
 
 
 def predicted(suite: GpuSuite, device: torch.device, n_sublayers: int, variant: str, ac_every: int,
@@ -265,7 +286,7 @@ def _section_max_depth(suite, device, out, deadline, save):
         return "time box reached"
 
 
-SECTIONS = {"tests": _section_tests, "kernel": _section_kernel, "compare": _section_compare,
+SECTIONS = {"tests": _section_tests, "kernel": _section_kernel, "warmup": _section_warmup, "compare": _section_compare,
             "depth": _section_depth, "max_depth": _section_max_depth}
 
 
@@ -290,6 +311,20 @@ def gpu_markdown(result: dict) -> str:
                     lines.append(f"| {row['rows']} x {row['width']} | {impl} | {1e6 * r['fwd_s']:.1f} | "
                                  f"{r['fwd_GBps']:,.1f} | {1e6 * r['fwd_bwd_s']:.1f} | {r['fwd_bwd_GBps']:,.1f} | "
                                  f"{r['fwd_GBps'] / k['copy_GBps']:.0%} |")
+        lines.append("")
+    if "warmup" in sec:
+        w = sec["warmup"]
+        lines += [f"## Compile warm-up from nothing ({w['n_sublayers']} sub-layers, compiled default)", "",
+                  f"Each scheme's first training step in a fresh process with empty caches of its own, {w['repeats']} "
+                  "time(s), the order alternating; median.", "",
+                  "| scheme | first step (s) | each (s) | second step (s) | graphs | recompiles |",
+                  "|---|---|---|---|---|---|"]
+        for scheme, r in w["schemes"].items():
+            each = ", ".join(f"{t:.1f}" for t in r.get("each_first_step_s", [r["first_step_s"]]))
+            lines.append(f"| {scheme} | {r['first_step_s']:.1f} | {each} | {r['second_step_s']:.3f} | {r['graphs']} | "
+                         f"{r['recompiles']} |")
+        if "keel_over_pre_ln" in w:
+            lines += ["", f"Keel / Pre-LN warm-up: **{w['keel_over_pre_ln']:.2f}x**"]
         lines.append("")
     if "compare" in sec:
         devices = {r["predicted"]["device"] for rows in sec["compare"].values() for k, r in rows.items()

@@ -10,6 +10,8 @@ and a compile allowance per compiled model. Stated assumptions, from the one mea
   measured warm-cache 3.7 s; Pre-LN has no junction to fuse, so its compiled variants compile the same graphs;
 - the depth series at d=512: the model predicts ~1 ms per sub-layer eager where 3.8-6.3 ms was measured, so its
   step times are multiplied by the worst measured/predicted ratio of that series (DEPTH_SLOWDOWN, both variants);
+- the warm-up section: every measurement is a fresh process (PROCESS_S, assumed: Python, torch, keel and CUDA set
+  up) that builds one model and compiles it cold (the measured cold warm-up, as above);
 - the deepest-model search: trials as its doubling and bisection would make them if the depth that trains were
   the measured one (640 sub-layers at d=1024), each trial a build and two steps;
 - the tests and the kernel section are not modelled: they are bounded by their boxes (`pytest -m gpu`'s time is
@@ -25,6 +27,7 @@ from keel.bench.perf_model import predict
 from keel.model.config import with_scheme
 
 BUILD_S = 3.0  # assumed seconds to build a model on the GPU and free it again (initialised on the device)
+PROCESS_S = 10.0  # assumed seconds to start a Python process that imports torch and keel and sets CUDA up
 SCHEMES = ("keel", "pre_ln")
 
 
@@ -68,6 +71,14 @@ def plan_compare(suite: GpuSuite, spec) -> float:
     return total
 
 
+def plan_warmup(suite: GpuSuite, spec) -> float:
+    cold = max(_measured()["compile_warmup_s"].values())
+    return suite.warmup_repeats * sum(
+        PROCESS_S + BUILD_S + cold + 2 * step_s(suite, spec, suite.warmup_sublayers, scheme, "compiled",
+                                                suite.batch_size, 0)
+        for scheme in SCHEMES)
+
+
 def plan_depth(suite: GpuSuite, spec) -> float:
     seen, total, slow = set(), 0.0, depth_slowdown(suite, spec)
     for variant in suite.depth_variants:
@@ -108,14 +119,14 @@ def plan(suite: GpuSuite | None = None) -> dict:
     suite = suite or GpuSuite()
     spec = calibrated("H100")
     sections = {"tests": float(suite.boxes["tests"]), "kernel": float(suite.boxes["kernel"]),
-                "compare": plan_compare(suite, spec), "depth": plan_depth(suite, spec),
-                "max_depth": plan_max_depth(suite, spec)}
+                "warmup": plan_warmup(suite, spec), "compare": plan_compare(suite, spec),
+                "depth": plan_depth(suite, spec), "max_depth": plan_max_depth(suite, spec)}
     parts = {name: {"predicted_s": sum(sections[s] for s in part), "box_s": sum(suite.boxes[s] for s in part)}
              for name, part in GPU_PARTS.items()}
     return {"device": spec.calibrated, "sections": {s: {"predicted_s": t, "box_s": suite.boxes[s]}
                                                     for s, t in sections.items()},
             "parts": parts, "depth_slowdown": depth_slowdown(suite, spec), "build_s": BUILD_S,
-            "modelled": ["compare", "depth", "max_depth"]}
+            "modelled": ["warmup", "compare", "depth", "max_depth"], "process_s": PROCESS_S}
 
 
 def plan_markdown(p: dict) -> str:

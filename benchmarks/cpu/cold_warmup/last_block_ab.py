@@ -1,0 +1,32 @@
+"""A/B in one process: compiled Keel with the last block handing on a pair (twin, 2 graphs), without it (3 graphs),
+and Pre-LN; alternating steps; per-repeat ratios."""
+import statistics, sys, json
+import torch
+from torch import nn
+from keel.bench.core import Bench, alternate, scheme_config
+from keel.bench.cpu import CPU_SHAPES
+from keel.model.presets import cpu_demo
+from keel.train.config import RunConfig
+from keel.scale.parallel import FusedResidual
+
+shape, steps, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+over, batch, seq = CPU_SHAPES[shape]
+cfg = cpu_demo(**over)
+run = RunConfig(batch_size=batch, seq_len=seq, dtype="float32", compile=True)
+torch._dynamo.reset()
+benches = {"twin": Bench(scheme_config(cfg, "keel"), run), "three": Bench(scheme_config(cfg, "keel"), run),
+           "pre_ln": Bench(scheme_config(cfg, "pre_ln"), run)}
+m = benches["three"].model
+last = [x for x in m.modules() if isinstance(x, FusedResidual) and x.hands_head]
+assert len(last) == 1
+last[0].junction, last[0].hands_head = None, False
+m.final_norm = nn.Identity()
+alternate(benches, steps, 3)
+for _ in range(repeats - 1):
+    alternate(benches, steps, 0)
+per = [{k: statistics.median(b.times[r * steps:(r + 1) * steps]) for k, b in benches.items()} for r in range(repeats)]
+out = {"shape": shape, "per_repeat_ms": [{k: 1e3 * v for k, v in p.items()} for p in per],
+       "twin/pre_ln": [p["twin"] / p["pre_ln"] for p in per], "three/pre_ln": [p["three"] / p["pre_ln"] for p in per],
+       "twin/three": [p["twin"] / p["three"] for p in per],
+       "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
+print(json.dumps(out))
