@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from keel.experiments import stats
-from keel.experiments.frontier import FrontierConfig, analyse, classify
+from keel.experiments.frontier import FrontierConfig, analyse, classify, grow_grids, key
 from keel.experiments.sweep import Sweep, _claim
 
 
@@ -72,6 +72,34 @@ def test_frontier_classes_and_verdicts_from_known_points():
     assert v["advantage_grows_verdict"] == "agrees (grows)"
 
 
+def test_frontier_grows_an_edge_choice_until_interior_or_bound(tmp_path):
+    # rule 22: select loss (log10 lr - log10 best)^2 per arm; Keel's best (3e-4) lies one step below its deep grid
+    # {1e-3, 3e-3}, Pre-LN's (1e-6) far below: Keel's grid grows to an interior choice, Pre-LN's stops at its bound
+    best = {"keel": 3e-4, "pre_ln": 1e-6}
+    ran = []
+
+    def job(scheme, depth, lr, seed):
+        def point():
+            ran.append((scheme, lr, seed))
+            loss = 3.0 + (math.log10(lr) - math.log10(best[scheme])) ** 2
+            return {"select_loss": loss + 0.01 * seed, "report_loss": loss, "grad_bottom_over_top": 1.0}
+        return point
+
+    cfg = FrontierConfig(schemes=["pre_ln", "keel"], depths=[1024], seeds=[0, 1], grow=2,
+                         lrs={"pre_ln": [1e-3, 3e-3, 1e-2], "keel": [1e-3, 3e-3, 1e-2]})
+    sweep = Sweep(tmp_path, FrontierConfig(schemes=cfg.schemes, depths=cfg.depths, seeds=cfg.seeds, lrs=cfg.lrs))
+    points = sweep.run({key(s, 1024, lr, k): job(s, 1024, lr, k) for s in cfg.schemes for lr in cfg.grid(s, 1024)
+                        for k in cfg.seeds}, "start")  # recorded without growth, as rule 15's points were
+    grids = grow_grids(cfg, Sweep(tmp_path, cfg), points, job)
+    assert grids["keel-1024"].describe() == {"values": [0.000111111, 0.000333333, 0.001, 0.003],
+                                             "added": [0.000333333, 0.000111111], "bound": None}
+    assert grids["pre_ln-1024"].describe()["bound"] == "low"  # two values added, still at the low edge
+    res = analyse(cfg, points, 3.3, grids)
+    assert res["arms"]["keel-1024"]["lr"] == 0.000333333 and res["arms"]["pre_ln-1024"]["lr"] == 0.000111111
+    assert res["arms"]["keel-1024"]["lr_grid"]["added"] == [0.000333333, 0.000111111]
+    assert len(ran) == len(set(ran)) == 2 * 2 * 4  # each point once: 2 schemes x 2 seeds x 4 LRs
+
+
 @dataclass
 class _Cfg:
     seeds: list = field(default_factory=lambda: [0])
@@ -112,14 +140,20 @@ def test_two_processes_running_one_sweep_train_each_point_once(tmp_path):
 
 
 @pytest.mark.slow  # compiles
-def test_each_point_compiles_from_an_empty_dynamo_cache_and_records_a_fallback(tmp_path, monkeypatch):
+def test_each_point_compiles_from_an_empty_dynamo_cache_and_records_a_fallback(tmp_path):
     # one process runs many points: each new model's graphs would count against Dynamo's recompile limit, and
     # past it later points would run eagerly while recording compile=True
     import torch
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+    # torch's own patch: pytest's monkeypatch undoes a config module's attribute by deleting it (then hidden)
+    with torch._dynamo.config.patch(recompile_limit=2, automatic_dynamic_shapes=False):
+        _fallbacks_per_point(tmp_path)
+
+
+def _fallbacks_per_point(tmp_path):
+    import torch
+    import torch._dynamo
 
     @torch.compile(backend="eager")
     def step(x):

@@ -15,6 +15,10 @@ the runs):
     the shallowest is negative at p < 0.05 (paired two-sided t-test, keel.experiments.stats);
   - each trained point also records its gradient profile (one forward/backward on a report batch): the mean
     parameter-gradient norm of the bottom eighth of the sub-layers over the top eighth.
+`grow` > 0 (rule 22, issue 38 item 2): an LR chosen at an edge of its grid is a bound, not a choice, so the grid
+grows past that edge by the same factor (keel.experiments.grid) with every seed, until the choice is interior or
+`grow` values were added on that side; the choice and the verdicts are then made on the grown grids. `grow=0` is
+rule 15 as written.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from keel.experiments.common import (
     write_outputs,
 )
 from keel.experiments.gradflow import measure
+from keel.experiments.grid import Grid
 from keel.experiments.sweep import Sweep
 from keel.train.config import OptimConfig, RunConfig
 
@@ -63,6 +68,7 @@ class FrontierConfig(ExperimentConfig):
     curve_batches: int = 2
     probe: bool = False  # budget_point's effective-depth probe (not part of this experiment's rules)
     probe_batches: int = 4
+    grow: int = 0  # LR values added past one edge of an arm's grid before its choice is a bound (0: rule 15)
 
     @classmethod
     def quick(cls) -> FrontierConfig:
@@ -84,12 +90,15 @@ def gradient_profile(model, batches: list) -> dict:
     return {"grad_params": grads, "grad_bottom_over_top": float(bottom / top) if top > 0 else float("inf")}
 
 
-def choose(cfg: FrontierConfig, points: dict, scheme: str, depth: int) -> float:
-    """The grid LR with the lowest mean select-half loss over all seeds (a diverged seed counts as +inf)."""
-    def mean_select(lr):
-        vals = [points[key(scheme, depth, lr, s)].get("select_loss") for s in cfg.seeds]
-        return np.mean([v if v is not None and math.isfinite(v) else math.inf for v in vals])
-    return min(cfg.grid(scheme, depth), key=mean_select)
+def mean_select(cfg: FrontierConfig, points: dict, scheme: str, depth: int, lr: float) -> float:
+    """The mean select-half loss over all seeds at one LR (a diverged seed counts as +inf)."""
+    vals = [points[key(scheme, depth, lr, s)].get("select_loss") for s in cfg.seeds]
+    return float(np.mean([v if v is not None and math.isfinite(v) else math.inf for v in vals]))
+
+
+def choose(cfg: FrontierConfig, points: dict, scheme: str, depth: int, grid: list[float] | None = None) -> float:
+    """The LR of `grid` (default: the arm's starting grid) with the lowest mean select-half loss over all seeds."""
+    return min(grid or cfg.grid(scheme, depth), key=lambda lr: mean_select(cfg, points, scheme, depth, lr))
 
 
 def key(scheme: str, depth: int, lr: float, seed: int) -> str:
@@ -106,18 +115,23 @@ def classify(losses: list[float | None], unigram: float, cfg: FrontierConfig) ->
     return "between"
 
 
-def analyse(cfg: FrontierConfig, points: dict, unigram: float) -> dict:
-    """Chosen LRs, report losses, classes, the frontier and the pre-registered verdicts."""
+def analyse(cfg: FrontierConfig, points: dict, unigram: float, grids: dict[str, Grid] | None = None) -> dict:
+    """Chosen LRs, report losses, classes, the frontier and the pre-registered verdicts; `grids` ("scheme-depth"
+    -> Grid) the grown grids where rule 22 grew them."""
     arms = {}
     for d in cfg.depths:
         for s in cfg.schemes:
-            lr = choose(cfg, points, s, d)
+            grown = (grids or {}).get(f"{s}-{d}")
+            values = grown.values if grown else cfg.grid(s, d)
+            lr = choose(cfg, points, s, d, values)
             runs = [points[key(s, d, lr, seed)] for seed in cfg.seeds]
             losses = [r["report_loss"] for r in runs]
             arms[f"{s}-{d}"] = {"lr": lr, "report_losses": losses, "class": classify(losses, unigram, cfg),
                                 "grad_bottom_over_top": [r.get("grad_bottom_over_top") for r in runs],
                                 "select_by_lr": {f"{g:g}": [points[key(s, d, g, seed)]["select_loss"]
-                                                            for seed in cfg.seeds] for g in cfg.grid(s, d)}}
+                                                            for seed in cfg.seeds] for g in values}}
+            if grown:
+                arms[f"{s}-{d}"]["lr_grid"] = grown.describe()
     frontier = {s: max((d for d in cfg.depths if arms[f"{s}-{d}"]["class"] == "learns"), default=None)
                 for s in cfg.schemes}
     verdicts = {}
@@ -145,8 +159,10 @@ def run(cfg: FrontierConfig, out: Path, command: str) -> dict:
         return lambda: budget_point(cfg, cfg.point_model(scheme, depth), lr, seed, extra=gradient_profile)
     jobs = {key(s, d, lr, seed): job(s, d, lr, seed)
             for d in sorted(cfg.depths) for s in cfg.schemes for lr in cfg.grid(s, d) for seed in cfg.seeds}
-    points = Sweep(out, cfg).run(jobs, "frontier")
-    res = analyse(cfg, points, unigram_level(cfg))
+    sweep = Sweep(out, cfg)
+    points = sweep.run(jobs, "frontier")
+    grids = grow_grids(cfg, sweep, points, job) if cfg.grow else None
+    res = analyse(cfg, points, unigram_level(cfg), grids)
     a = res["arms"]
     rows = [[d] + [f"{pm(a[f'{s}-{d}']['report_losses'])} @ {a[f'{s}-{d}']['lr']:g} ({a[f'{s}-{d}']['class']})"
                    for s in cfg.schemes] for d in cfg.depths]
@@ -168,9 +184,34 @@ def run(cfg: FrontierConfig, out: Path, command: str) -> dict:
              f"Unigram level {res['unigram']:.3f} nats; learns = >= {cfg.learn_margin} below it in every seed, stuck "
              f"= within {cfg.stuck_margin} of it in every seed.\n\nFrontier (deepest depth that learns): "
              f"{frontier}.\n\n{verdict_table}\n\n{grows}")
+    grown = {arm: a["lr_grid"] for arm, a in res["arms"].items() if a.get("lr_grid", {}).get("added")}
+    if cfg.grow:
+        notes += (f"\n\nGrids grown past an edge choice (rule 22: by the same factor, every seed, until interior or "
+                  f"{cfg.grow} values added on that side): " + ("; ".join(
+                      f"{arm} added {', '.join(f'{v:g}' for v in g['added'])}"
+                      + (f" (still at the {g['bound']} edge: a bound)" if g["bound"] else "")
+                      for arm, g in grown.items()) or "none needed") + ".")
     plots = [_plot(cfg, res, out)]
     write_outputs(out, "frontier", cfg, command, {"points": points, **res}, table, plots, notes)
     return res
+
+
+def grow_grids(cfg: FrontierConfig, sweep: Sweep, points: dict, job) -> dict[str, Grid]:
+    """Rule 22: every arm's LR grid grown past an edge choice, a round at a time (each round's new LRs, every seed,
+    shallow depths first, run together so two processes share them), until every choice is interior or at its
+    bound. Adds the new points to `points`. A one-value grid has no factor to grow by and stays as it is."""
+    grids = {f"{s}-{d}": Grid(cfg.grid(s, d), cfg.grow) for d in sorted(cfg.depths) for s in cfg.schemes
+             if len(cfg.grid(s, d)) > 1}
+    while True:
+        new = {}
+        for arm, grid in grids.items():
+            s, d = arm.rsplit("-", 1)
+            lr = grid.extend(lambda v, s=s, d=int(d): mean_select(cfg, points, s, d, v))
+            if lr is not None:
+                new |= {key(s, int(d), lr, seed): job(s, int(d), lr, seed) for seed in cfg.seeds}
+        if not new:
+            return grids
+        points.update(sweep.run(new, "frontier: grown grids"))
 
 
 def _plot(cfg: FrontierConfig, res: dict, out: Path) -> str:

@@ -22,6 +22,9 @@ from keel.errors import ConfigError
 # (tests/test_experiments.py), so a sweep recorded with one setting may be continued with the other; every point
 # records its own (`Sweep.execution`)
 EXECUTION_FIELDS = ("run.compile", "run.threads")
+# fields that only add points (more seeds; an LR grid grown past its edge, frontier's `grow`): a sweep recorded
+# with other values is continued, its points reused
+ADDS_POINTS = ("seeds", "grow")
 
 
 def _eager_fallbacks() -> int:
@@ -68,7 +71,7 @@ class Sweep:
         theirs = upgrade_recorded(json.loads(recorded.read_text())) if recorded.exists() else None
         if theirs is not None:
             changed = [k for k in _differences(mine, theirs, json.loads(json.dumps(asdict(type(self.config)()))))
-                       if k != "seeds" and k not in EXECUTION_FIELDS]
+                       if k not in ADDS_POINTS and k not in EXECUTION_FIELDS]
             if changed:
                 raise ConfigError(f"{self.out}: holds points of another configuration (differs in "
                                   f"{', '.join(changed)}); use another --out or delete that directory")
