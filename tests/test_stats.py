@@ -90,7 +90,7 @@ def test_frontier_grows_an_edge_choice_until_interior_or_bound(tmp_path):
     sweep = Sweep(tmp_path, FrontierConfig(schemes=cfg.schemes, depths=cfg.depths, seeds=cfg.seeds, lrs=cfg.lrs))
     points = sweep.run({key(s, 1024, lr, k): job(s, 1024, lr, k) for s in cfg.schemes for lr in cfg.grid(s, 1024)
                         for k in cfg.seeds}, "start")  # recorded without growth, as rule 15's points were
-    grids = grow_grids(cfg, Sweep(tmp_path, cfg), points, job)
+    grids = grow_grids(cfg, Sweep(tmp_path, cfg), points, job, cfg.schemes)
     assert grids["keel-1024"].describe() == {"values": [0.000111111, 0.000333333, 0.001, 0.003],
                                              "added": [0.000333333, 0.000111111], "bound": None}
     assert grids["pre_ln-1024"].describe()["bound"] == "low"  # two values added, still at the low edge

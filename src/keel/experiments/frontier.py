@@ -42,7 +42,7 @@ from keel.experiments.common import (
     write_outputs,
 )
 from keel.experiments.gradflow import measure
-from keel.experiments.grid import Grid
+from keel.experiments.grid import Grid, grown_note
 from keel.experiments.sweep import Sweep
 from keel.train.config import OptimConfig, RunConfig
 
@@ -161,7 +161,7 @@ def run(cfg: FrontierConfig, out: Path, command: str) -> dict:
             for d in sorted(cfg.depths) for s in cfg.schemes for lr in cfg.grid(s, d) for seed in cfg.seeds}
     sweep = Sweep(out, cfg)
     points = sweep.run(jobs, "frontier")
-    grids = grow_grids(cfg, sweep, points, job) if cfg.grow else None
+    grids = grow_grids(cfg, sweep, points, job, cfg.schemes) if cfg.grow else None
     res = analyse(cfg, points, unigram_level(cfg), grids)
     a = res["arms"]
     rows = [[d] + [f"{pm(a[f'{s}-{d}']['report_losses'])} @ {a[f'{s}-{d}']['lr']:g} ({a[f'{s}-{d}']['class']})"
@@ -184,23 +184,21 @@ def run(cfg: FrontierConfig, out: Path, command: str) -> dict:
              f"Unigram level {res['unigram']:.3f} nats; learns = >= {cfg.learn_margin} below it in every seed, stuck "
              f"= within {cfg.stuck_margin} of it in every seed.\n\nFrontier (deepest depth that learns): "
              f"{frontier}.\n\n{verdict_table}\n\n{grows}")
-    grown = {arm: a["lr_grid"] for arm, a in res["arms"].items() if a.get("lr_grid", {}).get("added")}
     if cfg.grow:
-        notes += (f"\n\nGrids grown past an edge choice (rule 22: by the same factor, every seed, until interior or "
-                  f"{cfg.grow} values added on that side): " + ("; ".join(
-                      f"{arm} added {', '.join(f'{v:g}' for v in g['added'])}"
-                      + (f" (still at the {g['bound']} edge: a bound)" if g["bound"] else "")
-                      for arm, g in grown.items()) or "none needed") + ".")
+        notes += "\n\n" + grown_note("rule 22", cfg.grow, [(arm, a["lr_grid"]) for arm, a in res["arms"].items()
+                                                              if a.get("lr_grid", {}).get("added")])
     plots = [_plot(cfg, res, out)]
     write_outputs(out, "frontier", cfg, command, {"points": points, **res}, table, plots, notes)
     return res
 
 
-def grow_grids(cfg: FrontierConfig, sweep: Sweep, points: dict, job) -> dict[str, Grid]:
-    """Rule 22: every arm's LR grid grown past an edge choice, a round at a time (each round's new LRs, every seed,
-    shallow depths first, run together so two processes share them), until every choice is interior or at its
-    bound. Adds the new points to `points`. A one-value grid has no factor to grow by and stays as it is."""
-    grids = {f"{s}-{d}": Grid(cfg.grid(s, d), cfg.grow) for d in sorted(cfg.depths) for s in cfg.schemes
+def grow_grids(cfg, sweep: Sweep, points: dict, job, arms: list[str]) -> dict[str, Grid]:
+    """Rules 22 and 23: every arm's LR grid (`cfg.grid(arm, depth)`, `arms` at each of `cfg.depths`) grown past an
+    edge choice by `cfg.grow` values at most, a round at a time (each round's new LRs, every seed, shallow depths
+    first, run together so two processes share them), until every choice is interior or at its bound; `job(arm,
+    depth, lr, seed)` makes a point. Adds the new points to `points`; returns "arm-depth" -> Grid. A one-value
+    grid has no factor to grow by and stays as it is."""
+    grids = {f"{s}-{d}": Grid(cfg.grid(s, d), cfg.grow) for d in sorted(cfg.depths) for s in arms
              if len(cfg.grid(s, d)) > 1}
     while True:
         new = {}

@@ -56,3 +56,11 @@ class Grid:
 
 def _finite(v: float | None) -> float:
     return v if v is not None and math.isfinite(v) else math.inf
+
+
+def grown_note(rule: str, grow: int, grown: list[tuple[str, dict]]) -> str:
+    """A report's sentence on grids grown past an edge: `grown` (arm, Grid.describe()) for the arms that grew."""
+    each = "; ".join(f"{arm} added {', '.join(f'{v:g}' for v in g['added'])}"
+                     + (f" (still at the {g['bound']} edge: a bound)" if g["bound"] else "") for arm, g in grown)
+    return (f"Grids grown past an edge choice ({rule}: by the same factor, every seed, until interior or {grow} "
+            f"values added on that side): {each or 'none needed'}.")

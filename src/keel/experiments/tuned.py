@@ -11,6 +11,8 @@ budget:
     is chosen on the select half exactly as the LR is;
   - every reported loss is on the whole report half (`run.eval_batches` covers all of its windows), at the chosen
     LR, for every seed; verdicts are paired two-sided t-tests over the seeds (keel.experiments.stats).
+`grow` > 0 (rule 23): an arm's LR chosen at an edge of its grid is a bound, so the grid grows past that edge
+(keel.experiments.frontier.grow_grids) until the choice is interior or `grow` values were added on that side.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from keel.experiments.common import (
     tiny_quick,
     write_outputs,
 )
-from keel.experiments.frontier import choose, key
+from keel.experiments.frontier import choose, grow_grids, key
+from keel.experiments.grid import Grid, grown_note
 from keel.experiments.sweep import Sweep
 from keel.train.config import OptimConfig, RunConfig
 
@@ -56,6 +59,7 @@ class TunedConfig(ExperimentConfig):
     curve_batches: int = 4
     probe: bool = False  # budget_point's effective-depth probe (not part of this experiment's rules)
     probe_batches: int = 4
+    grow: int = 0  # LR values added past one edge of an arm's grid before its choice is a bound (0: rule 19)
 
     PER_POINT: ClassVar[dict[str, str]] = ExperimentConfig.PER_POINT | {"model.scheme": "arms",
                                                                         "model.alpha": "alphas"}
@@ -72,22 +76,27 @@ class TunedConfig(ExperimentConfig):
         return self.point_model(self.arms[label], depth, alpha=self.alphas.get(label))
 
 
-def analyse(cfg: TunedConfig, points: dict, unigram: float) -> dict:
-    """Chosen LRs per arm, the tuned Keel arm, and the pre-registered verdicts, per depth."""
+def analyse(cfg: TunedConfig, points: dict, unigram: float, grids: dict[str, Grid] | None = None) -> dict:
+    """Chosen LRs per arm, the tuned Keel arm, and the pre-registered verdicts, per depth; `grids` ("arm-depth" ->
+    Grid) the grown grids where rule 23 grew them."""
     out = {"unigram": unigram, "depths": {}}
     keels = [a for a in cfg.arms if cfg.arms[a] == "keel"]
     for d in cfg.depths:
         arms = {}
         for a in cfg.arms:
-            lr = choose(cfg, points, a, d)
+            grown = (grids or {}).get(f"{a}-{d}")
+            values = grown.values if grown else cfg.grid(a, d)
+            lr = choose(cfg, points, a, d, values)
             sel = [points[key(a, d, lr, s)].get("select_loss") for s in cfg.seeds]
             arms[a] = {"lr": lr, "report_losses": [points[key(a, d, lr, s)]["report_loss"] for s in cfg.seeds],
                        "mean_select": float(np.mean([v if v is not None and math.isfinite(v) else math.inf
                                                      for v in sel])),
                        "select_by_lr": {f"{g:g}": [points[key(a, d, g, s)].get("select_loss") for s in cfg.seeds]
-                                        for g in cfg.grid(a, d)},
+                                        for g in values},
                        "diverged": {f"{g:g}": sum(points[key(a, d, g, s)]["diverged"] for s in cfg.seeds)
-                                    for g in cfg.grid(a, d)}}
+                                    for g in values}}
+            if grown:
+                arms[a]["lr_grid"] = grown.describe()
         res = {"arms": arms}
         if keels:
             tuned = min(keels, key=lambda a: arms[a]["mean_select"])
@@ -109,8 +118,10 @@ def run(cfg: TunedConfig, out: Path, command: str) -> dict:
         return lambda: budget_point(cfg, cfg.arm_model(label, depth), lr, seed)
     jobs = {key(a, d, lr, seed): job(a, d, lr, seed)
             for d in sorted(cfg.depths) for seed in cfg.seeds for a in cfg.arms for lr in cfg.grid(a, d)}
-    points = Sweep(out, cfg).run(jobs, "tuned")
-    res = analyse(cfg, points, unigram_level(cfg))
+    sweep = Sweep(out, cfg)
+    points = sweep.run(jobs, "tuned")
+    grids = grow_grids(cfg, sweep, points, job, list(cfg.arms)) if cfg.grow else None
+    res = analyse(cfg, points, unigram_level(cfg), grids)
     rows, vrows = [], []
     for d, r in res["depths"].items():
         for a, arm in r["arms"].items():
@@ -132,6 +143,10 @@ def run(cfg: TunedConfig, out: Path, command: str) -> dict:
              f"alphas {dict(cfg.alphas)} (others alpha = L); every LR of {dict(cfg.lrs)} with every seed {cfg.seeds}; "
              f"LR per arm, and tuned Keel's alpha, chosen by the mean select-half loss over all seeds; report loss on "
              f"{cfg.run.eval_batches} report-half batches. Unigram level {res['unigram']:.3f} nats.\n\n{verdicts}")
+    if cfg.grow:
+        grown = [(f"{a}-{d}", arm["lr_grid"]) for d, r in res["depths"].items() for a, arm in r["arms"].items()
+                 if arm.get("lr_grid", {}).get("added")]
+        notes += "\n\n" + grown_note("rule 23", cfg.grow, grown)
     write_outputs(out, "tuned", cfg, command, {"points": points, **res}, table, [_plot(cfg, res, points, out)], notes)
     return res
 
