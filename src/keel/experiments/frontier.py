@@ -209,7 +209,7 @@ def grow_grids(cfg, sweep: Sweep, points: dict, job, arms: list[str]) -> dict[st
                 new |= {key(s, int(d), lr, seed): job(s, int(d), lr, seed) for seed in cfg.seeds}
         if not new:
             return grids
-        points.update(sweep.run(new, "frontier: grown grids"))
+        points.update(sweep.run(new, "grown grids"))
 
 
 def _plot(cfg: FrontierConfig, res: dict, out: Path) -> str:
