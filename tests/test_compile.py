@@ -125,6 +125,20 @@ def test_compiled_keel_fuses_every_junction_across_blocks_with_graphs_flat_in_de
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_the_last_junctions_norm_copy_moves_and_casts_with_the_model():
+    # the last sub-layer's junction holds a norm copy the model does not register: .to() must reach it, or a cast
+    # model's last block would compile a graph of its own (and a moved one read a weight on the old device)
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_model(CONFIG, RunConfig(compile=True), torch.device("cpu"), compile_backend="eager")
+    model.to(torch.float64)
+    twins = [m.junction.next_norm_in.weight for m in model.modules() if getattr(m, "hands_head", False)]
+    assert len(twins) == 1 and twins[0].dtype == torch.float64
+    ids = batches(CONFIG.vocab_size, 1)[0]
+    model(*ids)[1].backward()
+    assert counters["stats"]["unique_graphs"] == 2
+
+
 def test_fused_junction_on_without_compile_on_cpu_says_how():
     from keel.errors import ConfigError
 

@@ -5,6 +5,7 @@ empty cache with its graph count, and the fused-junction default under compile i
 import gc
 import os
 import statistics
+import time
 import weakref
 from dataclasses import replace
 
@@ -74,6 +75,29 @@ def test_cold_warmup_in_fresh_processes_alternates_the_order():
     assert (got["keel"]["graphs"], got["pre_ln"]["graphs"]) == (2, 1)
     assert len(got["keel"]["each_first_step_s"]) == 2
     assert got["pre_ln"]["first_step_s"] == pytest.approx(statistics.median(got["pre_ln"]["each_first_step_s"]))
+
+
+def test_a_time_boxed_cold_warmup_records_a_failed_measurement_and_saves_as_it_goes(monkeypatch):
+    # in a GPU window a child that fails (or outlives the box) must not take the measurements already made with it
+    timeouts = []
+
+    def first_steps(config, run, optim, device, options, cache, timeout):
+        timeouts.append(timeout)
+        if config.scheme == "pre_ln":
+            raise RuntimeError("cold warm-up of pre_ln in a fresh process failed:\nout of memory")
+        return {"first_step_s": 2.0, "second_step_s": 0.5, "graphs": 2, "recompiles": 1, "pid": 1}
+
+    monkeypatch.setattr(core, "_first_steps_in_process", first_steps)
+    seen = []
+    got = cold_warmup(TINY, RUN, ["keel", "pre_ln"], repeats=2, processes=True, deadline=time.monotonic() + 600,
+                      progress=lambda summary: seen.append(summary))
+    assert got["keel"]["n"] == 2 and got["keel"]["first_step_s"] == 2.0
+    assert got["pre_ln"] == {"n": 0, "failed": ["cold warm-up of pre_ln in a fresh process failed:"] * 2}
+    assert len(seen) == 4 and seen[0] == {"keel": got["keel"] | {"n": 1, "each_first_step_s": [2.0],
+                                                               "processes": [1]}}
+    assert all(t > core.DEADLINE_GRACE_S for t in timeouts)  # a child outliving the box is stopped
+    with pytest.raises(RuntimeError, match="out of memory"):  # without a time box a failure is an error
+        cold_warmup(TINY, RUN, ["pre_ln"], processes=True)
 
 
 def test_the_step_times_of_cold_warmup_come_from_the_clock(monkeypatch):

@@ -73,6 +73,14 @@ class FusedResidual(Residual):
         y = self.alpha * x + h.to(x.dtype)
         return y if self.norm_out is None else self.norm_out(y)
 
+    def _apply(self, fn, recurse=True):
+        # the stack's last sub-layer holds an unregistered copy of a norm (apply_fused_junction): it follows the
+        # model's moves and casts (.to, .double, ...) as the registered ones do
+        super()._apply(fn, recurse)
+        if self.hands_head and self.junction is not None:
+            self.junction.next_norm_in._apply(fn, recurse)
+        return self
+
     def extra_repr(self) -> str:
         return super().extra_repr() + (", fused junction" if self.junction is not None else "")
 
@@ -198,10 +206,12 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     # which hands the head a stream: a block layout of its own, one more graph to compile (seconds each, cold).
     # Its last sub-layer then computes a junction too, with a copy of its own norm_in as the "next" norm, and the
     # head takes the stream of the pair: the last block compiles to the middle blocks' graph. The copy is held by
-    # the junction (a plain object), not registered: parameters and state dicts are unchanged, and u, unused,
-    # costs one norm per step and takes no gradient into the model.
-    tail = compiled and across_blocks and not ends_stack and last in takers and last.norm_out is not None
-    if tail and isinstance(model.final_norm, nn.Identity):
+    # the junction (a plain object), not registered: parameters and state dicts are unchanged (FusedResidual._apply
+    # moves and casts it with the model). u, unused, costs one norm forward and backward per step (the copy's
+    # weight must require grad like the others, or the graph differs) and gives the model's parameters no gradient.
+    tail = (compiled and across_blocks and not ends_stack and last in takers and last.norm_out is not None
+            and isinstance(model.final_norm, nn.Identity))
+    if tail:
         ops[last] = op(last.alpha, last.norm_out, copy.deepcopy(last.norm_in))
         ends_stack = True
 
