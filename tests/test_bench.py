@@ -175,6 +175,9 @@ def test_gpu_suite_runs_end_to_end_at_toy_size(tmp_path):
     suite, sections = GpuSuite.toy(), result["sections"]
     assert result["status"] == dict.fromkeys(GPU_SECTIONS, "done")
     assert "skipped" in sections["tests"]["summary"] and sections["tests"]["returncode"] == 0  # no CUDA: all skip
+    slowest = sections["tests"]["slowest"]  # each test's time as it ended, slowest first
+    assert slowest and all(t["outcome"] == "SKIPPED" and "::" in t["test"] for t in slowest)
+    assert [t["seconds"] for t in slowest] == sorted((t["seconds"] for t in slowest), reverse=True)
     kernel = sections["kernel"]
     assert [r["width"] for r in kernel["rows"]] == list(suite.kernel_widths) and kernel["copy_GBps"] > 0
     for row in kernel["rows"]:

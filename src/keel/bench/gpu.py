@@ -12,6 +12,7 @@ still leaves data. `--toy` runs the same campaign at toy sizes on a CPU in secon
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -127,20 +128,34 @@ def gpu_suite(suite: GpuSuite, device: torch.device, write, sections=GPU_SECTION
 
 
 def _section_tests(suite, device, out, deadline, save):
-    """The `gpu`-marked tests, in a child process (they set up CUDA, compile and triton state of their own)."""
+    """The `gpu`-marked tests, in a child process (they set up CUDA, compile and triton state of their own), each
+    test's time printed as it ends (pytest's `console_output_style=times`), so even a run cut off by its box says
+    which tests cost what (issue 37.9: split or shrink the costly ones)."""
     start = time.monotonic()
+    args = [sys.executable, "-m", "pytest", *suite.test_args, "-v", "-o", "console_output_style=times", "-p",
+            "no:cacheprovider"]
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", *suite.test_args, "-q", "-p", "no:cacheprovider"],
-                              capture_output=True, text=True, timeout=max(1.0, deadline - start))
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=max(1.0, deadline - start))
     except subprocess.TimeoutExpired as err:
         partial = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else err.stdout or ""
         out["tests"] = {"args": list(suite.test_args), "summary": "timed out", "seconds": time.monotonic() - start,
-                        "output_tail": partial[-2000:]}
+                        "slowest": pytest_times(partial), "output_tail": partial[-2000:]}
         return "time box reached"
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     out["tests"] = {"args": list(suite.test_args), "returncode": proc.returncode, "seconds": time.monotonic() - start,
                     "summary": lines[-1].strip("= ") if lines else proc.stderr[-500:],
-                    "failures": [line for line in lines if line.startswith(("FAILED", "ERROR"))]}
+                    "failures": [line for line in lines if line.startswith(("FAILED", "ERROR"))],
+                    "slowest": pytest_times(proc.stdout)}
+
+
+_TEST_TIME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+([\d.]+)(us|ms|s)\b", re.M)
+_UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def pytest_times(output: str, keep: int = 15) -> list[dict]:
+    """The `keep` slowest tests of a `pytest -v -o console_output_style=times` output, slowest first."""
+    times = [{"test": m[1], "outcome": m[2], "seconds": float(m[3]) * _UNIT[m[4]]} for m in _TEST_TIME.finditer(output)]
+    return sorted(times, key=lambda t: -t["seconds"])[:keep]
 
 
 def _section_kernel(suite, device, out, deadline, save):
@@ -305,6 +320,9 @@ def gpu_markdown(result: dict) -> str:
         t = sec["tests"]
         lines += [f"## Tests (`pytest {' '.join(t['args'])}`)", "", f"{t['summary']} ({t['seconds']:.0f} s)", ""]
         lines += [f"- {f}" for f in t.get("failures", [])]
+        if t.get("slowest"):
+            lines += ["", "Slowest: " + ", ".join(f"{x['test'].split('::')[-1]} {x['seconds']:.1f} s"
+                                                   for x in t["slowest"][:8]), ""]
     if "kernel" in sec:
         k = sec["kernel"]
         lines += ["## Junction kernel alone", "", f"Device copy bandwidth: {k['copy_GBps']:,.0f} GB/s. Effective "
