@@ -147,16 +147,27 @@ def downstream_tests() -> list[Test]:
     return out
 
 
+def _sci(x: float) -> str:
+    """3e-3, 1e-2, 3.33e-2: an LR as the tables write it."""
+    mantissa, exponent = f"{x:.2e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
 def tuned_tests() -> list[Test]:
     r = results("tuned")["depths"]["64"]
     arms_ = r["arms"]
+    alpha = {"keel": "L", "keel-sqrtL": "sqrtL"}
+    lr = {a: _sci(arm["lr"]) for a, arm in arms_.items()}
+    tuned = r["tuned_keel"]
     return [
-        Test("tuned", "tuned, rule 19", "tuned Keel (alpha = sqrtL, 3e-3) - Post-LN (3e-3), 64 sub-layers, 5 seeds",
-             arms_[r["tuned_keel"]]["report_losses"], arms_["post_ln"]["report_losses"], "rule 19 (primary)"),
+        Test("tuned", "tuned, rule 19", f"tuned Keel (alpha = {alpha[tuned]}, {lr[tuned]}) - Post-LN "
+             f"({lr['post_ln']}), 64 sub-layers, 5 seeds", arms_[tuned]["report_losses"],
+             arms_["post_ln"]["report_losses"], "rule 19 (primary)"),
         Test("tuned", "tuned, rule 19", "Keel sqrtL - Keel L, each at its chosen LR", arms_["keel-sqrtL"]
              ["report_losses"], arms_["keel"]["report_losses"], "rule 19 (secondary)", "both Keel arms"),
-        Test("tuned", "tuned, rule 19", "Keel alpha = L (1e-2) - Post-LN (3e-3)", arms_["keel"]["report_losses"],
-             arms_["post_ln"]["report_losses"], "reported (no verdict by its rule)", "Post-LN's runs"),
+        Test("tuned", "tuned, rule 19", f"Keel alpha = L ({lr['keel']}) - Post-LN ({lr['post_ln']})",
+             arms_["keel"]["report_losses"], arms_["post_ln"]["report_losses"], "reported (no verdict by its rule)",
+             "Post-LN's runs"),
     ]
 
 
