@@ -178,6 +178,25 @@ def pilot_tests() -> list[Test]:
             for b in r.values()]
 
 
+def sweep_tests() -> list[Test]:
+    """Rule 21's tests run so far (interim until every depth is in): Keel - X at each finished depth, paired over
+    the test's seeds (3 and 4 too where a marginal test added them); the growth slope against 0 once two depths
+    are in. The family is the tests run so far, as the sweep's own report adjusts."""
+    r = results("depth-sweep")
+    row = "depth sweep, rule 21" + (" (interim)" if r["status"] == "interim" else "")
+    out = []
+    for t in r["tests"]:
+        seeds = [str(s) for s in t["seeds"]]
+        if t["id"] == "slope":
+            out.append(Test("depth-sweep", row, t["what"], t["slopes"], [0.0] * len(t["slopes"]), "rule 21"))
+            continue
+        x, depth = t["id"].split("@")
+        keel, other = (r["arms"][depth][s]["report_by_seed"] for s in ("keel", x))
+        out.append(Test("depth-sweep", row, t["what"], [keel.get(s) for s in seeds], [other.get(s) for s in seeds],
+                        "rule 21"))
+    return out
+
+
 def tests() -> list[Test]:
     """Every test results/ reports, rule-defined first (by experiment), then the post-hoc ones."""
     dl = {s: merged("depth-long", "depth-long-s2", s) for s in
@@ -268,7 +287,7 @@ def tests() -> list[Test]:
         Test("ablations", "ablations", "first_layer = none - v2", arm("ablations", "first_layernone"),
              arm("ablations", "keelalphaL-v2"), "rule 3", "as above"),
     ] + frontier_tests() + [paper_ratio(x, d) for d in (16, 64) for x in ("pre_ln", "post_ln")] \
-      + downstream_tests() + tuned_tests() + pilot_tests() + [
+      + downstream_tests() + tuned_tests() + pilot_tests() + sweep_tests() + [
         Test("max-lr-64", "max LR, Table 1", "Keel - Pre-LN, 64 sub-layers, max LR", max_lr("max-lr-64", "keel", 64),
              max_lr("max-lr-64", "pre_ln", 64), "post-hoc: seeds 0 and 1 were committed and looked at before rule 11 "
              "(round 2) gave this row a third seed and a verdict"),
