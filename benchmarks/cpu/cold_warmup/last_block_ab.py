@@ -1,13 +1,17 @@
 """A/B in one process: compiled Keel with the last block handing on a pair (twin, 2 graphs), without it (3 graphs),
 and Pre-LN; alternating steps; per-repeat ratios."""
-import statistics, sys, json
+import json
+import statistics
+import sys
+
 import torch
 from torch import nn
+
 from keel.bench.core import Bench, alternate, scheme_config
 from keel.bench.cpu import CPU_SHAPES
 from keel.model.presets import cpu_demo
-from keel.train.config import RunConfig
 from keel.scale.parallel import FusedResidual
+from keel.train.config import RunConfig
 
 shape, steps, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 over, batch, seq = CPU_SHAPES[shape]
