@@ -38,3 +38,28 @@ def test_a_reader_that_closes_the_pipe_early_gets_no_traceback():
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait() == 141 and "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_a_signal_that_surfaces_as_another_exception_is_still_one_line_and_exit_130(capsys):
+    # SIGTERM landing inside a class body's __set_name__ (triton's import) comes out as a RuntimeError whose cause is
+    # the handler's KeyboardInterrupt: still an interruption. Without a signal the same error is an error.
+    import signal
+
+    from keel import runtime
+    from keel.cli.support import INTERRUPTED_EXIT, run_interruptible
+
+    def interrupted_import():
+        runtime.PENDING_SIGNALS.append(signal.SIGTERM)
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as err:
+            raise RuntimeError("Error calling __set_name__ on 'cached_property' instance 'do_bench'") from err
+
+    assert run_interruptible(interrupted_import) == INTERRUPTED_EXIT
+    assert capsys.readouterr().err == "keel: interrupted\n"
+
+    def broken():
+        raise RuntimeError("a real error")
+
+    with pytest.raises(RuntimeError, match="a real error"):
+        run_interruptible(broken)

@@ -42,6 +42,15 @@ def run_interruptible(work: Callable[[], int]) -> int:
     except BrokenPipeError:  # `keel ... | head` closed the pipe: stop quietly, as other command-line tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
         return BROKEN_PIPE_EXIT
+    except Exception:
+        if not runtime.PENDING_SIGNALS:
+            raise
+        # the signal's KeyboardInterrupt came out as another exception: Python wraps one raised inside a class
+        # body's __set_name__ in a RuntimeError (seen when SIGTERM landed in triton's import), and an import it cut
+        # short can fail later. The user asked to stop: one line, exit 130, as for the plain KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("keel: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
