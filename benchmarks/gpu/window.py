@@ -1,0 +1,150 @@
+"""The GPU campaign's most-needed cells in one short window (one `device` call of under 10 minutes).
+
+A window of 15 minutes of device time does not hold the four parts of `keel bench --suite gpu` (30 minutes of
+boxes). This runs, in order of what issue 37 most needs measured, each time-boxed and saved as it ends:
+
+1. `tokens`: Keel against Pre-LN at 8 x 4096 = 32k tokens a step, 64 sub-layers, d=1024, activation checkpointing
+   every block, compiled (the default): step time ratio and MFU (issue 37.7's targets);
+2. `compare64`: the same at batch 1 x 4096 in every variant (eager, compiled, compiled+composed, compiled+fused);
+3. `presets`: two training steps of `paper-1024` under a cap of 79.6 GiB of device memory (an 80 GB H100's usable
+   memory, `torch.cuda.set_per_process_memory_fraction`) and of `paper-2048` on the whole card, each with its
+   measured peak beside the memory plan's (issue 37.3/37.4), one gradient-accumulation micro-batch a step;
+4. `tests`: `pytest -m gpu` with each test's time (issue 37.9), in whatever time is left.
+
+    python benchmarks/gpu/window.py OUT [--toy] [--seconds 560]
+
+writes OUT/window.json and OUT/window.md after every cell. `--toy` runs it at CPU-test size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from keel.bench.core import Bench, attempt
+from keel.bench.gpu import GpuSuite, gpu_markdown, gpu_suite
+from keel.model import count_params
+from keel.train.plan import memory_plan
+from keel.train.presets import train_preset
+
+GiB = 2**30
+H100_USABLE_GIB = 79.6  # what the memory plan takes as an 80 GB H100's (keel.train.plan)
+
+
+def preset_trial(name: str, device: torch.device, cap_gib: float | None, steps: int, toy: bool) -> dict:
+    """Two steps of a preset as configured (one micro-batch a step), its peak against the plan's."""
+    config = train_preset(name)
+    if toy:
+        config = replace(config, model=replace(config.model, d_model=32, n_heads=2, n_kv_heads=1, d_ffn=96,
+                                               vocab_size=256, max_seq_len=16, n_blocks=4),
+                         optim=replace(config.optim, state="float32"))
+    run = replace(config.run, grad_accum=1, seq_len=config.model.max_seq_len, device=str(device))
+    config = replace(config, run=run)
+    plan = memory_plan(config, device=device)
+    row = {"preset": name, "cap_GiB": cap_gib, "optim_state": config.optim.state, "weights": run.weights,
+           "compile": run.compile, "n_params": count_params(config.model), "plan_peak_bytes": plan["total"],
+           "plan_peak_phase": plan.get("peak_phase")}
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GiB / total) if cap_gib else 1.0, device)
+
+    def two_steps():
+        start = time.monotonic()
+        b = Bench(config.model, run, config.optim, device=device, init_on_device=device.type == "cuda",
+                  compile_backend="inductor" if device.type == "cuda" else "aot_eager")
+        built = time.monotonic() - start
+        for _ in range(steps):
+            b.step()
+        return {"trains": True, "build_s": built, "step_times_s": b.times, "peak_memory_bytes": b.peak}
+
+    try:
+        r = attempt(two_steps, device)
+        row.update(r if isinstance(r, dict) else {"trains": False, "failed": r})
+    except Exception as err:  # a library missing or broken on the device: recorded, the window goes on
+        row.update({"trains": False, "failed": f"{type(err).__name__}: {err}"[:500],
+                    "traceback": traceback.format_exc()[-1500:]})
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+    if row.get("peak_memory_bytes"):
+        row["measured_over_plan"] = row["peak_memory_bytes"] / row["plan_peak_bytes"]
+    return row
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# GPU window ({result['device']}, torch {torch.__version__})", "",
+             "Status: " + ", ".join(f"{k} {v}" for k, v in result["status"].items()), ""]
+    for name in ("tokens", "compare64", "tests"):
+        if name in result:
+            lines += [f"## {name}", "", gpu_markdown(result[name]), ""]
+    if result.get("presets"):
+        lines += ["## presets", "", "| preset | cap (GiB) | state | trains | peak (GiB) | plan (GiB) | measured/plan |"
+                  " step times (s) |", "|---|---|---|---|---|---|---|---|"]
+        for r in result["presets"]:
+            peak, steps = r.get("peak_memory_bytes"), ", ".join(f"{t:.2f}" for t in r.get("step_times_s", []))
+            lines.append(f"| {r['preset']} | {r['cap_GiB'] or 'none'} | {r['optim_state']} | "
+                         f"{'yes' if r['trains'] else r.get('failed')} | {f'{peak / GiB:.1f}' if peak else '-'} | "
+                         f"{r['plan_peak_bytes'] / GiB:.1f} | {r.get('measured_over_plan', float('nan')):.3f} | "
+                         f"{steps} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--toy", action="store_true")
+    p.add_argument("--seconds", type=float, default=560)
+    args = p.parse_args()
+    start = time.monotonic()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    base = GpuSuite.toy() if args.toy else GpuSuite()
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "status": {},
+              "seconds": args.seconds}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        (args.out / "window.json").write_text(json.dumps(result, indent=1, default=str))
+        (args.out / "window.md").write_text(markdown(result))
+
+    def left() -> float:
+        return args.seconds - (time.monotonic() - start)
+
+    def part(name: str, suite: GpuSuite, section: str, box: float) -> None:
+        box = min(box, left() - 5)
+        if box <= 0:
+            result["status"][name] = "no time left"
+            return
+        suite = replace(suite, boxes={**suite.boxes, section: box})
+
+        def write(r):
+            result[name] = r
+            save()
+        try:
+            r = gpu_suite(suite, device, write, [section])
+            result["status"][name] = r["status"][section]
+        except Exception as err:
+            result["status"][name] = f"failed: {type(err).__name__}: {err}"[:500]
+        save()
+
+    part("tokens", replace(base, compare_sublayers=(), tokens_variants=("compiled",)), "compare", 150)
+    part("compare64", replace(base, compare_sublayers=base.compare_sublayers[:1], tokens_points=()), "compare", 170)
+    result["presets"] = []
+    for name, cap in (("paper-1024", H100_USABLE_GIB), ("paper-2048", None)):
+        if left() < 40:
+            result["status"]["presets"] = "no time left"
+            break
+        result["presets"].append(preset_trial(name, device, cap, steps=2, toy=args.toy))
+        result["status"]["presets"] = f"{len(result['presets'])} done"
+        save()
+    part("tests", base, "tests", 110)
+    save()
+
+
+if __name__ == "__main__":
+    main()
