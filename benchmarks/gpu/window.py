@@ -52,7 +52,8 @@ def preset_trial(name: str, device: torch.device, cap_gib: float | None, steps: 
            "plan_peak_phase": plan.get("peak_phase")}
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GiB / total) if cap_gib else 1.0, device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GiB / total) if cap_gib else 1.0,
+                                                  torch.cuda.current_device())
 
     def two_steps():
         start = time.monotonic()
@@ -71,7 +72,7 @@ def preset_trial(name: str, device: torch.device, cap_gib: float | None, steps: 
                     "traceback": traceback.format_exc()[-1500:]})
     finally:
         if device.type == "cuda":
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
     if row.get("peak_memory_bytes"):
         row["measured_over_plan"] = row["peak_memory_bytes"] / row["plan_peak_bytes"]
     return row
@@ -80,7 +81,7 @@ def preset_trial(name: str, device: torch.device, cap_gib: float | None, steps: 
 def markdown(result: dict) -> str:
     lines = [f"# GPU window ({result['device']}, torch {torch.__version__})", "",
              "Status: " + ", ".join(f"{k} {v}" for k, v in result["status"].items()), ""]
-    for name in ("tokens", "compare64", "tests"):
+    for name in ("tokens", "compare64", "warmup", "tests"):
         if name in result:
             lines += [f"## {name}", "", gpu_markdown(result[name]), ""]
     if result.get("presets"):
@@ -100,6 +101,10 @@ def main() -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--toy", action="store_true")
     p.add_argument("--seconds", type=float, default=560)
+    p.add_argument("--parts", default="tokens,compare64,presets,tests",
+                   help="a subset of tokens,compare64,presets,tests,warmup (warmup: compile warm-up from nothing, "
+                        "each scheme once in a fresh process)")
+    p.add_argument("--tests", default="tests", help="the test paths of the tests part")
     args = p.parse_args()
     start = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -132,17 +137,24 @@ def main() -> None:
             result["status"][name] = f"failed: {type(err).__name__}: {err}"[:500]
         save()
 
-    part("tokens", replace(base, compare_sublayers=(), tokens_variants=("compiled",)), "compare", 150)
-    part("compare64", replace(base, compare_sublayers=base.compare_sublayers[:1], tokens_points=()), "compare", 170)
+    parts = args.parts.split(",")
+    if "tokens" in parts:
+        part("tokens", replace(base, compare_sublayers=(), tokens_variants=("compiled",)), "compare", 150)
+    if "compare64" in parts:
+        part("compare64", replace(base, compare_sublayers=base.compare_sublayers[:1], tokens_points=()), "compare",
+             170)
     result["presets"] = []
-    for name, cap in (("paper-1024", H100_USABLE_GIB), ("paper-2048", None)):
+    for name, cap in (("paper-1024", H100_USABLE_GIB), ("paper-2048", None)) if "presets" in parts else ():
         if left() < 40:
             result["status"]["presets"] = "no time left"
             break
         result["presets"].append(preset_trial(name, device, cap, steps=2, toy=args.toy))
         result["status"]["presets"] = f"{len(result['presets'])} done"
         save()
-    part("tests", base, "tests", 110)
+    if "warmup" in parts:
+        part("warmup", replace(base, warmup_repeats=1), "warmup", 160)
+    if "tests" in parts:
+        part("tests", replace(base, test_args=("-m", "gpu", *args.tests.split(","))), "tests", 130)
     save()
 
 
