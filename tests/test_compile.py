@@ -147,3 +147,30 @@ def test_fused_junction_on_without_compile_on_cpu_says_how():
     model = build_model(CONFIG, RunConfig(fused_junction="on", compile=True), torch.device("cpu"),
                         compile_backend="eager")
     assert fused_junctions(model) == 2 * CONFIG.n_blocks - 2
+
+
+@pytest.mark.parametrize("fused", ["off", "composed"])
+def test_compiled_blocks_keep_alpha_a_constant(fused):
+    """Block 1 recompiles block 0's code with another alpha (1, then L). Left to Dynamo's automatic dynamic, that
+    recompile turns alpha into a symbolic float, a graph input of its own: on CUDA a CPU scalar whose code took
+    Inductor 42 s to generate on one H200 (benchmarks/gpu/h200-2026-11-26.md). Every graph must hold alpha as a
+    constant and take no symbolic input."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = build_model(CONFIG, RunConfig(compile=True, fused_junction=fused), torch.device("cpu"),
+                        compile_backend=backend)
+    ids = batches(CONFIG.vocab_size, 1)[0]
+    model(ids[0])[0].float().logsumexp(-1).mean().backward()
+    assert len(graphs) == 2
+
+    def unspecialized(value) -> bool:  # a python number made an input: a SymInt/SymFloat, or a 0-d tensor
+        return isinstance(value, torch.SymFloat | torch.SymInt) or isinstance(value, torch.Tensor) and value.dim() == 0
+
+    inputs = [n.name for gm in graphs for n in gm.graph.nodes
+              if n.op == "placeholder" and unspecialized(n.meta.get("example_value"))]
+    assert inputs == []

@@ -166,7 +166,7 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     model about to be compiled (`compiled`), the junction is fused by the compiler instead: a
     `ComposedJunction` moves the next sub-layer's `LN_in` into the compiled block that ends with `LN_out`.
     mode: "auto" fuses where it was measured faster (`junction_impl`: the kernel for an eager model on CUDA, the
-    compiler's fusion across blocks for a compiled model on CPU; never the kernel on CPU, not even under triton's
+    compiler's fusion across blocks for a compiled model; never the kernel on CPU, not even under triton's
     interpreter), "composed" asks for the compiler's fusion, "on" fuses with the kernel or raises a ConfigError
     saying why it cannot, "off" leaves the plain
     composition. A model without junctions (Pre-LN, Post-LN, ...) has nothing to fuse under any mode.
@@ -182,7 +182,8 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     """
     _swap(model, _unfused)
     pairs = junctions(model, across_blocks)
-    if mode == "off" or not pairs:
+    if mode == "off" or not pairs or (mode == "auto" and not compiled and next(model.parameters()).device.type
+                                        != "cuda"):  # nothing to fuse: an eager model off CUDA (no triton import)
         return 0
     from keel.kernels.junction import can_fuse  # noqa: PLC0415 (triton: only when there is something to fuse)
 
@@ -262,14 +263,14 @@ def junction_impl(mode: str, device_type: str, compiled: bool, problem: str | No
     Inductor to fuse) or None (not fused); `problem` says why the kernel cannot run here (None: it can). "on"
     with neither raises a ConfigError.
 
-    "auto" under compile on CUDA leaves the junction to Inductor inside each compiled block (None), the path
-    measured fastest on one H100 (../shared/gpu, d=1024, 64 sub-layers): Keel/Pre-LN step time 1.046 compiled
-    against 1.322 with the Triton kernel in the graph; torch.compile's own junction beat the kernel
-    forward+backward (638 vs 945 us). The composed junction across blocks ("composed") is the compiled default
-    where it was measured, on CPU (Keel/Pre-LN 1.013 and 1.009 against 1.036 and 1.057), with the same two graphs
-    to compile (the last block hands on a pair too; `apply_fused_junction`); the GPU campaign measures it
-    ("compiled+composed") before it becomes the CUDA default. The kernel stays the eager default on CUDA (82-94% of
-    copy bandwidth against 14-15% unfused) and is what "on" asks for.
+    "auto" under compile fuses the junction across blocks inside the compiled code ("composed", the last block
+    handing on a pair too, so two graphs to compile; `apply_fused_junction`), on CUDA as on CPU. Measured on one
+    H200 (d=1024, 64 sub-layers, batch 1 x 4096, bf16; benchmarks/gpu/h200-2026-11-26.md): Keel/Pre-LN step time
+    1.064 composed, against 1.300 with Inductor's junction inside each block and 1.469 with the Triton kernel in
+    the graph (Keel 53.6, 69.8 and 78.8 ms); on CPU 1.013 and 1.009 against 1.036 and 1.057. Those GPU figures
+    were taken before `apply_compile` kept alpha a constant (it was a CPU scalar input to every compiled block),
+    which changes both paths. The kernel stays the eager default on CUDA (82-94% of copy bandwidth against 14-15%
+    unfused) and is what "on" asks for.
     """
     if mode == "off":
         return None
@@ -280,12 +281,8 @@ def junction_impl(mode: str, device_type: str, compiled: bool, problem: str | No
         return "composed"
     if problem is None and (mode == "on" or (device_type == "cuda" and not compiled)):
         return "kernel"
-    if compiled and device_type != "cuda":
+    if compiled:  # "auto", or "on" where the kernel cannot run: the compiler's fusion
         return "composed"
-    if compiled and mode == "on":  # the kernel cannot run here: the compiler's fusion is what "on" can have
-        return "composed"
-    if compiled:
-        return None
     if mode == "on":
         raise ConfigError(f"run.fused_junction=on: {problem} and run.compile is off (with run.compile=true "
                           "the compiler fuses it); allowed here: auto or off")
@@ -310,16 +307,22 @@ def apply_ac(model: nn.Module, every: int) -> int:
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
-    """`torch.compile` each block in place.
+    """`torch.compile` each block in place, static (`dynamic=False`).
 
     Dynamo guards on each `Residual`'s python-float `alpha`, so blocks recompile only where alpha or
     the norm layout changes: Keel (first_layer="v2") has two block shapes (block 0 and the rest), so
     compiling N blocks compiles 2 graphs for any N (tests/test_parallel.py counts them). Schemes with
     more distinct block shapes than `torch._dynamo.config.recompile_limit` would fall back to eager
     for the extra ones; none of the built-in schemes has more than two.
+
+    Static, because the recompile from block 0 (alpha 1) to block 1 (alpha L) otherwise makes Dynamo's automatic
+    dynamic mark alpha a symbolic float: on CUDA that graph then carries a CPU scalar, and Inductor spent 42 s
+    generating and compiling its code (one H200, d=1024, 64 sub-layers: Keel's cold first step 53-56 s against
+    Pre-LN's 7.7-7.9 s; benchmarks/gpu/h200-2026-11-26.md). Every block keeps one shape in training, so nothing
+    else needs to be dynamic.
     """
     for block in model.blocks:
-        block.compile(backend=backend)
+        block.compile(backend=backend, dynamic=False)
 
 
 def apply_fsdp(module: nn.Module, mesh, param_dtype: torch.dtype | None = None, group: int = 1,
