@@ -34,15 +34,18 @@ def with_params(spec: DeviceSpec, values) -> DeviceSpec:
     return replace(spec, matmul_eff=matmul, memory_eff=memory, launch_s={"eager": eager, "compiled": compiled})
 
 
-def points(run: dict) -> list[tuple[str, str, float]]:
-    """(variant, scheme, measured seconds) of one run."""
-    return [(v, s, ms / 1e3) for v, pair in run["step_time_ms"].items() for s, ms in pair.items()]
+def points(run: dict) -> list[tuple[str, str, float, dict]]:
+    """(variant, scheme, measured seconds, shape) of one run: its `step_time_ms` at its `shape`, then each of its
+    `more_points` (a shape that overrides some of the run's, and step times) at theirs."""
+    groups = [(run["shape"], run["step_time_ms"])]
+    groups += [({**run["shape"], **m["shape"]}, m["step_time_ms"]) for m in run.get("more_points", [])]
+    return [(v, s, ms / 1e3, shape) for shape, times in groups for v, pair in times.items() for s, ms in pair.items()]
 
 
-def _predicted(spec: DeviceSpec, run: dict, variant: str, scheme: str) -> float:
+def _predicted(spec: DeviceSpec, run: dict, variant: str, scheme: str, shape: dict | None = None) -> float:
     from keel.bench.core import scheme_config  # noqa: PLC0415 (core imports the training stack)
 
-    shape = run["shape"]
+    shape = shape or run["shape"]
     config = scheme_config(paper_config(shape["d_model"], shape["n_sublayers"]), scheme)
     return predict(config, shape["batch_size"], shape["seq_len"], spec, variant, shape["dtype"] == "bfloat16",
                    shape["ac_every"], Code(**run.get("code", {})))["step_time_s"]
@@ -68,16 +71,16 @@ def calibrate(run: dict, base: DeviceSpec | None = None, matmul_eff: float | Non
 
     def residuals(x):
         spec = with_params(base, [v * s for v, s in zip(x, scale)])
-        return [math.log(_predicted(spec, run, v, s) / t) for v, s, t in pts]
+        return [math.log(_predicted(spec, run, v, s, shape) / t) for v, s, t, shape in pts]
     fit = least_squares(residuals, [v / s for v, s in zip(start, scale)],
                         bounds=([a / s for a, s in zip(lo, scale)], [b / s for b, s in zip(hi, scale)]))
     spec = replace(with_params(base, [v * s for v, s in zip(fit.x, scale)]),
                    calibrated=f"{run['device']} {run['date']} ({run['commit']})")
     rows = []
-    for v, s, t in pts:
-        before, after = _predicted(DEVICES[run["device"]], run, v, s), _predicted(spec, run, v, s)
+    for v, s, t, shape in pts:
+        before, after = _predicted(DEVICES[run["device"]], run, v, s, shape), _predicted(spec, run, v, s, shape)
         rows.append({"variant": v, "scheme": s, "measured_s": t, "assumed_model_s": before, "calibrated_s": after,
-                     "error": after / t - 1})
+                     "error": after / t - 1, "batch_size": shape["batch_size"], "ac_every": shape["ac_every"]})
     return spec, rows
 
 
@@ -133,16 +136,24 @@ def fit_markdown(run: dict) -> str:
     lines = [f"# The performance model calibrated on {run['device']} ({run['date']}, {run['commit']}, "
              f"{run['software']})", "",
              f"Shape: d={shape['d_model']}, {shape['n_sublayers']} sub-layers, batch {shape['batch_size']} x "
-             f"{shape['seq_len']}, {shape['dtype']}. Fitted (least squares on log step time, 4 numbers to "
+             f"{shape['seq_len']}, {shape['dtype']}"
+             + "".join(f"; and batch {m['shape'].get('batch_size', shape['batch_size'])}"
+                       + (" with AC every block" if m["shape"].get("ac_every") else "")
+                       for m in run.get("more_points", []))
+             + f". Fitted (least squares on log step time, 4 numbers to "
              f"{len(rows)} points): matmul {spec.matmul_eff:.0%} of the bf16 peak, memory-bound kernels "
              f"{spec.memory_eff:.0%} of the bandwidth, host {1e6 * spec.launch_s['eager']:.1f} us per eager op and "
-             f"{1e6 * spec.launch_s['compiled']:.1f} us per compiled kernel; the fused junction at its measured "
-             f"{(spec.fused_junction_bw or 0) / 1e9:,.0f} GB/s.", "",
-             "| variant | scheme | measured (ms) | assumed model (ms) | calibrated model (ms) | error of the fit |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['variant']} | {r['scheme']} | {1e3 * r['measured_s']:.1f} | {1e3 * r['assumed_model_s']:.1f} | "
-              f"{1e3 * r['calibrated_s']:.1f} | {r['error']:+.1%} |" for r in rows]
-    lines += ["", "The fit is not unique: one shape cannot tell slow GEMMs from host time per kernel. Held at each "
+             f"{1e6 * spec.launch_s['compiled']:.1f} us per compiled kernel; the fused junction "
+             + (f"at its measured {spec.fused_junction_bw / 1e9:,.0f} GB/s." if spec.fused_junction_bw else
+                "at the datasheet's bandwidth (its kernel was not timed alone in this run)."), "",
+             "| batch (AC) | variant | scheme | measured (ms) | assumed model (ms) | calibrated model (ms) | "
+             "error of the fit |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch_size']}{' (AC)' if r['ac_every'] else ''} | {r['variant']} | {r['scheme']} | "
+              f"{1e3 * r['measured_s']:.1f} | {1e3 * r['assumed_model_s']:.1f} | {1e3 * r['calibrated_s']:.1f} | "
+              f"{r['error']:+.1%} |" for r in rows]
+    lines += ["", ("The fit is not unique: one shape cannot tell slow GEMMs from host time per kernel. " if not
+                   run.get("more_points") else "The batch-8 points are GEMM-bound, the batch-1 points host-bound: "
+                   "together they pin the matmul efficiency better than one shape. ") + "Held at each "
               "matmul efficiency, the other three fitted again (PREDICTED Keel MFU and Keel/Pre-LN at d=1024, "
               "512 sub-layers, 32,768 tokens per step, compiled, AC every block):", "",
               "| matmul efficiency held at | largest error of the fit | host us per compiled kernel | Keel MFU | "
