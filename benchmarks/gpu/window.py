@@ -4,7 +4,8 @@ A window of 15 minutes of device time does not hold the four parts of `keel benc
 boxes). This runs, in order of what issue 37 most needs measured, each time-boxed and saved as it ends:
 
 1. `tokens`: Keel against Pre-LN at 8 x 4096 = 32k tokens a step, 64 sub-layers, d=1024, activation checkpointing
-   every block, compiled (the default): step time ratio and MFU (issue 37.7's targets);
+   every block, compiled (the default, then the junction left inside each block): step time ratio and MFU (issue
+   37.7's targets);
 2. `compare64`: the same at batch 1 x 4096 in every variant (eager, compiled, compiled+composed, compiled+fused);
 3. `presets`: two training steps of `paper-1024` under a cap of 79.6 GiB of device memory (an 80 GB H100's usable
    memory, `torch.cuda.set_per_process_memory_fraction`) and of `paper-2048` on the whole card, each with its
@@ -139,7 +140,8 @@ def main() -> None:
 
     parts = args.parts.split(",")
     if "tokens" in parts:
-        part("tokens", replace(base, compare_sublayers=(), tokens_variants=("compiled",)), "compare", 150)
+        part("tokens", replace(base, compare_sublayers=(), tokens_variants=("compiled+composed", "compiled")),
+             "compare", 180)
     if "compare64" in parts:
         part("compare64", replace(base, compare_sublayers=base.compare_sublayers[:1], tokens_points=()), "compare",
              170)

@@ -57,7 +57,7 @@ class GpuSuite:
     ac_from: int = 256
     together_upto: int = 128
     tokens_points: tuple[tuple[int, int], ...] = ((64, 8),)  # 8 x 4096 = 32,768 tokens a step (issue 37.7)
-    tokens_variants: tuple[str, ...] = ("eager", "compiled")
+    tokens_variants: tuple[str, ...] = ("eager", "compiled+composed", "compiled")  # the default first
     kernel_rows: int = 16384
     kernel_widths: tuple[int, ...] = (1024, 2048, 4096)
     kernel_calls: int = 20  # back-to-back calls per timing, `kernel_repeats` timings (median)
