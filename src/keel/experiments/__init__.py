@@ -18,6 +18,7 @@ _REGISTRY = {
     "stream-precision": ("precision", "PrecisionConfig", "run"),
     "frontier": ("frontier", "FrontierConfig", "run"),
     "downstream": ("downstream", "DownstreamConfig", "run"),
+    "downstream-end": ("downstream_end", "DownstreamEndConfig", "run"),
     "tuned": ("tuned", "TunedConfig", "run"),
     "depth-pilot": ("pilot", "PilotConfig", "run"),
     "depth-sweep": ("depth_sweep", "DepthSweepConfig", "run"),
