@@ -171,6 +171,30 @@ def test_compiled_blocks_keep_alpha_a_constant(fused):
     def unspecialized(value) -> bool:  # a python number made an input: a SymInt/SymFloat, or a 0-d tensor
         return isinstance(value, torch.SymFloat | torch.SymInt) or isinstance(value, torch.Tensor) and value.dim() == 0
 
-    inputs = [n.name for gm in graphs for n in gm.graph.nodes
-              if n.op == "placeholder" and unspecialized(n.meta.get("example_value"))]
-    assert inputs == []
+    placeholders = [n for gm in graphs for n in gm.graph.nodes if n.op == "placeholder"]
+    assert placeholders and all("example_value" in n.meta for n in placeholders)  # what the check below reads
+    assert [n.name for n in placeholders if unspecialized(n.meta["example_value"])] == []
+
+
+def test_scoring_a_compiled_model_at_new_shapes_compiles_nothing():
+    """Blocks compile static, and task scoring (keel.evals) feeds every batch at a shape of its own: those run eager
+    instead of compiling (and spending the recompile limit training's graphs share)."""
+    from keel.evals.scoring import untouched
+
+    step = TrainStep(*_compiled_keel())
+    data = batches(CONFIG.vocab_size, 2)
+    train_and_validate(step, data, "cpu")
+    before = counters["stats"]["unique_graphs"]
+    with untouched(step.model, "cpu"):
+        for b, t in ((1, 16), (3, 9), (4, 11), (2, 5), (5, 13)):
+            step.model(torch.randint(0, CONFIG.vocab_size, (b, t)))
+    assert counters["stats"]["unique_graphs"] == before
+    train_and_validate(step, data, "cpu")  # training's graphs are still there: nothing new after scoring either
+    assert counters["stats"]["unique_graphs"] == before
+
+
+def _compiled_keel():
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_model(CONFIG, RunConfig(compile=True), torch.device("cpu"), compile_backend="eager")
+    return model, build_optimizer(model, OptimConfig())

@@ -82,14 +82,17 @@ class Scorer:
 def untouched(model, device):
     """The model in eval mode while scoring, then back in the mode it was in; the torch (CPU and this CUDA
     device), Python and NumPy generators restored, so a run that scores resumes bit for bit like one that
-    does not (dropout is off in eval mode, and the harness seeds all three generators)."""
+    does not (dropout is off in eval mode, and the harness seeds all three generators). A compiled model compiles
+    nothing new here: its blocks compile static (keel.scale.parallel.apply_compile), and every scored batch has a
+    shape of its own, so shapes it has no graph for run eager (`eager_on_recompile`) rather than spend compiles and
+    the recompile limit that training's graphs share."""
     was_training = model.training
     device = torch.device(device)
     devices = [device.index or 0] if device.type == "cuda" else []
     py_state, np_state = random.getstate(), np.random.get_state()
     model.eval()
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), torch.compiler.set_stance("eager_on_recompile"):
             yield
     finally:
         model.train(was_training)
