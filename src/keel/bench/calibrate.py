@@ -138,7 +138,8 @@ def fit_markdown(run: dict) -> str:
              f"Shape: d={shape['d_model']}, {shape['n_sublayers']} sub-layers, batch {shape['batch_size']} x "
              f"{shape['seq_len']}, {shape['dtype']}"
              + "".join(f"; and batch {m['shape'].get('batch_size', shape['batch_size'])}"
-                       + (" with AC every block" if m["shape"].get("ac_every") else "")
+                       + (" with AC every block" if m["shape"].get("ac_every") == 1 else
+                          f" with AC every {m['shape']['ac_every']} blocks" if m["shape"].get("ac_every") else "")
                        for m in run.get("more_points", []))
              + f". Fitted (least squares on log step time, 4 numbers to "
              f"{len(rows)} points): matmul {spec.matmul_eff:.0%} of the bf16 peak, memory-bound kernels "
@@ -151,9 +152,18 @@ def fit_markdown(run: dict) -> str:
     lines += [f"| {r['batch_size']}{' (AC)' if r['ac_every'] else ''} | {r['variant']} | {r['scheme']} | "
               f"{1e3 * r['measured_s']:.1f} | {1e3 * r['assumed_model_s']:.1f} | {1e3 * r['calibrated_s']:.1f} | "
               f"{r['error']:+.1%} |" for r in rows]
+    fitted = (spec.matmul_eff, spec.memory_eff, spec.launch_s["eager"], spec.launch_s["compiled"])
+    at_bound = [name for (name, lo, hi), v in zip(FITTED, fitted) if min(v - lo, hi - v) < 1e-3 * hi]
+    if at_bound:
+        lines += ["", f"At a bound of the fit: {', '.join(at_bound)} (the points do not pin it; read it as a limit)."]
+    if run.get("unfitted_step_time_ms"):
+        unfitted = run["unfitted_step_time_ms"].items()
+        lines += ["", "Measured but not fitted: " + "; ".join(
+            f"{v} {', '.join(f'{s} {ms} ms' for s, ms in pair.items())}" for v, pair in unfitted)
+            + (f" ({run['note']})" if run.get("note") else "") + "."]
     lines += ["", ("The fit is not unique: one shape cannot tell slow GEMMs from host time per kernel. " if not
-                   run.get("more_points") else "The batch-8 points are GEMM-bound, the batch-1 points host-bound: "
-                   "together they pin the matmul efficiency better than one shape. ") + "Held at each "
+                   run.get("more_points") else "Points at more than one batch size constrain the matmul efficiency "
+                   "more than one shape does, not uniquely. ") + "Held at each "
               "matmul efficiency, the other three fitted again (PREDICTED Keel MFU and Keel/Pre-LN at d=1024, "
               "512 sub-layers, 32,768 tokens per step, compiled, AC every block):", "",
               "| matmul efficiency held at | largest error of the fit | host us per compiled kernel | Keel MFU | "
