@@ -178,23 +178,36 @@ def pilot_tests() -> list[Test]:
             for b in r.values()]
 
 
-def sweep_tests() -> list[Test]:
-    """Rule 21's tests run so far (interim until every depth is in): Keel - X at each finished depth, paired over
-    the test's seeds (3 and 4 too where a marginal test added them); the growth slope against 0 once two depths
-    are in. The family is the tests run so far, as the sweep's own report adjusts."""
-    r = results("depth-sweep")
-    row = "depth sweep, rule 21" + (" (interim)" if r["status"] == "interim" else "")
+def sweep_tests(folder: str = "depth-sweep", rule: str = "rule 21", row: str = "depth sweep") -> list[Test]:
+    """A depth-sweep's tests run so far (interim until every depth is in): Keel - X at each finished depth, paired
+    over the test's seeds (3 and 4 too where a marginal test added them); the growth slope against 0 once two depths
+    are in. The family is the tests run so far, as the sweep's own report adjusts. None before its first report."""
+    if not (ROOT / folder / "results.json").exists():
+        return []
+    r = results(folder)
+    row = f"{row}, {rule}" + (" (interim)" if r["status"] == "interim" else "")
     out = []
     for t in r["tests"]:
         seeds = [str(s) for s in t["seeds"]]
         if t["id"] == "slope":
-            out.append(Test("depth-sweep", row, t["what"], t["slopes"], [0.0] * len(t["slopes"]), "rule 21"))
+            out.append(Test(folder, row, t["what"], t["slopes"], [0.0] * len(t["slopes"]), rule))
             continue
         x, depth = t["id"].split("@")
         keel, other = (r["arms"][depth][s]["report_by_seed"] for s in ("keel", x))
-        out.append(Test("depth-sweep", row, t["what"], [keel.get(s) for s in seeds], [other.get(s) for s in seeds],
-                        "rule 21"))
+        out.append(Test(folder, row, t["what"], [keel.get(s) for s in seeds], [other.get(s) for s in seeds], rule))
     return out
+
+
+def downstream_end_tests() -> list[Test]:
+    """Rule 24's two tests, once its report is written: Keel at the end of its searched schedule - Pre-LN at the end of
+    its own (downstream's committed runs, read again), final probe score and final report loss, per seed."""
+    if not (ROOT / "downstream-end" / "results.json").exists():
+        return []
+    final = results("downstream-end")["final"]
+    row, shared = "downstream at each arm's own end, rule 24", "downstream's Pre-LN at 64 (read, not re-run)"
+    return [Test("downstream-end", row, f"{what}, Keel at its own end - Pre-LN at its own, 64 sub-layers",
+                 final["arm"][key], final["reference"][key], "rule 24", shared)
+            for key, what in (("score", "final probe score"), ("loss", "final report loss"))]
 
 
 def tests() -> list[Test]:
@@ -287,7 +300,8 @@ def tests() -> list[Test]:
         Test("ablations", "ablations", "first_layer = none - v2", arm("ablations", "first_layernone"),
              arm("ablations", "keelalphaL-v2"), "rule 3", "as above"),
     ] + frontier_tests() + [paper_ratio(x, d) for d in (16, 64) for x in ("pre_ln", "post_ln")] \
-      + downstream_tests() + tuned_tests() + pilot_tests() + sweep_tests() + [
+      + downstream_tests() + tuned_tests() + pilot_tests() + sweep_tests() + downstream_end_tests() \
+      + sweep_tests("depth-long-tuned", "rule 25", "64 sub-layers at 1.02M tokens, tuned") + [
         Test("max-lr-64", "max LR, Table 1", "Keel - Pre-LN, 64 sub-layers, max LR", max_lr("max-lr-64", "keel", 64),
              max_lr("max-lr-64", "pre_ln", 64), "post-hoc: seeds 0 and 1 were committed and looked at before rule 11 "
              "(round 2) gave this row a third seed and a verdict"),
