@@ -12,7 +12,9 @@ boxes). This runs, in order of what issue 37 most needs measured, each time-boxe
    measured peak beside the memory plan's (issue 37.3/37.4), one gradient-accumulation micro-batch a step;
 4. `tests`: `pytest -m gpu` with each test's time (issue 37.9), in whatever time is left.
 
-    python benchmarks/gpu/window.py OUT [--toy] [--seconds 560]
+    python benchmarks/gpu/window.py OUT [--toy] [--seconds 560] [--parts tokens,compare64,presets,tests]
+
+The next window (to measure the static-compile fix of 2026-11-26): `--parts warmup,tests,tokens,compare64`.
 
 writes OUT/window.json and OUT/window.md after every cell. `--toy` runs it at CPU-test size.
 """
@@ -103,8 +105,8 @@ def main() -> None:
     p.add_argument("--toy", action="store_true")
     p.add_argument("--seconds", type=float, default=560)
     p.add_argument("--parts", default="tokens,compare64,presets,tests",
-                   help="a subset of tokens,compare64,presets,tests,warmup (warmup: compile warm-up from nothing, "
-                        "each scheme once in a fresh process)")
+                   help="a subset of tokens,compare64,presets,tests,warmup, run in the order given (warmup: compile "
+                        "warm-up from nothing, each scheme once in a fresh process)")
     p.add_argument("--tests", default="tests", help="the test paths of the tests part")
     args = p.parse_args()
     start = time.monotonic()
@@ -138,25 +140,30 @@ def main() -> None:
             result["status"][name] = f"failed: {type(err).__name__}: {err}"[:500]
         save()
 
-    parts = args.parts.split(",")
-    if "tokens" in parts:
-        part("tokens", replace(base, compare_sublayers=(), tokens_variants=("compiled+composed", "compiled")),
-             "compare", 180)
-    if "compare64" in parts:
-        part("compare64", replace(base, compare_sublayers=base.compare_sublayers[:1], tokens_points=()), "compare",
-             170)
-    result["presets"] = []
-    for name, cap in (("paper-1024", H100_USABLE_GIB), ("paper-2048", None)) if "presets" in parts else ():
-        if left() < 40:
-            result["status"]["presets"] = "no time left"
-            break
-        result["presets"].append(preset_trial(name, device, cap, steps=2, toy=args.toy))
-        result["status"]["presets"] = f"{len(result['presets'])} done"
-        save()
-    if "warmup" in parts:
-        part("warmup", replace(base, warmup_repeats=1), "warmup", 160)
-    if "tests" in parts:
-        part("tests", replace(base, test_args=("-m", "gpu", *args.tests.split(","))), "tests", 130)
+    def presets():
+        result["presets"] = []
+        for name, cap in (("paper-1024", H100_USABLE_GIB), ("paper-2048", None)):
+            if left() < 40:
+                result["status"]["presets"] = "no time left"
+                break
+            result["presets"].append(preset_trial(name, device, cap, steps=2, toy=args.toy))
+            result["status"]["presets"] = f"{len(result['presets'])} done"
+            save()
+
+    runs = {  # in the order --parts names them
+        "tokens": lambda: part("tokens", replace(base, compare_sublayers=(),
+                                                 tokens_variants=("compiled+composed", "compiled")), "compare", 180),
+        "compare64": lambda: part("compare64", replace(base, compare_sublayers=base.compare_sublayers[:1],
+                                                       tokens_points=()), "compare", 170),
+        "presets": presets,
+        "warmup": lambda: part("warmup", replace(base, warmup_repeats=1), "warmup", 160),
+        "tests": lambda: part("tests", replace(base, test_args=("-m", "gpu", *args.tests.split(","))), "tests", 130),
+    }
+    unknown = [name for name in args.parts.split(",") if name not in runs]
+    if unknown:
+        p.error(f"--parts: unknown {', '.join(unknown)}; allowed: {', '.join(runs)}")
+    for name in args.parts.split(","):
+        runs[name]()
     save()
 
 
