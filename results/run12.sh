@@ -5,4 +5,5 @@
 # Usage: bash results/run12.sh
 set -euo pipefail
 export OMP_NUM_THREADS=1
-keel experiment depth-sweep --out results/depth-long-tuned 'depths=[64]' run.steps=2000 'schemes=[keel,pre_ln,post_ln]'
+keel experiment depth-sweep --out results/depth-long-tuned 'depths=[64]' run.steps=2000 'schemes=[keel,pre_ln,post_ln]' \
+  'warmups_above=[1500,2000]'
