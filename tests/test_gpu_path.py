@@ -145,17 +145,66 @@ def test_fused_junction_on_or_composed_without_what_they_need_is_refused_in_one_
         junction_impl("composed", "cuda", False, None)
 
 
-def test_under_activation_checkpointing_junctions_stay_inside_blocks():
-    """A checkpointed block keeps only its input: the stream alone crosses a block boundary."""
-    from keel.scale.parallel import fused_junctions
+def backward_matmuls(scheme: str, ac_every: int, fused: str = "auto") -> tuple[list[int], dict]:
+    """aten.mm nodes in each backward graph of a compiled (AC'd) model, in compile order, with Inductor's partitioner
+    (what it recomputes), and the model's loss and gradients."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from keel.model import TransformerLM
     from keel.train.step import build_model
 
-    config = ModelConfig(vocab_size=64, d_model=32, n_blocks=3, n_heads=2, n_kv_heads=1, max_seq_len=16)
-    model = build_model(config, RunConfig(compile=True, ac_every=1), torch.device("cpu"), compile_backend="aot_eager")
-    assert fused_junctions(model) == 2  # sub-layers 2-3 and 4-5; across blocks (1-2, 3-4) not
-    plain = build_model(config, RunConfig(compile=True), torch.device("cpu"), compile_backend="aot_eager")
-    assert fused_junctions(plain) == 4
+    counts = []
+
+    def forward(gm, _):
+        return make_boxed_func(gm)
+
+    def backward(gm, _):
+        counts.append(sum(n.target == torch.ops.aten.mm.default for n in gm.graph.nodes))
+        return make_boxed_func(gm)
+    backend = aot_autograd(fw_compiler=forward, bw_compiler=backward, partition_fn=min_cut_rematerialization_partition)
     torch._dynamo.reset()
+    config = ModelConfig(vocab_size=64, d_model=32, n_blocks=3, n_heads=2, n_kv_heads=1, max_seq_len=16, scheme=scheme)
+    torch.manual_seed(0)
+    plain = TransformerLM(config)
+    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for name, model in (("plain", plain), ("compiled", build_model(
+            config, RunConfig(compile=True, ac_every=ac_every, fused_junction=fused), torch.device("cpu"),
+            model=TransformerLM(config), compile_backend=backend))):
+        model.load_state_dict(plain.state_dict())
+        _, loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        out[name] = (loss.detach(), {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in
+                                     model.named_parameters()})
+        out[f"{name}_model"] = model
+    torch._dynamo.reset()
+    return counts, out
+
+
+@pytest.mark.slow  # compiles three models
+def test_under_activation_checkpointing_a_keel_block_hands_on_its_sum_and_recomputes_no_more_matmuls_than_pre_ln():
+    """A checkpointed block keeps only its input and recomputes the rest in its backward. Ending with LN_out, a Keel
+    block would recompute its last matmul for that norm's input; handing on alpha*x + h instead (the next block
+    normalises it), one tensor still crosses each boundary and the recomputation matches Pre-LN's, whose output
+    x + h is not needed either. The model computes what the plain one does."""
+    from keel.scale.parallel import FusedResidual, NormOfSum, fused_junctions
+
+    pre_ln, _ = backward_matmuls("pre_ln", ac_every=1)
+    keel, out = backward_matmuls("keel", ac_every=1)
+    inside, _ = backward_matmuls("keel", ac_every=1, fused="off")  # each block ends with LN_out
+    # one backward graph per block shape: Pre-LN one, Keel block 0 and the rest (the last compiles to the middle's)
+    assert len(pre_ln) == 1 and len(keel) == 2 and len(inside) == 2
+    assert keel[0] == pre_ln[0] and inside[0] == pre_ln[0] + 1  # the down projection, recomputed for LN_out
+    model = out["compiled_model"]
+    assert fused_junctions(model) == 4 and isinstance(model.final_norm, NormOfSum)  # 6 sub-layers: 1-2 ... 4-5
+    assert sum(isinstance(m, FusedResidual) and m.hands_head for m in model.modules()) == 1  # the last hands its sum
+    assert model.state_dict().keys() == out["plain_model"].state_dict().keys()
+    (loss, grads), (plain_loss, plain_grads) = out["compiled"], out["plain"]
+    assert torch.allclose(loss, plain_loss, rtol=1e-6)
+    for name, g in plain_grads.items():
+        assert torch.allclose(grads[name], g, rtol=1e-4, atol=1e-6 * g.abs().max()), name
 
 
 def test_the_one_gpu_presets_fit_their_gpus_by_the_memory_plan_and_the_dry_run_says_so(capsys):

@@ -57,8 +57,9 @@ class FusedResidual(Residual):
     without it (`apply_fused_junction(model, "off")`).
     """
 
-    junction: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    junction: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None = None
     hands_head = False  # the stack's last sub-layer, whose u goes unused (apply_fused_junction): not a junction
+    incoming: IncomingNorm | None = None  # the previous sub-layer's norm_out, when it handed on its sum (SumHandoff)
 
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], branch: Callable[..., torch.Tensor],
                 *args) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +67,8 @@ class FusedResidual(Residual):
             x, u = x
         else:
             x = upcast(x)
+            if self.incoming is not None:  # x is the previous sub-layer's alpha*x + h: its norm_out, here
+                x = self.incoming(x)
             u = x if self.norm_in is None else self.norm_in(x)
         h = self.update(u, branch, *args)
         if self.junction is not None:
@@ -77,7 +80,7 @@ class FusedResidual(Residual):
         # the stack's last sub-layer holds an unregistered copy of a norm (apply_fused_junction): it follows the
         # model's moves and casts (.to, .double, ...) as the registered ones do
         super()._apply(fn, recurse)
-        if self.hands_head and self.junction is not None:
+        if self.hands_head and hasattr(self.junction, "next_norm_in"):
             self.junction.next_norm_in._apply(fn, recurse)
         return self
 
@@ -133,6 +136,47 @@ class ComposedJunction:
         return y, self.next_norm_in(y)
 
 
+class SumHandoff:
+    """`FusedResidual.junction` at a junction between two blocks under activation checkpointing: `(x, h) -> alpha*x
+    + h`, the sum before `norm_out`, which the next block normalises (its first sub-layer's `IncomingNorm`), so
+    `norm_out` and the next `LN_in` compile into the next block's graph, fused there.
+
+    Why the sum and not the stream: a checkpointed block keeps only its input and recomputes the rest in the
+    backward pass. A block that ends with `norm_out` needs that norm's input, `alpha*x + h`, for its backward,
+    so its recomputation runs the block's last matmul again (the FFN's down projection, whose output is h); a
+    block that ends with the sum needs only h's gradient, which is the sum's (as a Pre-LN block, whose output
+    `x + h` is not needed either). One tensor still crosses each boundary: the sum instead of the stream."""
+
+    def __init__(self, alpha: float):
+        self.alpha = alpha
+
+    def __call__(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.alpha * x + h.to(x.dtype)
+
+
+class IncomingNorm:
+    """`FusedResidual.incoming`: the previous sub-layer's `norm_out`, applied to the sum it handed on. A plain
+    object, not an nn.Module, so that norm is not registered twice and state dicts stay as they were."""
+
+    def __init__(self, norm: nn.Module):
+        self.norm = norm
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        return self.norm(z)
+
+
+class NormOfSum(nn.Identity):
+    """The final norm (an identity: the stack ends in a norm_out) where the stack's last sub-layer hands on its
+    sum (`SumHandoff`): that sub-layer's `norm_out`, held unregistered (the state dict keeps no key for it)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.__dict__["incoming"] = IncomingNorm(norm)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.incoming(z)
+
+
 def junctions(model: nn.Module, across_blocks: bool = True) -> list[tuple[Residual, Residual]]:
     """Every pair of consecutive sub-layers where the first has a norm_out and the second a norm_in: Keel's
     junctions (also Mix-LN's one Post-LN to Pre-LN boundary). `across_blocks=False`: only pairs in one block.
@@ -158,7 +202,7 @@ def junctions(model: nn.Module, across_blocks: bool = True) -> list[tuple[Residu
 
 
 def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, across_blocks: bool = True,
-                         compiled: bool = False) -> int:
+                         compiled: bool = False, checkpointed: bool = False) -> int:
     """Fuse every junction (`junctions`); returns how many. Call before AC, compile and FSDP, on the model's
     final device.
 
@@ -171,7 +215,10 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     saying why it cannot, "off" leaves the plain
     composition. A model without junctions (Pre-LN, Post-LN, ...) has nothing to fuse under any mode.
     Under FSDP2 pass `across_blocks=False`: a junction between two blocks would read the next block's
-    norm weight while that block's parameters are still sharded. Applying again replaces what an earlier
+    norm weight while that block's parameters are still sharded. `checkpointed` (blocks under AC, which keep only
+    their input): a compiled junction between two blocks hands on the sum `alpha*x + h` (`SumHandoff`) for the next
+    block to normalise, so one tensor crosses the boundary and the recomputation skips the block's last matmul;
+    the kernel's junctions then stay inside blocks. Applying again replaces what an earlier
     call did ("off" swaps the plain `Residual`s back: tools that hook or swap single sub-layers want that).
     `mode` is one of FUSED_JUNCTION, as keel.train.config checks.
 
@@ -198,8 +245,16 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     impl = junction_impl(mode, device.type, compiled, problem)
     if impl is None:
         return 0
+    # Under AC a block boundary carries one tensor: compiled, the sum (`SumHandoff`); else no junction crosses it
+    inside = set(junctions(model, across_blocks=False))
+    handoff = checkpointed and impl == "composed" and model.config.loop_blocks is None
+    if checkpointed and not handoff:
+        pairs = [p for p in pairs if p in inside]
+    across = [p for p in pairs if p not in inside] if handoff else []
     op = FusedJunction if impl == "kernel" else ComposedJunction
-    ops = {a: op(a.alpha, a.norm_out, b.norm_in) for a, b in pairs}
+    ops = {a: op(a.alpha, a.norm_out, b.norm_in) for a, b in pairs if (a, b) not in across}
+    ops |= {a: SumHandoff(a.alpha) for a, _ in across}
+    incoming = {b: IncomingNorm(a.norm_out) for a, b in across}
     takers = {b for _, b in pairs}
     last = model.get_submodule(model.sublayers()[-1].path)
     ends_stack = last in ops  # a looped model (see `junctions`)
@@ -210,29 +265,30 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     # the junction (a plain object), not registered: parameters and state dicts are unchanged (FusedResidual._apply
     # moves and casts it with the model). u, unused, costs one norm forward and backward per step (the copy's
     # weight must require grad like the others, or the graph differs) and gives the model's parameters no gradient.
+    # Handing on sums, the last sub-layer hands its sum too, and the final norm applies its norm_out (`NormOfSum`).
     tail = (compiled and across_blocks and not ends_stack and last in takers and last.norm_out is not None
             and isinstance(model.final_norm, nn.Identity))
     if tail:
-        ops[last] = op(last.alpha, last.norm_out, copy.deepcopy(last.norm_in))
+        ops[last] = SumHandoff(last.alpha) if handoff else op(last.alpha, last.norm_out, copy.deepcopy(last.norm_in))
         ends_stack = True
 
     def fused(m: nn.Module) -> nn.Module | None:
         if m not in ops and m not in takers:
             return None
         new = _rebuilt(m, FusedResidual)
-        new.junction = ops.get(m)
+        new.junction, new.incoming = ops.get(m), incoming.get(m)
         new.hands_head = tail and m is last
         return new
     _swap(model, fused)
     if ends_stack:
-        model.final_norm = StreamOfPair()
+        model.final_norm = NormOfSum(last.norm_out) if tail and handoff else StreamOfPair()
     return len(pairs)
 
 
 def _unfused(m: nn.Module) -> nn.Module | None:
     if isinstance(m, FusedResidual):
         return _rebuilt(m, Residual)
-    return nn.Identity() if isinstance(m, StreamOfPair) else None
+    return nn.Identity() if isinstance(m, (StreamOfPair, NormOfSum)) else None
 
 
 def _rebuilt(res: Residual, cls: type[Residual]) -> Residual:
@@ -243,7 +299,7 @@ def _rebuilt(res: Residual, cls: type[Residual]) -> Residual:
     for key in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
         new.__dict__[key] = copy.copy(res.__dict__[key])
     # alpha, training, and the absent norms (None attributes, not registered modules)
-    skip = ("junction", "hands_head")  # FusedResidual's own, set by apply_fused_junction
+    skip = ("junction", "hands_head", "incoming")  # FusedResidual's own, set by apply_fused_junction
     new.__dict__.update((k, v) for k, v in vars(res).items() if not k.startswith("_") and k not in skip)
     return new
 
@@ -361,10 +417,11 @@ def parallelize(model: nn.Module, *, fused_junction: str = FUSED_JUNCTION_DEFAUL
     `fsdp` is then not used), and returns the `PipelineModel`. Under FSDP2 or a pipeline only junctions inside
     one block are fused: a junction between two blocks would read a norm weight of another FSDP unit or stage.
     """
-    # a checkpointed block keeps only its input: handing it (stream, LN_in(stream)) would keep two tensors
-    # per block boundary instead of one, so under AC junctions stay inside blocks too
-    apply_fused_junction(model, fused_junction, across_blocks=not (fsdp or pipeline is not None or ac_every > 0),
-                         compiled=compile)
+    # a checkpointed block keeps only its input: handing it (stream, LN_in(stream)) would keep two tensors per
+    # block boundary instead of one, so under AC a block hands on its sum alone (`SumHandoff`), or nothing is fused
+    # across blocks
+    apply_fused_junction(model, fused_junction, across_blocks=not (fsdp or pipeline is not None), compiled=compile,
+                         checkpointed=ac_every > 0)
     apply_ac(model, ac_every)
     if compile:
         apply_compile(model, compile_backend)
