@@ -21,7 +21,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
@@ -42,7 +42,7 @@ from keel.experiments.common import (
     tiny_quick,
     write_outputs,
 )
-from keel.experiments.grid import Grid, _finite
+from keel.experiments.grid import Grid, LadderGrid, Search, _finite, grid_note, run_searches, search_grid
 from keel.experiments.sweep import Sweep
 from keel.train.config import OptimConfig, RunConfig
 
@@ -100,27 +100,6 @@ def check(cfg: DepthSweepConfig) -> None:
             raise ConfigError(f"depth-sweep: {why}")
 
 
-@dataclass
-class LadderGrid(Grid):
-    """A grid that grows past an edge through written-out values (rule 21's warm-ups: 100 -> 30 -> 10 below,
-    1000 -> 3000 -> 9000 above, capped at the run) instead of Grid's computed factor; when it grows and when
-    the choice is a bound is Grid's rule."""
-
-    below: list[float] = field(default_factory=list)
-    above: list[float] = field(default_factory=list)
-
-    def extend(self, score: Callable[[float], float]) -> float | None:
-        computed = super().extend(score)
-        if computed is None:
-            return None
-        low = computed < self.start[0]
-        n = sum((v < self.start[0]) if low else (v > self.start[1]) for v in self.added)  # the new one included
-        value = (self.below if low else self.above)[n - 1]
-        self.values = sorted(value if v == computed else v for v in self.values)
-        self.added[-1] = value
-        return value
-
-
 def key(scheme: str, depth: int, lr: float, warmup: int, seed: int) -> str:
     return f"{scheme}-{depth}-lr{lr:g}-wu{warmup}-seed{seed}"
 
@@ -130,33 +109,24 @@ def mean_select(cfg: DepthSweepConfig, points: dict, scheme: str, depth: int, lr
 
 
 # ---- choosing the hyper-parameters -------------------------------------------------------------------------
-# An arm's search is a generator: it yields the (lr, warm-up) pairs it needs next (each to run with every seed)
+# An arm's search is a generator (keel.experiments.grid.Search): it yields the (lr, warm-up) pairs it needs next
 # and returns its choice; a depth's driver runs what all arms ask for at once (two processes share those points).
-Search = Generator[list[tuple[float, int]], None, dict]
-
-
-def _grow(grid: Grid, hp: Callable[[float], tuple[float, int]], score: Callable) -> Generator:
-    yield [hp(v) for v in grid.values]
-    while (new := grid.extend(lambda v: score(*hp(v)))) is not None:
-        yield [hp(new)]
-    return grid.choice(lambda v: score(*hp(v)))
-
-
 def tune_arm(cfg: DepthSweepConfig, scheme: str, score: Callable[[float, int], float]) -> Search:
     """Rule 21's choice for one arm at one depth; `score(lr, warmup)` is the mean select-half loss over seeds."""
     base = cfg.optim.warmup_steps
     lr_grid = Grid(list(cfg.lrs), cfg.max_extensions)
-    lr = yield from _grow(lr_grid, lambda v: (v, base), score)
+    lr = yield from search_grid(lr_grid, lambda v: (v, base), score)
     tuned = {"lr": lr, "warmup": base, "lr_grid": lr_grid.describe()}
     if scheme != cfg.warmup_scheme:
         return tuned
     below, above = cfg.warmup_ladders()
     wu_grid = LadderGrid([float(w) for w in cfg.warmups], cfg.max_extensions, below=below, above=above)
-    warmup = int((yield from _grow(wu_grid, lambda w: (lr, int(w)), score)))
+    warmup = int((yield from search_grid(wu_grid, lambda w: (lr, int(w)), score)))
     tuned |= {"warmup": warmup, "warmup_grid": wu_grid.describe(), "warmup_chosen_at_lr": lr}
     if warmup != base:  # one round of coordinate search: the LR again at the new warm-up, and that is final
         again = Grid(list(cfg.lrs), cfg.max_extensions)
-        tuned |= {"lr": (yield from _grow(again, lambda v: (v, warmup), score)), "lr_grid_again": again.describe()}
+        lr = yield from search_grid(again, lambda v: (v, warmup), score)
+        tuned |= {"lr": lr, "lr_grid_again": again.describe()}
     return tuned
 
 
@@ -170,21 +140,12 @@ def tune_depth(cfg: DepthSweepConfig, sweep: Sweep, depth: int, points: dict) ->
     with the (lr, warm-up) pairs it tried."""
     searches = {s: tune_arm(cfg, s, lambda lr, w, s=s: mean_select(cfg, points, s, depth, lr, w))
                 for s in cfg.schemes}
-    asked = {s: next(search) for s, search in searches.items()}
-    tried, tuned = {s: [] for s in cfg.schemes}, {}
-    while asked:
-        jobs = {key(s, depth, lr, w, seed): _job(cfg, s, depth, lr, w, seed)
-                for s, hps in asked.items() for lr, w in hps for seed in cfg.seeds}
-        points |= sweep.run(jobs, f"depth-sweep {depth} sub-layers")
-        following = {}
-        for s, hps in asked.items():
-            tried[s] += [hp for hp in hps if hp not in tried[s]]
-            try:
-                following[s] = next(searches[s])
-            except StopIteration as done:
-                tuned[s] = done.value | {"tried": tried[s]}
-        asked = following
-    return {s: tuned[s] for s in cfg.schemes}
+
+    def run_round(asked: dict[str, list[tuple[float, int]]]) -> None:
+        points.update(sweep.run({key(s, depth, lr, w, seed): _job(cfg, s, depth, lr, w, seed)
+                                 for s, hps in asked.items() for lr, w in hps for seed in cfg.seeds},
+                                f"depth-sweep {depth} sub-layers"))
+    return run_searches(searches, run_round)
 
 
 # ---- the tests -----------------------------------------------------------------------------------------------
@@ -320,20 +281,15 @@ def _name(scheme: str) -> str:
     return NAMES.get(scheme, scheme)
 
 
-def _grid_note(g: dict) -> str:
-    return "".join([f"; added {', '.join(f'{v:g}' for v in g['added'])}" if g["added"] else "",
-                    f"; bound at the {g['bound']} edge" if g["bound"] else ""])
-
-
 def _choice_cells(cfg: DepthSweepConfig, arm: dict) -> tuple[str, str]:
     """The chosen LR and warm-up with their grids' growth, for the per-depth table."""
-    lr = f"{arm['lr']:g}" + _grid_note(arm["lr_grid"])
+    lr = f"{arm['lr']:g}" + grid_note(arm["lr_grid"])
     if "warmup_grid" not in arm:
         return lr, f"{arm['warmup']}"
-    wu = f"{arm['warmup']} (chosen at LR {arm['warmup_chosen_at_lr']:g}{_grid_note(arm['warmup_grid'])})"
+    wu = f"{arm['warmup']} (chosen at LR {arm['warmup_chosen_at_lr']:g}{grid_note(arm['warmup_grid'])})"
     if "lr_grid_again" in arm:
-        lr = (f"{arm['lr']:g} (chosen again at warm-up {arm['warmup']}{_grid_note(arm['lr_grid_again'])}; first "
-              f"{arm['warmup_chosen_at_lr']:g} at warm-up {cfg.optim.warmup_steps}{_grid_note(arm['lr_grid'])})")
+        lr = (f"{arm['lr']:g} (chosen again at warm-up {arm['warmup']}{grid_note(arm['lr_grid_again'])}; first "
+              f"{arm['warmup_chosen_at_lr']:g} at warm-up {cfg.optim.warmup_steps}{grid_note(arm['lr_grid'])})")
     return lr, wu + "; one round of coordinate search"
 
 

@@ -19,16 +19,25 @@ the runs):
 grows past that edge by the same factor (keel.experiments.grid) with every seed, until the choice is interior or
 `grow` values were added on that side; the choice and the verdicts are then made on the grown grids. `grow=0` is
 rule 15 as written.
+`warmup_schemes` (rule 27, issue 38 item 2): those schemes' warm-up is tuned too at depths >= `warmup_from`, one
+round of coordinate search as depth-sweep's rule 21: (1) the LR at the base warm-up `optim.warmup_steps`, as above;
+(2) at that LR the warm-up grid `warmups` with every seed, grown past an edge choice through `warmups_below` /
+`warmups_above` (capped at the run) until interior, `grow` values were added on that side or the ladder ran out
+(a bound); (3) if the warm-up moved, the LR grid again at the new warm-up (grown the same way) and the LR chosen
+again. That (LR, warm-up) is the arm's, for every reported number. A point at a warm-up other than the base is
+named by it (`-wu<steps>`); the base points keep their names.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from keel.errors import ConfigError
 from keel.experiments import stats
 from keel.experiments.budget import budget_point, tokens, unigram_level
 from keel.experiments.common import (
@@ -42,7 +51,16 @@ from keel.experiments.common import (
     write_outputs,
 )
 from keel.experiments.gradflow import measure
-from keel.experiments.grid import Grid, grown_note
+from keel.experiments.grid import (
+    Grid,
+    LadderGrid,
+    Search,
+    _finite,
+    grid_note,
+    grown_note,
+    run_searches,
+    search_grid,
+)
 from keel.experiments.sweep import Sweep
 from keel.train.config import OptimConfig, RunConfig
 
@@ -69,16 +87,50 @@ class FrontierConfig(ExperimentConfig):
     probe: bool = False  # budget_point's effective-depth probe (not part of this experiment's rules)
     probe_batches: int = 4
     grow: int = 0  # LR values added past one edge of an arm's grid before its choice is a bound (0: rule 15)
+    warmup_schemes: list[str] = field(default_factory=list)  # rule 27: schemes whose warm-up is tuned too ...
+    warmup_from: int = 1024  # ... at this depth and deeper
+    warmups: list[int] = field(default_factory=lambda: [10, 30, 100])  # holds optim.warmup_steps
+    warmups_below: list[int] = field(default_factory=lambda: [3, 1])  # the rule's values past the low edge
+    warmups_above: list[int] = field(default_factory=lambda: [300])  # past the high edge; capped at run.steps
 
     @classmethod
     def quick(cls) -> FrontierConfig:
         return tiny_quick(cls, 6, schemes=["post_ln", "keel"], depths=[4, 8], seeds=[0, 1], deep_from=8,
                           lrs={"post_ln": [1e-3, 3e-3], "keel": [3e-3, 1e-2]}, deep_grid=1, curve_every=3,
-                          curve_batches=1)
+                          curve_batches=1, warmup_from=8, warmups=[2, 3, 4], warmups_below=[1], warmups_above=[6])
 
     def grid(self, scheme: str, depth: int) -> list[float]:
         grid = sorted(self.lrs[scheme])
         return grid[:self.deep_grid] if depth >= self.deep_from else grid
+
+    def warmup_ladders(self) -> tuple[list[int], list[int]]:
+        """The values past the warm-up grid's low and high edges, the high ones capped at the whole run."""
+        return list(self.warmups_below), [min(w, self.run.steps) for w in self.warmups_above]
+
+    def tunes_warmup(self, scheme: str, depth: int) -> bool:
+        return scheme in self.warmup_schemes and depth >= self.warmup_from
+
+
+def check(cfg: FrontierConfig) -> None:
+    """Refuses a config rule 27 cannot run (nothing to check while no warm-up is tuned)."""
+    if not cfg.warmup_schemes:
+        return
+    below, above = cfg.warmup_ladders()
+    lowest, highest = min(cfg.warmups, default=0), max(cfg.warmups, default=0)
+    stray = [s for s in cfg.warmup_schemes if s not in cfg.schemes]
+    problems = [
+        (bool(stray), f"warmup_schemes holds {stray}, not among schemes {cfg.schemes}"),
+        (len(set(cfg.warmups)) < 2, "warmups needs two values at least (a grid with an edge on each side)"),
+        (cfg.optim.warmup_steps not in cfg.warmups,
+         f"warmups must hold optim.warmup_steps ({cfg.optim.warmup_steps}, the warm-up every LR is first chosen at)"),
+        (not all(a > b for a, b in zip([lowest, *below], below)), "warmups_below must fall from below the lowest "
+                                                                   "warm-up"),
+        (not all(b > a for a, b in zip([highest, *above], above)),
+         "warmups_above (capped at run.steps) must rise from above the highest warm-up"),
+    ]
+    for bad, why in problems:
+        if bad:
+            raise ConfigError(f"frontier: {why}")
 
 
 def gradient_profile(model, batches: list) -> dict:
@@ -90,9 +142,11 @@ def gradient_profile(model, batches: list) -> dict:
     return {"grad_params": grads, "grad_bottom_over_top": float(bottom / top) if top > 0 else float("inf")}
 
 
-def mean_select(cfg: FrontierConfig, points: dict, scheme: str, depth: int, lr: float) -> float:
-    """The mean select-half loss over all seeds at one LR (a diverged seed counts as +inf)."""
-    vals = [points[key(scheme, depth, lr, s)].get("select_loss") for s in cfg.seeds]
+def mean_select(cfg: FrontierConfig, points: dict, scheme: str, depth: int, lr: float,
+                warmup: int | None = None) -> float:
+    """The mean select-half loss over all seeds at one LR and warm-up (default: the base warm-up); a diverged seed
+    counts as +inf."""
+    vals = [points[key_at(cfg, scheme, depth, lr, warmup, s)].get("select_loss") for s in cfg.seeds]
     return float(np.mean([v if v is not None and math.isfinite(v) else math.inf for v in vals]))
 
 
@@ -105,6 +159,14 @@ def key(scheme: str, depth: int, lr: float, seed: int) -> str:
     return f"{scheme}-{depth}-lr{lr:g}-seed{seed}"
 
 
+def key_at(cfg: FrontierConfig, scheme: str, depth: int, lr: float, warmup: int | None, seed: int) -> str:
+    """A point's name at a warm-up: `key`'s at the base warm-up (None or optim.warmup_steps: the names every point
+    ran under before rule 27), else with the warm-up in it."""
+    if warmup is None or warmup == cfg.optim.warmup_steps:
+        return key(scheme, depth, lr, seed)
+    return f"{scheme}-{depth}-lr{lr:g}-wu{warmup}-seed{seed}"
+
+
 def classify(losses: list[float | None], unigram: float, cfg: FrontierConfig) -> str:
     """"learns", "stuck" or "between" for one scheme at one depth, over every seed's report loss."""
     vals = [v if v is not None and math.isfinite(v) else math.inf for v in losses]
@@ -115,16 +177,24 @@ def classify(losses: list[float | None], unigram: float, cfg: FrontierConfig) ->
     return "between"
 
 
-def analyse(cfg: FrontierConfig, points: dict, unigram: float, grids: dict[str, Grid] | None = None) -> dict:
+def lr_values(cfg: FrontierConfig, grids: dict[str, Grid] | None, scheme: str, depth: int) -> list[float]:
+    """The LRs an arm chooses from at the base warm-up: its grid as rule 22 grew it, else its starting grid."""
+    grown = (grids or {}).get(f"{scheme}-{depth}")
+    return grown.values if grown else cfg.grid(scheme, depth)
+
+
+def analyse(cfg: FrontierConfig, points: dict, unigram: float, grids: dict[str, Grid] | None = None,
+            warmups: dict[str, dict] | None = None) -> dict:
     """Chosen LRs, report losses, classes, the frontier and the pre-registered verdicts; `grids` ("scheme-depth"
-    -> Grid) the grown grids where rule 22 grew them."""
+    -> Grid) the grown grids where rule 22 grew them; `warmups` ("scheme-depth" -> `tune_warmups`' result) the
+    arms whose warm-up rule 27 tuned, each at its final (LR, warm-up)."""
     arms = {}
     for d in cfg.depths:
         for s in cfg.schemes:
-            grown = (grids or {}).get(f"{s}-{d}")
-            values = grown.values if grown else cfg.grid(s, d)
-            lr = choose(cfg, points, s, d, values)
-            runs = [points[key(s, d, lr, seed)] for seed in cfg.seeds]
+            grown, values = (grids or {}).get(f"{s}-{d}"), lr_values(cfg, grids, s, d)
+            tuned = (warmups or {}).get(f"{s}-{d}")
+            lr, warmup = (tuned["lr"], tuned["warmup"]) if tuned else (choose(cfg, points, s, d, values), None)
+            runs = [points[key_at(cfg, s, d, lr, warmup, seed)] for seed in cfg.seeds]
             losses = [r["report_loss"] for r in runs]
             arms[f"{s}-{d}"] = {"lr": lr, "report_losses": losses, "class": classify(losses, unigram, cfg),
                                 "grad_bottom_over_top": [r.get("grad_bottom_over_top") for r in runs],
@@ -132,6 +202,11 @@ def analyse(cfg: FrontierConfig, points: dict, unigram: float, grids: dict[str, 
                                                             for seed in cfg.seeds] for g in values}}
             if grown:
                 arms[f"{s}-{d}"]["lr_grid"] = grown.describe()
+            if tuned:  # every (LR, warm-up) the arm ran: its LR grid at the base warm-up, then its search's
+                tried = [(g, cfg.optim.warmup_steps) for g in values] + tuned["tried"]
+                arms[f"{s}-{d}"] |= {k: v for k, v in tuned.items() if k not in ("lr", "tried")} | {
+                    "select_by_hp": {f"{g:g}@{w}": [points[key_at(cfg, s, d, g, w, seed)]["select_loss"]
+                                                    for seed in cfg.seeds] for g, w in tried}}
     frontier = {s: max((d for d in cfg.depths if arms[f"{s}-{d}"]["class"] == "learns"), default=None)
                 for s in cfg.schemes}
     verdicts = {}
@@ -155,16 +230,20 @@ def analyse(cfg: FrontierConfig, points: dict, unigram: float, grids: dict[str, 
 
 
 def run(cfg: FrontierConfig, out: Path, command: str) -> dict:
-    def job(scheme, depth, lr, seed):
-        return lambda: budget_point(cfg, cfg.point_model(scheme, depth), lr, seed, extra=gradient_profile)
+    check(cfg)
+
+    def job(scheme, depth, lr, seed, warmup=cfg.optim.warmup_steps):
+        at = replace(cfg, optim=replace(cfg.optim, warmup_steps=warmup))
+        return lambda: budget_point(at, at.point_model(scheme, depth), lr, seed, extra=gradient_profile)
     jobs = {key(s, d, lr, seed): job(s, d, lr, seed)
             for d in sorted(cfg.depths) for s in cfg.schemes for lr in cfg.grid(s, d) for seed in cfg.seeds}
     sweep = Sweep(out, cfg)
     points = sweep.run(jobs, "frontier")
     grids = grow_grids(cfg, sweep, points, job, cfg.schemes) if cfg.grow else None
-    res = analyse(cfg, points, unigram_level(cfg), grids)
+    warmups = tune_warmups(cfg, sweep, points, grids, job)
+    res = analyse(cfg, points, unigram_level(cfg), grids, warmups)
     a = res["arms"]
-    rows = [[d] + [f"{pm(a[f'{s}-{d}']['report_losses'])} @ {a[f'{s}-{d}']['lr']:g} ({a[f'{s}-{d}']['class']})"
+    rows = [[d] + [f"{pm(a[f'{s}-{d}']['report_losses'])} @ {_hp(cfg, a[f'{s}-{d}'])} ({a[f'{s}-{d}']['class']})"
                    for s in cfg.schemes] for d in cfg.depths]
     table = markdown_table(["sub-layers"] + [f"{s}: report loss @ LR (class)" for s in cfg.schemes], rows)
     vrows = []
@@ -187,6 +266,8 @@ def run(cfg: FrontierConfig, out: Path, command: str) -> dict:
     if cfg.grow:
         notes += "\n\n" + grown_note("rule 22", cfg.grow, [(arm, a["lr_grid"]) for arm, a in res["arms"].items()
                                                               if a.get("lr_grid", {}).get("added")])
+    if cfg.warmup_schemes:
+        notes += "\n\n" + warmup_note(cfg, res["arms"])
     plots = [_plot(cfg, res, out)]
     write_outputs(out, "frontier", cfg, command, {"points": points, **res}, table, plots, notes)
     return res
@@ -212,6 +293,79 @@ def grow_grids(cfg, sweep: Sweep, points: dict, job, arms: list[str]) -> dict[st
         points.update(sweep.run(new, "grown grids"))
 
 
+def tune_warmup(cfg: FrontierConfig, scheme: str, depth: int, lr: float,
+                score: Callable[[float, int], float]) -> Search:
+    """Rule 27 for one arm whose LR `lr` was chosen at the base warm-up: the warm-up grid at that LR, grown
+    through the ladders, then (if the warm-up moved) the LR grid again at the new warm-up; yields the (lr,
+    warm-up) pairs to run, returns the final choice with its grids. `score(lr, warmup)`: the mean select-half
+    loss over seeds."""
+    below, above = cfg.warmup_ladders()
+    wu_grid = LadderGrid(list(cfg.warmups), cfg.grow, below=below, above=above)
+    warmup = yield from search_grid(wu_grid, lambda w: (lr, w), score)
+    tuned = {"lr": lr, "warmup": warmup, "warmup_grid": wu_grid.describe(), "warmup_chosen_at_lr": lr}
+    if warmup != cfg.optim.warmup_steps:  # one round of coordinate search: the LR again, and that is final
+        lrs = cfg.grid(scheme, depth)
+        again = Grid(lrs, cfg.grow) if len(lrs) > 1 else None  # one LR: the point just run at the new warm-up
+        if again is not None:
+            tuned["lr"] = yield from search_grid(again, lambda v: (v, warmup), score)
+        tuned["lr_grid_again"] = again.describe() if again else {"values": lrs, "added": [], "bound": None}
+    return tuned
+
+
+def tune_warmups(cfg: FrontierConfig, sweep: Sweep, points: dict, grids: dict[str, Grid] | None,
+                 job) -> dict[str, dict]:
+    """Rule 27 for every arm of `warmup_schemes` at depths >= `warmup_from`, its LR first chosen at the base
+    warm-up (from rule 22's grown `grids`); the arms' searches run side by side, each round's new points (every
+    seed, shallow depths first) in one `sweep.run`, so two processes share them. `job(scheme, depth, lr, seed,
+    warmup)` makes a point. Adds the points to `points`; returns "scheme-depth" -> the arm's final (lr, warmup),
+    its grids and the (lr, warm-up) pairs it tried (none when no arm is tuned)."""
+    searches = {(s, d): tune_warmup(cfg, s, d, choose(cfg, points, s, d, lr_values(cfg, grids, s, d)),
+                                    lambda lr, w, s=s, d=d: mean_select(cfg, points, s, d, lr, w))
+                for d in sorted(cfg.depths) for s in cfg.schemes if cfg.tunes_warmup(s, d)}
+
+    def run_round(asked: dict[tuple[str, int], list[tuple[float, int]]]) -> None:
+        points.update(sweep.run({key_at(cfg, s, d, lr, w, seed): job(s, d, lr, seed, w)
+                                 for (s, d), hps in asked.items() for lr, w in hps for seed in cfg.seeds},
+                                "warm-ups"))
+    return {f"{s}-{d}": tuned for (s, d), tuned in run_searches(searches, run_round).items()}
+
+
+def _hp(cfg: FrontierConfig, arm: dict) -> str:
+    """An arm's LR for the table, with its warm-up where rule 27 moved it off the base."""
+    moved = arm.get("warmup", cfg.optim.warmup_steps) != cfg.optim.warmup_steps
+    return f"{arm['lr']:g}" + (f", wu {arm['warmup']}" if moved else "")
+
+
+def _grown(g: dict) -> str:
+    """A grid's values with what was added and any bound, for a table cell."""
+    note = grid_note(g)
+    return ", ".join(f"{v:g}" for v in g["values"]) + (f" ({note[2:]})" if note else "")
+
+
+def warmup_note(cfg: FrontierConfig, arms: dict) -> str:
+    """Rule 27 in the report: the method, then per tuned arm the warm-ups tried, the LR grid run again, the final
+    (LR, warm-up) and the mean select-half loss of every (LR, warm-up) it ran, in the order the search ran them."""
+    base, (below, above) = cfg.optim.warmup_steps, cfg.warmup_ladders()
+    rows = []
+    for name, arm in arms.items():
+        if "warmup_grid" not in arm:
+            continue
+        wu, again = arm["warmup_grid"], arm.get("lr_grid_again")
+        select = ", ".join(f"{hp}: {np.mean([_finite(v) for v in seeds]):.3f}"
+                           for hp, seeds in arm["select_by_hp"].items())
+        rows.append([name, f"{arm['warmup_chosen_at_lr']:g}", _grown(wu), _grown(again) if again else "- (unchanged)",
+                     f"{arm['lr']:g} at warm-up {arm['warmup']}", select])
+    table = markdown_table(["arm", f"LR at warm-up {base}", "warm-ups at that LR", "LR grid again at the new warm-up",
+                            "final", "mean select loss per LR@warm-up"], rows) if rows else "No arm at these depths."
+    return (f"Warm-up tuned too (rule 27, one round of coordinate search) for {', '.join(cfg.warmup_schemes)} at >= "
+            f"{cfg.warmup_from} sub-layers: at the LR chosen at warm-up {base}, the warm-ups {cfg.warmups} with every "
+            f"seed, grown past an edge choice through {below} below / {above} above (capped at the run's "
+            f"{cfg.run.steps} steps) until the choice is interior or a bound (grow={cfg.grow} values added on that "
+            f"side, or none left there); if the chosen warm-up is not {base}, the LR grid again at it (grown the same "
+            f"way) and the LR chosen again. That (LR, warm-up) is the arm's for every number above (\"wu\" in the "
+            f"table where it is not {base}).\n\n{table}")
+
+
 def _plot(cfg: FrontierConfig, res: dict, out: Path) -> str:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -226,7 +380,8 @@ def _plot(cfg: FrontierConfig, res: dict, out: Path) -> str:
     u = res["unigram"]
     axes[0].axhline(u, color="grey", ls="--", lw=0.8, label="unigram level")
     axes[0].axhline(u - cfg.learn_margin, color="grey", ls=":", lw=0.8, label="learns below this")
-    axes[0].set_ylabel("report-half loss at the chosen LR (band: seed min..max)")
+    axes[0].set_ylabel(f"report-half loss at the chosen LR{' (and warm-up)' if cfg.warmup_schemes else ''} "
+                       "(band: seed min..max)")
     axes[1].set_yscale("log")
     axes[1].set_ylabel("grad norm, bottom eighth / top eighth (trained)")
     for ax in axes:

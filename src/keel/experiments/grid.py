@@ -1,16 +1,22 @@
 """Interior optima by construction: a hyperparameter chosen at the edge of its grid is not a choice but a
-bound, so the grid grows past that edge (by the factor between the edge and its neighbour) and the arm runs
-again, until the choice is interior or `max_extensions` points were added on that side (the bound is reported).
+bound, so the grid grows past that edge (by the factor between the edge and its neighbour, or through written-out
+values: `LadderGrid`) and the arm runs again, until the choice is interior or `max_extensions` points were added
+on that side (the bound is reported).
 
 Every sweep that chooses a value on the select half can use it: `extend` says which value to add next, from
-the scores of the values run so far; the caller runs the new points (all seeds) and asks again.
+the scores of the values run so far; the caller runs the new points (all seeds) and asks again. `search_grid` writes
+that loop as a generator of the points to run, and `run_searches` runs several arms' generators side by side.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+
+# An arm's search yields the hyper-parameter tuples it needs next (each to run with every seed) and returns its
+# choice; `run_searches` runs what all arms ask for at once.
+Search = Generator[list[tuple], None, dict]
 
 
 @dataclass
@@ -38,14 +44,18 @@ class Grid:
             self.bound = None
             return None
         grown = sum((v < self.start[0]) if edge == "low" else (v > self.start[1]) for v in self.added)
-        if grown >= self.max_extensions:
+        new = self.beyond(edge, grown) if grown < self.max_extensions else None
+        if new is None:
             self.bound = edge
             return None
-        lo, hi = (self.values[0], self.values[1]) if edge == "low" else (self.values[-2], self.values[-1])
-        new = float(f"{(lo * lo / hi if edge == 'low' else hi * hi / lo):.6g}")  # same factor, a stable name
         self.values = sorted([*self.values, new])
         self.added.append(new)
         return new
+
+    def beyond(self, edge: str, grown: int) -> float | None:
+        """The value past `edge` once `grown` values were added there: the edge times the factor to its neighbour."""
+        lo, hi = (self.values[0], self.values[1]) if edge == "low" else (self.values[-2], self.values[-1])
+        return float(f"{(lo * lo / hi if edge == 'low' else hi * hi / lo):.6g}")  # same factor, a stable name
 
     def choice(self, score: Callable[[float], float]) -> float:
         return min(self.values, key=lambda v: _finite(score(v)))
@@ -54,8 +64,56 @@ class Grid:
         return {"values": self.values, "added": self.added, "bound": self.bound}
 
 
+@dataclass
+class LadderGrid(Grid):
+    """A grid that grows past an edge through written-out values (rule 21's warm-ups: 100 -> 30 -> 10 below,
+    1000 -> 3000 -> 9000 above, capped at the run) instead of Grid's computed factor; when it grows and when
+    the choice is a bound is Grid's rule, and a ladder that runs out before `max_extensions` is a bound too."""
+
+    below: list[float] = field(default_factory=list)
+    above: list[float] = field(default_factory=list)
+
+    def beyond(self, edge: str, grown: int) -> float | None:
+        ladder = self.below if edge == "low" else self.above
+        return ladder[grown] if grown < len(ladder) else None
+
+
 def _finite(v: float | None) -> float:
     return v if v is not None and math.isfinite(v) else math.inf
+
+
+def search_grid(grid: Grid, hp: Callable[[float], tuple], score: Callable[..., float]) -> Generator:
+    """One grid's search: yields the hyper-parameters `hp(value)` to run (the whole grid, then each value it
+    grows by) and returns the chosen value; `score(*hp(value))` is the value's mean select-half loss over seeds."""
+    yield [hp(v) for v in grid.values]
+    while (new := grid.extend(lambda v: score(*hp(v)))) is not None:
+        yield [hp(new)]
+    return grid.choice(lambda v: score(*hp(v)))
+
+
+def run_searches(searches: dict, run: Callable[[dict], None]) -> dict:
+    """Several arms' searches side by side: each round, what every unfinished search asks for goes to `run`
+    ({arm: [hp, ...]}) at once, so a sweep runs those points together (two processes share them). Returns each
+    search's result with the hyper-parameters it asked for ("tried", in order)."""
+    asked = {arm: next(search) for arm, search in searches.items()}
+    tried, done = {arm: [] for arm in searches}, {}
+    while asked:
+        run(asked)
+        following = {}
+        for arm, hps in asked.items():
+            tried[arm] += [hp for hp in hps if hp not in tried[arm]]
+            try:
+                following[arm] = next(searches[arm])
+            except StopIteration as stop:
+                done[arm] = stop.value | {"tried": tried[arm]}
+        asked = following
+    return {arm: done[arm] for arm in searches}
+
+
+def grid_note(g: dict) -> str:
+    """"; added ...; bound at the ... edge" for a Grid.describe(), empty for a grid that did not grow."""
+    return "".join([f"; added {', '.join(f'{v:g}' for v in g['added'])}" if g["added"] else "",
+                    f"; bound at the {g['bound']} edge" if g["bound"] else ""])
 
 
 def grown_note(rule: str, grow: int, grown: list[tuple[str, dict]]) -> str:

@@ -22,9 +22,10 @@ from keel.errors import ConfigError
 # (tests/test_experiments.py), so a sweep recorded with one setting may be continued with the other; every point
 # records its own (`Sweep.execution`)
 EXECUTION_FIELDS = ("run.compile", "run.threads")
-# fields that only add points (more seeds; an LR grid grown past its edge, frontier's `grow`): a sweep recorded
-# with other values is continued, its points reused
-ADDS_POINTS = ("seeds", "grow")
+# fields that only add points (more seeds; an LR grid grown past its edge, frontier's `grow`; a warm-up tuned too,
+# frontier's rule 27 and depth-sweep's grid, whose points are named by their warm-up): a sweep recorded with other
+# values is continued, its points reused
+ADDS_POINTS = ("seeds", "grow", "warmup_schemes", "warmup_from", "warmups", "warmups_below", "warmups_above")
 
 
 def _eager_fallbacks() -> int:
