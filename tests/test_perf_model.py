@@ -3,6 +3,7 @@ FlopCounterMode, the parameters its weight casts imply against a built model, an
 counted op by op by a dispatch mode (float32 and bf16 autocast); the roofline's bound switching; fused < compiled <
 eager bytes; the committed predicted.md equal to what the code generates; the CLI and the GPU campaign's column."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,24 @@ def test_eager_step_bytes_equal_a_count_of_every_op(scheme, bf16):
     assert sum(o.bytes for o in ops if o.kind == "matmul") == count.by_op["mm"]
 
 
+def test_checkpointed_recompute_skips_the_last_matmul_where_the_partitioner_does():
+    """Under AC a compiled block recomputes only what its backward reads (tests/test_gpu_path.py counts the matmuls
+    in the partitioned graphs): not the FFN's down projection, 2*M*f*d FLOPs, when the block's output is not a norm's
+    output (Pre-LN; Keel handing on its sum); an eager checkpoint replays its whole forward."""
+    config = ModelConfig(vocab_size=256, d_model=64, n_blocks=4, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    M, f, d = 2 * 32, config.ffn_dim, config.d_model
+
+    def recompute(scheme, impl, **code):
+        ops = pm.step_ops(replace(config, scheme=scheme), 2, 32, False, impl, 1, pm.Code(**code))
+        return sum(o.flops for o in ops if o.phase == "recompute" and o.kind == "matmul")
+    full = recompute("pre_ln", "eager")
+    assert recompute("keel", "eager") == full
+    assert recompute("pre_ln", "compiled") == full - 4 * 2 * M * f * d  # 4 blocks, each one down projection
+    assert recompute("keel", "compiled") == recompute("pre_ln", "compiled")
+    assert recompute("keel", "compiled", sum_handoff=False) == full  # a block that ends with LN_out
+    assert recompute("keel", "compiled+fused") == full  # the kernel's junctions stay inside blocks under AC
+
+
 def test_roofline_bound_switches_and_launches_overlap_only_on_a_gpu():
     dev = pm.DeviceSpec("toy", 100.0, 100.0, 10.0, 1.0, "test", matmul_eff=1.0, memory_eff=1.0,
                         launch_s={"eager": 3.0, "compiled": 1.0})
@@ -184,9 +203,14 @@ def test_gpu_campaign_prediction_column():
     assert p["keel_over_pre_ln_step_time"] == expected["keel_over_pre_ln_step_time"]
     assert predicted(GpuSuite(), torch.device("cpu"), 4, "eager", 0) is None  # no spec for a CPU by name
     # a point at more tokens per step (the campaign's 8 x 4096 with checkpointing) is predicted at its batch
+    # ("compiled" is the junction inside each block: under AC a Keel block then ends with LN_out, no SumHandoff)
     big = predicted(suite, torch.device("cpu"), 4, "compiled", 1, batch_size=8)
-    expected = pm.predict_pair(suite.model(4), 8, suite.seq_len, pm.DEVICES["H100"], "compiled", False, 1)
+    expected = pm.predict_pair(suite.model(4), 8, suite.seq_len, pm.DEVICES["H100"], "compiled", False, 1,
+                               pm.Code(sum_handoff=False))
     assert big["keel"]["tokens_per_s"] == expected["keel"]["tokens_per_s"]
+    handoff = predicted(suite, torch.device("cpu"), 4, "compiled+composed", 1, batch_size=8)
+    assert handoff["keel"]["step_time_s"] < big["keel"]["step_time_s"]  # one matmul a block fewer recomputed
+    assert handoff["pre_ln"]["step_time_s"] == big["pre_ln"]["step_time_s"]
 
 
 def test_validation_reports_predicted_against_measured(monkeypatch):

@@ -23,7 +23,7 @@ import torch
 from keel.bench import GPU_SECTIONS
 from keel.bench.core import Bench, attempt, cold_warmup, compare
 from keel.bench.flatness import flatness_markdown, flatness_series
-from keel.bench.perf_model import DEVICES, gpu_spec, predict_pair
+from keel.bench.perf_model import DEVICES, Code, gpu_spec, predict_pair
 from keel.kernels.junction import can_fuse
 from keel.kernels.timing import copy_bandwidth, junction_bandwidth
 from keel.model import ModelConfig, count_params
@@ -203,8 +203,10 @@ def predicted(suite: GpuSuite, device: torch.device, n_sublayers: int, variant: 
     spec = DEVICES.get(name) or gpu_spec(name)
     if spec is None:
         return None
+    # "compiled" is the junction inside each block: under AC a block then ends with LN_out (no SumHandoff)
     p = predict_pair(suite.model(n_sublayers), batch_size or suite.batch_size, suite.seq_len, spec,
-                     MODEL_IMPL.get(variant, variant), use_bf16(device, suite.dtype), ac_every)
+                     MODEL_IMPL.get(variant, variant), use_bf16(device, suite.dtype), ac_every,
+                     Code(sum_handoff=variant == "compiled+composed"))
     keep = ("step_time_s", "tokens_per_s", "mfu")
     return {"device": spec.name, "keel_over_pre_ln_step_time": p["keel_over_pre_ln_step_time"],
             **{s: {k: p[s][k] for k in keep} for s in ("keel", "pre_ln")}}

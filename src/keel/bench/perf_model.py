@@ -133,6 +133,9 @@ class Code:
     cast_once: bool = True  # under autocast a branch casts its float32 input once (keel.model.layers.compute_dtype),
     # not once per matmul (before 2026-11-25)
     fused_u_compute_dtype: bool = True  # the fused kernel writes u in the compute dtype, not float32 plus a cast
+    sum_handoff: bool = True  # compiled under AC, a Keel block hands on alpha*x + h (keel.scale.parallel.SumHandoff)
+    # and its recomputation skips the block's last matmul, as Pre-LN's does; it ended with LN_out, whose input its
+    # backward needs, and ran that matmul again (before 2026-11-26)
 
 
 def _boundary(config, prev, nxt, cons, c, bf16, mode, code: Code = Code()):
@@ -212,7 +215,13 @@ def step_ops(config: ModelConfig, batch: int, seq: int, bf16: bool, impl: str, a
             branch = _branch(config, kinds[j], M, batch, seq, c, bf16, impl)
             ops += branch
             if j // 2 in checkpointed:
-                ops += [o._replace(phase="recompute") for o in branch if o.phase == "fwd"]
+                again = [o for o in branch if o.phase == "fwd"]
+                if j % 2 and impl != "eager" and not (nxt.norm_out and not (impl == "compiled" and code.sum_handoff)):
+                    # compiled, the partitioner recomputes only what the backward reads: not the block's last matmul
+                    # (the FFN's down projection) when the block's output is not a norm's output
+                    last = max(i for i, o in enumerate(again) if o.kind == "matmul")
+                    again = again[:last] + again[last + 1:]
+                ops += [o._replace(phase="recompute") for o in again]
     # root, eager in every variant (only blocks are compiled): embedding gather and its dense scatter-add
     # gradient, the final norm (Pre-LN-like schemes), the head, float32 cross-entropy
     ops += [Op("embed/head/loss", "fwd", 0, 2 * S * M * d, 1), Op("embed/head/loss", "bwd", 0, 3 * S * M * d
@@ -266,11 +275,12 @@ def predict(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, impl:
 
 
 def predict_pair(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, impl: str, bf16: bool = True,
-                 ac_every: int = 0) -> dict:
+                 ac_every: int = 0, code: Code = Code()) -> dict:
     """Keel and Pre-LN at `config`'s shape, and their step-time ratio."""
     from keel.bench.core import scheme_config  # noqa: PLC0415 (core imports the training stack)
 
-    out = {s: predict(scheme_config(config, s), batch, seq, device, impl, bf16, ac_every) for s in ("keel", "pre_ln")}
+    out = {s: predict(scheme_config(config, s), batch, seq, device, impl, bf16, ac_every, code)
+           for s in ("keel", "pre_ln")}
     out["keel_over_pre_ln_step_time"] = out["keel"]["step_time_s"] / out["pre_ln"]["step_time_s"]
     return out
 
