@@ -145,6 +145,47 @@ def test_fused_junction_on_or_composed_without_what_they_need_is_refused_in_one_
         junction_impl("composed", "cuda", False, None)
 
 
+HANDOFF_CASES = {  # (model fields, run.ac_every, junctions fused: Keel v2 with n sub-layers has n - 2)
+    "keel": ({}, 1, 6),
+    "keel-ac-every-2": ({}, 2, 6),
+    "mix-ln": ({"scheme": "mix_ln"}, 1, 1),  # its one Post-LN to Pre-LN junction, at a block boundary
+    "looped": ({"loop_blocks": 2}, 1, 2),  # no handoff: a looped block follows the embedding and the stack's end
+}
+
+
+@pytest.mark.parametrize("case", list(HANDOFF_CASES))
+def test_the_sum_handoff_computes_what_the_plain_model_does(case):
+    """The modules a compiled, checkpointed model runs (swapped in, run eagerly here) against the plain model, with
+    norm gains away from 1 (at 1 a norm's weight cannot be told from another's): the same loss and gradients."""
+    from keel.model import TransformerLM
+    from keel.scale.parallel import apply_ac, apply_fused_junction, fused_junctions
+
+    fields, ac_every, fused = HANDOFF_CASES[case]
+    config = ModelConfig(vocab_size=64, d_model=32, n_blocks=4, n_heads=2, n_kv_heads=1, max_seq_len=16, **fields)
+    torch.manual_seed(0)
+    plain = TransformerLM(config)
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model = TransformerLM(config)
+    model.load_state_dict(plain.state_dict())
+    assert apply_fused_junction(model, "composed", compiled=True, checkpointed=True) == fused
+    assert fused_junctions(model) == fused
+    apply_ac(model, ac_every)
+    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    out = []
+    for m in (plain, model):
+        _, loss = m(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        out.append((loss.detach(), {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in
+                                    m.named_parameters()}))
+    (want, plain_grads), (got, grads) = out
+    assert torch.allclose(got, want, rtol=1e-6), (got, want)
+    for name, g in plain_grads.items():
+        assert torch.allclose(grads[name], g, rtol=1e-5, atol=1e-7), name
+
+
 def backward_matmuls(scheme: str, ac_every: int, fused: str = "auto") -> tuple[list[int], dict]:
     """aten.mm nodes in each backward graph of a compiled (AC'd) model, in compile order, with Inductor's partitioner
     (what it recomputes), and the model's loss and gradients."""

@@ -191,3 +191,25 @@ def test_the_phase_plan_for_bf16_weights_is_within_10_percent_of_torchs_storage_
     # half of float32 weights' plan for the same parameters and gradients
     plain = estimate_memory(cfg, batch, seq, ac_every, bf16_autocast=True, state=state)
     assert (plan["params"], plan["grads"]) == (plain["params"] // 2, plain["grads"] // 2)
+
+
+@pytest.mark.parametrize("ac_every", [1, 2])
+def test_a_keel_block_handing_on_its_sum_keeps_one_tensor_per_boundary_and_the_root_two_more(ac_every):
+    """Compiled under AC, a Keel block hands on alpha*x + h (keel.scale.parallel.SumHandoff) and the root norms the
+    last one (NormOfSum): the plan counts that norm's input and output, and nothing else changes. Measured on the
+    eager model with the same modules swapped in (what the compiled one runs, without compiling)."""
+    from keel.scale.memory import hands_on_sum
+    from keel.scale.parallel import apply_fused_junction
+
+    cfg = ModelConfig(n_blocks=4, d_model=64, n_heads=4, max_seq_len=32)
+    x, y = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
+    model = TransformerLM(cfg)
+    assert apply_fused_junction(model, "composed", compiled=True, checkpointed=True) == 6
+    apply_ac(model, ac_every)
+    measured = saved_activation_bytes(model, x, y)
+    plain = TransformerLM(cfg)
+    apply_ac(plain, ac_every)
+    # the norm's input and output, (B, T, d) float32 each, and its (B, T) rstd
+    assert measured - saved_activation_bytes(plain, x, y) == (2 * 64 + 1) * 2 * 32 * 4
+    assert hands_on_sum(cfg, ac_every, compiled=True) and not hands_on_sum(cfg, ac_every, compiled=False)
+    assert activation_bytes(cfg, 2, 32, ac_every, recompute=False, compiled=True) == pytest.approx(measured, rel=0.02)

@@ -122,6 +122,8 @@ def test_checkpointed_recompute_skips_the_last_matmul_where_the_partitioner_does
     assert recompute("keel", "compiled") == recompute("pre_ln", "compiled")
     assert recompute("keel", "compiled", sum_handoff=False) == full  # a block that ends with LN_out
     assert recompute("keel", "compiled+fused") == full  # the kernel's junctions stay inside blocks under AC
+    assert recompute("post_ln", "compiled") == full  # its backward reads norm_out's input
+    assert recompute("peri_ln", "compiled") == full  # and Peri-LN's the branch norm's
 
 
 def test_roofline_bound_switches_and_launches_overlap_only_on_a_gpu():

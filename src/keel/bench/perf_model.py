@@ -185,6 +185,21 @@ def _boundary(config, prev, nxt, cons, c, bf16, mode, code: Code = Code()):
     return fwd * d, lf, bwd * d, lb
 
 
+def _reads_last_output(config: ModelConfig, scheme, specs: list, j: int, impl: str, code: Code) -> bool:
+    """Whether the backward of the block ending with sub-layer j needs its branch output h: a norm on h
+    (Peri-LN's norm_branch), or the block's output norm_out(alpha*x + h) (Post-LN; Keel unless it hands on the sum,
+    which a compiled, checkpointed, unlooped Keel does at every junction and at the stack's end:
+    keel.scale.parallel.SumHandoff)."""
+    spec = specs[j]
+    if spec.norm_branch:
+        return True
+    if not spec.norm_out:
+        return False
+    # a junction follows (the stack's last sub-layer: one of its own, NormOfSum then norms its sum at the root)
+    junction = specs[j + 1].norm_in if j + 1 < len(specs) else spec.norm_in and not scheme.final_norm
+    return not (junction and impl == "compiled" and code.sum_handoff and config.loop_blocks is None)
+
+
 def step_ops(config: ModelConfig, batch: int, seq: int, bf16: bool, impl: str, ac_every: int = 0,
              code: Code = Code()) -> list[Op]:
     """Every op group of one training step (`batch` sequences of `seq` tokens, one micro-batch) of `code`."""
@@ -216,9 +231,9 @@ def step_ops(config: ModelConfig, batch: int, seq: int, bf16: bool, impl: str, a
             ops += branch
             if j // 2 in checkpointed:
                 again = [o for o in branch if o.phase == "fwd"]
-                if j % 2 and impl != "eager" and not (nxt.norm_out and not (impl == "compiled" and code.sum_handoff)):
+                if j % 2 and impl != "eager" and not _reads_last_output(config, scheme, specs, j, impl, code):
                     # compiled, the partitioner recomputes only what the backward reads: not the block's last matmul
-                    # (the FFN's down projection) when the block's output is not a norm's output
+                    # (the FFN's down projection) when no norm's backward needs its output
                     last = max(i for i, o in enumerate(again) if o.kind == "matmul")
                     again = again[:last] + again[last + 1:]
                 ops += [o._replace(phase="recompute") for o in again]

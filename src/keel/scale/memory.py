@@ -56,17 +56,29 @@ def _block_words(config: ModelConfig, index: int, branch_scale: float) -> float:
     return words + branch_scale * (attn + ffn)
 
 
+def hands_on_sum(config: ModelConfig, ac_every: int, compiled: bool) -> bool:
+    """Whether the stack's last sub-layer hands on its sum, normalised at the root (keel.scale.parallel.NormOfSum):
+    compiled under AC, an unlooped model whose last sub-layer is a junction's first half and that has no final
+    norm (Keel)."""
+    scheme = build_scheme(config)
+    spec = scheme.spec(config.n_sublayers - 1, "ffn")
+    return bool(compiled and ac_every and config.loop_blocks is None and spec.norm_out and spec.norm_in
+                and not scheme.final_norm)
+
+
 def activation_bytes(config: ModelConfig, batch_size: int, seq_len: int, ac_every: int = 0,
                      compute_bytes: int = 4, recompute: bool = True, blocks: range | None = None,
-                     first: bool = True, last: bool = True) -> int:
+                     first: bool = True, last: bool = True, compiled: bool = False) -> int:
     """Bytes autograd holds at the end of the forward pass, plus (`recompute`) the one block that
     checkpointing recomputes at a time in the backward pass. `blocks` (unrolled positions, default all), `first`
-    (the token ids the embedding keeps) and `last` (the final norm, the head, the loss) select a pipeline stage."""
+    (the token ids the embedding keeps) and `last` (the final norm, the head, the loss) select a pipeline stage;
+    `compiled` a model whose last sub-layer may hand on its sum (`hands_on_sum`: the root then norms it)."""
     d, V = config.d_model, config.vocab_size
     scale = compute_bytes / 4
     words = 2.0 if first else 0.0  # int64 ids
-    if last:  # logits (and their float32 copy), the head's input, int64 targets
-        words += V * scale + (V if scale != 1 else 0) + d + 2 + (2 * d + 1 if build_scheme(config).final_norm else 0)
+    if last:  # logits (and their float32 copy), the head's input, int64 targets, a final norm's input and output
+        final = build_scheme(config).final_norm or hands_on_sum(config, ac_every, compiled)
+        words += V * scale + (V if scale != 1 else 0) + d + 2 + (2 * d + 1 if final else 0)
     recomputed = 0.0
     for i in blocks if blocks is not None else range(config.n_blocks):
         full = _block_words(config, i, scale)
@@ -96,7 +108,8 @@ def optim_temp_bytes(n_largest_group: float, implementation: str = "foreach") ->
 def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, ac_every: int = 0, world_size: int = 1,
                     param_bytes: int = 4, fsdp_group: int = 0, pp: int = 1, pp_schedule: str = "1f1b",
                     pp_microbatches: int = 1, grad_accum: int = 1, bf16_autocast: bool = False,
-                    optim_impl: str = "foreach", state: str = "float32", weights: str = "float32") -> dict:
+                    optim_impl: str = "foreach", state: str = "float32", weights: str = "float32",
+                    compiled: bool = False) -> dict:
     """Bytes per process for one training step (see the module docstring): the parts, `phases` (forward,
     backward, optimizer: bytes each), `peak_phase`, and `total` (the peak phase's bytes). `fsdp_group` > 0 means
     FSDP2 with that many blocks per unit, `param_bytes` 2 for its bf16 mixed precision; `bf16_autocast` for a
@@ -104,7 +117,7 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, ac_every
     the optimizer's. `weights` bfloat16 (run.weights) holds weights and gradients in 2 bytes a parameter, with
     no autocast copies (the matmuls read the bf16 weights themselves). `pp` > 1: a pipeline of `pp` ranks per
     replica (world_size / pp replicas),
-    `pp_microbatches` per batch of `batch_size`."""
+    `pp_microbatches` per batch of `batch_size`. `compiled`: run.compile (see `activation_bytes`)."""
     if pp > 1:
         return max(pipeline_memory(config, batch_size, seq_len, ac_every, world_size, param_bytes, pp, pp_schedule,
                                    pp_microbatches, grad_accum), key=lambda m: m["total"])
@@ -119,8 +132,8 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, ac_every
     compute_bytes = 2 if (bf16_autocast or param_bytes == 2 or bf16_weights) else 4
     own = 2 if bf16_weights else 4  # bytes a parameter of the weights this process holds, and of their gradients
     matrices = n - root["embed"] - root["final_norm"]  # the decayed group: every weight matrix (norm gains aside)
-    kept = activation_bytes(config, batch_size, seq_len, ac_every, compute_bytes, recompute=False)
-    recomputed = activation_bytes(config, batch_size, seq_len, ac_every, compute_bytes) - kept
+    kept = activation_bytes(config, batch_size, seq_len, ac_every, compute_bytes, recompute=False, compiled=compiled)
+    recomputed = activation_bytes(config, batch_size, seq_len, ac_every, compute_bytes, compiled=compiled) - kept
     out = {"params": int(own * n / shard + gathered), **_states(n, count_param_tensors(config), shard,
                                                                 STATE_BYTES[state], own),
            "activations": kept + recomputed,

@@ -51,10 +51,11 @@ class FusedResidual(Residual):
     between two sub-layers computed in one piece.
 
     `x` is the stream, or the pair (stream, norm_in(stream)) a previous `FusedResidual` computed, whose norm_in
-    it then skips. With `junction` set, a callable `(x, h) -> (y, u)` computing this sub-layer's
-    `y = norm_out(alpha * x + h)` and the next sub-layer's branch input `u = norm_in'(y)`, it returns that pair;
-    without, the stream. Code that hooks or replaces single sub-layers (analysis tools) should use a model
-    without it (`apply_fused_junction(model, "off")`).
+    it then skips, or (with `incoming` set) the sum `alpha*x + h` the previous sub-layer handed on, which it
+    normalises with that sub-layer's norm_out first. With `junction` set, a callable `(x, h) -> (y, u)` computing
+    this sub-layer's `y = norm_out(alpha * x + h)` and the next sub-layer's branch input `u = norm_in'(y)`, it
+    returns that pair (or, a `SumHandoff`, the sum alone); without, the stream. Code that hooks or replaces
+    single sub-layers (analysis tools) should use a model without it (`apply_fused_junction(model, "off")`).
     """
 
     junction: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -266,8 +267,8 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     # moves and casts it with the model). u, unused, costs one norm forward and backward per step (the copy's
     # weight must require grad like the others, or the graph differs) and gives the model's parameters no gradient.
     # Handing on sums, the last sub-layer hands its sum too, and the final norm applies its norm_out (`NormOfSum`).
-    tail = (compiled and across_blocks and not ends_stack and last in takers and last.norm_out is not None
-            and isinstance(model.final_norm, nn.Identity))
+    tail = (compiled and across_blocks and (handoff or not checkpointed) and not ends_stack and last in takers
+            and last.norm_out is not None and isinstance(model.final_norm, nn.Identity))
     if tail:
         ops[last] = SumHandoff(last.alpha) if handoff else op(last.alpha, last.norm_out, copy.deepcopy(last.norm_in))
         ends_stack = True

@@ -111,7 +111,7 @@ def memory_plan(config, world_size: int = 1, device: torch.device | None = None)
                            fsdp_group=r.fsdp_group if fsdp else 0, pp=r.pp, pp_schedule=r.pp_schedule,
                            pp_microbatches=r.pp_microbatches, grad_accum=r.grad_accum,
                            optim_impl=optimizer_implementation(config.optim, device), state=config.optim.state,
-                           weights=r.weights)
+                           weights=r.weights, compiled=r.compile and r.fused_junction != "off" and not fsdp)
 
 
 def gpu_fit_lines(config) -> list[str]:
@@ -131,7 +131,8 @@ def gpu_fit_lines(config) -> list[str]:
         usable = have - 2**29  # the CUDA context
         for text, impl, state, ac, weights in steps:
             need = estimate_memory(config.model, r.batch_size, r.seq_len, ac_every=ac, bf16_autocast=True,
-                                   grad_accum=r.grad_accum, optim_impl=impl, state=state, weights=weights)["total"]
+                                   grad_accum=r.grad_accum, optim_impl=impl, state=state, weights=weights,
+                                   compiled=r.compile and r.fused_junction != "off")["total"]
             if need <= usable:
                 out.append(f"  {gpu}: fits {text} ({format_bytes(need)} of {format_bytes(have)})")
                 break
