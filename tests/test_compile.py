@@ -98,11 +98,11 @@ def test_no_recompiles_after_warmup_on_cuda_with_the_fused_junction():
 
 @pytest.mark.parametrize("n_blocks", [4, pytest.param(16, marks=pytest.mark.slow)])  # flat in depth: with 16, in CI
 def test_compiled_keel_fuses_every_junction_across_blocks_with_graphs_flat_in_depth(n_blocks):
-    """On CPU, `run.compile=true` (fused_junction auto) moves each next sub-layer's LN_in into the compiled block
-    that ends with LN_out (`ComposedJunction`), so the junction between two blocks is one compiled graph's work.
+    """On CPU, `run.compile=true` (fused_junction auto): each block hands on its sum (`SumHandoff`) and the next
+    block's graph applies LN_out and its LN_in, so the junction between two blocks is one compiled graph's work.
     It computes what the plain eager model does, and the number of compiled graphs does not grow with depth:
-    block 0 (first-layer rule) and every other block (stream and branch input in and out): the last block's last
-    sub-layer also hands on a pair, whose u nobody reads, so that it compiles to the middle blocks' graph."""
+    block 0 (first-layer rule) and every other block (a sum in and out): the last block's last sub-layer also
+    hands on its sum, which the final norm normalises, so that it compiles to the middle blocks' graph."""
     torch._dynamo.reset()
     counters.clear()
     config = replace(CONFIG, n_blocks=n_blocks)
@@ -125,15 +125,17 @@ def test_compiled_keel_fuses_every_junction_across_blocks_with_graphs_flat_in_de
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_the_last_junctions_norm_copy_moves_and_casts_with_the_model():
-    # the last sub-layer's junction holds a norm copy the model does not register: .to() must reach it, or a cast
-    # model's last block would compile a graph of its own (and a moved one read a weight on the old device)
+def test_the_final_norm_of_the_handed_on_sum_moves_and_casts_with_the_model():
+    # the stack's last sub-layer hands on its sum so that the last block compiles to the middle blocks' graph, and
+    # the final norm normalises it with that sub-layer's norm_out, which it holds unregistered: .to() must reach it
+    # (as it must the kernel's unregistered norm copy on CUDA: tests/test_compile.py's CUDA test counts the graphs)
+    from keel.scale.parallel import NormOfSum
+
     torch._dynamo.reset()
     counters.clear()
     model = build_model(CONFIG, RunConfig(compile=True), torch.device("cpu"), compile_backend="eager")
     model.to(torch.float64)
-    twins = [m.junction.next_norm_in.weight for m in model.modules() if getattr(m, "hands_head", False)]
-    assert len(twins) == 1 and twins[0].dtype == torch.float64
+    assert isinstance(model.final_norm, NormOfSum) and model.final_norm.incoming.norm.weight.dtype == torch.float64
     ids = batches(CONFIG.vocab_size, 1)[0]
     model(*ids)[1].backward()
     assert counters["stats"]["unique_graphs"] == 2

@@ -21,7 +21,15 @@ from keel.kernels.junction import available
 from keel.model.config import ModelConfig
 from keel.model.layers import RMSNorm
 from keel.model.transformer import Residual, TransformerLM
-from keel.scale.parallel import FusedResidual, StreamOfPair, apply_ac, apply_fused_junction, fused_junctions, junctions
+from keel.scale.parallel import (
+    FusedResidual,
+    NormOfSum,
+    StreamOfPair,
+    apply_ac,
+    apply_fused_junction,
+    fused_junctions,
+    junctions,
+)
 from keel.train.config import OptimConfig, RunConfig
 from keel.train.optim import build_optimizer
 from keel.train.step import TrainStep, build_model
@@ -245,9 +253,10 @@ def test_swapping_in_the_junction_keeps_parameters_state_dict_and_numbers(config
     torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-6 * grad.abs().max().item(), msg=name)
-    # the residual that ends the stack also hands on a pair (a looped one's feeds the next pass; a plain one's so
-    # that the last block compiles to the middle blocks' graph): the head takes its stream
-    assert isinstance(model.final_norm, StreamOfPair)
+    # the residual that ends the stack also hands something on, so that the last block compiles to the middle
+    # blocks' graph: a plain model's its sum (SumHandoff), which the final norm normalises with its norm_out; a
+    # looped one's a pair, which also feeds the next pass: the head takes its stream
+    assert isinstance(model.final_norm, StreamOfPair if config.loop_blocks else NormOfSum)
 
     fused_structure = structure(model)
     assert apply_fused_junction(model, "composed", compiled=True) == n  # again: the same modules, nothing stacked

@@ -53,7 +53,7 @@ def test_together_builds_every_scheme_before_stepping_them_and_frees_them_all_af
 def test_cold_warmup_compiles_each_scheme_from_nothing_and_counts_its_graphs():
     """Blocks are compiled one by one and share Block.forward: Pre-LN's blocks are all alike (one graph); Keel's
     first block follows the first-layer rule (two graphs, with the junction fused across blocks or not: the last
-    block hands on a pair like the middle ones). A second call compiles again (nothing is reused)."""
+    block hands on its sum like the middle ones). A second call compiles again (nothing is reused)."""
     config = ModelConfig(vocab_size=64, d_model=32, n_blocks=4, n_heads=2, n_kv_heads=1, max_seq_len=16)
     run = RunConfig(batch_size=2, seq_len=16, compile=True)
     got = cold_warmup(config, run, ["keel", "pre_ln"], compile_backend="aot_eager")

@@ -138,15 +138,17 @@ class ComposedJunction:
 
 
 class SumHandoff:
-    """`FusedResidual.junction` at a junction between two blocks under activation checkpointing: `(x, h) -> alpha*x
-    + h`, the sum before `norm_out`, which the next block normalises (its first sub-layer's `IncomingNorm`), so
-    `norm_out` and the next `LN_in` compile into the next block's graph, fused there.
+    """`FusedResidual.junction` at a junction between two compiled blocks: `(x, h) -> alpha*x + h`, the sum before
+    `norm_out`, which the next block normalises (its first sub-layer's `IncomingNorm`), so `norm_out` and the next
+    `LN_in` compile into the next block's graph, fused there. One tensor crosses each boundary, the sum.
 
-    Why the sum and not the stream: a checkpointed block keeps only its input and recomputes the rest in the
+    Why the sum: under activation checkpointing a block keeps only its input and recomputes the rest in the
     backward pass. A block that ends with `norm_out` needs that norm's input, `alpha*x + h`, for its backward,
     so its recomputation runs the block's last matmul again (the FFN's down projection, whose output is h); a
     block that ends with the sum needs only h's gradient, which is the sum's (as a Pre-LN block, whose output
-    `x + h` is not needed either). One tensor still crosses each boundary: the sum instead of the stream."""
+    `x + h` is not needed either). Without checkpointing too, Inductor's kernels move fewer bytes than with the
+    pair (stream, LN_in(stream)) handed across: per block Keel/Pre-LN 1.020 against 1.047 (its own count, CPU,
+    float32, d=256 and d=512), the forward graph's bytes equal to Pre-LN's."""
 
     def __init__(self, alpha: float):
         self.alpha = alpha
@@ -208,8 +210,9 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     final device.
 
     Where the Triton kernel (keel.kernels.junction) can run (CUDA), it computes each junction. Elsewhere, for a
-    model about to be compiled (`compiled`), the junction is fused by the compiler instead: a
-    `ComposedJunction` moves the next sub-layer's `LN_in` into the compiled block that ends with `LN_out`.
+    model about to be compiled (`compiled`), the junction is fused by the compiler instead: inside a block a
+    `ComposedJunction` computes the pair (y, u) in one graph; between two blocks the first hands on its sum
+    (`SumHandoff`) and the next block's graph applies `LN_out` and its `LN_in` (a looped model hands on pairs).
     mode: "auto" fuses where it was measured faster (`junction_impl`: the kernel for an eager model on CUDA, the
     compiler's fusion across blocks for a compiled model; never the kernel on CPU, not even under triton's
     interpreter), "composed" asks for the compiler's fusion, "on" fuses with the kernel or raises a ConfigError
@@ -217,9 +220,8 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     composition. A model without junctions (Pre-LN, Post-LN, ...) has nothing to fuse under any mode.
     Under FSDP2 pass `across_blocks=False`: a junction between two blocks would read the next block's
     norm weight while that block's parameters are still sharded. `checkpointed` (blocks under AC, which keep only
-    their input): a compiled junction between two blocks hands on the sum `alpha*x + h` (`SumHandoff`) for the next
-    block to normalise, so one tensor crosses the boundary and the recomputation skips the block's last matmul;
-    the kernel's junctions then stay inside blocks. Applying again replaces what an earlier
+    their input): the kernel's junctions stay inside blocks (a pair would be two tensors per boundary; the sum the
+    compiler's junction hands on is one). Applying again replaces what an earlier
     call did ("off" swaps the plain `Residual`s back: tools that hook or swap single sub-layers want that).
     `mode` is one of FUSED_JUNCTION, as keel.train.config checks.
 
@@ -246,9 +248,9 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     impl = junction_impl(mode, device.type, compiled, problem)
     if impl is None:
         return 0
-    # Under AC a block boundary carries one tensor: compiled, the sum (`SumHandoff`); else no junction crosses it
+    # a compiled block hands on its sum (`SumHandoff`); under AC the kernel fuses inside blocks only
     inside = set(junctions(model, across_blocks=False))
-    handoff = checkpointed and impl == "composed" and model.config.loop_blocks is None
+    handoff = impl == "composed" and model.config.loop_blocks is None
     if checkpointed and not handoff:
         pairs = [p for p in pairs if p in inside]
     across = [p for p in pairs if p not in inside] if handoff else []
@@ -259,14 +261,15 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     takers = {b for _, b in pairs}
     last = model.get_submodule(model.sublayers()[-1].path)
     ends_stack = last in ops  # a looped model (see `junctions`)
-    # Compiled with junctions across blocks, every block takes (stream, u) and hands one on, except the last,
-    # which hands the head a stream: a block layout of its own, one more graph to compile (seconds each, cold).
-    # Its last sub-layer then computes a junction too, with a copy of its own norm_in as the "next" norm, and the
+    # Compiled with junctions across blocks, every block takes a sum (or with the kernel a pair (stream, u)) and
+    # hands one on, except the last, which hands the head a stream: a block layout of its own, one more graph to
+    # compile (seconds each, cold). Handing on sums, the last sub-layer hands its sum too, and the final norm applies
+    # its norm_out (`NormOfSum`). With pairs, its last sub-layer computes a junction too, with a copy of its own
+    # norm_in as the "next" norm, and the
     # head takes the stream of the pair: the last block compiles to the middle blocks' graph. The copy is held by
     # the junction (a plain object), not registered: parameters and state dicts are unchanged (FusedResidual._apply
     # moves and casts it with the model). u, unused, costs one norm forward and backward per step (the copy's
     # weight must require grad like the others, or the graph differs) and gives the model's parameters no gradient.
-    # Handing on sums, the last sub-layer hands its sum too, and the final norm applies its norm_out (`NormOfSum`).
     tail = (compiled and across_blocks and (handoff or not checkpointed) and not ends_stack and last in takers
             and last.norm_out is not None and isinstance(model.final_norm, nn.Identity))
     if tail:
@@ -320,13 +323,15 @@ def junction_impl(mode: str, device_type: str, compiled: bool, problem: str | No
     Inductor to fuse) or None (not fused); `problem` says why the kernel cannot run here (None: it can). "on"
     with neither raises a ConfigError.
 
-    "auto" under compile fuses the junction across blocks inside the compiled code ("composed", the last block
-    handing on a pair too, so two graphs to compile; `apply_fused_junction`), on CUDA as on CPU. Measured on one
-    H200 (d=1024, 64 sub-layers, batch 1 x 4096, bf16; benchmarks/gpu/h200-2026-11-26.md): Keel/Pre-LN step time
+    "auto" under compile fuses the junction across blocks inside the compiled code ("composed": a block hands on
+    its sum and the next block's graph normalises it, the last block too, so two graphs to compile;
+    `apply_fused_junction`), on CUDA as on CPU. Measured on one H200 (d=1024, 64 sub-layers, batch 1 x 4096, bf16;
+    benchmarks/gpu/h200-2026-11-26.md), when composed still handed a pair (stream, u) across: Keel/Pre-LN step time
     1.064 composed, against 1.300 with Inductor's junction inside each block and 1.469 with the Triton kernel in
     the graph (Keel 53.6, 69.8 and 78.8 ms); on CPU 1.013 and 1.009 against 1.036 and 1.057. Those GPU figures
     were taken before `apply_compile` kept alpha a constant (it was a CPU scalar input to every compiled block),
-    which changes both paths. The kernel stays the eager default on CUDA (82-94% of copy bandwidth against 14-15%
+    which changes both paths; the sum moves fewer bytes than the pair by Inductor's count (`SumHandoff`), not yet
+    timed on a GPU. The kernel stays the eager default on CUDA (82-94% of copy bandwidth against 14-15%
     unfused) and is what "on" asks for.
     """
     if mode == "off":
@@ -419,8 +424,8 @@ def parallelize(model: nn.Module, *, fused_junction: str = FUSED_JUNCTION_DEFAUL
     one block are fused: a junction between two blocks would read a norm weight of another FSDP unit or stage.
     """
     # a checkpointed block keeps only its input: handing it (stream, LN_in(stream)) would keep two tensors per
-    # block boundary instead of one, so under AC a block hands on its sum alone (`SumHandoff`), or nothing is fused
-    # across blocks
+    # block boundary instead of one, so under AC the kernel's junctions stay inside blocks (the compiler's hand on
+    # the sum alone: `SumHandoff`)
     apply_fused_junction(model, fused_junction, across_blocks=not (fsdp or pipeline is not None), compiled=compile,
                          checkpointed=ac_every > 0)
     apply_ac(model, ac_every)
