@@ -408,3 +408,45 @@ def test_every_gpu_part_fits_its_boxes_by_the_calibrated_model_and_the_readme_sa
     assert all(part["predicted_s"] <= part["box_s"] <= 480 for part in p["parts"].values())
     assert sum(part["box_s"] for part in p["parts"].values()) <= 1800
     assert plan_markdown(p) in (REPO / "benchmarks" / "gpu" / "README.md").read_text()
+
+
+def test_profile_categories_name_real_cuda_kernels():
+    """keel.bench.profile sorts kernels by name: names as torch.profiler records them on an H100 (cuBLAS, flash
+    attention, Inductor's Triton kernels, the fused AdamW, copies) land in their category."""
+    from keel.bench.profile import category
+
+    expect = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel"
+        "__5x_cublas": "matmul",
+        "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN": "matmul",
+        "aten::mm": "matmul",
+        "pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64, 128>>":
+            "attention",
+        "triton_red_fused__to_copy_add_mul_pow_rsqrt_sum_3": "reduction (compiled)",
+        "triton_per_fused_add_mul_rsqrt_5": "reduction (compiled)",
+        "triton_poi_fused__to_copy_mul_silu_7": "pointwise (compiled)",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>":
+            "optimizer",
+        "Memcpy HtoD (Pageable -> Device)": "copy",
+        "void at::native::elementwise_kernel<128, 2, direct_copy_kernel_cuda>": "copy",
+        "aten::add": "other",
+    }
+    assert {name: category(name) for name in expect} == expect
+
+
+@pytest.mark.slow
+def test_profile_counts_the_same_matmuls_for_keel_and_pre_ln_and_keels_extra_norm():
+    """Profiled on CPU (eager, host operators): both schemes run the same matrix products, Keel runs more norm
+    operators (its LN_out), the categories add up to the total, and the table has a row per category."""
+    from keel.bench.gpu import GpuSuite
+    from keel.bench.profile import NAMES, profile_markdown, profile_schemes
+
+    suite = GpuSuite.toy()
+    r = profile_schemes(suite.model(4), suite.run(), ["keel", "pre_ln"], torch.device("cpu"), steps=1, warmup=1)
+    keel, pre = r["schemes"]["keel"]["categories"], r["schemes"]["pre_ln"]["categories"]
+    assert keel["matmul"]["count"] == pre["matmul"]["count"] > 0
+    assert keel["norm (eager)"]["count"] > pre["norm (eager)"]["count"]
+    for s in r["schemes"].values():
+        assert s["total_ms"] == pytest.approx(sum(c["ms"] for c in s["categories"].values()))
+    table = profile_markdown(r)
+    assert all(f"| {c} |" in table for c in NAMES) and "Keel - Pre-LN" in table

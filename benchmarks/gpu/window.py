@@ -10,11 +10,12 @@ boxes). This runs, in order of what issue 37 most needs measured, each time-boxe
 3. `presets`: two training steps of `paper-1024` under a cap of 79.6 GiB of device memory (an 80 GB H100's usable
    memory, `torch.cuda.set_per_process_memory_fraction`) and of `paper-2048` on the whole card, each with its
    measured peak beside the memory plan's (issue 37.3/37.4), one gradient-accumulation micro-batch a step;
-4. `tests`: `pytest -m gpu` with each test's time (issue 37.9), in whatever time is left.
+4. `tests`: `pytest -m gpu` with each test's time (issue 37.9), in whatever time is left;
+5. `profile`: one compiled step of each scheme at the `tokens` shape under torch.profiler, the kernels' time by
+   category (matmul, attention, Inductor's reductions and pointwise kernels, optimizer, copies) and Keel - Pre-LN
+   per category (`keel.bench.profile`): where Keel's remaining ~4% goes.
 
     python benchmarks/gpu/window.py OUT [--toy] [--seconds 560] [--parts tokens,compare64,presets,tests]
-
-The next window (to measure the static-compile fix of 2026-11-26): `--parts warmup,tests,tokens,compare64`.
 
 writes OUT/window.json and OUT/window.md after every cell. `--toy` runs it at CPU-test size.
 """
@@ -32,6 +33,7 @@ import torch
 
 from keel.bench.core import Bench, attempt
 from keel.bench.gpu import GpuSuite, gpu_markdown, gpu_suite
+from keel.bench.profile import profile_markdown, profile_schemes
 from keel.model import count_params
 from keel.train.plan import memory_plan
 from keel.train.presets import train_preset
@@ -96,6 +98,8 @@ def markdown(result: dict) -> str:
                          f"{'yes' if r['trains'] else r.get('failed')} | {f'{peak / GiB:.1f}' if peak else '-'} | "
                          f"{r['plan_peak_bytes'] / GiB:.1f} | {r.get('measured_over_plan', float('nan')):.3f} | "
                          f"{steps} |")
+    if result.get("profile"):
+        lines += ["", "## profile", "", profile_markdown(result["profile"])]
     return "\n".join(lines) + "\n"
 
 
@@ -105,8 +109,8 @@ def main() -> None:
     p.add_argument("--toy", action="store_true")
     p.add_argument("--seconds", type=float, default=560)
     p.add_argument("--parts", default="tokens,compare64,presets,tests",
-                   help="a subset of tokens,compare64,presets,tests,warmup, run in the order given (warmup: compile "
-                        "warm-up from nothing, each scheme once in a fresh process)")
+                   help="a subset of tokens,compare64,presets,tests,warmup,profile, run in the order given (warmup: "
+                        "compile warm-up from nothing, each scheme once in a fresh process)")
     p.add_argument("--tests", default="tests", help="the test paths of the tests part")
     args = p.parse_args()
     start = time.monotonic()
@@ -150,12 +154,26 @@ def main() -> None:
             result["status"]["presets"] = f"{len(result['presets'])} done"
             save()
 
+    def profile():
+        if left() < 60:
+            result["status"]["profile"] = "no time left"
+            return
+        n, batch = base.tokens_points[0]
+        try:
+            result["profile"] = profile_schemes(base.model(n), base.run(ac_every=1, compile=True, batch_size=batch),
+                                                ["keel", "pre_ln"], **base.bench_options(device))
+            result["status"]["profile"] = "done"
+        except Exception as err:  # recorded, the window goes on
+            result["status"]["profile"] = f"failed: {type(err).__name__}: {err}"[:500]
+        save()
+
     runs = {  # in the order --parts names them
         "tokens": lambda: part("tokens", replace(base, compare_sublayers=(),
                                                  tokens_variants=("compiled+composed", "compiled")), "compare", 180),
         "compare64": lambda: part("compare64", replace(base, compare_sublayers=base.compare_sublayers[:1],
                                                        tokens_points=()), "compare", 170),
         "presets": presets,
+        "profile": profile,
         "warmup": lambda: part("warmup", replace(base, warmup_repeats=1), "warmup", 160),
         "tests": lambda: part("tests", replace(base, test_args=("-m", "gpu", *args.tests.split(","))), "tests", 130),
     }

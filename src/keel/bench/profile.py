@@ -1,0 +1,125 @@
+"""Where a training step's time goes, by kind of kernel: Keel against Pre-LN under torch.profiler.
+
+At 32k tokens a step on one H100 (2026-11-26) compiled Keel took 1.041x Pre-LN's step where the calibrated
+performance model predicts 1.018, and Inductor's byte count on CPU 1.02-1.03: the step time alone cannot say which
+kernels carry the rest. `profile_schemes` builds each scheme's model alone (the one before freed), runs its
+warm-up steps (compiles), then profiles `steps` training steps and sums the time of every kernel by category
+(`category`: matmul, attention, Inductor's reductions and pointwise kernels, the optimizer, copies, other), with
+kernel counts, so a window on a GPU prints Keel - Pre-LN per category.
+
+On CUDA the time is each device kernel's own time; on a CPU, where there are no device kernels, each ATen
+operator's self time on the host (the same table, read as host work).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from keel.bench.core import Bench, free, fresh_compile_state, scheme_config
+from keel.model import ModelConfig
+from keel.train.config import OptimConfig, RunConfig
+
+# (category, pattern on the kernel or operator name), the first match wins
+CATEGORIES = (
+    ("attention", r"flash|fmha|attention|sdpa|scaled_dot_product"),
+    ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|aten::(?:mm|addmm|bmm|matmul|linear)\b|triton_tem_"),
+    ("optimizer", r"adam|multi_tensor|foreach|optimizer"),
+    ("reduction (compiled)", r"triton_(?:red|per)_|cpp_fused.*(?:sum|mean|rsqrt|pow)"),
+    ("pointwise (compiled)", r"triton_poi_|cpp_fused"),
+    ("copy", r"memcpy|memset|copy_|aten::(?:to|_to_copy|clone|contiguous|fill_|zero_)\b|elementwise_kernel.*copy"),
+    ("norm (eager)", r"rms_norm|layer_norm|rsqrt|aten::(?:pow|mean)\b"),
+)
+NAMES = tuple(c for c, _ in CATEGORIES) + ("other",)
+_COMPILED = tuple((c, re.compile(p, re.IGNORECASE)) for c, p in CATEGORIES)
+
+
+def category(name: str) -> str:
+    """The category of a kernel or operator, by its name."""
+    return next((c for c, p in _COMPILED if p.search(name)), "other")
+
+
+def kernel_times(prof, cuda: bool) -> dict[str, dict[str, float]]:
+    """Per category: milliseconds (device kernels' own time on CUDA, operators' self time on the host otherwise)
+    and the number of kernels or operators, over everything `prof` recorded."""
+    out = {c: {"ms": 0.0, "count": 0} for c in NAMES}
+    for e in prof.key_averages():
+        if cuda:
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = e.self_device_time_total
+        else:
+            if e.device_type != torch.autograd.DeviceType.CPU or e.key.startswith(("ProfilerStep", "## ")):
+                continue
+            us = e.self_cpu_time_total
+        row = out[category(e.key)]
+        row["ms"] += us / 1e3
+        row["count"] += e.count
+    return out
+
+
+def profile_scheme(config: ModelConfig, run: RunConfig, device: torch.device, steps: int = 2, warmup: int = 2,
+                   optim: OptimConfig | None = None, **bench_options) -> dict:
+    """One scheme's model built alone, `warmup` untimed steps, then `steps` profiled: per category the
+    milliseconds and kernel count per step, and the step's total."""
+    fresh_compile_state()
+    bench = Bench(config, run, optim, device, **bench_options)
+    for _ in range(warmup):
+        bench.step(record=False)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            bench.step()
+    times = kernel_times(prof, cuda)
+    per_step = {c: {"ms": t["ms"] / steps, "count": t["count"] / steps} for c, t in times.items()}
+    result = {"categories": per_step, "total_ms": sum(t["ms"] for t in per_step.values()),
+              "step_time_ms": 1e3 * min(bench.times), "kernels": "device" if cuda else "host operators"}
+    del bench, prof
+    free(device)
+    return result
+
+
+def profile_schemes(config: ModelConfig, run: RunConfig, schemes: list[str], device: torch.device,
+                    steps: int = 2, warmup: int = 2, **bench_options) -> dict:
+    """`profile_scheme` for each scheme in turn (each model freed before the next is built); `bench_options`:
+    Bench's compile_backend and init_on_device (GpuSuite.bench_options names the device too)."""
+    return {"d_model": config.d_model, "n_sublayers": config.n_sublayers, "batch_size": run.batch_size,
+            "seq_len": run.seq_len, "ac_every": run.ac_every, "compile": run.compile,
+            "fused_junction": run.fused_junction, "steps": steps,
+            "schemes": {s: profile_scheme(scheme_config(config, s), run, device, steps, warmup, **bench_options)
+                        for s in schemes}}
+
+
+def profile_markdown(result: dict) -> str:
+    """Per category, each scheme's milliseconds and count per step, and Keel - Pre-LN."""
+    schemes = result["schemes"]
+    names = list(schemes)
+    pair = "keel" in schemes and "pre_ln" in schemes
+    kind = next(iter(schemes.values()))["kernels"]
+    lines = [f"Time per training step by kind of kernel ({kind}; d={result['d_model']}, {result['n_sublayers']} "
+             f"sub-layers, batch {result['batch_size']} x {result['seq_len']}"
+             + (", AC every block" if result["ac_every"] == 1 else "")
+             + (f", compiled ({result['fused_junction']})" if result["compile"] else ", eager")
+             + f"; {result['steps']} profiled steps, per step):", "",
+             "| category | " + " | ".join(f"{s} ms (kernels)" for s in names)
+             + (" | Keel - Pre-LN ms |" if pair else " |"),
+             "|---" * (len(names) + 1 + pair) + "|"]
+    for c in NAMES + ("total",):
+        cells = []
+        for s in names:
+            r = schemes[s]
+            cells.append(f"{r['total_ms']:.2f}" if c == "total" else
+                         f"{r['categories'][c]['ms']:.2f} ({r['categories'][c]['count']:.0f})")
+        row = f"| {c} | " + " | ".join(cells)
+        if pair:
+            k, p = schemes["keel"], schemes["pre_ln"]
+            diff = (k["total_ms"] - p["total_ms"] if c == "total" else
+                    k["categories"][c]["ms"] - p["categories"][c]["ms"])
+            row += f" | {diff:+.2f}"
+        lines.append(row + " |")
+    lines += ["", "Step time while profiled (fastest step, ms): " + ", ".join(
+        f"{s} {schemes[s]['step_time_ms']:.1f}" for s in names) + "."]
+    return "\n".join(lines) + "\n"
