@@ -291,7 +291,10 @@ def test_calibration_fits_step_times_the_model_made_but_cannot_pin_every_efficie
 
 
 # the worst error of each run's fit (the H200 run fits only the points its note names; benchmarks/gpu/calibrated.md)
-WORST_FIT_ERROR = {("H100", "2026-11-24"): 0.10, ("H200", "2026-11-26"): 0.10}
+# the 2026-11-26 H100 fit is within 4.7% at its eight eager and per-block compiled points and misses the kernel
+# variant by 14.8% (Keel) and 11.4% (Pre-LN): the kernel's cost in a compiled graph is more than its measured
+# bandwidth alone says
+WORST_FIT_ERROR = {("H100", "2026-11-24"): 0.10, ("H200", "2026-11-26"): 0.10, ("H100", "2026-11-26"): 0.16}
 
 
 @pytest.mark.slow  # refits every measured run, twice

@@ -169,10 +169,10 @@ def test_cli_prints_the_prediction_table(capsys):
     text = capsys.readouterr().out
     assert "PREDICTED" in text and "H100" in text and "d=64" in text
     config = load_config(overrides, None, "tiny")
-    from keel.bench.calibrate import calibrated
+    from keel.bench.calibrate import calibrated, measured_runs
 
     pair = pm.predict_pair(config.model, config.run.batch_size, 32, calibrated("H100"), "eager")
-    assert "calibrated on the measured run H100 2026-11-24" in text
+    assert f"calibrated on the measured run H100 {measured_runs('H100')[-1]['date']}" in text  # the newest run
     assert f"| eager | {1e3 * pair['keel']['step_time_s']:.1f} | {1e3 * pair['pre_ln']['step_time_s']:.1f} |" in text
     assert f"{pair['keel_over_pre_ln_step_time']:.3f}" in text
     assert main(["bench", "--model-gpu", "H100", "run.steps=3"]) == 2  # not read: refused

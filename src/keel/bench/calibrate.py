@@ -80,7 +80,8 @@ def calibrate(run: dict, base: DeviceSpec | None = None, matmul_eff: float | Non
     for v, s, t, shape in pts:
         before, after = _predicted(DEVICES[run["device"]], run, v, s, shape), _predicted(spec, run, v, s, shape)
         rows.append({"variant": v, "scheme": s, "measured_s": t, "assumed_model_s": before, "calibrated_s": after,
-                     "error": after / t - 1, "batch_size": shape["batch_size"], "ac_every": shape["ac_every"]})
+                     "error": after / t - 1, "batch_size": shape["batch_size"], "ac_every": shape["ac_every"],
+                     "d_model": shape["d_model"]})
     return spec, rows
 
 
@@ -137,7 +138,8 @@ def fit_markdown(run: dict) -> str:
              f"{run['software']})", "",
              f"Shape: d={shape['d_model']}, {shape['n_sublayers']} sub-layers, batch {shape['batch_size']} x "
              f"{shape['seq_len']}, {shape['dtype']}"
-             + "".join(f"; and batch {m['shape'].get('batch_size', shape['batch_size'])}"
+             + "".join("; and " + (f"d={m['shape']['d_model']}, " if "d_model" in m["shape"] else "")
+                       + f"batch {m['shape'].get('batch_size', shape['batch_size'])}"
                        + (" with AC every block" if m["shape"].get("ac_every") == 1 else
                           f" with AC every {m['shape']['ac_every']} blocks" if m["shape"].get("ac_every") else "")
                        for m in run.get("more_points", []))
@@ -147,9 +149,10 @@ def fit_markdown(run: dict) -> str:
              f"{1e6 * spec.launch_s['compiled']:.1f} us per compiled kernel; the fused junction "
              + (f"at its measured {spec.fused_junction_bw / 1e9:,.0f} GB/s." if spec.fused_junction_bw else
                 "at the datasheet's bandwidth (its kernel was not timed alone in this run)."), "",
-             "| batch (AC) | variant | scheme | measured (ms) | assumed model (ms) | calibrated model (ms) | "
-             "error of the fit |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['batch_size']}{' (AC)' if r['ac_every'] else ''} | {r['variant']} | {r['scheme']} | "
+             "| d | batch (AC) | variant | scheme | measured (ms) | assumed model (ms) | calibrated model (ms) | "
+             "error of the fit |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['d_model']} | {r['batch_size']}{' (AC)' if r['ac_every'] else ''} | {r['variant']} | "
+              f"{r['scheme']} | "
               f"{1e3 * r['measured_s']:.1f} | {1e3 * r['assumed_model_s']:.1f} | {1e3 * r['calibrated_s']:.1f} | "
               f"{r['error']:+.1%} |" for r in rows]
     fitted = (spec.matmul_eff, spec.memory_eff, spec.launch_s["eager"], spec.launch_s["compiled"])
