@@ -341,3 +341,25 @@ def test_the_gpu_campaign_parts_cover_every_section_once_and_each_fits_an_8_minu
     readme = (Path(__file__).parents[1] / "benchmarks" / "gpu" / "README.md").read_text()
     for part in GPU_PARTS.values():  # the README gives each part's command as the code defines the part
         assert f"keel bench --suite gpu --sections {','.join(part)} --out" in readme
+
+
+@pytest.mark.parametrize("mode", ["auto", "composed", "on", "off"])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_hands_on_sums_says_what_apply_fused_junction_builds(mode, compiled):
+    """The memory plan and the bench ask `hands_on_sums(run, device)` whether a run's model hands on sums (and
+    norms the last at the root); the answer is what `apply_fused_junction` builds for that run on this machine."""
+    from keel.errors import ConfigError
+    from keel.model import TransformerLM
+    from keel.scale.parallel import NormOfSum, SumHandoff, apply_fused_junction, hands_on_sums
+
+    model = TransformerLM(replace(TINY, n_blocks=4))
+    try:
+        apply_fused_junction(model, mode, compiled=compiled, checkpointed=True)
+    except ConfigError:  # composed or on (no kernel on this CPU) without compile: refused before anything is built
+        assert not compiled and mode in ("composed", "on")
+        return
+    sums = any(isinstance(getattr(m, "junction", None), SumHandoff) for m in model.modules())
+    run = replace(RUN, compile=compiled, fused_junction=mode, ac_every=1)
+    assert hands_on_sums(run, torch.device("cpu")) == sums == isinstance(model.final_norm, NormOfSum)
+    if mode != "on":  # "on" hands on pairs where the kernel runs (CUDA, or Triton's interpreter), else sums
+        assert sums == (compiled and mode != "off")

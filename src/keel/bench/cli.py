@@ -13,8 +13,9 @@ from keel.bench import CPU_PARTS, GPU_SECTIONS, MODELLED_GPUS
 from keel.errors import ConfigError
 from keel.model.config import with_scheme
 from keel.runtime import machine, resolve_device, use_bf16
-from keel.train.config import Reads, add_config_arguments, load_config
+from keel.train.config import add_config_arguments, load_config
 from keel.train.presets import DEFAULT_PRESET
+from keel.train.reads import Reads
 
 # What the comparison reads of the merged config (besides every model.* field): everything else given is refused
 RUN_FIELDS = ("batch_size", "seq_len", "grad_accum", "seed", "device", "dtype", "compile", "fused_junction",

@@ -27,7 +27,7 @@ from keel.model import SCHEMES, ModelConfig, TransformerLM, count_params, flops_
 from keel.model.config import with_scheme
 from keel.runtime import autocast_for, peak_flops, resolve_device
 from keel.scale.memory import estimate_memory
-from keel.scale.parallel import fused_junctions
+from keel.scale.parallel import fused_junctions, hands_on_sums
 from keel.train.config import OptimConfig, RunConfig
 from keel.train.optim import build_optimizer
 from keel.train.step import TrainStep, build_model
@@ -101,7 +101,7 @@ def summarize(b: Bench) -> dict:
         "step_time_s": step, "step_time_min_s": min(b.times), "tokens_per_s": tps,
         "peak_memory_bytes": b.peak, "n_params": count_params(b.config),
         "memory_estimate_bytes": estimate_memory(b.config, b.run.batch_size, b.run.seq_len, b.run.ac_every,
-                                                 compiled=b.run.compile and b.run.fused_junction != "off")["total"],
+                                                 compiled=hands_on_sums(b.run, b.device))["total"],
         "mfu": tps * flops_per_token(b.config, b.run.seq_len) / peak if peak else None, "fused_junctions": b.fused,
     }
 

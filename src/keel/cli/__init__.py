@@ -46,7 +46,8 @@ def _no_preset(args, why: str) -> None:
 
 
 def cmd_summary(args) -> int:
-    from keel.train.config import SUMMARY, SUMMARY_OF_RUN, load_config, merge
+    from keel.train.config import load_config, merge
+    from keel.train.reads import SUMMARY, SUMMARY_OF_RUN
     from keel.train.run_dir import RunDir
 
     run_dir = args.run_dir
@@ -198,7 +199,8 @@ def cmd_tokenizer(args) -> int:
         raise ConfigError(f"--vocab-size: got {args.vocab_size}; allowed: an integer in [1, {MAX_VOCAB:,}]")
     from keel.data import build_corpus
     from keel.data.tokenizer import train_bpe
-    from keel.train.config import TOKENIZER, TrainConfig, merge
+    from keel.train.config import TrainConfig, merge
+    from keel.train.reads import TOKENIZER
 
     output_path(args.out, "--out", (".json",))
     corpus = build_corpus(merge(TrainConfig(), args.config, args.overrides, TOKENIZER).data)

@@ -37,10 +37,11 @@ from keel.model.config import with_scheme
 from keel.model.presets import science
 from keel.model.schemes import SCHEME_OPTIONS, SCHEMES
 from keel.runtime import autocast_for, machine, resolve_device
-from keel.train.config import GuardConfig, OptimConfig, Reads, RunConfig, TrainConfig, validate
+from keel.train.config import GuardConfig, OptimConfig, RunConfig, TrainConfig, validate
 from keel.train.evaluate import evaluate
 from keel.train.guard import DivergenceGuard
 from keel.train.optim import build_optimizer, lr_at
+from keel.train.reads import Reads
 from keel.train.step import TrainStep, build_model, on_device
 
 

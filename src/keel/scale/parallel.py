@@ -318,6 +318,20 @@ def _swap(model: nn.Module, replacement: Callable[[nn.Module], nn.Module | None]
                 setattr(parent, name, new)
 
 
+def hands_on_sums(run, device: torch.device) -> bool:
+    """Whether `run` (a RunConfig) builds a compiled model whose junctions are the compiler's ("composed", what
+    `junction_impl` picks for "auto" and "composed" under compile, and for "on" where the kernel cannot run): its
+    blocks hand on sums (`SumHandoff`) and, under AC, the root norms the last one (keel.scale.memory.hands_on_sum).
+    The Triton kernel and "off" keep each block's junction whole."""
+    if not run.compile or run.fused_junction == "off":
+        return False
+    if run.fused_junction != "on":
+        return True
+    from keel.kernels.junction import can_fuse  # noqa: PLC0415 (triton: only where the kernel is asked for)
+
+    return not can_fuse(device, 1)
+
+
 def junction_impl(mode: str, device_type: str, compiled: bool, problem: str | None) -> str | None:
     """How a junction is fused: "kernel" (keel.kernels.junction), "composed" (inside the compiled block, for
     Inductor to fuse) or None (not fused); `problem` says why the kernel cannot run here (None: it can). "on"
@@ -329,10 +343,11 @@ def junction_impl(mode: str, device_type: str, compiled: bool, problem: str | No
     benchmarks/gpu/h200-2026-11-26.md), when composed still handed a pair (stream, u) across: Keel/Pre-LN step time
     1.064 composed, against 1.300 with Inductor's junction inside each block and 1.469 with the Triton kernel in
     the graph (Keel 53.6, 69.8 and 78.8 ms); on CPU 1.013 and 1.009 against 1.036 and 1.057. Those GPU figures
-    were taken before `apply_compile` kept alpha a constant (it was a CPU scalar input to every compiled block),
-    which changes both paths; the sum moves fewer bytes than the pair by Inductor's count (`SumHandoff`), not yet
-    timed on a GPU. The kernel stays the eager default on CUDA (82-94% of copy bandwidth against 14-15%
-    unfused) and is what "on" asks for.
+    were taken before `apply_compile` kept alpha a constant (it was a CPU scalar input to every compiled block).
+    After it, handing on the sum (`SumHandoff`), on one H100 (benchmarks/gpu/h100-2026-11-26.md): 1.043 composed,
+    1.084 inside each block, 1.481 with the kernel; at 32k tokens with AC 1.041 against 1.079 inside each block.
+    The kernel stays the eager default on CUDA (forward at 88-95% of copy bandwidth against 14-15% unfused) and is
+    what "on" asks for.
     """
     if mode == "off":
         return None

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 from keel import safe_io
 from keel.data.tokenizer import load_saved_tokenizer
 from keel.errors import CheckpointError, ConfigError, DataError
-from keel.train.config import RESUME, TrainConfig, load_run_config, merge, to_yaml
+from keel.train.config import TrainConfig, load_run_config, merge, to_yaml
+from keel.train.reads import RESUME
 from keel.train.stop import steps_done
 
 if TYPE_CHECKING:  # the model and checkpoints import torch (seconds): `keel runs` lists runs without it
