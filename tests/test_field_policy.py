@@ -1,4 +1,4 @@
-"""Which fields each command reads (keel.train.config.Reads), enforced inside the one merge: a YAML file and
+"""Which fields each command reads (keel.train.reads.Reads), enforced inside the one merge: a YAML file and
 key=value overrides are accepted or refused alike, with the same one line, for every command; run.threads is
 applied once, from the merged config; a scheme's options follow it (with_scheme) and read the same everywhere."""
 

@@ -345,21 +345,30 @@ def test_the_gpu_campaign_parts_cover_every_section_once_and_each_fits_an_8_minu
 
 @pytest.mark.parametrize("mode", ["auto", "composed", "on", "off"])
 @pytest.mark.parametrize("compiled", [True, False])
-def test_hands_on_sums_says_what_apply_fused_junction_builds(mode, compiled):
-    """The memory plan and the bench ask `hands_on_sums(run, device)` whether a run's model hands on sums (and
-    norms the last at the root); the answer is what `apply_fused_junction` builds for that run on this machine."""
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("kernel", [False, True])
+def test_hands_on_sums_says_what_apply_fused_junction_builds(mode, compiled, norm, kernel, monkeypatch):
+    """The memory plan and the bench ask `hands_on_sums(run, config, device)` whether a run's model hands on sums
+    (and norms the last at the root); the answer is what `apply_fused_junction` builds for that run, where the
+    Triton kernel cannot run and where it can (its CPU interpreter standing in for CUDA), for RMSNorm and for
+    LayerNorm, which the kernel does not compute."""
     from keel.errors import ConfigError
+    from keel.kernels import junction
     from keel.model import TransformerLM
     from keel.scale.parallel import NormOfSum, SumHandoff, apply_fused_junction, hands_on_sums
 
-    model = TransformerLM(replace(TINY, n_blocks=4))
+    if kernel:
+        pytest.importorskip("triton")
+        monkeypatch.setattr(junction, "_INTERPRETED", True)  # building only: no kernel runs here
+    config = replace(TINY, n_blocks=4, norm=norm)
+    model = TransformerLM(config)
     try:
         apply_fused_junction(model, mode, compiled=compiled, checkpointed=True)
-    except ConfigError:  # composed or on (no kernel on this CPU) without compile: refused before anything is built
+    except ConfigError:  # composed, or on where the kernel cannot run, without compile: refused up front
         assert not compiled and mode in ("composed", "on")
         return
     sums = any(isinstance(getattr(m, "junction", None), SumHandoff) for m in model.modules())
     run = replace(RUN, compile=compiled, fused_junction=mode, ac_every=1)
-    assert hands_on_sums(run, torch.device("cpu")) == sums == isinstance(model.final_norm, NormOfSum)
-    if mode != "on":  # "on" hands on pairs where the kernel runs (CUDA, or Triton's interpreter), else sums
-        assert sums == (compiled and mode != "off")
+    assert hands_on_sums(run, config, torch.device("cpu")) == sums == isinstance(model.final_norm, NormOfSum)
+    kernel_runs = kernel and norm == "rmsnorm"
+    assert sums == (compiled and mode != "off" and not (mode == "on" and kernel_runs))

@@ -101,7 +101,7 @@ def summarize(b: Bench) -> dict:
         "step_time_s": step, "step_time_min_s": min(b.times), "tokens_per_s": tps,
         "peak_memory_bytes": b.peak, "n_params": count_params(b.config),
         "memory_estimate_bytes": estimate_memory(b.config, b.run.batch_size, b.run.seq_len, b.run.ac_every,
-                                                 compiled=hands_on_sums(b.run, b.device))["total"],
+                                                 compiled=hands_on_sums(b.run, b.config, b.device))["total"],
         "mfu": tps * flops_per_token(b.config, b.run.seq_len) / peak if peak else None, "fused_junctions": b.fused,
     }
 

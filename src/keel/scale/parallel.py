@@ -318,18 +318,22 @@ def _swap(model: nn.Module, replacement: Callable[[nn.Module], nn.Module | None]
                 setattr(parent, name, new)
 
 
-def hands_on_sums(run, device: torch.device) -> bool:
-    """Whether `run` (a RunConfig) builds a compiled model whose junctions are the compiler's ("composed", what
-    `junction_impl` picks for "auto" and "composed" under compile, and for "on" where the kernel cannot run): its
-    blocks hand on sums (`SumHandoff`) and, under AC, the root norms the last one (keel.scale.memory.hands_on_sum).
-    The Triton kernel and "off" keep each block's junction whole."""
+def hands_on_sums(run, config, device: torch.device, kernel_available: bool | None = None) -> bool:
+    """Whether `run` (a RunConfig) compiles `config`'s model with the junctions left to the compiler ("composed":
+    what `junction_impl` picks for "auto" and "composed" under compile, and for "on" where the kernel cannot run,
+    as `apply_fused_junction` finds it), so that its blocks hand on sums (`SumHandoff`). The Triton kernel and "off"
+    keep each block's junction whole. `kernel_available`: whether triton and CUDA are there (None: look here; a
+    plan for a GPU it is not run on says True). Which models then hand anything on (Keel's, unlooped, under AC)
+    is keel.scale.memory.hands_on_sum's to say."""
     if not run.compile or run.fused_junction == "off":
         return False
-    if run.fused_junction != "on":
-        return True
-    from keel.kernels.junction import can_fuse  # noqa: PLC0415 (triton: only where the kernel is asked for)
+    from keel.kernels.junction import MAX_FUSED_WIDTH, can_fuse  # noqa: PLC0415 (triton: only where fused)
 
-    return not can_fuse(device, 1)
+    if kernel_available is None:
+        kernel_available = can_fuse(device, config.d_model)
+    runs = kernel_available and config.norm == "rmsnorm" and 0 < config.d_model <= MAX_FUSED_WIDTH
+    problem = None if runs else "the kernel cannot run here"
+    return junction_impl(run.fused_junction, device.type, True, problem) == "composed"
 
 
 def junction_impl(mode: str, device_type: str, compiled: bool, problem: str | None) -> str | None:

@@ -112,7 +112,7 @@ def memory_plan(config, world_size: int = 1, device: torch.device | None = None)
                            fsdp_group=r.fsdp_group if fsdp else 0, pp=r.pp, pp_schedule=r.pp_schedule,
                            pp_microbatches=r.pp_microbatches, grad_accum=r.grad_accum,
                            optim_impl=optimizer_implementation(config.optim, device), state=config.optim.state,
-                           weights=r.weights, compiled=hands_on_sums(r, device) and not fsdp)
+                           weights=r.weights, compiled=hands_on_sums(r, config.model, device) and not fsdp)
 
 
 def gpu_fit_lines(config) -> list[str]:
@@ -133,7 +133,7 @@ def gpu_fit_lines(config) -> list[str]:
         for text, impl, state, ac, weights in steps:
             need = estimate_memory(config.model, r.batch_size, r.seq_len, ac_every=ac, bf16_autocast=True,
                                    grad_accum=r.grad_accum, optim_impl=impl, state=state, weights=weights,
-                                   compiled=hands_on_sums(r, torch.device("cuda")))["total"]
+                                   compiled=hands_on_sums(r, config.model, torch.device("cuda"), True))["total"]
             if need <= usable:
                 out.append(f"  {gpu}: fits {text} ({format_bytes(need)} of {format_bytes(have)})")
                 break

@@ -317,7 +317,7 @@ class RunDir(os.PathLike):
         return TransformerLM(config.model)
 
     def resume_config(self, overrides=(), config_file: str | None = None) -> TrainConfig:
-        """The run's own config with `overrides` merged in (keel.train.config.RESUME: changing anything but
+        """The run's own config with `overrides` merged in (keel.train.reads.RESUME: changing anything but
         RESUMABLE is refused, and so is a data path outside the run in a config keel did not write for this user:
         keel.train.trust)."""
         from keel.train import trust
