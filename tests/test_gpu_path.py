@@ -372,3 +372,25 @@ def test_hands_on_sums_says_what_apply_fused_junction_builds(mode, compiled, nor
     assert hands_on_sums(run, config, torch.device("cpu")) == sums == isinstance(model.final_norm, NormOfSum)
     kernel_runs = kernel and norm == "rmsnorm"
     assert sums == (compiled and mode != "off" and not (mode == "on" and kernel_runs))
+
+
+@pytest.mark.slow  # fits the newest H100 run
+def test_the_measured_default_is_checked_against_the_model_with_the_sum_handoff():
+    """The compiled default's measured points (not fitted) are set beside the calibrated model's prediction for
+    the code they ran: impl "compiled" with Keel handing on its sum, predicted here by a direct call."""
+    from keel.bench import calibrate as cal
+    from keel.bench.core import scheme_config
+    from keel.bench.perf_model import Code, paper_config, predict
+
+    run = next(r for r in cal.measured_runs("H100") if r.get("checked_points"))
+    spec = cal.calibrate(run)[0]
+    rows = cal.checked(run, spec)
+    assert len(rows) == len(run["checked_points"]) == 3
+    for row in rows:
+        shape = row["shape"]
+        for scheme, ms in row["measured_ms"].items():
+            config = scheme_config(paper_config(shape["d_model"], shape["n_sublayers"]), scheme)
+            direct = predict(config, shape["batch_size"], shape["seq_len"], spec, "compiled", True,
+                             shape["ac_every"], Code(sum_handoff=True))["step_time_s"]
+            assert row["predicted_ms"][scheme] == pytest.approx(1e3 * direct)
+            assert row["error"][scheme] == pytest.approx(1e3 * direct / ms - 1)

@@ -44,11 +44,28 @@ def points(run: dict) -> list[tuple[str, str, float, dict]]:
 
 def _predicted(spec: DeviceSpec, run: dict, variant: str, scheme: str, shape: dict | None = None) -> float:
     from keel.bench.core import scheme_config  # noqa: PLC0415 (core imports the training stack)
+    from keel.bench.gpu import MODEL_IMPL  # noqa: PLC0415
 
     shape = shape or run["shape"]
     config = scheme_config(paper_config(shape["d_model"], shape["n_sublayers"]), scheme)
-    return predict(config, shape["batch_size"], shape["seq_len"], spec, variant, shape["dtype"] == "bfloat16",
-                   shape["ac_every"], Code(**run.get("code", {})))["step_time_s"]
+    code = Code(**{**run.get("code", {}), **({"sum_handoff": True} if variant == "compiled+composed" else {})})
+    return predict(config, shape["batch_size"], shape["seq_len"], spec, MODEL_IMPL.get(variant, variant),
+                   shape["dtype"] == "bfloat16", shape["ac_every"], code)["step_time_s"]
+
+
+def checked(run: dict, spec: DeviceSpec) -> list[dict]:
+    """`run`'s `checked_points` (measured, not fitted: the compiled default, which the model's compiled row does not
+    tell from the junction inside each block at batch 1) against `spec`'s prediction: per point the error and
+    Keel/Pre-LN measured and predicted."""
+    rows = []
+    for m in run.get("checked_points", []):
+        shape, times = {**run["shape"], **m["shape"]}, m["step_time_ms"]
+        pred = {s: _predicted(spec, run, m["variant"], s, shape) for s in times}
+        rows.append({"variant": m["variant"], "shape": shape, "measured_ms": times,
+                     "predicted_ms": {s: 1e3 * t for s, t in pred.items()},
+                     "error": {s: pred[s] * 1e3 / times[s] - 1 for s in times},
+                     "ratio": (times["keel"] / times["pre_ln"], pred["keel"] / pred["pre_ln"])})
+    return rows
 
 
 def calibrate(run: dict, base: DeviceSpec | None = None, matmul_eff: float | None = None
@@ -159,6 +176,17 @@ def fit_markdown(run: dict) -> str:
     at_bound = [name for (name, lo, hi), v in zip(FITTED, fitted) if min(v - lo, hi - v) < 1e-3 * hi]
     if at_bound:
         lines += ["", f"At a bound of the fit: {', '.join(at_bound)} (the points do not pin it; read it as a limit)."]
+    if run.get("checked_points"):
+        lines += ["", "Measured, not fitted, against the calibrated model (the compiled default: under AC Keel hands "
+                  "on its sum):", "", "| d | batch (AC) | variant | Keel measured [model] (ms) | error | "
+                  "Pre-LN measured [model] (ms) | error | Keel/Pre-LN measured [model] |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in checked(run, spec):
+            shape, ms, model, err = r["shape"], r["measured_ms"], r["predicted_ms"], r["error"]
+            lines.append(f"| {shape['d_model']} | {shape['batch_size']}{' (AC)' if shape['ac_every'] else ''} | "
+                         f"{r['variant']} | {ms['keel']:.1f} [{model['keel']:.1f}] | {err['keel']:+.1%} | "
+                         f"{ms['pre_ln']:.1f} [{model['pre_ln']:.1f}] | {err['pre_ln']:+.1%} | "
+                         f"{r['ratio'][0]:.3f} [{r['ratio'][1]:.3f}] |")
     if run.get("unfitted_step_time_ms"):
         unfitted = run["unfitted_step_time_ms"].items()
         lines += ["", "Measured but not fitted: " + "; ".join(
