@@ -484,3 +484,19 @@ def test_profile_counts_the_matmuls_a_dispatch_counter_counts_and_keels_extra_no
     assert keel["norm (eager)"]["count"] > pre["norm (eager)"]["count"]
     table = profile_markdown(r)
     assert all(f"| {c} |" in table for c in NAMES) and "Keel - Pre-LN" in table
+
+
+@pytest.mark.slow
+def test_the_gpu_window_driver_runs_its_parts_at_toy_size(tmp_path):
+    """benchmarks/gpu/window.py (one short device call) at CPU-test size: every part asked for ends "done" and
+    its table is written, so a window on a lent GPU is not lost to a bug in the driver (one was, 2026-11-26)."""
+    out = tmp_path / "window"
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "window.py"), str(out), "--toy",
+                          "--parts", "profile,presets,compare64", "--seconds", "400"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads((out / "window.json").read_text())
+    assert result["status"] == {"profile": "done", "presets": "2 done", "compare64": "done"}
+    assert set(result["profile"]["schemes"]) == {"keel", "pre_ln"}
+    table = (out / "window.md").read_text()
+    assert "## profile" in table and "Keel - Pre-LN ms" in table and "| paper-1024 |" in table
