@@ -51,6 +51,22 @@ def _swallowed_signal(monkeypatch):
     monkeypatch.setattr(runtime, "set_threads", set_threads)
 
 
+def test_a_signal_inside_an_import_ends_the_process_there_with_one_line(tmp_path):
+    """A signal that lands while a module is being imported stops the process at once, exit 130 and one line:
+    raised as a KeyboardInterrupt there it can cross a native module's initialiser and abort the process (exit
+    -6, seen once in CI while torch imported under load). The module here signals its own process mid-import and,
+    as a native initialiser does when an exception crosses it, aborts if the interrupt reaches it."""
+    (tmp_path / "slow_module.py").write_text("import os, signal, time\ntry:\n    os.kill(os.getpid(), signal.SIGINT)\n"
+                                              "    time.sleep(5)\nexcept KeyboardInterrupt:\n    os.abort()\n")
+    script = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+              "from keel.cli.support import run_interruptible\n"
+              "def work():\n    import slow_module  # noqa\n    print('after the import')\n    return 0\n"
+              "sys.exit(run_interruptible(work))\n")
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                         env=ENV)
+    assert (run.returncode, run.stdout, run.stderr) == (130, "", "keel: interrupted\n")
+
+
 def test_a_swallowed_signal_still_stops_a_run_at_its_first_step_with_a_checkpoint(tmp_path, monkeypatch, capsys):
     _swallowed_signal(monkeypatch)
     code = main(["train", "--preset", "tiny", "run.steps=50", "run.progress=false", f"run.out_dir={tmp_path}",

@@ -58,7 +58,23 @@ def run_interruptible(work: Callable[[], int]) -> int:
 
 def _raise_interrupt(signum, frame):
     runtime.PENDING_SIGNALS.append(signum)
+    if _importing(frame):
+        # raised inside an import, the KeyboardInterrupt can cross a native module's initialiser, which aborts the
+        # process (SIGABRT, seen with torch's imports under load); an import writes nothing of the user's, so stop
+        # here: one line, exit 130
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("keel: interrupted", file=sys.stderr, flush=True)
+        os._exit(INTERRUPTED_EXIT)
     raise KeyboardInterrupt
+
+
+def _importing(frame) -> bool:
+    """Whether `frame` runs inside an import (a frame of importlib's bootstrap below it)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 # ---- threads --------------------------------------------------------------------------------------------
