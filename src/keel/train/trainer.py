@@ -404,6 +404,9 @@ class Trainer:
             if self.trackers is not None:
                 self.trackers.close()
             self.draw_curves(quiet=outcome["interrupted"])  # after Ctrl-C, its one line has been said
+        # every rank leaves the group together: a rank that tore its gloo group down and exited while rank 0 still
+        # wrote the summary and curves was once killed by SIGABRT at exit (a fresh-clone CI run, 2026-11-26)
+        distributed.barrier(self.world)
         distributed.close(self.world)
         return summary
 
