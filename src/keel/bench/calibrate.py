@@ -15,7 +15,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from keel.bench.perf_model import DEVICES, Code, DeviceSpec, paper_config, predict
+from keel.bench.perf_model import DEVICES, Code, DeviceSpec, modelled, paper_config, predict
 from keel.model.counting import count_params
 
 MEASURED = Path(__file__).with_name("measured_gpu.json")
@@ -44,13 +44,12 @@ def points(run: dict) -> list[tuple[str, str, float, dict]]:
 
 def _predicted(spec: DeviceSpec, run: dict, variant: str, scheme: str, shape: dict | None = None) -> float:
     from keel.bench.core import scheme_config  # noqa: PLC0415 (core imports the training stack)
-    from keel.bench.gpu import MODEL_IMPL  # noqa: PLC0415
 
     shape = shape or run["shape"]
     config = scheme_config(paper_config(shape["d_model"], shape["n_sublayers"]), scheme)
-    code = Code(**{**run.get("code", {}), **({"sum_handoff": True} if variant == "compiled+composed" else {})})
-    return predict(config, shape["batch_size"], shape["seq_len"], spec, MODEL_IMPL.get(variant, variant),
-                   shape["dtype"] == "bfloat16", shape["ac_every"], code)["step_time_s"]
+    impl, code = modelled(variant, Code(**run.get("code", {})))
+    return predict(config, shape["batch_size"], shape["seq_len"], spec, impl, shape["dtype"] == "bfloat16",
+                   shape["ac_every"], code)["step_time_s"]
 
 
 def checked(run: dict, spec: DeviceSpec) -> list[dict]:

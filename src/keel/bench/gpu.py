@@ -23,7 +23,7 @@ import torch
 from keel.bench import GPU_SECTIONS
 from keel.bench.core import Bench, attempt, cold_warmup, compare
 from keel.bench.flatness import flatness_markdown, flatness_series
-from keel.bench.perf_model import DEVICES, Code, gpu_spec, predict_pair
+from keel.bench.perf_model import DEVICES, gpu_spec, modelled, predict_pair
 from keel.kernels.junction import can_fuse
 from keel.kernels.timing import copy_bandwidth, junction_bandwidth
 from keel.model import ModelConfig, count_params
@@ -105,10 +105,9 @@ class GpuSuite:
 
 # variant -> (run.compile, run.fused_junction). "compiled+composed" (Keel's junction fused across blocks by Inductor)
 # is the default under compile (keel.scale.parallel.junction_impl), measured fastest on one H200 (2026-11-26);
-# "compiled" leaves the junction to Inductor inside each block. The performance model predicts both as "compiled"
+# "compiled" leaves the junction to Inductor inside each block. The performance model's view: perf_model.modelled
 VARIANTS = {"eager": (False, "off"), "compiled": (True, "off"), "compiled+composed": (True, "composed"),
             "compiled+fused": (True, "on")}
-MODEL_IMPL = {"compiled+composed": "compiled"}
 
 
 def gpu_suite(suite: GpuSuite, device: torch.device, write, sections=GPU_SECTIONS) -> dict:
@@ -203,10 +202,9 @@ def predicted(suite: GpuSuite, device: torch.device, n_sublayers: int, variant: 
     spec = DEVICES.get(name) or gpu_spec(name)
     if spec is None:
         return None
-    # "compiled" is the junction inside each block: under AC a block then ends with LN_out (no SumHandoff)
-    p = predict_pair(suite.model(n_sublayers), batch_size or suite.batch_size, suite.seq_len, spec,
-                     MODEL_IMPL.get(variant, variant), use_bf16(device, suite.dtype), ac_every,
-                     Code(sum_handoff=variant == "compiled+composed"))
+    impl, code = modelled(variant)
+    p = predict_pair(suite.model(n_sublayers), batch_size or suite.batch_size, suite.seq_len, spec, impl,
+                     use_bf16(device, suite.dtype), ac_every, code)
     keep = ("step_time_s", "tokens_per_s", "mfu")
     return {"device": spec.name, "keel_over_pre_ln_step_time": p["keel_over_pre_ln_step_time"],
             **{s: {k: p[s][k] for k in keep} for s in ("keel", "pre_ln")}}

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from keel.bench import GPU_PARTS
 from keel.bench.calibrate import calibrated, measured_runs
-from keel.bench.gpu import MODEL_IMPL, VARIANTS, GpuSuite, compare_points
-from keel.bench.perf_model import Code, predict
+from keel.bench.gpu import VARIANTS, GpuSuite, compare_points
+from keel.bench.perf_model import modelled, predict
 from keel.model.config import with_scheme
 
 BUILD_S = 3.0  # assumed seconds to build a model on the GPU and free it again (initialised on the device)
@@ -48,9 +48,8 @@ def compile_allowance(seen: set, scheme: str, variant: str) -> float:
 def step_s(suite: GpuSuite, spec, n: int, scheme: str, variant: str, batch: int, ac_every: int,
            d_model: int | None = None) -> float:
     config = with_scheme(suite.model(n, d_model=d_model), scheme)
-    # "compiled" is the junction inside each block: under AC a Keel block then ends with LN_out (no SumHandoff)
-    return predict(config, batch, suite.seq_len, spec, MODEL_IMPL.get(variant, variant), True, ac_every,
-                   Code(sum_handoff=variant == "compiled+composed"))["step_time_s"]
+    impl, code = modelled(variant)
+    return predict(config, batch, suite.seq_len, spec, impl, True, ac_every, code)["step_time_s"]
 
 
 def depth_slowdown(suite: GpuSuite, spec) -> float:

@@ -14,7 +14,7 @@ far below every ridge point). MFU is keel's own: `flops_per_token` (6N + attenti
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from keel.bench import MODELLED_GPUS
@@ -136,6 +136,14 @@ class Code:
     sum_handoff: bool = True  # compiled under AC, a Keel block hands on alpha*x + h (keel.scale.parallel.SumHandoff)
     # and its recomputation skips the block's last matmul, as Pre-LN's does; it ended with LN_out, whose input its
     # backward needs, and ran that matmul again (before 2026-11-26)
+
+
+def modelled(variant: str, code: Code = Code()) -> tuple[str, Code]:
+    """The model's impl and code for a bench variant (keel.bench.gpu.VARIANTS): "compiled+composed" is "compiled"
+    with the sum handoff; "compiled" is the junction inside each block, so under AC a Keel block ends with LN_out
+    (no handoff)."""
+    composed = variant == "compiled+composed"
+    return ("compiled" if composed else variant), replace(code, sum_handoff=composed)
 
 
 def _boundary(config, prev, nxt, cons, c, bf16, mode, code: Code = Code()):
