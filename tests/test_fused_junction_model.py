@@ -1,4 +1,4 @@
-"""The fused Keel junction inside a model (keel.scale.parallel.apply_fused_junction) against the plain composition.
+"""The fused Keel junction inside a model (keel.scale.junction.apply_fused_junction) against the plain composition.
 
 The fused path needs triton's interpreter on CPU, which must be on before triton is first imported, so the fused
 models train in one child process started with TRITON_INTERPRET=1 (this file run as a script); this process
@@ -21,15 +21,8 @@ from keel.kernels.junction import available
 from keel.model.config import ModelConfig
 from keel.model.layers import RMSNorm
 from keel.model.transformer import Residual, TransformerLM
-from keel.scale.parallel import (
-    FusedResidual,
-    NormOfSum,
-    StreamOfPair,
-    apply_ac,
-    apply_fused_junction,
-    fused_junctions,
-    junctions,
-)
+from keel.scale.junction import FusedResidual, NormOfSum, StreamOfPair, apply_fused_junction, fused_junctions, junctions
+from keel.scale.parallel import apply_ac
 from keel.train.config import OptimConfig, RunConfig
 from keel.train.optim import build_optimizer
 from keel.train.step import TrainStep, build_model

@@ -130,14 +130,14 @@ def test_compare_reports_graph_counts_only_when_compiled(variant):
     ("composed", "cpu", True, False, "composed"),
 ])
 def test_the_junction_default_under_compile_is_the_measured_faster_path(mode, device, compiled, kernel_ok, expected):
-    from keel.scale.parallel import junction_impl
+    from keel.scale.junction import junction_impl
 
     assert junction_impl(mode, device, compiled, None if kernel_ok else "no triton") == expected
 
 
 def test_fused_junction_on_or_composed_without_what_they_need_is_refused_in_one_line():
     from keel.errors import ConfigError
-    from keel.scale.parallel import junction_impl
+    from keel.scale.junction import junction_impl
 
     with pytest.raises(ConfigError, match="run.fused_junction=on: no triton and run.compile is off"):
         junction_impl("on", "cpu", False, "no triton")
@@ -158,7 +158,8 @@ def test_the_sum_handoff_computes_what_the_plain_model_does(case):
     """The modules a compiled, checkpointed model runs (swapped in, run eagerly here) against the plain model, with
     norm gains away from 1 (at 1 a norm's weight cannot be told from another's): the same loss and gradients."""
     from keel.model import TransformerLM
-    from keel.scale.parallel import apply_ac, apply_fused_junction, fused_junctions
+    from keel.scale.junction import apply_fused_junction, fused_junctions
+    from keel.scale.parallel import apply_ac
 
     fields, ac_every, fused = HANDOFF_CASES[case]
     config = ModelConfig(vocab_size=64, d_model=32, n_blocks=4, n_heads=2, n_kv_heads=1, max_seq_len=16, **fields)
@@ -230,7 +231,7 @@ def test_under_activation_checkpointing_a_keel_block_hands_on_its_sum_and_recomp
     block would recompute its last matmul for that norm's input; handing on alpha*x + h instead (the next block
     normalises it), one tensor still crosses each boundary and the recomputation matches Pre-LN's, whose output
     x + h is not needed either. The model computes what the plain one does."""
-    from keel.scale.parallel import FusedResidual, NormOfSum, fused_junctions
+    from keel.scale.junction import FusedResidual, NormOfSum, fused_junctions
 
     pre_ln, _ = backward_matmuls("pre_ln", ac_every=1)
     keel, out = backward_matmuls("keel", ac_every=1)
@@ -355,7 +356,7 @@ def test_hands_on_sums_says_what_apply_fused_junction_builds(mode, compiled, nor
     from keel.errors import ConfigError
     from keel.kernels import junction
     from keel.model import TransformerLM
-    from keel.scale.parallel import NormOfSum, SumHandoff, apply_fused_junction, hands_on_sums
+    from keel.scale.junction import NormOfSum, SumHandoff, apply_fused_junction, hands_on_sums
 
     if kernel:
         pytest.importorskip("triton")

@@ -195,11 +195,11 @@ def test_the_phase_plan_for_bf16_weights_is_within_10_percent_of_torchs_storage_
 
 @pytest.mark.parametrize("ac_every", [1, 2])
 def test_a_keel_block_handing_on_its_sum_keeps_one_tensor_per_boundary_and_the_root_two_more(ac_every):
-    """Compiled under AC, a Keel block hands on alpha*x + h (keel.scale.parallel.SumHandoff) and the root norms the
+    """Compiled under AC, a Keel block hands on alpha*x + h (keel.scale.junction.SumHandoff) and the root norms the
     last one (NormOfSum): the plan counts that norm's input and output, and nothing else changes. Measured on the
     eager model with the same modules swapped in (what the compiled one runs, without compiling)."""
+    from keel.scale.junction import apply_fused_junction
     from keel.scale.memory import hands_on_sum
-    from keel.scale.parallel import apply_fused_junction
 
     cfg = ModelConfig(n_blocks=4, d_model=64, n_heads=4, max_seq_len=32)
     x, y = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))

@@ -89,12 +89,12 @@ def test_fused_junction_values_and_default_are_written_once_and_importing_them_i
     import subprocess
     import sys
 
-    from keel.scale import parallel
+    from keel.scale import junction, parallel
     from keel.train import config
 
     assert config.FUSED_JUNCTION is parallel.FUSED_JUNCTION
     defaults = {inspect.signature(f).parameters["fused_junction" if f is parallel.parallelize else "mode"].default
-                for f in (parallel.parallelize, parallel.apply_fused_junction)}
+                for f in (parallel.parallelize, junction.apply_fused_junction)}
     assert defaults == {config.RunConfig().fused_junction} == {"auto"}
     # the config reads these values: importing them must not import the kernel module (and triton)
     code = ("import sys, keel.train.config, keel.scale.parallel\n"

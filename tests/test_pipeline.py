@@ -381,7 +381,8 @@ class _Plan:
 
 def test_parallelize_builds_stages_after_the_junction_checkpointing_and_compile(monkeypatch):
     import keel.kernels.junction as kernel
-    from keel.scale.parallel import fused_junctions, junctions, parallelize
+    from keel.scale.junction import fused_junctions, junctions
+    from keel.scale.parallel import parallelize
     monkeypatch.setattr(kernel, "can_fuse", lambda device, width: True)  # as on a GPU; never called here
     torch.manual_seed(0)
     model, plan = TransformerLM(CONFIG), _Plan()

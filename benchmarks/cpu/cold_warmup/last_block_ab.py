@@ -10,7 +10,7 @@ from torch import nn
 from keel.bench.core import Bench, alternate, scheme_config
 from keel.bench.cpu import CPU_SHAPES
 from keel.model.presets import cpu_demo
-from keel.scale.parallel import FusedResidual
+from keel.scale.junction import FusedResidual
 from keel.train.config import RunConfig
 
 shape, steps, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

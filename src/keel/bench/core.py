@@ -26,8 +26,8 @@ from keel.errors import ConfigError
 from keel.model import SCHEMES, ModelConfig, TransformerLM, count_params, flops_per_token
 from keel.model.config import with_scheme
 from keel.runtime import autocast_for, peak_flops, resolve_device
+from keel.scale.junction import fused_junctions, hands_on_sums
 from keel.scale.memory import estimate_memory
-from keel.scale.parallel import fused_junctions, hands_on_sums
 from keel.train.config import OptimConfig, RunConfig
 from keel.train.optim import build_optimizer
 from keel.train.step import TrainStep, build_model

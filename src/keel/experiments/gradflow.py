@@ -56,7 +56,7 @@ from keel.experiments.probes import residual_sizes
 from keel.experiments.sweep import Sweep
 from keel.model import ModelConfig
 from keel.model.transformer import TransformerLM
-from keel.scale.parallel import apply_fused_junction
+from keel.scale.junction import apply_fused_junction
 from keel.train.config import OptimConfig, RunConfig
 
 INITS = ("default", "matched")

@@ -71,7 +71,7 @@ def plain(model):
     weights (compiling and fusing keep the state dict's names): what the probes here need, since they hook or
     swap single sub-layers, which a compiled block or a fused junction would hide."""
     from keel.model.transformer import TransformerLM  # noqa: PLC0415
-    from keel.scale.parallel import fused_junctions  # noqa: PLC0415
+    from keel.scale.junction import fused_junctions  # noqa: PLC0415
 
     compiled = any(getattr(b, "_compiled_call_impl", None) is not None for b in model.blocks)
     if not compiled and not fused_junctions(model):

@@ -42,7 +42,7 @@ from keel.experiments.probes import branches_off, removed
 from keel.experiments.sweep import Sweep
 from keel.model import lm_loss
 from keel.runtime import autocast_for
-from keel.scale.parallel import apply_fused_junction
+from keel.scale.junction import apply_fused_junction
 from keel.train.config import OptimConfig, RunConfig
 
 MODES = ("sublayer", "branch")

@@ -16,7 +16,7 @@ PP_SCHEDULE_SPECS = {
     "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
 }
 PP_SCHEDULES = tuple(PP_SCHEDULE_SPECS)  # run.pp_schedule's values
-# run.fused_junction's values and default (keel.scale.parallel.apply_fused_junction); the kernel module (and
+# run.fused_junction's values and default (keel.scale.junction.apply_fused_junction); the kernel module (and
 # triton) is imported only when a junction is fused
 FUSED_JUNCTION = ("auto", "on", "composed", "off")  # composed: fused by the compiler across blocks (run.compile)
 FUSED_JUNCTION_DEFAULT = "auto"

@@ -57,7 +57,7 @@ def _block_words(config: ModelConfig, index: int, branch_scale: float) -> float:
 
 
 def hands_on_sum(config: ModelConfig, ac_every: int, compiled: bool) -> bool:
-    """Whether the stack's last sub-layer hands on its sum, normalised at the root (keel.scale.parallel.NormOfSum):
+    """Whether the stack's last sub-layer hands on its sum, normalised at the root (keel.scale.junction.NormOfSum):
     compiled under AC, an unlooped model whose last sub-layer is a junction's first half and that has no final
     norm (Keel)."""
     scheme = build_scheme(config)

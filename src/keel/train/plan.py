@@ -14,8 +14,8 @@ from keel.model import CONFIG_FIELDS, ModelConfig, count_params, flops_per_token
 from keel.model.schemes import SCHEME_OPTIONS
 from keel.model.transformer import build_scheme
 from keel.runtime import GPU_MEMORY, device_memory, use_bf16
+from keel.scale.junction import hands_on_sums
 from keel.scale.memory import estimate_memory, format_bytes
-from keel.scale.parallel import hands_on_sums
 from keel.train.optim import optimizer_implementation
 
 
