@@ -202,7 +202,7 @@ def test_junctions_are_a_norm_out_followed_by_a_norm_in():
 
 
 def test_the_models_residual_is_the_papers_equation_with_no_junction_path():
-    """The fused junction lives outside the model (keel.scale.parallel swaps modules in): the model's own
+    """The fused junction lives outside the model (keel.scale.junction swaps modules in): the model's own
     sub-layer and stack know nothing of pairs."""
     assert not hasattr(Residual, "junction")
     source = inspect.getsource(Residual) + inspect.getsource(TransformerLM.run_blocks)

@@ -105,7 +105,8 @@ class GpuSuite:
 
 # variant -> (run.compile, run.fused_junction). "compiled+composed" (Keel's junction fused across blocks by Inductor)
 # is the default under compile (keel.scale.junction.junction_impl), measured fastest on one H200 (2026-11-26);
-# "compiled" leaves the junction to Inductor inside each block. The performance model's view: perf_model.modelled
+# "compiled" leaves the junction to Inductor inside each block. The performance model's view of each:
+# perf_model.modelled.
 VARIANTS = {"eager": (False, "off"), "compiled": (True, "off"), "compiled+composed": (True, "composed"),
             "compiled+fused": (True, "on")}
 

@@ -85,7 +85,7 @@ def plain(model):
 def residual_terms(model, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sub-layer, on the batch `x`: the two terms of its residual sum, (alpha * x, F), in float32, F after
     norm_branch where the scheme has one (what is added to alpha * x). Needs a model without the fused
-    junction (keel.scale.parallel)."""
+    junction (keel.scale.junction)."""
     seen: dict[int, dict] = {}
     hooks = []
     for s in model.sublayers():

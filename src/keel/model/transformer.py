@@ -57,8 +57,8 @@ class Residual(nn.Module):
     """`x' = norm_out(alpha * x + norm_branch(F(norm_in(x))))`, absent norms skipped.
 
     The sum is always formed in (at least) float32, whatever autocast or the weights' dtype do: see
-    `keel.model.numerics.stream_dtype` for why. (`apply_fused_junction`, in keel.scale, may swap a subclass in
-    from outside that computes one sub-layer's norm_out and the next one's norm_in in one piece.)
+    `keel.model.numerics.stream_dtype` for why. (`apply_fused_junction`, in keel.scale's junction module, may swap
+    a subclass in from outside that computes one sub-layer's norm_out and the next one's norm_in in one piece.)
     """
 
     def __init__(self, spec: SublayerSpec, make_norm: Callable[[], nn.Module], dropout: float = 0.0):

@@ -327,7 +327,8 @@ def junction_impl(mode: str, device_type: str, compiled: bool, problem: str | No
     benchmarks/gpu/h200-2026-11-26.md), when composed still handed a pair (stream, u) across: Keel/Pre-LN step time
     1.064 composed, against 1.300 with Inductor's junction inside each block and 1.469 with the Triton kernel in
     the graph (Keel 53.6, 69.8 and 78.8 ms); on CPU 1.013 and 1.009 against 1.036 and 1.057. Those GPU figures
-    were taken before `apply_compile` kept alpha a constant (it was a CPU scalar input to every compiled block).
+    were taken before keel.scale.parallel.apply_compile kept alpha a constant (it was a CPU scalar input to every
+    compiled block).
     After it, handing on the sum (`SumHandoff`), on one H100 (benchmarks/gpu/h100-2026-11-26.md): 1.043 composed,
     1.084 inside each block, 1.481 with the kernel; at 32k tokens with AC 1.041 against 1.079 inside each block.
     The kernel stays the eager default on CUDA (forward at 88-95% of copy bandwidth against 14-15% unfused) and is

@@ -108,7 +108,7 @@ def parallelize(model: nn.Module, *, fused_junction: str = FUSED_JUNCTION_DEFAUL
     """
     # a checkpointed block keeps only its input: handing it (stream, LN_in(stream)) would keep two tensors per
     # block boundary instead of one, so under AC the kernel's junctions stay inside blocks (the compiler's hand on
-    # the sum alone: `SumHandoff`)
+    # the sum alone: keel.scale.junction.SumHandoff)
     apply_fused_junction(model, fused_junction, across_blocks=not (fsdp or pipeline is not None), compiled=compile,
                          checkpointed=ac_every > 0)
     apply_ac(model, ac_every)

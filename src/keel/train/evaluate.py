@@ -118,7 +118,6 @@ def evaluate_run(run_dir, checkpoint: str | None = None, split: str = "val", bat
         result = evaluate(model, tokens, config.run.seq_len, global_batch,
                           batches or config.run.eval_batches, dev, autocast, bytes_per_token(tokenizer), world,
                           replica, replicas)
-        distributed.barrier(world)  # every rank leaves the group together (see Trainer._finish)
     finally:
         distributed.close(world)
     return {"checkpoint": str(path), "split": split, **result}

@@ -231,6 +231,7 @@ class Trainer:
             resume_from = resume.load_newest(resume_from, self.load_checkpoint, lambda m: self.say(m, sys.stderr))
             if self.step >= self.config.run.steps:
                 self.say(f"keel: {self.run_dir} already finished {self.step} steps; extend it with run.steps=N")
+                self._leave_group()
                 return self.run_dir.summary() or {"diverged": False, "interrupted": False}
             self._record_resume(resume_from)
         elif self.world.main:
@@ -399,16 +400,19 @@ class Trainer:
             "wall_seconds": self.wall_before + wall,  # all segments of a resumed run; tokens/s is this one's
             "world_size": self.world.size,
         }
+        self._leave_group()  # before rank 0's files: nothing below needs the group, and no rank waits on them
         if self.world.main:
             self.run_dir.write_summary(summary)
             if self.trackers is not None:
                 self.trackers.close()
             self.draw_curves(quiet=outcome["interrupted"])  # after Ctrl-C, its one line has been said
-        # every rank leaves the group together: a rank that tore its gloo group down and exited while rank 0 still
-        # wrote the summary and curves was once killed by SIGABRT at exit (a fresh-clone CI run, 2026-11-26)
+        return summary
+
+    def _leave_group(self) -> None:
+        """Every rank leaves the process group together: a rank that tore its gloo group down and exited while rank 0
+        still wrote the summary and curves was once killed by SIGABRT at exit (a fresh-clone CI run, 2026-11-26)."""
         distributed.barrier(self.world)
         distributed.close(self.world)
-        return summary
 
     def draw_curves(self, quiet: bool = False) -> None:
         """curves.png next to the run (what `keel plot RUN` draws), when matplotlib is installed; `quiet`: no
