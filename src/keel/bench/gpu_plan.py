@@ -2,20 +2,22 @@
 its time boxes, and the boxes its 8-minute window?
 
 Every figure here is a prediction. A timed cell costs (warm-up + timed steps) x the step time predicted by the
-performance model calibrated on the measured H100 run (keel.bench.calibrate), plus a build allowance per model
-and a compile allowance per compiled model. Stated assumptions, from the one measured run where there is one:
-- compile: the first compile of a variant in a part's fresh process takes the measured cold warm-up (Keel 43 s on
-  the H100; Pre-LN's cold warm-up was never measured, so it is given Keel's); a later compile of the same variant
-  at another depth or batch finds its kernels in Inductor's and Triton's on-disk caches and takes Pre-LN's
-  measured warm-cache 3.7 s; Pre-LN has no junction to fuse, so its compiled variants compile the same graphs;
-- the depth series at d=512: the model predicts ~1 ms per sub-layer eager where 3.8-6.3 ms was measured, so its
-  step times are multiplied by the worst measured/predicted ratio of that series (DEPTH_SLOWDOWN, both variants);
+performance model calibrated on the newest measured H100 run (keel.bench.calibrate), plus a build allowance per
+model and a compile allowance per compiled model. Stated assumptions, from that run (measured_gpu.json) where it
+measured them:
+- compile: the first compile of a variant in a part's fresh process takes the larger of the schemes' measured cold
+  warm-ups (Keel 14.1 s, Pre-LN 8.8 s on 2026-11-26); a later compile of the same variant at another depth or batch
+  finds its kernels in Inductor's and Triton's on-disk caches and is given Pre-LN's measured warm-up (a cold
+  figure since 2026-11-26, so an upper bound); Pre-LN has no junction to fuse, so its compiled variants compile the
+  same graphs;
+- the depth series at d=512: the model predicts less than the measured eager time per sub-layer, so its step times
+  are multiplied by the worst measured/predicted ratio of that series (`depth_slowdown`, both variants);
 - the warm-up section: every measurement is a fresh process (PROCESS_S, assumed: Python, torch, keel and CUDA set
   up) that builds one model and compiles it cold (the measured cold warm-up, as above);
 - the deepest-model search: trials as its doubling and bisection would make them if the depth that trains were
-  the measured one (640 sub-layers at d=1024), each trial a build and two steps;
-- the tests and the kernel section are not modelled: they are bounded by their boxes (`pytest -m gpu`'s time is
-  the open item 37.9).
+  the measured one (800 sub-layers at d=1024 on 2026-11-26), each trial a build and two steps;
+- the tests and the kernel section are not modelled: they are bounded by their boxes (`pytest -m gpu` took 102 s
+  from cold caches on 2026-11-26).
 """
 
 from __future__ import annotations
