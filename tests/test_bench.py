@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -500,3 +501,36 @@ def test_the_gpu_window_driver_runs_its_parts_at_toy_size(tmp_path):
     assert set(result["profile"]["schemes"]) == {"keel", "pre_ln"}
     table = (out / "window.md").read_text()
     assert "## profile" in table and "Keel - Pre-LN ms" in table and "| paper-1024 |" in table
+
+
+@pytest.mark.slow
+def test_phase_clock_puts_a_known_delay_in_the_phase_it_happens_in():
+    """keel.bench.profile.PhaseClock against delays of known length: a sleep inside the model's forward (a block's
+    forward hook) lands in "forward", one inside its backward (the block's backward hook) in "backward", and neither
+    in the other phases; afterwards the step has no clock hooks left and its own `after_backward` back."""
+    from keel.bench.core import Bench
+    from keel.bench.gpu import GpuSuite
+    from keel.bench.profile import PhaseClock
+
+    suite = GpuSuite.toy()
+    bench = Bench(suite.model(4), replace(suite.run(), compile=False), device=torch.device("cpu"))
+    bench.step()
+    base = PhaseClock(bench).run(2)
+    block = bench.model.blocks[0]
+    slow_forward = block.register_forward_hook(lambda *_: time.sleep(0.3))
+    slow_backward = block.register_full_backward_hook(lambda *_: time.sleep(0.5))
+    def mine(model):
+        return None
+
+    bench.train_step.after_backward = mine
+    try:
+        delayed = PhaseClock(bench).run(2)
+    finally:
+        slow_forward.remove()
+        slow_backward.remove()
+    gained = {p: delayed[p] - base[p] for p in base}
+    assert 300 <= gained["forward"] < 500, gained
+    assert 500 <= gained["backward"] < 700, gained
+    assert gained["rest"] < 200, gained
+    assert not bench.model._forward_hooks and not bench.model._forward_pre_hooks
+    assert bench.train_step.after_backward is mine

@@ -13,7 +13,8 @@ boxes). This runs, in order of what issue 37 most needs measured, each time-boxe
 4. `tests`: `pytest -m gpu` with each test's time (issue 37.9), in whatever time is left;
 5. `profile`: one compiled step of each scheme at the `tokens` shape under torch.profiler, the kernels' time by
    category (matmul, attention, Inductor's reductions and pointwise kernels, optimizer, copies) and Keel - Pre-LN
-   per category (`keel.bench.profile`): where Keel's remaining ~4% goes.
+   per category (`keel.bench.profile`), then each scheme's wall time per step split into forward, backward and the
+   rest (clip, optimizer): where Keel's remaining ~4% goes.
 
     python benchmarks/gpu/window.py OUT [--toy] [--seconds 560] [--parts tokens,compare64,presets,tests]
 

@@ -5,7 +5,10 @@ performance model predicts 1.018, and Inductor's byte count on CPU 1.02-1.03: th
 kernels carry the rest. `profile_schemes` builds each scheme's model alone (the one before freed), runs its
 warm-up steps (compiles), then profiles `steps` training steps and sums the time of every kernel by category
 (`category`: matmul, attention, Inductor's reductions and pointwise kernels, the optimizer, copies, other), with
-kernel counts, so a window on a GPU prints Keel - Pre-LN per category.
+kernel counts, so a window on a GPU prints Keel - Pre-LN per category. `phase_times` then splits further steps
+into forward, backward and the rest (clip and optimizer) by wall time, each phase ended by a device sync, so the
+same table says whether Keel's extra time is in its forward (the junction), its backward (two norms' gradients and
+the checkpointed recomputation) or its optimizer.
 
 On CUDA the time is each device kernel's own time; on a CPU, where there are no device kernels, each ATen
 operator's self time on the host (the same table, read as host work).
@@ -14,6 +17,7 @@ operator's self time on the host (the same table, read as host work).
 from __future__ import annotations
 
 import re
+import time
 
 import torch
 from torch._inductor import config as inductor_config
@@ -66,6 +70,53 @@ def kernel_times(prof, cuda: bool) -> dict[str, dict[str, float]]:
     return out
 
 
+PHASES = ("forward", "backward", "rest")
+
+
+class PhaseClock:
+    """Wall time of each phase of a TrainStep, each phase ended by a device sync: forward (the model's call, loss
+    included: from its forward pre-hook to its forward hook), backward (from there to the next micro-batch's forward,
+    or to `after_backward` after the last), and the rest (clip, the guard, the optimizer step, zeroing gradients: to
+    the end of the step). The syncs keep the device from running ahead of the host, which costs a little overlap, so
+    the phases add up to somewhat more than an unsynced step."""
+
+    def __init__(self, bench: Bench):
+        self.bench, self.ms = bench, dict.fromkeys(PHASES, 0.0)
+        self._phase, self._mark = None, 0.0
+
+    def _sync(self) -> None:
+        if self.bench.device.type == "cuda":
+            torch.cuda.synchronize(self.bench.device)
+
+    def _switch(self, phase: str | None) -> None:
+        self._sync()
+        now = time.perf_counter()
+        if self._phase is not None:
+            self.ms[self._phase] += 1e3 * (now - self._mark)
+        self._phase, self._mark = phase, now
+
+    def run(self, steps: int) -> dict[str, float]:
+        """Per phase, milliseconds per step over `steps` training steps."""
+        model, step = self.bench.model, self.bench.train_step
+        hooks = [model.register_forward_pre_hook(lambda *_: self._switch("forward")),
+                 model.register_forward_hook(lambda *_: self._switch("backward"))]
+        before, step.after_backward = step.after_backward, lambda _model: self._switch("rest")
+        try:
+            for _ in range(steps):
+                step(lambda: self.bench.batch, self.bench.lr)
+                self._switch(None)
+        finally:
+            step.after_backward = before
+            for hook in hooks:
+                hook.remove()
+        return {p: ms / steps for p, ms in self.ms.items()}
+
+
+def phase_times(bench: Bench, steps: int) -> dict[str, float]:
+    """Milliseconds per step in forward, backward and the rest (`PhaseClock`), over `steps` more training steps."""
+    return PhaseClock(bench).run(steps)
+
+
 def profile_scheme(config: ModelConfig, run: RunConfig, device: torch.device, steps: int = 2, warmup: int = 2,
                    optim: OptimConfig | None = None, **bench_options) -> dict:
     """One scheme's model built alone, `warmup` untimed steps, then `steps` profiled: per category the
@@ -85,7 +136,8 @@ def profile_scheme(config: ModelConfig, run: RunConfig, device: torch.device, st
     times = kernel_times(prof, cuda)
     per_step = {c: {"ms": t["ms"] / steps, "count": t["count"] / steps} for c, t in times.items()}
     result = {"categories": per_step, "total_ms": sum(t["ms"] for t in per_step.values()),
-              "step_time_ms": 1e3 * min(bench.times), "kernels": "device" if cuda else "host operators"}
+              "step_time_ms": 1e3 * min(bench.times), "kernels": "device" if cuda else "host operators",
+              "phases_ms": phase_times(bench, steps)}
     del bench, prof
     free(device)
     return result
@@ -131,4 +183,16 @@ def profile_markdown(result: dict) -> str:
         lines.append(row + " |")
     lines += ["", "Step time while profiled (fastest step, ms): " + ", ".join(
         f"{s} {schemes[s]['step_time_ms']:.1f}" for s in names) + "."]
+    if all("phases_ms" in schemes[s] for s in names):
+        lines += ["", "Wall time per step by phase (ms; each phase ended by a device sync, not profiled):", "",
+                  "| phase | " + " | ".join(names) + (" | Keel - Pre-LN | Keel / Pre-LN |" if pair else " |"),
+                  "|---" * (len(names) + 1 + 2 * pair) + "|"]
+        for phase in (*PHASES, "total"):
+            ms = {s: sum(schemes[s]["phases_ms"].values()) if phase == "total" else schemes[s]["phases_ms"][phase]
+                  for s in names}
+            row = f"| {phase} | " + " | ".join(f"{ms[s]:.2f}" for s in names)
+            if pair:
+                ratio = f"{ms['keel'] / ms['pre_ln']:.3f}" if ms["pre_ln"] > 0 else "n/a"
+                row += f" | {ms['keel'] - ms['pre_ln']:+.2f} | {ratio}"
+            lines.append(row + " |")
     return "\n".join(lines) + "\n"
