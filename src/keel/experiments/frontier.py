@@ -256,9 +256,11 @@ def run(cfg: FrontierConfig, out: Path, command: str) -> dict:
                            [[f"keel - {x}", stats.describe(v["advantage_grows"]), v["advantage_grows_verdict"]]
                             for x, v in res["verdicts"].items()]) if res["verdicts"] else ""
     frontier = ", ".join(f"{s}: {d if d is not None else 'none'}" for s, d in res["frontier"].items())
+    tuned_note = " (\"wu N\" in the table: that arm's warm-up, tuned)" if cfg.warmup_schemes else ""
     notes = (f"Each run: {cfg.run.steps} steps x {cfg.run.batch_size}x{cfg.run.seq_len} = {tokens(cfg):,} tokens, "
-             f"d={cfg.model.d_model}, warm-up {cfg.optim.warmup_steps} then cosine; LR per scheme and depth chosen "
-             f"from {dict(cfg.lrs)} (at >= {cfg.deep_from} sub-layers the lowest {cfg.deep_grid}) by the mean "
+             f"d={cfg.model.d_model}, warm-up {cfg.optim.warmup_steps}{tuned_note} then cosine; "
+             f"LR per scheme and depth chosen from {dict(cfg.lrs)} (at >= {cfg.deep_from} sub-layers the lowest "
+             f"{cfg.deep_grid}) by the mean "
              f"select-half loss over seeds {cfg.seeds}; report loss on {cfg.run.eval_batches} report-half batches. "
              f"Unigram level {res['unigram']:.3f} nats; learns = >= {cfg.learn_margin} below it in every seed, stuck "
              f"= within {cfg.stuck_margin} of it in every seed.\n\nFrontier (deepest depth that learns): "
