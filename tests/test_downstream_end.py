@@ -59,6 +59,24 @@ def test_search_stops_at_search_max_and_reports_the_bound():
     assert [s for s, _ in tiny["evaluated"]] == [2, 1] and tiny["bound"] == "low"
 
 
+def test_search_halves_the_bracket_until_a_midpoint_is_within_tolerance():
+    # rule 29, on 1000 / S with target 1000 / 1420 = 0.70423: the grid brackets it with 1250 (0.8) and 1562 (0.640);
+    # midpoint 1406 (0.71124, above, 0.0070 away) replaces 1250; then 1484 (0.67385, 0.030 away) replaces 1562;
+    # then 1445 (0.69204, 0.012 away) replaces 1484; then 1426 (0.70126, 0.0030 away): within 0.005, stop
+    f, asked = counted(lambda s: 1000 / s)
+    found = search(f, 1000 / 1420, 1250, 1.25, 5, bisect=6, tolerance=0.005)
+    assert asked == [1250, 1562, 1406, 1484, 1445, 1426]
+    assert found["bracket"] == [1406, 1426] and found["chosen"] == 1426 and found["bound"] is None
+    # at most `bisect` halvings, then the nearer of the pair left; with tolerance 0.01 the first midpoint ends it
+    assert [s for s, _ in search(lambda s: 1000 / s, 1000 / 1420, 1250, 1.25, 5, 2)["evaluated"]] == \
+        [1250, 1562, 1406, 1484]
+    assert search(lambda s: 1000 / s, 1000 / 1420, 1250, 1.25, 5, 2)["chosen"] == 1406
+    assert [s for s, _ in search(lambda s: 1000 / s, 1000 / 1420, 1250, 1.25, 5, 5, 0.01)["evaluated"]][2:] == [1406]
+    # adjacent step counts cannot be halved; a bound is never halved
+    assert search(lambda s: 1000 / s, 1000 / 2.5, 2, 1.5, 5, bisect=3)["bracket"] == [2, 3]
+    assert search(lambda s: 1000 / s, 0.2, 1250, 1.25, 5, bisect=3)["evaluated"][-1][0] == 3052
+
+
 def test_search_a_diverged_mean_counts_as_above_the_target():
     found = search(lambda s: float("inf") if s < 1500 else 1000 / s, 0.7, 1250, 1.25, 5)
     assert found["bracket"] == [1250, 1562] and found["chosen"] == 1562

@@ -8,8 +8,10 @@ run (LR still high), Pre-LN near its end (annealed). Here each arm is read at th
   - the tested arm (`arm`) runs warm-up then cosine over S steps, S on the grid round(search_start *
     search_factor**k), k any integer (`search`): S = search_start first, on `search_seeds` (never reported); while the
     mean final loss m(S) is above T the next larger S, else the next smaller, until two adjacent evaluated values
-    bracket T (one above, one at or below) or `search_max` values were run (the last is then a bound); the chosen S
-    is the evaluated value of the pair (or the bound) with m(S) nearest T;
+    bracket T (one above, one at or below) or `search_max` values were run (the last is then a bound); then (rule 29,
+    `bisect` > 0) the bracket is halved up to `bisect` times, its midpoint run on the search seeds and put in place of
+    the end on its side of T, stopping once a midpoint's m(S) is within `bisect_tolerance` of T; the chosen S is the
+    value of the final pair (or the bound) with m(S) nearest T;
   - `arm` at the chosen S on every seed of `seeds`. Per seed, d_score = final score(arm) - final score(reference),
     d_loss likewise; paired two-sided t-tests (keel.experiments.stats), Holm over the two (`judge`).
 The score is downstream's: the mean accuracy over `run.eval_tasks` at the last evaluation (keel.experiments.downstream
@@ -58,6 +60,8 @@ class DownstreamEndConfig(DownstreamConfig):
     search_factor: float = 1.25  # between adjacent step counts of the search's grid
     search_max: int = 5  # most step counts the search runs
     loss_tolerance: float = 0.02  # nats: a larger mean final-loss gap makes the comparison inconclusive
+    bisect: int = 0  # rule 29: times the bracket is halved after it is found (0: rule 24, the grid's pair)
+    bisect_tolerance: float = 0.01  # nats: a midpoint this near the target ends the halving
 
     PER_POINT: ClassVar[dict[str, str]] = ExperimentConfig.PER_POINT | {
         "model.scheme": "arm and reference", "model.n_blocks": "arm and reference"}
@@ -99,6 +103,8 @@ def check(cfg: DownstreamEndConfig) -> None:
             raise ConfigError(f"lrs: no LR for {arm} ({name})")
     if not cfg.run.eval_tasks:
         raise ConfigError("run.eval_tasks: downstream-end scores tasks; name at least one (e.g. [brackets,indent])")
+    if cfg.bisect < 0 or not cfg.bisect_tolerance >= 0:
+        raise ConfigError(f"bisect >= 0 and bisect_tolerance >= 0, got {cfg.bisect} and {cfg.bisect_tolerance}")
     if cfg.search_start < 1 or cfg.search_factor <= 1 or cfg.search_max < 1:
         raise ConfigError("search_start >= 1, search_factor > 1 and search_max >= 1, got "
                           f"{cfg.search_start}, {cfg.search_factor} and {cfg.search_max}")
@@ -133,14 +139,16 @@ def reference_points(cfg: DownstreamEndConfig) -> dict[str, dict]:
 
 # ---- the search ----------------------------------------------------------------------------------------
 
-def search(mean_loss: Callable[[int], float], target: float, start: int, factor: float, max_steps: int) -> dict:
+def search(mean_loss: Callable[[int], float], target: float, start: int, factor: float, max_steps: int,
+           bisect: int = 0, tolerance: float = 0.0) -> dict:
     """The step count whose mean final loss is nearest `target`, on the grid round(start * factor**k).
 
     Runs `mean_loss(start)`, then walks the grid up while the loss is above the target and down while it is at or
     below, until the last two values bracket the target or `max_steps` values were run (or the grid falls below
-    1 step): then the last value is a bound ("high": more steps than tried are needed; "low": fewer). Returns
-    {"evaluated": [[steps, loss], ...] in the order run, "bracket": [above, at or below] or None, "bound", "chosen"}.
-    A loss that is not finite counts as above the target."""
+    1 step): then the last value is a bound ("high": more steps than tried are needed; "low": fewer). A bracket is
+    then halved up to `bisect` times (`_halve`). Returns {"evaluated": [[steps, loss], ...] in the order run,
+    "bracket": [above, at or below] or None, "bound", "chosen"}. A loss that is not finite counts as above the
+    target."""
     evaluated, k, direction = [], 0, 0
     steps = start
     while True:
@@ -149,6 +157,7 @@ def search(mean_loss: Callable[[int], float], target: float, start: int, factor:
         above = not loss <= target  # NaN is above
         if direction and above != (direction > 0):  # crossed: the last two bracket the target
             hi, lo = evaluated[-2:] if direction > 0 else evaluated[:-3:-1]
+            hi, lo = _halve(mean_loss, target, hi, lo, evaluated, bisect, tolerance)
             chosen = min((lo, hi), key=lambda e: _gap(e[1], target))[0]  # a tie goes to the one at or below
             return {"evaluated": evaluated, "bracket": [hi[0], lo[0]], "bound": None, "chosen": chosen}
         direction = direction or (1 if above else -1)
@@ -160,6 +169,26 @@ def search(mean_loss: Callable[[int], float], target: float, start: int, factor:
             return {"evaluated": evaluated, "bracket": None, "bound": "high" if direction > 0 else "low",
                     "chosen": steps}
         steps = nxt
+
+
+def _halve(mean_loss: Callable[[int], float], target: float, hi: list, lo: list, evaluated: list, times: int,
+           tolerance: float) -> tuple[list, list]:
+    """Bisect the bracket ([steps, loss] above the target, [steps, loss] at or below it) up to `times` times: run the
+    midpoint (in steps, rounded), append it to `evaluated` and put it in place of the end on its side, until a
+    midpoint is within `tolerance` of the target or the ends are adjacent step counts. The final pair."""
+    for _ in range(times):
+        mid = round((hi[0] + lo[0]) / 2)
+        if mid in (hi[0], lo[0]):
+            break
+        point = [mid, mean_loss(mid)]
+        evaluated.append(point)
+        if not point[1] <= target:
+            hi = point
+        else:
+            lo = point
+        if _gap(point[1], target) <= tolerance:
+            break
+    return hi, lo
 
 
 def _gap(loss: float, target: float) -> float:
@@ -220,7 +249,7 @@ def run(cfg: DownstreamEndConfig, out: Path, command: str) -> dict:
         return [points[k] for k in jobs]
 
     found = search(lambda steps: mean_final_loss(arm_at(steps, cfg.search_seeds, f"downstream-end search {steps}")),
-                   target, cfg.search_start, cfg.search_factor, cfg.search_max)
+                   target, cfg.search_start, cfg.search_factor, cfg.search_max, cfg.bisect, cfg.bisect_tolerance)
     runs = arm_at(found["chosen"], cfg.seeds, f"downstream-end {cfg.arm} at {found['chosen']} steps")
     per = {name: {"loss": [final(p, "loss") for p in rs], "score": [final(p, "score") for p in rs]}
            for name, rs in (("arm", runs), ("reference", ref_runs))}
@@ -256,12 +285,15 @@ def _tables(cfg: DownstreamEndConfig, res: dict) -> tuple[str, str]:
                   f"target ({'more' if found['bound'] == 'high' else 'fewer'} steps would be needed)")
     else:
         above, below = found["bracket"]
-        chosen = (f"**{found['chosen']} steps**: {above} and {below} steps bracket the target; the nearer of the two")
+        chosen = (f"**{found['chosen']} steps**: {above} and {below} steps bracket the target"
+                  f"{' after halving' if cfg.bisect else ''}; the nearer of the two")
+    halving = (f", then its bracket halved up to {cfg.bisect} times (rule 29), stopping at a midpoint within "
+               f"{cfg.bisect_tolerance:g} nats of T" if cfg.bisect else "")
     notes = (f"Target T = {target:.4f} nats: the mean final report loss of {cfg.reference} over seeds {cfg.seeds} "
              f"after its own {cfg.run.steps} steps ({res['reference_from']}). {cfg.arm} runs warm-up "
              f"{cfg.optim.warmup_steps} then cosine over S steps; S searched on the grid round({cfg.search_start} x "
-             f"{cfg.search_factor:g}^k) on seeds {cfg.search_seeds} (at most {cfg.search_max} values). Chosen: "
-             f"{chosen}.\n\n{arms}\n\nEach arm read at the end of its own schedule: report-half loss on "
+             f"{cfg.search_factor:g}^k) on seeds {cfg.search_seeds} (at most {cfg.search_max} values){halving}. "
+             f"Chosen: {chosen}.\n\n{arms}\n\nEach arm read at the end of its own schedule: report-half loss on "
              f"{cfg.run.eval_batches} fixed batches; score = mean accuracy over {', '.join(cfg.run.eval_tasks)} "
              f"({cfg.run.eval_tasks_items} items each). Paired two-sided t-tests over seeds {cfg.seeds}, Holm over "
              f"the two.\n\n{tests}\n\nVerdict on \"Keel scores higher downstream than Pre-LN at equal loss, each at "
