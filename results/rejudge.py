@@ -199,15 +199,19 @@ def sweep_tests(folder: str = "depth-sweep", rule: str = "rule 21", row: str = "
 
 
 def downstream_end_tests() -> list[Test]:
-    """Rule 24's two tests, once its report is written: Keel at the end of its searched schedule - Pre-LN at the end of
-    its own (downstream's committed runs, read again), final probe score and final report loss, per seed."""
-    if not (ROOT / "downstream-end" / "results.json").exists():
-        return []
-    final = results("downstream-end")["final"]
-    row, shared = "downstream at each arm's own end, rule 24", "downstream's Pre-LN at 64 (read, not re-run)"
-    return [Test("downstream-end", row, f"{what}, Keel at its own end - Pre-LN at its own, 64 sub-layers",
-                 final["arm"][key], final["reference"][key], "rule 24", shared)
-            for key, what in (("score", "final probe score"), ("loss", "final report loss"))]
+    """Rules 24 and 29's two tests each, once their report is written: Keel at the end of its searched schedule -
+    Pre-LN at the end of its own (downstream's committed runs, read again), final probe score and final report loss,
+    per seed. Rule 29 is rule 24 with its bracket halved (`downstream-end-bisect`), its own experiment."""
+    out = []
+    for folder, rule in (("downstream-end", "rule 24"), ("downstream-end-bisect", "rule 29")):
+        if not (ROOT / folder / "results.json").exists():
+            continue
+        final = results(folder)["final"]
+        row, shared = f"downstream at each arm's own end, {rule}", "downstream's Pre-LN at 64 (read, not re-run)"
+        out += [Test(folder, row, f"{what}, Keel at its own end - Pre-LN at its own, 64 sub-layers",
+                     final["arm"][key], final["reference"][key], rule, shared)
+                for key, what in (("score", "final probe score"), ("loss", "final report loss"))]
+    return out
 
 
 def tests() -> list[Test]:
