@@ -139,6 +139,49 @@ def test_two_processes_running_one_sweep_train_each_point_once(tmp_path):
     assert not list(tmp_path.glob("points/*.claim"))
 
 
+def test_a_sweep_stops_between_points_when_its_signal_was_swallowed_by_a_finaliser(tmp_path, capsys, monkeypatch):
+    """`keel experiment` killed just as a point finished: SIGTERM lands while Python frees that point's objects, in
+    a `__del__`, whose KeyboardInterrupt Python only prints. Seen on a real sweep, which then trained point after
+    point for an hour. The sweep must stop before its next point, with keel's one line and exit 130, the finished
+    point saved."""
+    import os
+    import signal
+
+    from keel import runtime
+    from keel.cli.support import INTERRUPTED_EXIT, run_interruptible
+
+    class Held:  # what a finished point leaves behind; freeing it is where the signal arrives
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # Python runs the handler at the next bytecodes: inside __del__
+                pass
+
+    ran = []
+
+    def job(name):
+        def run():
+            ran.append(name)
+            if name == "first":
+                Held()  # freed as run returns
+            return {"name": name}
+        return run
+
+    def work():
+        Sweep(tmp_path, _Cfg(), poll_seconds=0.01).run({k: job(k) for k in ("first", "second", "third")}, "sweep")
+        return 0
+
+    swallowed = []  # what Python could not raise (it prints these as "Exception ignored in ...")
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: swallowed.append(u.exc_type))
+    runtime.PENDING_SIGNALS.clear()
+    try:
+        assert run_interruptible(work) == INTERRUPTED_EXIT
+    finally:
+        runtime.PENDING_SIGNALS.clear()
+    assert swallowed == [KeyboardInterrupt] and capsys.readouterr().err == "keel: interrupted\n"
+    assert ran == ["first"] and (tmp_path / "points" / "first.json").exists()
+    assert not list(tmp_path.glob("points/*.claim"))
+
+
 @pytest.mark.slow  # compiles
 def test_each_point_compiles_from_an_empty_dynamo_cache_and_records_a_fallback(tmp_path):
     # one process runs many points: each new model's graphs would count against Dynamo's recompile limit, and

@@ -29,6 +29,15 @@ if TYPE_CHECKING:
 # command would then go on as if nothing had happened. The trainer stops at its first step boundary when one is here.
 PENDING_SIGNALS: list[int] = []
 
+
+def stop_if_signalled() -> None:
+    """Raise the KeyboardInterrupt of a signal whose own was swallowed (PENDING_SIGNALS), at a safe boundary: a
+    sweep between points, an experiment's training loop between steps. One lands in a `__del__` or a weakref
+    callback, which Python runs while it frees a finished point's model and only prints what they raise: a sweep
+    killed then went on training point after point for an hour."""
+    if PENDING_SIGNALS:
+        raise KeyboardInterrupt
+
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
 

@@ -30,6 +30,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from keel import runtime
 from keel.data import DataConfig, WindowSampler, prepare
 from keel.data import eval_batches as spaced_batches
 from keel.model import ModelConfig, TransformerLM, lm_loss
@@ -191,6 +192,7 @@ def train_curve(config: TrainConfig, eval_batches: int = 8, after_backward: Call
     sampler = WindowSampler(prepared.train, c.run.seq_len, c.run.batch_size, seed=c.run.seed)
     losses, lrs, stopped, start = [], [], None, time.time()
     for i in range(c.run.steps):
+        runtime.stop_if_signalled()
         result = step(lambda: on_device(sampler.next_batch(), device), lr_at(i, c.run.steps, c.optim))
         losses.append(result.loss)
         lrs.append(result.lr)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from keel import runtime
 from keel.errors import ConfigError
 
 # how a point is computed, not what it computes: a compiled and an eager point agree to float32 tolerance
@@ -88,6 +89,7 @@ class Sweep:
         while pending:
             elsewhere = {}  # points another process is running: read them when they are done
             for key, fn in pending.items():
+                runtime.stop_if_signalled()
                 path = self.out / "points" / f"{key}.json"
                 if not path.exists():
                     claim = self.out / "points" / f"{key}.claim"
