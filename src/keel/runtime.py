@@ -33,8 +33,8 @@ PENDING_SIGNALS: list[int] = []
 def stop_if_signalled() -> None:
     """Raise the KeyboardInterrupt of a signal whose own was swallowed (PENDING_SIGNALS), at a safe boundary: a
     sweep between points, an experiment's training loop between steps. One lands in a `__del__` or a weakref
-    callback, which Python runs while it frees a finished point's model and only prints what they raise: a sweep
-    killed then went on training point after point for an hour."""
+    callback, which Python runs while it frees a finished point's model and only prints what they raise (the likely
+    reason a sweep killed just after a point finished went on training for an hour)."""
     if PENDING_SIGNALS:
         raise KeyboardInterrupt
 
