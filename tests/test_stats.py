@@ -141,8 +141,8 @@ def test_two_processes_running_one_sweep_train_each_point_once(tmp_path):
 
 def test_a_sweep_stops_between_points_when_its_signal_was_swallowed_by_a_finaliser(tmp_path, capsys, monkeypatch):
     """`keel experiment` killed just as a point finished: SIGTERM lands while Python frees that point's objects, in
-    a `__del__`, whose KeyboardInterrupt Python only prints. Seen on a real sweep, which then trained point after
-    point for an hour. The sweep must stop before its next point, with keel's one line and exit 130, the finished
+    a `__del__`, whose KeyboardInterrupt Python only prints (the likely reason a real sweep trained on for an hour
+    after SIGTERM). The sweep must stop before its next point, with keel's one line and exit 130, the finished
     point saved."""
     import os
     import signal

@@ -38,6 +38,7 @@ def stop_if_signalled() -> None:
     if PENDING_SIGNALS:
         raise KeyboardInterrupt
 
+
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
 
