@@ -194,3 +194,26 @@ def test_the_readmes_layer_table_is_this_one():
         part, allowed = (cell.strip() for cell in line.strip("|").split("|"))
         rows[re.findall(r"`([^`]+)`", part)[0]] = set(re.findall(r"`([^`]+)`", allowed))
     assert rows == LAYERS
+
+
+def test_the_file_map_names_every_file_and_only_files_that_exist():
+    """docs/development.md's file map says "every file, one line each": every module under src/keel (a
+    sub-package's __init__ has its package's row) and every file under tests/ has a row, and every path a row's
+    first cell names exists (module paths relative to src/keel, the rest to the repository)."""
+    repo = SRC.parent.parent
+    section = (repo / "docs" / "development.md").read_text().split("## File map", 1)[1]
+    named = [name for line in section.splitlines() if line.startswith("| ")
+             for name in re.findall(r"`([^`]+)`", line.split("|")[1])]
+    assert named, "no rows found under '## File map'"
+
+    def exists(name: str) -> bool:
+        return (repo / name).exists() or (SRC / name).exists()
+
+    files = [f"src/keel/{p.relative_to(SRC).as_posix()}" for p in sorted(SRC.rglob("*.py"))
+             if not (p.name == "__init__.py" and p.parent != SRC)]
+    files += [p.relative_to(repo).as_posix() for p in sorted((repo / "tests").rglob("*"))
+              if p.is_file() and "__pycache__" not in p.parts]
+    listed = set(named) | {f"src/keel/{n}" for n in named}
+    assert [f for f in files if f not in listed] == [], "add a row to docs/development.md's file map"
+    assert [n for n in named if not exists(n)] == [], "the file map names a path that does not exist"
+    assert len(named) == len(set(named)), "a file has two rows"
