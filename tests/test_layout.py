@@ -156,6 +156,29 @@ def test_public_api_still_at_the_top():
     assert flops_per_token(config) > 0
 
 
+def test_every_preset_is_a_function_at_the_top():
+    """The README says a preset is `keel.preset(name)` "or the functions themselves": each is `keel.<name>`."""
+    assert {name: getattr(keel, name.replace("-", "_"), None) for name in keel.PRESETS} == keel.PRESETS
+    assert {name.replace("-", "_") for name in keel.PRESETS} <= set(keel.__all__)
+
+
+def test_the_readmes_map_names_every_module():
+    """README.md's map of src/keel/: each package's row names every module in it (bare or by path)."""
+    readme = (SRC.parent.parent / "README.md").read_text()
+    section = readme.split("## Map of `src/keel/`", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"`\w+/`", cells[0]):
+            rows[cells[0].strip("`/")] = {Path(n).stem for n in re.findall(r"`([^`]+)`", cells[2])}
+    assert rows, "no package rows found in README.md's map"
+    packages = {p.parent.name for p in SRC.glob("*/__init__.py")}
+    assert set(rows) == packages
+    missing = {f"{package}/{p.name}" for package in packages for p in (SRC / package).glob("*.py")
+               if p.name != "__init__.py" and p.stem not in rows[package]}
+    assert missing == set(), "name these modules in README.md's map of src/keel/"
+
+
 def test_the_paths_contributing_names_exist():
     repo = SRC.parent.parent
     named = re.findall(r"`((?:src|tests|\.ci)/[\w./-]+)`", (repo / "CONTRIBUTING.md").read_text())

@@ -18,7 +18,7 @@ from keel._version import __version__
 
 __all__ = [
     "ModelConfig", "TransformerLM", "SublayerInfo", "SCHEMES", "PRESETS", "preset", "tiny", "cpu_demo",
-    "paper_64", "paper_128", "paper_512", "paper_1024", "count_params", "flops_per_token", "__version__",
+    "paper_64", "paper_128", "paper_512", "paper_1024", "paper_2048", "count_params", "flops_per_token", "__version__",
 ]
 
 
