@@ -10,7 +10,11 @@ budget:
   - "tuned Keel" is the Keel arm (alpha = L or sqrtL) whose chosen LR has the lowest mean select-half loss: alpha
     is chosen on the select half exactly as the LR is;
   - every reported loss is on the whole report half (`run.eval_batches` covers all of its windows), at the chosen
-    LR, for every seed; verdicts are paired two-sided t-tests over the seeds (keel.experiments.stats).
+    LR, for every seed; verdicts are paired two-sided t-tests over the seeds (keel.experiments.stats),
+    Holm-adjusted over the rule's two (tuned Keel - Post-LN; Keel sqrtL - Keel L where both ran). Each Keel arm's
+    gap to Post-LN is reported as a mean, untested (a test there would join the verdicts' family);
+  - rule 26 grows the alpha grid to {1, 2, 4, sqrtL, 16, L}: its ends are bounds, and a tuned alpha at one is
+    reported as "bound at the low/high end".
 `grow` > 0 (rule 23): an arm's LR chosen at an edge of its grid is a bound, so the grid grows past that edge
 (keel.experiments.frontier.grow_grids) until the choice is interior or `grow` values were added on that side.
 """
@@ -39,6 +43,7 @@ from keel.experiments.common import (
 from keel.experiments.frontier import choose, grow_grids, key
 from keel.experiments.grid import Grid, grown_note
 from keel.experiments.sweep import Sweep
+from keel.model.schemes import resolve_alpha
 from keel.train.config import OptimConfig, RunConfig
 
 
@@ -99,18 +104,51 @@ def analyse(cfg: TunedConfig, points: dict, unigram: float, grids: dict[str, Gri
                 arms[a]["lr_grid"] = grown.describe()
         res = {"arms": arms}
         if keels:
+            alpha = {a: resolve_alpha(cfg.alphas.get(a, "L"), d) for a in keels}
             tuned = min(keels, key=lambda a: arms[a]["mean_select"])
             vs = stats.paired(arms[tuned]["report_losses"], arms[cfg.baseline]["report_losses"])
-            res |= {"tuned_keel": tuned, "tuned_vs_baseline": vs,
-                    "verdict": stats.verdict(vs, "Keel wins", f"{cfg.baseline} still wins"),
-                    "each_keel_vs_baseline": {a: stats.paired(arms[a]["report_losses"],
-                                                              arms[cfg.baseline]["report_losses"]) for a in keels}}
+            res |= {"tuned_keel": tuned, "tuned_vs_baseline": vs, "alphas": alpha,
+                    "alpha_bound": _alpha_bound(alpha, tuned),
+                    # each Keel arm's gap to the baseline: means only, no test (the rules give it no verdict, and
+                    # a test here would join the verdicts' Holm family)
+                    "each_keel_vs_baseline": {a: _mean_gap(arms[a]["report_losses"],
+                                                           arms[cfg.baseline]["report_losses"]) for a in keels}}
             if {"keel", "keel-sqrtL"} <= set(keels):
-                sq = stats.paired(arms["keel-sqrtL"]["report_losses"], arms["keel"]["report_losses"])
-                res |= {"sqrtL_vs_L": sq, "sqrtL_verdict": stats.verdict(sq, "agrees (sqrtL better)",
-                                                                         "disagrees (alpha = L better)")}
+                res["sqrtL_vs_L"] = stats.paired(arms["keel-sqrtL"]["report_losses"], arms["keel"]["report_losses"])
+            # the rules' verdicts (primary, and the secondary where both alphas ran): Holm over those two
+            tests = [vs] + ([res["sqrtL_vs_L"]] if "sqrtL_vs_L" in res else [])
+            for test, p in zip(tests, stats.holm([t["p"] for t in tests])):
+                test["holm"] = p
+            res["verdict"] = _verdict(vs, "Keel wins", f"{cfg.baseline} still wins")
+            if "sqrtL_vs_L" in res:
+                res["sqrtL_verdict"] = _verdict(res["sqrtL_vs_L"], "agrees (sqrtL better)",
+                                                "disagrees (alpha = L better)")
         out["depths"][d] = res
     return out
+
+
+def _verdict(test: dict, lower_is: str, higher_is: str) -> str:
+    """A verdict from the Holm-adjusted p over the rule's tests (rules 19, 23 and 26)."""
+    return stats.verdict(test | {"p": test["holm"]}, lower_is, higher_is)
+
+
+def _described(test: dict) -> str:
+    holm = test.get("holm")
+    return stats.describe(test) + (f"; Holm p={holm:.2g}" if holm is not None else "")
+
+
+def _alpha_bound(alpha: dict[str, float], tuned: str) -> str | None:
+    """Rule 26: the alpha grid's ends are bounds, not grown; a choice at one is reported as a bound."""
+    if len(set(alpha.values())) < 2:
+        return None
+    if alpha[tuned] == min(alpha.values()):
+        return "bound at the low end"
+    return "bound at the high end" if alpha[tuned] == max(alpha.values()) else None
+
+
+def _mean_gap(a: list[float], b: list[float]) -> dict:
+    diffs = [x - y for x, y in zip(a, b) if all(v is not None and math.isfinite(v) for v in (x, y))]
+    return {"n": len(diffs), "mean": float(np.mean(diffs)) if diffs else math.nan}
 
 
 def run(cfg: TunedConfig, out: Path, command: str) -> dict:
@@ -129,15 +167,18 @@ def run(cfg: TunedConfig, out: Path, command: str) -> dict:
                              for lr, v in arm["select_by_lr"].items())
             rows.append([d, a, f"{arm['lr']:g}", pm(arm["report_losses"]), grid])
         if "tuned_keel" in r:
-            vrows.append([d, f"tuned Keel ({r['tuned_keel']}) - {cfg.baseline}", stats.describe(r["tuned_vs_baseline"]),
-                          r["verdict"]])
-            vrows += [[d, f"{a} - {cfg.baseline}", stats.describe(t), "(reported)"]
-                      for a, t in r["each_keel_vs_baseline"].items()]
+            bound = f"; alpha {r['alphas'][r['tuned_keel']]:g}: {r['alpha_bound']}" if r["alpha_bound"] else ""
+            vrows.append([d, f"tuned Keel ({r['tuned_keel']}{bound}) - {cfg.baseline}",
+                          _described(r["tuned_vs_baseline"]), r["verdict"]])
             if "sqrtL_vs_L" in r:
-                vrows.append([d, "keel-sqrtL - keel", stats.describe(r["sqrtL_vs_L"]), r["sqrtL_verdict"]])
+                vrows.append([d, "keel-sqrtL - keel", _described(r["sqrtL_vs_L"]), r["sqrtL_verdict"]])
+            vrows += [[d, f"{a} (alpha {r['alphas'][a]:g}) - {cfg.baseline}",
+                       f"{t['mean']:+.3f} (n={t['n']}), mean of the paired differences", "reported, not tested"]
+                      for a, t in r["each_keel_vs_baseline"].items()]
     table = markdown_table(["sub-layers", "arm", "chosen LR", "report loss (mean ± SD over seeds)",
                             "select loss per LR"], rows)
-    verdicts = markdown_table(["sub-layers", "pair", "paired report-loss gap [95% CI], p", "verdict"], vrows)
+    verdicts = markdown_table(["sub-layers", "pair", "paired report-loss gap [95% CI], raw p; Holm p over the rule's "
+                               "tests", "verdict (Holm p < 0.05)"], vrows)
     notes = (f"Each run: {cfg.run.steps} steps x {cfg.run.batch_size}x{cfg.run.seq_len} = {tokens(cfg):,} tokens, "
              f"d={cfg.model.d_model}, warm-up {cfg.optim.warmup_steps} then cosine; arms {dict(cfg.arms)} with "
              f"alphas {dict(cfg.alphas)} (others alpha = L); every LR of {dict(cfg.lrs)} with every seed {cfg.seeds}; "
