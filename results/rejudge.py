@@ -171,6 +171,27 @@ def tuned_tests() -> list[Test]:
     ]
 
 
+def tuned_alpha_tests() -> list[Test]:
+    """Rule 26's two tests once its report is written: rule 19's claims on the grown alpha grid {1, 2, 4, sqrtL,
+    16, L}. Its family is those two (the rule's Holm); each alpha arm's gap to Post-LN is reported as a mean only,
+    untested, so it is no test here."""
+    if not (ROOT / "tuned-alpha" / "results.json").exists():
+        return []
+    r = results("tuned-alpha")["depths"]["64"]
+    arms_, tuned = r["arms"], r["tuned_keel"]
+    lr = {a: _sci(arm["lr"]) for a, arm in arms_.items()}
+    bound = f", {r['alpha_bound']}" if r.get("alpha_bound") else ""
+    row = "tuned over an alpha grid, rule 26"
+    return [
+        Test("tuned-alpha", row, f"tuned Keel (alpha = {r['alphas'][tuned]:g}{bound}, {lr[tuned]}) - Post-LN "
+             f"({lr['post_ln']}), 64 sub-layers, 5 seeds", arms_[tuned]["report_losses"],
+             arms_["post_ln"]["report_losses"], "rule 26 (primary)", "rule 19's Post-LN, L and sqrtL runs (copied)"),
+        Test("tuned-alpha", row, "Keel sqrtL - Keel L, each at its chosen LR (alpha grid grown)",
+             arms_["keel-sqrtL"]["report_losses"], arms_["keel"]["report_losses"], "rule 26 (secondary)",
+             "rule 19's runs (copied)"),
+    ]
+
+
 def pilot_tests() -> list[Test]:
     r = results("depth-pilot")["budgets"]
     return [Test("depth-pilot", "depth pilot, rule 20", f"Pre-LN 64 - 16 sub-layers, {b['tokens']:,} tokens",
@@ -304,7 +325,8 @@ def tests() -> list[Test]:
         Test("ablations", "ablations", "first_layer = none - v2", arm("ablations", "first_layernone"),
              arm("ablations", "keelalphaL-v2"), "rule 3", "as above"),
     ] + frontier_tests() + [paper_ratio(x, d) for d in (16, 64) for x in ("pre_ln", "post_ln")] \
-      + downstream_tests() + tuned_tests() + pilot_tests() + sweep_tests() + downstream_end_tests() \
+      + downstream_tests() + tuned_tests() + tuned_alpha_tests() + pilot_tests() + sweep_tests() \
+      + downstream_end_tests() \
       + sweep_tests("depth-long-tuned", "rule 25", "64 sub-layers at 1.02M tokens, tuned") + [
         Test("max-lr-64", "max LR, Table 1", "Keel - Pre-LN, 64 sub-layers, max LR", max_lr("max-lr-64", "keel", 64),
              max_lr("max-lr-64", "pre_ln", 64), "post-hoc: seeds 0 and 1 were committed and looked at before rule 11 "
