@@ -493,11 +493,13 @@ def test_the_gpu_window_driver_runs_its_parts_at_toy_size(tmp_path):
     its table is written, so a window on a lent GPU is not lost to a bug in the driver (one was, 2026-11-26)."""
     out = tmp_path / "window"
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "window.py"), str(out), "--toy",
-                          "--parts", "profile,presets,compare64", "--seconds", "400"],
+                          "--parts", "profile,bf16,presets,compare64", "--seconds", "400"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((out / "window.json").read_text())
-    assert result["status"] == {"profile": "done", "presets": "2 done", "compare64": "done"}
+    assert result["status"] == {"profile": "done", "bf16": "done", "presets": "2 done", "compare64": "done"}
+    assert [(r["preset"], r["weights"]) for r in result["presets"]] == [
+        ("paper-2048", "bfloat16"), ("paper-1024", "float32"), ("paper-2048", "float32")]
     assert set(result["profile"]["schemes"]) == {"keel", "pre_ln"}
     table = (out / "window.md").read_text()
     assert "## profile" in table and "Keel - Pre-LN ms" in table and "| paper-1024 |" in table

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import keel
 
@@ -47,6 +48,27 @@ def test_with_torch_imported_first_the_policy_is_left_alone_and_a_busy_machine_i
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the user's choice: no warning even when busy
     monkeypatch.setattr(os, "getloadavg", lambda: (5.5, 5.0, 4.0))
     assert keel._passive_openmp() is None
+
+
+def test_import_keel_lets_cudas_allocator_expand_segments_unless_the_user_chose_a_setting(monkeypatch):
+    """`import keel` sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True while CUDA has not started (the default
+    allocator stranded 14.5 GiB of an 80 GB H100 and paper-2048 with bf16 weights ran out of memory; with it, it
+    trained: benchmarks/gpu/h100-2026-11-26-b.md), and leaves either variable the user set alone."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    keel._expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    keel._expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    keel._expandable_segments()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # too late: the allocator has read its setting
+    keel._expandable_segments()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
 
 
 @pytest.mark.slow  # two Pythons that import torch; the in-process test above keeps the warning in the fast tier

@@ -14,7 +14,11 @@ boxes). This runs, in order of what issue 37 most needs measured, each time-boxe
 5. `profile`: one compiled step of each scheme at the `tokens` shape under torch.profiler, the kernels' time by
    category (matmul, attention, Inductor's reductions and pointwise kernels, optimizer, copies) and Keel - Pre-LN
    per category (`keel.bench.profile`), then each scheme's wall time per step split into forward, backward and the
-   rest (clip, optimizer): where Keel's remaining ~4% goes.
+   rest (clip, optimizer): where Keel's remaining ~4% goes;
+6. `bf16`: two steps of `paper-2048` with `run.weights=bfloat16` under the 79.6 GiB cap (what `keel train --preset
+   paper-2048 --dry-run` plans for an 80 GB H100: 72.6 GiB), its peak beside the plan's;
+7. `compare512`: Keel against Pre-LN at 512 sub-layers, batch 1 x 4096, checkpointing every block, compiled
+   default, then compiled with the junction in each block, then eager, while the box lasts.
 
     python benchmarks/gpu/window.py OUT [--toy] [--seconds 560] [--parts tokens,compare64,presets,tests]
 
@@ -43,14 +47,18 @@ GiB = 2**30
 H100_USABLE_GIB = 79.6  # what the memory plan takes as an 80 GB H100's (keel.train.plan)
 
 
-def preset_trial(name: str, device: torch.device, cap_gib: float | None, steps: int, toy: bool) -> dict:
-    """Two steps of a preset as configured (one micro-batch a step), its peak against the plan's."""
+def preset_trial(name: str, device: torch.device, cap_gib: float | None, steps: int, toy: bool,
+                 weights: str | None = None) -> dict:
+    """Two steps of a preset as configured (one micro-batch a step), its peak against the plan's; `weights`
+    overrides run.weights (bfloat16: the `bf16` part, paper-2048 under an 80 GB H100's cap, as `--dry-run` plans)."""
     config = train_preset(name)
     if toy:
         config = replace(config, model=replace(config.model, d_model=32, n_heads=2, n_kv_heads=1, d_ffn=96,
                                                vocab_size=256, max_seq_len=16, n_blocks=4),
                          optim=replace(config.optim, state="float32"))
     run = replace(config.run, grad_accum=1, seq_len=config.model.max_seq_len, device=str(device))
+    if weights:
+        run = replace(run, weights=weights, dtype="bfloat16" if device.type == "cpu" else run.dtype)
     config = replace(config, run=run)
     plan = memory_plan(config, device=device)
     row = {"preset": name, "cap_GiB": cap_gib, "optim_state": config.optim.state, "weights": run.weights,
@@ -87,15 +95,15 @@ def preset_trial(name: str, device: torch.device, cap_gib: float | None, steps: 
 def markdown(result: dict) -> str:
     lines = [f"# GPU window ({result['device']}, torch {torch.__version__})", "",
              "Status: " + ", ".join(f"{k} {v}" for k, v in result["status"].items()), ""]
-    for name in ("tokens", "compare64", "warmup", "tests"):
+    for name in ("tokens", "compare64", "compare512", "warmup", "tests"):
         if name in result:
             lines += [f"## {name}", "", gpu_markdown(result[name]), ""]
     if result.get("presets"):
-        lines += ["## presets", "", "| preset | cap (GiB) | state | trains | peak (GiB) | plan (GiB) | measured/plan |"
-                  " step times (s) |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["## presets", "", "| preset | cap (GiB) | state | weights | trains | peak (GiB) | plan (GiB) |"
+                  " measured/plan | step times (s) |", "|---|---|---|---|---|---|---|---|---|"]
         for r in result["presets"]:
             peak, steps = r.get("peak_memory_bytes"), ", ".join(f"{t:.2f}" for t in r.get("step_times_s", []))
-            lines.append(f"| {r['preset']} | {r['cap_GiB'] or 'none'} | {r['optim_state']} | "
+            lines.append(f"| {r['preset']} | {r['cap_GiB'] or 'none'} | {r['optim_state']} | {r['weights']} | "
                          f"{'yes' if r['trains'] else r.get('failed')} | {f'{peak / GiB:.1f}' if peak else '-'} | "
                          f"{r['plan_peak_bytes'] / GiB:.1f} | {r.get('measured_over_plan', float('nan')):.3f} | "
                          f"{steps} |")
@@ -110,8 +118,8 @@ def main() -> None:
     p.add_argument("--toy", action="store_true")
     p.add_argument("--seconds", type=float, default=560)
     p.add_argument("--parts", default="tokens,compare64,presets,tests",
-                   help="a subset of tokens,compare64,presets,tests,warmup,profile, run in the order given (warmup: "
-                        "compile warm-up from nothing, each scheme once in a fresh process)")
+                   help="a subset of tokens,compare64,compare512,presets,tests,warmup,profile,bf16, run in the "
+                        "order given (warmup: compile warm-up from nothing, each scheme once in a fresh process)")
     p.add_argument("--tests", default="tests", help="the test paths of the tests part")
     args = p.parse_args()
     start = time.monotonic()
@@ -146,14 +154,23 @@ def main() -> None:
         save()
 
     def presets():
-        result["presets"] = []
-        for name, cap in (("paper-1024", H100_USABLE_GIB), ("paper-2048", None)):
+        rows = result.setdefault("presets", [])  # the bf16 part's row, if it ran first, stays
+        for done, (name, cap) in enumerate((("paper-1024", H100_USABLE_GIB), ("paper-2048", None)), 1):
             if left() < 40:
                 result["status"]["presets"] = "no time left"
                 break
-            result["presets"].append(preset_trial(name, device, cap, steps=2, toy=args.toy))
-            result["status"]["presets"] = f"{len(result['presets'])} done"
+            rows.append(preset_trial(name, device, cap, steps=2, toy=args.toy))
+            result["status"]["presets"] = f"{done} done"
             save()
+
+    def bf16():  # run.weights=bfloat16 on a GPU: paper-2048 inside an 80 GB H100, as `keel train --dry-run` plans
+        if left() < 60:
+            result["status"]["bf16"] = "no time left"
+            return
+        row = preset_trial("paper-2048", device, H100_USABLE_GIB, steps=2, toy=args.toy, weights="bfloat16")
+        result.setdefault("presets", []).append(row)
+        result["status"]["bf16"] = "done" if row["trains"] else "did not train"
+        save()
 
     def profile():
         if left() < 60:
@@ -175,6 +192,10 @@ def main() -> None:
                                                        tokens_points=()), "compare", 170),
         "presets": presets,
         "profile": profile,
+        "compare512": lambda: part("compare512", replace(base, compare_sublayers=(), tokens_points=((512, 1),),
+                                                         tokens_variants=("compiled+composed", "compiled", "eager")),
+                                   "compare", 200),
+        "bf16": bf16,
         "warmup": lambda: part("warmup", replace(base, warmup_repeats=1), "warmup", 160),
         "tests": lambda: part("tests", replace(base, test_args=("-m", "gpu", *args.tests.split(","))), "tests", 130),
     }

@@ -9,6 +9,11 @@ policy: on a machine other jobs share, spinning threads made CPU work
 6 to 34 times slower on this project's 2-core machine at load 5-6. OpenMP reads the
 variable once, when torch loads, so with torch already imported it is left alone and, on a busy machine, a
 warning says so. OMP_WAIT_POLICY=active keeps spinning (9% faster on a machine that is yours alone).
+
+`import keel` before CUDA starts also sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless you chose an
+allocator setting (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF): on one H100 (2026-11-26), `paper-2048` with
+run.weights=bfloat16 ran out of memory in its second step under the default allocator (63.9 GiB in tensors, 14.5
+GiB reserved but free in fragments) and trained with expandable segments (peak 73.2 GiB; the plan's 72.6).
 """
 
 import os as _os
@@ -45,6 +50,20 @@ if (_note := _passive_openmp()) is not None:
     import warnings as _warnings
 
     _warnings.warn(_note, RuntimeWarning, stacklevel=2)
+
+
+def _expandable_segments() -> None:
+    """Let CUDA's caching allocator grow segments in place (PyTorch's expandable_segments) rather than leave freed
+    blocks stranded, while it can still take effect: CUDA not started, no allocator setting chosen."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in _os.environ or "PYTORCH_ALLOC_CONF" in _os.environ:
+        return
+    torch = _sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return
+    _os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
+_expandable_segments()
 
 
 def __getattr__(name: str):

@@ -29,6 +29,12 @@ def measured_runs(device: str | None = None) -> list[dict]:
     return [r for r in runs if device is None or r["device"] == device]
 
 
+def fitted_runs(device: str | None = None) -> list[dict]:
+    """The runs with step times to fit (a run with `"fitted": false` holds only points checked against the fit
+    of its device's newest fitted run before it, and other measured data)."""
+    return [r for r in measured_runs(device) if r.get("fitted", True)]
+
+
 def with_params(spec: DeviceSpec, values) -> DeviceSpec:
     matmul, memory, eager, compiled = values
     return replace(spec, matmul_eff=matmul, memory_eff=memory, launch_s={"eager": eager, "compiled": compiled})
@@ -108,7 +114,7 @@ def calibrated(device: str) -> DeviceSpec | None:
     """DEVICES[device] calibrated on its newest measured run, or None where none was measured. The fit (seconds of
     least squares) is read from FITS when stored there for that run (`python -m keel.bench.calibrate --store`
     writes it; tests/test_perf_model.py checks it is what `calibrate` gives), else fitted here."""
-    runs = measured_runs(device)
+    runs = fitted_runs(device)
     if not runs:
         return None
     stored = json.loads(FITS.read_text()).get(device) if FITS.is_file() else None
@@ -124,8 +130,8 @@ def calibrated(device: str) -> DeviceSpec | None:
 def fits_json() -> str:
     """FITS' contents: for each measured device, its newest run's fitted fields."""
     out = {}
-    for device in sorted({r["device"] for r in measured_runs()}):
-        spec = calibrate(measured_runs(device)[-1])[0]
+    for device in sorted({r["device"] for r in fitted_runs()}):
+        spec = calibrate(fitted_runs(device)[-1])[0]
         out[device] = {"calibrated": spec.calibrated, "matmul_eff": spec.matmul_eff, "memory_eff": spec.memory_eff,
                        "launch_eager": spec.launch_s["eager"], "launch_compiled": spec.launch_s["compiled"],
                        "fused_junction_bw": spec.fused_junction_bw}
@@ -177,15 +183,7 @@ def fit_markdown(run: dict) -> str:
         lines += ["", f"At a bound of the fit: {', '.join(at_bound)} (the points do not pin it; read it as a limit)."]
     if run.get("checked_points"):
         lines += ["", "Measured, not fitted, against the calibrated model (the compiled default: under AC Keel hands "
-                  "on its sum):", "", "| d | batch (AC) | variant | Keel measured [model] (ms) | error | "
-                  "Pre-LN measured [model] (ms) | error | Keel/Pre-LN measured [model] |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in checked(run, spec):
-            shape, ms, model, err = r["shape"], r["measured_ms"], r["predicted_ms"], r["error"]
-            lines.append(f"| {shape['d_model']} | {shape['batch_size']}{' (AC)' if shape['ac_every'] else ''} | "
-                         f"{r['variant']} | {ms['keel']:.1f} [{model['keel']:.1f}] | {err['keel']:+.1%} | "
-                         f"{ms['pre_ln']:.1f} [{model['pre_ln']:.1f}] | {err['pre_ln']:+.1%} | "
-                         f"{r['ratio'][0]:.3f} [{r['ratio'][1]:.3f}] |")
+                  "on its sum):", "", *_checked_table(run, spec)]
     if run.get("unfitted_step_time_ms"):
         unfitted = run["unfitted_step_time_ms"].items()
         lines += ["", "Measured but not fitted: " + "; ".join(
@@ -201,6 +199,31 @@ def fit_markdown(run: dict) -> str:
     lines += [f"| {p['matmul_eff']:.0%} | {p['max_error']:.1%} | {1e6 * p['spec'].launch_s['compiled']:.1f} | "
               f"{p['keel_mfu']:.1%} | {p['keel_over_pre_ln']:.3f} |" for p in profile(run)]
     return "\n".join(lines) + "\n"
+
+
+def _checked_table(run: dict, spec: DeviceSpec) -> list[str]:
+    lines = ["| d | sub-layers | batch (AC) | variant | Keel measured [model] (ms) | error | "
+             "Pre-LN measured [model] (ms) | error | Keel/Pre-LN measured [model] |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in checked(run, spec):
+        shape, ms, model, err = r["shape"], r["measured_ms"], r["predicted_ms"], r["error"]
+        lines.append(f"| {shape['d_model']} | {shape['n_sublayers']} | "
+                     f"{shape['batch_size']}{' (AC)' if shape['ac_every'] else ''} | "
+                     f"{r['variant']} | {ms['keel']:.1f} [{model['keel']:.1f}] | {err['keel']:+.1%} | "
+                     f"{ms['pre_ln']:.1f} [{model['pre_ln']:.1f}] | {err['pre_ln']:+.1%} | "
+                     f"{r['ratio'][0]:.3f} [{r['ratio'][1]:.3f}] |")
+    return lines
+
+
+def checked_markdown(run: dict) -> str:
+    """A run that is not fitted (`"fitted": false`): its points against the model calibrated on its device's newest
+    fitted run before it."""
+    runs = measured_runs(run["device"])
+    before = [r for r in runs[:runs.index(run)] if r.get("fitted", True)]
+    spec = calibrate(before[-1])[0]
+    return "\n".join([f"# {run['device']} ({run['date']}, {run['commit']}, {run['software']}): checked, not fitted",
+                      "", f"Measured step times against the model calibrated on {spec.calibrated} (a PREDICTION "
+                      f"for these points). {run.get('note', '')}", "", *_checked_table(run, spec)]) + "\n"
 
 
 def targets_markdown(spec: DeviceSpec, tokens_per_step: int = 32768, seq: int = 4096) -> str:
@@ -220,11 +243,10 @@ def targets_markdown(spec: DeviceSpec, tokens_per_step: int = 32768, seq: int = 
 
 def report() -> str:
     """benchmarks/gpu/calibrated.md: the fit on each measured run, and the calibrated targets of the newest."""
-    runs = measured_runs()
-    text = "\n".join(fit_markdown(r) for r in runs)
-    return (text + "\n" + targets_markdown(calibrate(runs[-1])[0]) + "\nGenerated by `python -m keel.bench.calibrate` "
-            "from src/keel/bench/measured_gpu.json; tests/test_gpu_path.py checks that this file is what the code "
-            "generates.\n")
+    text = "\n".join(fit_markdown(r) if r.get("fitted", True) else checked_markdown(r) for r in measured_runs())
+    return (text + "\n" + targets_markdown(calibrate(fitted_runs()[-1])[0])
+            + "\nGenerated by `python -m keel.bench.calibrate` from src/keel/bench/measured_gpu.json; "
+            "tests/test_gpu_path.py checks that this file is what the code generates.\n")
 
 
 if __name__ == "__main__":

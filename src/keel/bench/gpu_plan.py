@@ -23,7 +23,7 @@ measured them:
 from __future__ import annotations
 
 from keel.bench import GPU_PARTS
-from keel.bench.calibrate import calibrated, measured_runs
+from keel.bench.calibrate import calibrated, fitted_runs
 from keel.bench.gpu import VARIANTS, GpuSuite, compare_points
 from keel.bench.perf_model import modelled, predict
 from keel.model.config import with_scheme
@@ -34,7 +34,7 @@ SCHEMES = ("keel", "pre_ln")
 
 
 def _measured() -> dict:
-    return measured_runs("H100")[-1]
+    return fitted_runs("H100")[-1]
 
 
 def compile_allowance(seen: set, scheme: str, variant: str) -> float:
