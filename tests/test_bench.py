@@ -462,6 +462,13 @@ def test_profile_counts_device_kernels_once_on_cuda():
     assert sum(t["ms"] for t in times.values()) == 3.5
     host = kernel_times(SimpleNamespace(key_averages=lambda: events), cuda=False)
     assert host["matmul"] == {"ms": 0.04, "count": 2} and host["optimizer"]["ms"] == 0.03
+    events += [event("triton_red_fused_add_mul_rsqrt_sum_3", cuda, 200), event("triton_red_fused_add_mul_rsqrt_sum_17",
+                                                                                 cuda, 100)]
+    by_name = kernel_times(SimpleNamespace(key_averages=lambda: events), cuda=True, by="name")
+    assert by_name["triton_red_fused_add_mul_rsqrt_sum"] == {"ms": pytest.approx(0.3), "count": 4}  # numbers go
+    assert set(by_name) == {"nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN",
+                            "multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>",
+                            "triton_red_fused_add_mul_rsqrt_sum"}
 
 
 @pytest.mark.slow
@@ -483,8 +490,13 @@ def test_profile_counts_the_matmuls_a_dispatch_counter_counts_and_keels_extra_no
     keel, pre = r["schemes"]["keel"]["categories"], r["schemes"]["pre_ln"]["categories"]
     assert keel["matmul"]["count"] == pre["matmul"]["count"] == matmuls > 0
     assert keel["norm (eager)"]["count"] > pre["norm (eager)"]["count"]
+    for s in ("keel", "pre_ln"):  # the same time and kernels, sorted by name instead of by category
+        by_name, total = r["schemes"][s]["by_name"], r["schemes"][s]["total_ms"]
+        assert sum(t["ms"] for t in by_name.values()) == pytest.approx(total, rel=1e-9)
+        kinds = r["schemes"][s]["categories"].values()
+        assert sum(t["count"] for t in by_name.values()) == sum(t["count"] for t in kinds)
     table = profile_markdown(r)
-    assert all(f"| {c} |" in table for c in NAMES) and "Keel - Pre-LN" in table
+    assert all(f"| {c} |" in table for c in NAMES) and "Keel - Pre-LN" in table and "differs most" in table
 
 
 @pytest.mark.slow
@@ -493,11 +505,12 @@ def test_the_gpu_window_driver_runs_its_parts_at_toy_size(tmp_path):
     its table is written, so a window on a lent GPU is not lost to a bug in the driver (one was, 2026-11-26)."""
     out = tmp_path / "window"
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "window.py"), str(out), "--toy",
-                          "--parts", "profile,bf16,presets,compare64", "--seconds", "400"],
+                          "--parts", "profile,bf16,presets,compare64,tokens512", "--seconds", "400"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((out / "window.json").read_text())
-    assert result["status"] == {"profile": "done", "bf16": "done", "presets": "2 done", "compare64": "done"}
+    assert result["status"] == {"profile": "done", "bf16": "done", "presets": "2 done", "compare64": "done",
+                                "tokens512": "done"}
     assert [(r["preset"], r["weights"]) for r in result["presets"]] == [
         ("paper-2048", "bfloat16"), ("paper-1024", "float32"), ("paper-2048", "float32")]
     assert set(result["profile"]["schemes"]) == {"keel", "pre_ln"}

@@ -11,14 +11,16 @@ boxes). This runs, in order of what issue 37 most needs measured, each time-boxe
    memory, `torch.cuda.set_per_process_memory_fraction`) and of `paper-2048` on the whole card, each with its
    measured peak beside the memory plan's (issue 37.3/37.4), one gradient-accumulation micro-batch a step;
 4. `tests`: `pytest -m gpu` with each test's time (issue 37.9), in whatever time is left;
-5. `profile`: one compiled step of each scheme at the `tokens` shape under torch.profiler, the kernels' time by
+5. `profile`: two compiled steps of each scheme at the `tokens` shape under torch.profiler, the kernels' time by
    category (matmul, attention, Inductor's reductions and pointwise kernels, optimizer, copies) and Keel - Pre-LN
    per category (`keel.bench.profile`), then each scheme's wall time per step split into forward, backward and the
    rest (clip, optimizer): where Keel's remaining ~4% goes;
 6. `bf16`: two steps of `paper-2048` with `run.weights=bfloat16` under the 79.6 GiB cap (what `keel train --preset
    paper-2048 --dry-run` plans for an 80 GB H100: 72.6 GiB), its peak beside the plan's;
 7. `compare512`: Keel against Pre-LN at 512 sub-layers, batch 1 x 4096, checkpointing every block, compiled
-   default, then compiled with the junction in each block, then eager, while the box lasts.
+   default, then compiled with the junction in each block, then eager, while the box lasts;
+8. `tokens512`: the same at 4 x 4096 = 16,384 tokens a step (compiled default, then per block): is 512's batch-1
+   ratio (1.26 on 2026-11-26, against 1.05 at 64 sub-layers and 32k tokens) host time that more tokens hide?
 
     python benchmarks/gpu/window.py OUT [--toy] [--seconds 560] [--parts tokens,compare64,presets,tests]
 
@@ -95,7 +97,7 @@ def preset_trial(name: str, device: torch.device, cap_gib: float | None, steps: 
 def markdown(result: dict) -> str:
     lines = [f"# GPU window ({result['device']}, torch {torch.__version__})", "",
              "Status: " + ", ".join(f"{k} {v}" for k, v in result["status"].items()), ""]
-    for name in ("tokens", "compare64", "compare512", "warmup", "tests"):
+    for name in ("tokens", "compare64", "compare512", "tokens512", "warmup", "tests"):
         if name in result:
             lines += [f"## {name}", "", gpu_markdown(result[name]), ""]
     if result.get("presets"):
@@ -118,8 +120,9 @@ def main() -> None:
     p.add_argument("--toy", action="store_true")
     p.add_argument("--seconds", type=float, default=560)
     p.add_argument("--parts", default="tokens,compare64,presets,tests",
-                   help="a subset of tokens,compare64,compare512,presets,tests,warmup,profile,bf16, run in the "
-                        "order given (warmup: compile warm-up from nothing, each scheme once in a fresh process)")
+                   help="a subset of tokens,compare64,compare512,tokens512,presets,tests,warmup,profile,bf16, run "
+                        "in the order given (warmup: compile warm-up from nothing, each scheme once in a fresh "
+                        "process)")
     p.add_argument("--tests", default="tests", help="the test paths of the tests part")
     args = p.parse_args()
     start = time.monotonic()
@@ -185,6 +188,7 @@ def main() -> None:
             result["status"]["profile"] = f"failed: {type(err).__name__}: {err}"[:500]
         save()
 
+    deep = base.compare_sublayers[-1]  # 512 sub-layers (toy: its own deepest)
     runs = {  # in the order --parts names them
         "tokens": lambda: part("tokens", replace(base, compare_sublayers=(),
                                                  tokens_variants=("compiled+composed", "compiled")), "compare", 180),
@@ -192,9 +196,12 @@ def main() -> None:
                                                        tokens_points=()), "compare", 170),
         "presets": presets,
         "profile": profile,
-        "compare512": lambda: part("compare512", replace(base, compare_sublayers=(), tokens_points=((512, 1),),
+        "compare512": lambda: part("compare512", replace(base, compare_sublayers=(), tokens_points=((deep, 1),),
                                                          tokens_variants=("compiled+composed", "compiled", "eager")),
                                    "compare", 200),
+        "tokens512": lambda: part("tokens512", replace(base, compare_sublayers=(), tokens_points=((deep, 4),),
+                                                       tokens_variants=("compiled+composed", "compiled")),
+                                  "compare", 200),
         "bf16": bf16,
         "warmup": lambda: part("warmup", replace(base, warmup_repeats=1), "warmup", 160),
         "tests": lambda: part("tests", replace(base, test_args=("-m", "gpu", *args.tests.split(","))), "tests", 130),

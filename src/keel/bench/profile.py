@@ -5,7 +5,8 @@ performance model predicts 1.018, and Inductor's byte count on CPU 1.02-1.03: th
 kernels carry the rest. `profile_schemes` builds each scheme's model alone (the one before freed), runs its
 warm-up steps (compiles), then profiles `steps` training steps and sums the time of every kernel by category
 (`category`: matmul, attention, Inductor's reductions and pointwise kernels, the optimizer, copies, other), with
-kernel counts, so a window on a GPU prints Keel - Pre-LN per category. `phase_times` then splits further steps
+kernel counts, so a window on a GPU prints Keel - Pre-LN per category, and per kernel name (Inductor's names list
+the ops each kernel fuses: which work the extra kernels do). `phase_times` then splits further steps
 into forward, backward and the rest (clip and optimizer) by wall time, each phase ended by a device sync, so the
 same table says whether Keel's extra time is in its forward (the junction), its backward (two norms' gradients and
 the checkpointed recomputation) or its optimizer.
@@ -50,10 +51,17 @@ def category(name: str) -> str:
     return next((c for c, p in _COMPILED if p.search(name)), "other")
 
 
-def kernel_times(prof, cuda: bool) -> dict[str, dict[str, float]]:
-    """Per category: milliseconds (device kernels' own time on CUDA, operators' self time on the host otherwise)
-    and the number of kernels or operators, over everything `prof` recorded."""
-    out = {c: {"ms": 0.0, "count": 0} for c in NAMES}
+def kernel_name(name: str) -> str:
+    """A kernel's name without the number Inductor appends to tell kernels of one graph apart
+    (`triton_red_fused_add_mul_rsqrt_sum_7` -> `triton_red_fused_add_mul_rsqrt_sum`): what it fuses, so the same
+    work in Keel's graphs and Pre-LN's shares a name."""
+    return re.sub(r"_\d+$", "", name)
+
+
+def kernel_times(prof, cuda: bool, by: str = "category") -> dict[str, dict[str, float]]:
+    """Per category (`by="name"`: per `kernel_name`): milliseconds (device kernels' own time on CUDA, operators'
+    self time on the host otherwise) and the number of kernels or operators, over everything `prof` recorded."""
+    out = {c: {"ms": 0.0, "count": 0} for c in NAMES} if by == "category" else {}
     for e in prof.key_averages():
         if cuda:  # kernels only: not host operators, nor the annotations (Optimizer.step#AdamW.step) shown on the
             # device's timeline, which span kernels already counted (torch's own table skips them too)
@@ -64,7 +72,7 @@ def kernel_times(prof, cuda: bool) -> dict[str, dict[str, float]]:
             if e.device_type != torch.autograd.DeviceType.CPU or e.key.startswith(("ProfilerStep", "## ")):
                 continue
             us = e.self_cpu_time_total
-        row = out[category(e.key)]
+        row = out[category(e.key)] if by == "category" else out.setdefault(kernel_name(e.key), {"ms": 0.0, "count": 0})
         row["ms"] += us / 1e3
         row["count"] += e.count
     return out
@@ -135,7 +143,9 @@ def profile_scheme(config: ModelConfig, run: RunConfig, device: torch.device, st
                 bench.step()
     times = kernel_times(prof, cuda)
     per_step = {c: {"ms": t["ms"] / steps, "count": t["count"] / steps} for c, t in times.items()}
+    names = sorted(kernel_times(prof, cuda, by="name").items(), key=lambda kv: -kv[1]["ms"])
     result = {"categories": per_step, "total_ms": sum(t["ms"] for t in per_step.values()),
+              "by_name": {n: {"ms": t["ms"] / steps, "count": t["count"] / steps} for n, t in names},
               "step_time_ms": 1e3 * min(bench.times), "kernels": "device" if cuda else "host operators",
               "phases_ms": phase_times(bench, steps)}
     del bench, prof
@@ -154,8 +164,9 @@ def profile_schemes(config: ModelConfig, run: RunConfig, schemes: list[str], dev
                         for s in schemes}}
 
 
-def profile_markdown(result: dict) -> str:
-    """Per category, each scheme's milliseconds and count per step, and Keel - Pre-LN."""
+def profile_markdown(result: dict, top: int = 12) -> str:
+    """Per category, each scheme's milliseconds and count per step, and Keel - Pre-LN; then the `top` kernels by
+    name whose Keel - Pre-LN time is largest either way."""
     schemes = result["schemes"]
     names = list(schemes)
     pair = "keel" in schemes and "pre_ln" in schemes
@@ -195,4 +206,15 @@ def profile_markdown(result: dict) -> str:
                 ratio = f"{ms['keel'] / ms['pre_ln']:.3f}" if ms["pre_ln"] > 0 else "n/a"
                 row += f" | {ms['keel'] - ms['pre_ln']:+.2f} | {ratio}"
             lines.append(row + " |")
+    if pair and all("by_name" in schemes[s] for s in names):
+        k, p = schemes["keel"]["by_name"], schemes["pre_ln"]["by_name"]
+        zero = {"ms": 0.0, "count": 0}
+        diffs = sorted(set(k) | set(p), key=lambda n: -abs(k.get(n, zero)["ms"] - p.get(n, zero)["ms"]))[:top]
+        lines += ["", f"The {len(diffs)} kernels (by name, Inductor's number dropped: what each fuses) whose time "
+                  "differs most:", "", "| kernel | keel ms (kernels) | pre_ln ms (kernels) | Keel - Pre-LN ms |",
+                  "|---|---|---|---|"]
+        for n in diffs:
+            a, b = k.get(n, zero), p.get(n, zero)
+            lines.append(f"| `{n[:100]}` | {a['ms']:.2f} ({a['count']:.0f}) | {b['ms']:.2f} ({b['count']:.0f}) | "
+                         f"{a['ms'] - b['ms']:+.2f} |")
     return "\n".join(lines) + "\n"
