@@ -463,12 +463,15 @@ def test_profile_counts_device_kernels_once_on_cuda():
     host = kernel_times(SimpleNamespace(key_averages=lambda: events), cuda=False)
     assert host["matmul"] == {"ms": 0.04, "count": 2} and host["optimizer"]["ms"] == 0.03
     events += [event("triton_red_fused_add_mul_rsqrt_sum_3", cuda, 200), event("triton_red_fused_add_mul_rsqrt_sum_17",
-                                                                                 cuda, 100)]
+                                                                                 cuda, 100),
+               event("graph_1_cpp_fused_add_mean_mul_pow_rsqrt_3", cuda, 50),
+               event("graph_0_cpp_fused_add_mean_mul_pow_rsqrt", cuda, 50)]
     by_name = kernel_times(SimpleNamespace(key_averages=lambda: events), cuda=True, by="name")
     assert by_name["triton_red_fused_add_mul_rsqrt_sum"] == {"ms": pytest.approx(0.3), "count": 4}  # numbers go
     assert set(by_name) == {"nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN",
                             "multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>",
-                            "triton_red_fused_add_mul_rsqrt_sum"}
+                            "triton_red_fused_add_mul_rsqrt_sum", "cpp_fused_add_mean_mul_pow_rsqrt"}
+    assert by_name["cpp_fused_add_mean_mul_pow_rsqrt"] == {"ms": pytest.approx(0.1), "count": 4}  # graphs merged too
 
 
 @pytest.mark.slow

@@ -52,10 +52,11 @@ def category(name: str) -> str:
 
 
 def kernel_name(name: str) -> str:
-    """A kernel's name without the number Inductor appends to tell kernels of one graph apart
-    (`triton_red_fused_add_mul_rsqrt_sum_7` -> `triton_red_fused_add_mul_rsqrt_sum`): what it fuses, so the same
+    """A kernel's name without the numbers Inductor adds to tell kernels and graphs apart
+    (`triton_red_fused_add_mul_rsqrt_sum_7` -> `triton_red_fused_add_mul_rsqrt_sum`; on a CPU
+    `graph_1_cpp_fused_add_mean_mul_pow_rsqrt_3` -> `cpp_fused_add_mean_mul_pow_rsqrt`): what it fuses, so the same
     work in Keel's graphs and Pre-LN's shares a name."""
-    return re.sub(r"_\d+$", "", name)
+    return re.sub(r"_\d+$", "", re.sub(r"^graph_\d+_", "", name))
 
 
 def kernel_times(prof, cuda: bool, by: str = "category") -> dict[str, dict[str, float]]:
