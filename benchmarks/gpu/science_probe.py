@@ -19,13 +19,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import keel  # noqa: F401  (before torch: keel sets the thread and allocator environment first)
+
 
 def one(depth: int, scheme: str, steps: int, dtype: str, compile_: bool, device: str) -> dict:
     """Train the sweep's point for `steps` steps; the median step time after the first tenth (compile, warm-up)."""
-    from keel.experiments.common import point_config, train_curve  # keel before torch (its thread settings)
-    from keel.experiments.depth_sweep import DepthSweepConfig
-
     import torch
+
+    from keel.experiments.common import point_config, train_curve
+    from keel.experiments.depth_sweep import DepthSweepConfig
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
