@@ -22,13 +22,18 @@ from pathlib import Path
 import keel  # noqa: F401  (before torch: keel sets the thread and allocator environment first)
 
 
-def one(depth: int, scheme: str, steps: int, dtype: str, compile_: bool, device: str) -> dict:
-    """Train the sweep's point for `steps` steps; the median step time after the first tenth (compile, warm-up)."""
+def one(depth: int, scheme: str, steps: int, dtype: str, compile_: bool, device: str, mode: str = "") -> dict:
+    """Train the sweep's point for `steps` steps; the median step time after the first tenth (compile, warm-up).
+    `mode`: torch.compile's mode for each block's compile (e.g. reduce-overhead: CUDA graphs), patched in here only."""
+    import functools
+
     import torch
 
     from keel.experiments.common import point_config, train_curve
     from keel.experiments.depth_sweep import DepthSweepConfig
 
+    if mode:
+        torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile, mode=mode)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     cfg = DepthSweepConfig()
@@ -46,7 +51,7 @@ def one(depth: int, scheme: str, steps: int, dtype: str, compile_: bool, device:
     curve, _ = train_curve(config, eval_batches=1, on_step=on_step)
     total = time.perf_counter() - t0
     gaps = sorted(b - a for a, b in zip(stamps[steps // 10:], stamps[steps // 10 + 1:]))
-    return {"depth": depth, "scheme": scheme, "steps": steps, "dtype": dtype, "compile": compile_,
+    return {"depth": depth, "scheme": scheme, "steps": steps, "dtype": dtype, "compile": compile_, "mode": mode,
             "step_s": gaps[len(gaps) // 2], "first_step_s": stamps[0] - t0, "wall_s": total,
             "final_loss": float(curve.losses[-1]),
             "sweep_point_h": gaps[len(gaps) // 2] * sweep_steps / 3600}
@@ -58,12 +63,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--depths", default="128,256")
     p.add_argument("--parallel", type=int, default=4, help="processes sharing the GPU in the throughput part")
-    p.add_argument("--one", default="", help=argparse.SUPPRESS)  # depth,scheme,dtype,compile: one child, JSON out
+    p.add_argument("--specs", default="", help="instead of the default grid: depth,scheme,dtype,compile[,mode];...")
+    p.add_argument("--one", default="", help=argparse.SUPPRESS)  # one spec in a child process, JSON out
     a = p.parse_args()
     device = "cuda" if os.environ.get("KEEL_PROBE_DEVICE", "cuda") == "cuda" else "cpu"
     if a.one:
-        depth, scheme, dtype, comp = a.one.split(",")
-        print(json.dumps(one(int(depth), scheme, a.steps, dtype, comp == "1", device)), flush=True)
+        depth, scheme, dtype, comp, *mode = a.one.split(",")
+        print(json.dumps(one(int(depth), scheme, a.steps, dtype, comp == "1", device, *mode)), flush=True)
         return
     a.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -82,6 +88,10 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             (a.out / "science_probe.json").write_text(json.dumps(rows, indent=1))
 
+    if a.specs:
+        for spec in a.specs.split(";"):
+            collect([(spec, child(spec))], "alone")
+        return
     depths = [int(d) for d in a.depths.split(",")]
     for depth in depths:
         alone = [f"{depth},keel,float32,1", f"{depth},pre_ln,float32,1", f"{depth},keel,float32,0",
