@@ -81,7 +81,7 @@ def main() -> None:
     def collect(procs, label):
         for spec, pr in procs:
             out, _ = pr.communicate()
-            line = (out.strip().splitlines() or ["{}"])[-1]
+            line = (out.strip().splitlines() or [""])[-1]
             row = json.loads(line) if line.startswith("{") else {"spec": spec, "error": pr.returncode}
             row["setting"] = label
             rows.append(row)
