@@ -27,7 +27,7 @@ from keel.scale import distributed
 from keel.train import checkpoint, resume, tracking
 from keel.train.config import TrainConfig
 from keel.train.evaluate import bytes_per_token, evaluate
-from keel.train.guard import DivergenceGuard
+from keel.train.guard import Diverged, DivergenceGuard, handle_divergence
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.pipeline_step import PipelineStep
 from keel.train.plan import check_fits, memory_line
@@ -41,10 +41,6 @@ from keel.train.tracking import Trackers
 
 DIVERGED_EXIT = 3
 INTERRUPTED_EXIT = 130
-
-
-class Diverged(Exception):
-    pass
 
 
 class Trainer:
@@ -309,7 +305,7 @@ class Trainer:
                 result = self._step()
                 outcome["train_loss"] = result.loss
                 if result.diverged is not None:
-                    self.handle_divergence(result.diverged, result.loss, result.grad_norm, result.lr, first_draw)
+                    handle_divergence(self, result.diverged, result.loss, result.grad_norm, result.lr, first_draw)
                     continue
                 self.step += 1
                 boundary = self._boundary()
@@ -440,35 +436,3 @@ class Trainer:
         c = self.config
         return evaluate(self.model, self.data.val, c.run.seq_len, self.global_batch, c.run.eval_batches,
                         self.device, self.autocast, self.token_bytes, self.world, self.replica, self.replicas)
-
-    def handle_divergence(self, reason: str, loss: float, grad_norm: float, lr: float, first_draw: int) -> None:
-        """Stop (raise Diverged) or roll back to the last good checkpoint, skipping this step's batches."""
-        c, step = self.config.guard, self.step + 1
-        self.log({"step": self.step, "event": "divergence", "at_step": step, "reason": reason, "loss": loss,
-                  "grad_norm": grad_norm, "lr": lr})
-        if c.policy == "rollback" and self.rollbacks < c.max_rollbacks:
-            bad = set(range(first_draw, self.draws))
-            rollbacks, skip = self.rollbacks + 1, self.skip_draws | bad
-            lr_scale = self.lr_scale * c.rollback_lr_factor
-            # as a resume does: past a checkpoint that verifies but does not load (e.g. non-finite weights)
-            resume.load_newest(checkpoint.latest_valid(self.run_dir), self.load_checkpoint,
-                               lambda m: self.say(m, sys.stderr))
-            self.rollbacks, self.skip_draws, self.lr_scale = rollbacks, skip, lr_scale
-            if self.world.main:  # the steps after the checkpoint are done again: their records go
-                self.run_dir.truncate_log(self.step)
-            self.t_last, self.step_last = time.time(), self.step
-            self.log({"step": self.step, "event": "rollback", "reason": reason, "to_step": self.step,
-                      "skipped_draws": sorted(bad), "lr_scale": lr_scale})
-            self.say(f"keel: step {step}: {reason}; rolled back to step {self.step} "
-                     f"({rollbacks}/{c.max_rollbacks}), skipping its batches", file=sys.stderr)
-            return
-        if c.policy == "rollback":
-            reason = f"{reason} (after {self.rollbacks} rollbacks)"
-        good = checkpoint.list_checkpoints(self.run_dir)
-        if not self.world.main:
-            raise Diverged(f"diverged at step {step}: {reason}")
-        diagnostic = {"step": step, "reason": reason, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                      "recent_losses": list(self.guard.history)[-20:],
-                      "last_good_checkpoint": str(good[-1]) if good else None}
-        self.run_dir.write_diverged(diagnostic)
-        raise Diverged(f"diverged at step {step}: {reason}")
