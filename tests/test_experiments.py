@@ -344,6 +344,10 @@ def test_quick_experiment_writes_results_plots_and_report(name, corpus_cfg, tmp_
     points = results["results"]["points"]
     assert set(QUICK_POINTS[name]) <= set(points), sorted(set(QUICK_POINTS[name]) - set(points))
     assert set(points) == {p.stem for p in (out / "points").glob("*.json")} - {"config"}
+    for key, point in points.items():  # each is its point file less any per-step losses, which only the file has
+        saved = json.loads((out / "points" / f"{key}.json").read_text())
+        series = {"losses", "train_losses"} & set(saved)
+        assert point == {f: v for f, v in saved.items() if f not in series}, key
     if name == "depth":  # the second seed runs once per scheme and depth, at the LR the first one chose
         assert Counter(k.split("-lr")[0] for k in points if k.endswith("seed1")) == {
             f"{s}-{d}": 1 for s in _S3 for d in (2, 4)}

@@ -6,7 +6,8 @@ keel.train.step.TrainStep, exactly as `keel train` does (`point_config` is the T
 would run for it), on `run.device` with `run.dtype`, `run.compile`, `run.ac_every` and `run.grad_accum`, and
 under the same divergence guard. Each finished point is written to `<out>/points/<key>.json` (`Sweep`), so
 an interrupted sweep resumes by skipping finished points. `results.json` (every number, config, versions,
-machine), PNG plots and `report.md` are written at the end.
+machine; each point as its file without the per-step training losses), PNG plots and `report.md` are written at
+the end.
 
 Held-out data: keel.data has a train and a validation split only. Experiments cut the validation tokens in
 two disjoint halves by position (`splits`): the first half, "select", is where a learning rate (or any other
@@ -275,10 +276,17 @@ def smoke_test(on: bool = True):
         _SMOKE_TEST.reset(token)
 
 
+# a point's per-step training losses: kept in its points/<key>.json only, not copied into results.json
+STEP_SERIES = ("losses", "train_losses")
+
+
 def write_outputs(out: Path, name: str, config, command: str, results: dict, table: str, plots: list[str],
                   notes: str = "") -> None:
     """results.json (numbers + config + machine) and report.md (command, table, plots, notes; under
-    `smoke_test()` the banner first)."""
+    `smoke_test()` the banner first). results.json's `points` are the point files without their `STEP_SERIES`."""
+    if isinstance(results.get("points"), dict):
+        results = results | {"points": {k: {f: v for f, v in p.items() if f not in STEP_SERIES}
+                                        for k, p in results["points"].items()}}
     payload = {"experiment": name, "command": command, "config": asdict(config),
                "machine": machine(resolve_device(getattr(getattr(config, "run", None), "device", "cpu"))),
                "results": results,

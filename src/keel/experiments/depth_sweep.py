@@ -365,7 +365,7 @@ def write_report(cfg: DepthSweepConfig, out: Path, command: str, points: dict, r
              f"{cfg.marginal_seeds} added to both arms at their chosen hyper-parameters.\n\n{verdicts}\n\n"
              f"At this scale, in one minute ({status}; each depth's lowest mean report loss over seeds {cfg.seeds}, "
              f"its gap to every other scheme and the adjusted p of the test between them):\n\n{minute}")
-    results = {"points": {k: {f: v for f, v in p.items() if f != "losses"} for k, p in points.items()}, **res}
+    results = {"points": points, **res}
     tmp = Path(tempfile.mkdtemp(prefix=".report.tmp-", dir=out))
     try:
         write_outputs(tmp, "depth-sweep", cfg, command, results, table, [_plot(cfg, res, tmp)], notes)
