@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 
 from keel import TransformerLM
 from keel.cli import main
+from keel.cli.support import DIVERGED_EXIT
 from keel.train import checkpoint
 from keel.train.config import load_config
-from keel.train.trainer import DIVERGED_EXIT, Trainer
+from keel.train.trainer import Trainer
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:

@@ -83,8 +83,9 @@ def cmd_train(args) -> int:
     if args.print_config:
         print(to_yaml(config), end="")
         return 0
+    from keel.cli.support import DIVERGED_EXIT, INTERRUPTED_EXIT
     from keel.train.plan import plan, recipe_warnings
-    from keel.train.trainer import DIVERGED_EXIT, INTERRUPTED_EXIT, Trainer
+    from keel.train.trainer import Trainer
 
     if args.dry_run:
         from keel.bench.perf_report import time_lines  # noqa: PLC0415

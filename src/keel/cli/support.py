@@ -16,6 +16,7 @@ from pathlib import Path
 from keel import runtime
 from keel.errors import ConfigError
 
+DIVERGED_EXIT = 3  # `keel train`: the run diverged (diverged.json says where and why)
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, as shells report Ctrl-C
 BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE, as shells report a reader that went away
 PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")

@@ -39,9 +39,6 @@ from keel.train.task_eval import score_tasks
 from keel.train.telemetry import Telemetry
 from keel.train.tracking import Trackers
 
-DIVERGED_EXIT = 3
-INTERRUPTED_EXIT = 130
-
 
 class Trainer:
     """Trains `config` into a run directory: `run_dir` if given (a path or RunDir), the run being resumed
