@@ -11,6 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from scipy import stats as sps
 
@@ -87,6 +88,201 @@ def test_depth_pilot_arms_are_their_point_files_at_the_lr_chosen_over_all_seeds(
                      statistics.fmean(p["select_loss"] for p in pts) for g, pts in runs.items()}
             assert arm["lr"] == min(grid, key=means.get), (steps, depth)
             assert arm["report_losses"] == [p["report_loss"] for p in runs[arm["lr"]]], (steps, depth)
+
+
+SCHEME = {"Keel": "keel", "Pre-LN": "pre_ln", "Post-LN": "post_ln", "DeepNorm": "deepnorm"}
+
+
+def res(folder: str) -> dict:
+    return json.loads((RESULTS / folder / "results.json").read_text())
+
+
+def losses(folder: str, names: list[str], key: str = "report_loss") -> list[float]:
+    return [point(folder, name)[key] for name in names]
+
+
+def max_lr_from_points(folder: str, label: str, depth: int) -> list[float]:
+    """Per seed, the last LR evaluated before the step at which the experiment's verdict says the curve failed
+    (the point file's own schedule), or the schedule's peak where it never failed (a lower bound)."""
+    r = res(folder)
+    peak = r["config"]["peak"] if "peak" in r["config"] else r["config"]["optim"]["lr"]
+    out = []
+    for s in (0, 1, 2):
+        name = f"{label}-{depth}-seed{s}"
+        v, evals = r["results"]["verdicts"][name], point(folder, name)["evals"]
+        out.append(evals["lr"][evals["step"].index(v["at_step"]) - 1] if v["failed"] else peak)
+    return out
+
+
+def chosen_lr(folder: str, label: str, seeds: range) -> float:
+    """The LR of `label`'s points with the lowest mean select-half loss over `seeds` (a diverged seed: +inf)."""
+    grid = sorted({float(f.stem.split("-lr")[1].split("-")[0]) for f in (RESULTS / folder / "points").glob(
+        f"{label}-lr*-seed0.json")})
+    def mean(lr):
+        pts = [point(folder, f"{label}-lr{lr:g}-seed{s}") for s in seeds]
+        return math.inf if any(p["diverged"] for p in pts) else statistics.fmean(p["select_loss"] for p in pts)
+    return min(grid, key=mean)
+
+
+def score_at(losses_: list[float], scores: list[float], level: float) -> float:
+    """np.interp between the last evaluation above `level` and the first at or below it."""
+    k = next(i for i, x in enumerate(losses_) if x <= level)
+    return scores[0] if k == 0 else float(np.interp(level, [losses_[k], losses_[k - 1]], [scores[k], scores[k - 1]]))
+
+
+def downstream_inputs(what: str) -> tuple[list, list]:
+    r = res("downstream")["results"]
+    lrs = {a: arm["lr"] for a, arm in r["arms"].items()}
+    curves = {a: [point("downstream", f"{a}-lr{lr:g}-seed{s}")["curve"] for s in range(5)] for a, lr in lrs.items()}
+    names = {"deep Keel": "keel-32", "deep Pre-LN": "pre_ln-32", "wide Pre-LN": "wide-pre_ln"}
+    if m := re.match(r"probe score at equal loss \(l\* [\d.]+\), Keel - (\S+), (\d+) sub-layers", what):
+        pair = (f"keel-{m[2]}", f"{SCHEME[m[1]]}-{m[2]}")
+    elif m := re.match(r"probe score at equal loss, (.+) - (.+)", what):
+        pair = (names[m[1]], names[m[2]])
+    else:
+        m = re.match(r"final (report loss|probe score), (.+) - (.+)", what)
+        key = "loss" if m[1] == "report loss" else "score"
+        return tuple([c[key][-1] for c in curves[names[m[i]]]] for i in (2, 3))
+    level = max(c["loss"][-1] for a in pair for c in curves[a])
+    return tuple([score_at(c["loss"], c["score"], level) for c in curves[a]] for a in pair)
+
+
+def sweep_inputs(folder: str, what: str, seeds: list[int]) -> tuple[list, list]:
+    """A depth sweep's Keel - X at a depth, or the per-seed slope of Keel - Pre-LN over log2(sub-layers)."""
+    arms = res(folder)["results"]["arms"]
+
+    def report(scheme, depth, s):
+        a = arms[str(depth)][scheme]
+        return point(folder, f"{scheme}-{depth}-lr{a['lr']:g}-wu{a['warmup']}-seed{s}")["report_loss"]
+    if m := re.match(r"Keel - (\S+) at (\d+)$", what):
+        return [report("keel", m[2], s) for s in seeds], [report(SCHEME[m[1]], m[2], s) for s in seeds]
+    m = re.match(r"slope of Keel - Pre-LN per doubling of depth over \[([\d, ]+)\]", what)
+    depths = [int(d) for d in m[1].split(",")]
+    slopes = [float(np.polyfit(np.log2(depths), [report("keel", d, s) - report("pre_ln", d, s) for d in depths],
+                               1)[0]) for s in seeds]
+    return slopes, [0.0] * len(seeds)
+
+
+def rebuilt(t) -> tuple[list, list]:
+    """A rejudge test's two per-seed lists built again from the point files, by the row's own words."""
+    fam, what = t.family, t.what
+    seed3 = range(3)
+    if fam in ("max-lr", "max-lr-64", "max-lr-paper"):
+        if m := re.match(r"(\S+) without - with clipping, (\d+)", what):
+            a, b, depth = f"{SCHEME[m[1]]}-noclip", SCHEME[m[1]], int(m[2])
+        else:
+            m = re.match(r"(?:log max LR, )?(\S+) - (\S+), (\d+)", what)
+            a, b, depth = SCHEME[m[1]], SCHEME[m[2]], int(m[3])
+        out = [max_lr_from_points(fam, label, depth) for label in (a, b)]
+        return tuple([math.log(x) for x in xs] for xs in out) if fam == "max-lr-paper" else tuple(out)
+    if fam == "lr-sweep":
+        if m := re.match(r"Keel - Pre-LN at LR ([\d.e-]+), 32", what):
+            lr = float(m[1])
+            return tuple(losses("lr-sweep", [f"{x}-lr{lr:g}-seed{s}" for s in seed3]) for x in ("keel", "pre_ln"))
+        if m := re.match(r"Keel at ([\d.e-]+) - Keel at ([\d.e-]+)", what):
+            return tuple(losses("lr-sweep", [f"keel-lr{float(m[i]):g}-seed{s}" for s in seed3]) for i in (1, 2))
+        lrs = [chosen_lr("lr-sweep", x, seed3) for x in ("keel", "pre_ln")]  # the post-hoc row
+        assert what.endswith(f"(Keel {lrs[0]:g}, Pre-LN {lrs[1]:g})")
+        return tuple(losses("lr-sweep", [f"{x}-lr{lr:g}-seed{s}" for s in seed3]) for x, lr in zip(("keel", "pre_ln"),
+                                                                                                   lrs))
+    if fam == "redundancy":
+        def half(scheme, mode, which):
+            out = []
+            for s in seed3:
+                d = point("redundancy", f"{scheme}-seed{s}")["delta_loss"][mode]
+                part = d[2:len(d) // 2] if which == "lower" else d[len(d) // 2:]
+                out.append(sum(part) / len(part))
+            return out
+        mode = "branch" if "(branch only)" in what else "sublayer"
+        if m := re.match(r"(\S+) upper-half - lower-half", what):
+            return half(SCHEME[m[1]], mode, "upper"), half(SCHEME[m[1]], mode, "lower")
+        return half("keel", mode, "lower"), half("pre_ln", mode, "lower")
+    if fam.startswith("stream-precision"):
+        x = SCHEME[what.split()[0]]
+        return tuple(losses(fam, [f"{x}-{dt}-seed{s}" for s in seed3]) for dt in ("bfloat16", "float32"))
+    if fam == "downstream":
+        return downstream_inputs(what)
+    if fam == "tuned-alpha":
+        arms = res("tuned-alpha")["results"]["depths"]["64"]["arms"]
+        lr = {a: chosen_lr("tuned-alpha", f"{a}-64", range(5)) for a in arms}
+        report = {a: losses("tuned-alpha", [f"{a}-64-lr{lr[a]:g}-seed{s}" for s in range(5)]) for a in arms}
+        if what.startswith("tuned Keel"):
+            def mean_select(a):
+                return statistics.fmean(point("tuned-alpha", f"{a}-64-lr{lr[a]:g}-seed{s}")["select_loss"]
+                                        for s in range(5))
+            tuned = min((a for a in arms if a.startswith("keel")), key=mean_select)
+            return report[tuned], report["post_ln"]
+        return report["keel-sqrtL"], report["keel"]
+    if fam in ("depth-sweep", "depth-long-tuned"):
+        [spec] = [x for x in res(fam)["results"]["tests"] if x["what"] == what]
+        return sweep_inputs(fam, what, spec["seeds"])
+    if fam in ("downstream-end", "downstream-end-bisect"):
+        chosen, key = res(fam)["results"]["search"]["chosen"], "score" if "score" in what else "loss"
+        arm = [point(fam, f"keel-64-steps{chosen}-lr0.003-seed{s}")["curve"][key][-1] for s in range(5)]
+        return arm, [point("downstream", f"pre_ln-64-lr0.001-seed{s}")["curve"][key][-1] for s in range(5)]
+    return arm_inputs(fam, what)
+
+
+def arm(folder: str, label: str) -> list[float]:
+    """An arm's report losses from its point files, at the LR (and warm-up) its experiment chose, which the
+    tests above check against the rule."""
+    a = res(folder)["results"]["arms"][label]
+    wu = f"-wu{a['warmup']}" if "lr_grid_again" in a else ""
+    return losses(folder, [f"{label}-lr{a['lr']:g}{wu}-seed{s}" for s in range(len(a["report_losses"]))])
+
+
+def minus(a: list[float], b: list[float]) -> list[float]:
+    return [x - y for x, y in zip(a, b)]
+
+
+def arm_inputs(fam: str, what: str) -> tuple[list, list]:
+    """The families whose experiments choose their arms' LRs (checked above), by the row's words."""
+    if fam in ("depth", "depth-long", "depth-long-32"):
+        if m := re.match(r"\(Keel - Pre-LN at (\d+)\) - \(at (\d+)\)", what):
+            return tuple(minus(arm(fam, f"keel-{d}"), arm(fam, f"pre_ln-{d}")) for d in (m[1], m[2]))
+        if m := re.match(r"Keel at (\d+) - Keel at (\d+)", what):
+            return arm(fam, f"keel-{m[1]}"), arm(fam, f"keel-{m[2]}")
+        m = re.match(r"Keel - (\S+), (\d+)[ ,]", what)
+        return arm(fam, f"keel-{m[2]}"), arm(fam, f"{SCHEME[m[1]]}-{m[2]}")
+    if fam == "regime":
+        return arm(fam, "keel"), arm(fam, SCHEME[re.match(r"Keel - (\S+),", what)[1]])
+    if fam == "deep-vs-wide":
+        return arm(fam, "deep-keel"), arm(fam, f"{re.match(r'deep Keel - (deep|wide) Pre-LN', what)[1]}-pre_ln")
+    if fam == "ablations":
+        labels = {"alpha = sqrtL": "alphasqrtL", "alpha = 2": "alpha2", "first_layer = v1": "first_layerv1",
+                  "first_layer = none": "first_layernone"}
+        return arm(fam, labels[what.split(" - ")[0]]), arm(fam, "keelalphaL-v2")
+    if fam == "frontier":
+        if m := re.match(r"\(Keel - (\S+) at 1024\) - \(at 64\)", what):
+            return tuple(minus(arm(fam, f"keel-{d}"), arm(fam, f"{SCHEME[m[1]]}-{d}")) for d in (1024, 64))
+        m = re.match(r"Keel - (\S+) at (\d+) sub-layers", what)
+        return arm(fam, f"keel-{m[2]}"), arm(fam, f"{SCHEME[m[1]]}-{m[2]}")
+    if fam == "tuned":
+        arms = res(fam)["results"]["depths"]["64"]["arms"]
+        report = {a: losses(fam, [f"{a}-64-lr{arms[a]['lr']:g}-seed{s}" for s in range(5)]) for a in arms}
+        if m := re.match(r"tuned Keel \(alpha = (L|sqrtL),", what):
+            return report["keel" if m[1] == "L" else "keel-sqrtL"], report["post_ln"]
+        if what.startswith("Keel sqrtL - Keel L"):
+            return report["keel-sqrtL"], report["keel"]
+        assert what.startswith("Keel alpha = L (")
+        return report["keel"], report["post_ln"]
+    assert fam == "depth-pilot", fam
+    m = re.match(r"Pre-LN 64 - 16 sub-layers, ([\d,]+) tokens", what)
+    [(steps, budget)] = [(k, b) for k, b in res(fam)["results"]["budgets"].items()
+                         if b["tokens"] == int(m[1].replace(",", ""))]
+    return tuple(losses(fam, [f"{steps}-{d}-lr{budget['arms'][d]['lr']:g}-seed{s}" for s in range(3)])
+                 for d in ("64", "16"))
+
+
+def test_every_rejudge_input_is_rebuilt_from_the_point_files():
+    """Every test's two per-seed lists are built again from the point files by the row's own words: the LRs the
+    experiments chose (checked against their rules above) or the selection rebuilt here, then each seed's point."""
+    tests = rejudge().tests()
+    assert len(tests) > 80
+    for t in tests:
+        a, b = rebuilt(t)
+        same = [pytest.approx(x, rel=1e-12, abs=0) for x in (a, b)]  # no absolute slack: deltas are ~1e-3
+        assert [list(t.a), list(t.b)] == same, t.what
 
 
 def holm(ps: list[float]) -> list[float]:
