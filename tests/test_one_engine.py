@@ -70,18 +70,16 @@ def test_experiment_overrides_reach_the_engine(corpus, tmp_path, monkeypatch):
     config = point_config(replace(cfg, run=replace(cfg.run, steps=2)), cfg.point_model("keel", 4), 0, lr=1e-3,
                           warmup_steps=1)
     dtypes = []
-    _, model = train_curve(config, eval_batches=1)
-    assert seen == {"device": "cpu", "dtype": "bfloat16", "compile": False}
-    # bf16 autocast was on: the head's matmul ran in bf16 while the residual stream stayed float32
-    hooks = [model.lm_head.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype)),
-             model.blocks[0].register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))]
-    from keel.runtime import autocast_for
 
-    with autocast_for(torch.device("cpu"), "bfloat16")():
-        model(torch.zeros(1, 8, dtype=torch.long))
-    for h in hooks:
-        h.remove()
-    assert dtypes == [torch.float32, torch.bfloat16]
+    def watch(i, model, result):  # after step 0: record what the second training step's forward computes in
+        if i == 0:
+            model.blocks[0].register_forward_hook(lambda m, args, out: dtypes.append(("block", out.dtype)))
+            model.lm_head.register_forward_hook(lambda m, args, out: dtypes.append(("head", out.dtype)))
+    train_curve(config, eval_batches=1, on_step=watch)
+    assert seen == {"device": "cpu", "dtype": "bfloat16", "compile": False}
+    # the engine's own bf16 autocast was on in training: the head's matmul ran in bf16 while the residual stream
+    # stayed float32
+    assert dtypes[:2] == [("block", torch.float32), ("head", torch.bfloat16)]
     if not torch.cuda.is_available():  # run.device=cuda reaches the engine, which refuses it here
         with pytest.raises(ConfigError, match="run.device"):
             cuda = build("depth", True, ["run.device=cuda"])
