@@ -112,6 +112,7 @@ def test_select_and_report_halves_split_the_validation_tokens(corpus, tmp_path):
 
     val = prepared(data).val
     assert len(halves["select"]) + len(halves["report"]) == len(val)
+    assert abs(len(halves["select"]) - len(val) / 2) <= 1  # two halves, not any cut
     assert np.array_equal(np.concatenate([halves["select"], halves["report"]]), val)
 
 
@@ -179,8 +180,20 @@ def test_max_lr_ratio_verdict_rules():
     logs = [math.log(a["max_lr"] / b["max_lr"]) for a, b in zip(keel, pre)]
     assert r["ratio"] == pytest.approx(math.exp(sum(logs) / 3))
     assert ratio_verdict(pre, keel, 1.32)["verdict"] == "disagrees"
+    # the same values with one seed a bound: a bound that could have made the verdict leaves it inconclusive
+    bound = "inconclusive (a bound in the direction of the claim)"
+    pre_never_failed = pre[:2] + [v(7.4e-3, failed=False)]  # X's max LR a lower bound: X could be higher
+    keel_never_learned = keel[:2] + [v(0.95e-2, learned=False)]  # Keel's an upper bound: Keel could be lower
+    assert ratio_verdict(keel, pre_never_failed, 1.32)["verdict"] == bound
+    assert ratio_verdict(keel_never_learned, pre, 1.32)["verdict"] == bound
+    # ... and the reverse for "disagrees"; a bound against the verdict's direction leaves it standing
+    assert ratio_verdict(pre[:2] + [v(7.4e-3, failed=False)], keel, 1.32)["verdict"] == bound
+    assert ratio_verdict(pre, keel[:2] + [v(0.95e-2, learned=False)], 1.32)["verdict"] == bound
+    assert ratio_verdict(keel[:2] + [v(0.95e-2, failed=False)], pre, 1.32)["verdict"] == "agrees"
+    noisy = keel[:2] + [{**v(0.95e-2), "noise_sd": 0.2}]
+    assert ratio_verdict(noisy, pre, 1.32)["verdict"] == ("inconclusive (a curve noisier than the detector's "
+                                                        "tested range)")
     censored = [v(7.6e-3), v(8.0e-3), v(5e-2, failed=False)]  # a Pre-LN seed never failed: a lower bound
-    assert ratio_verdict(keel, censored[:2] + [v(7.4e-3)], 1.32)["verdict"] == "agrees"
     assert ratio_verdict([v(5e-2), v(5.5e-2), v(4.5e-2)], censored, 1.32)["verdict"].startswith("inconclusive")
     assert ratio_verdict(keel, [v(7.6e-3), v(1.1e-2), v(6e-3)], 1.32)["verdict"] == "inconclusive"
 
