@@ -202,9 +202,11 @@ def test_the_sweep_tunes_each_arm_by_the_rule_and_adds_seeds_to_marginal_tests(t
         for s, d in ds.test_arms(tid, t.get("depths", [])) if t["extended"] else []:
             a = arms[d][s]
             assert {key(s, d, a["lr"], a["warmup"], k) for k in (3, 4)} <= saved
+    # written out: Keel - Pre-LN at 16 and the slope (Keel and Pre-LN at 16 and 64) took seeds 3 and 4, no other test
+    assert {tid for tid, t in tests.items() if t["extended"]} == {"pre_ln@16", "slope"}
     extra = {k for k in saved if k.endswith(("seed3", "seed4"))}
-    assert extra == {key(s, d, arms[d][s]["lr"], arms[d][s]["warmup"], k) for tid, t in tests.items() if t["extended"]
-                     for s, d in ds.test_arms(tid, t.get("depths", [])) for k in (3, 4)}
+    assert extra == {key(s, d, lr, 100, k) for s, lr in (("keel", 0.0333333), ("pre_ln", 0.003)) for d in (16, 64)
+                     for k in (3, 4)}
 
     # a report after each depth: interim after the first, final after the last
     assert [(s, d) for s, d, _ in reports] == [("interim", [64]), ("final", [64, 16])]
