@@ -433,6 +433,14 @@ def test_every_raw_and_holm_p_quoted_in_results_readme_is_one_tests(tests_):
     assert len(pairs) > 20
     known = {(fmt(r["p"]), fmt(r["p_family"])) for r in tests_}
     assert [pair for pair in pairs if pair not in known] == []
+    # where the quote follows the difference it is about ("-0.399 (p=0.00069, Holm 0.0082)"), that difference is
+    # the mean of a test with those two p, to the digits written
+    quoted = re.findall(r"([+-]\d*\.\d+)(?: \[[^\]]*\])?,? \(?p=([0-9.e-]+)[,;] Holm ([0-9.e-]+)", text)
+    assert len(quoted) > 30
+    for mean, p, adjusted in quoted:
+        tolerance = 0.5 * 10 ** -len(mean.split(".")[1]) + 1e-12
+        assert any(abs(r["mean"] - float(mean)) <= tolerance for r in tests_
+                   if (fmt(r["p"]), fmt(r["p_family"])) == (p, adjusted)), (mean, p, adjusted)
 
 
 def test_the_one_minute_table_cites_the_rows_it_once_missed(tests_):
