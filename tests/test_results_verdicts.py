@@ -491,3 +491,14 @@ def test_a_reports_command_parses_and_merges_to_the_configuration_its_points_rec
             grown, had = recorded.get(field, defaults[field]), mine[field]
             assert set(had) <= set(grown) if isinstance(had, list) else had <= grown, field
     assert json.loads((RESULTS / folder / "results.json").read_text())["experiment"] == args.name
+
+
+def test_the_front_pages_when_to_use_table_is_results_one_minute_table():
+    """README.md copies results/README.md's one-minute table ("copied from results/README.md"): row for row, its
+    links one folder up, so every check above on results/README.md holds for the front page too."""
+    def table(text: str) -> str:
+        start = text.index("| if you ... |")
+        return text[start:text.index("\n\n", start)]
+    front = table((RESULTS.parent / "README.md").read_text())
+    assert front.replace("](results/", "](") == table((RESULTS / "README.md").read_text())
+    assert len(front.splitlines()) > 5
