@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -521,36 +520,29 @@ def test_the_gpu_window_driver_runs_its_parts_at_toy_size(tmp_path):
     assert "## profile" in table and "Keel - Pre-LN ms" in table and "| paper-1024 |" in table
 
 
-@pytest.mark.slow
-def test_phase_clock_puts_a_known_delay_in_the_phase_it_happens_in():
-    """keel.bench.profile.PhaseClock against delays of known length: a sleep inside the model's forward (a block's
-    forward hook) lands in "forward", one inside its backward (the block's backward hook) in "backward", and neither
-    in the other phases; afterwards the step has no clock hooks left and its own `after_backward` back."""
+def test_phase_clock_puts_a_known_delay_in_the_phase_it_happens_in(monkeypatch):
+    """keel.bench.profile.PhaseClock against delays of known length on a clock only they move: 300 ms inside the
+    model's forward (a block's forward hook) land in "forward", 500 ms inside its backward (the block's backward hook)
+    in "backward", none in "rest"; afterwards the step has no clock hooks left and its own `after_backward` back."""
+    import types
+
+    import keel.bench.profile as profile
     from keel.bench.core import Bench
     from keel.bench.gpu import GpuSuite
-    from keel.bench.profile import PhaseClock
 
+    now = [100.0]  # seconds; the model's own work takes no time on this clock
+    monkeypatch.setattr(profile, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     suite = GpuSuite.toy()
     bench = Bench(suite.model(4), replace(suite.run(), compile=False), device=torch.device("cpu"))
-    bench.step()
-    base = PhaseClock(bench).run(2)
     block = bench.model.blocks[0]
-    slow_forward = block.register_forward_hook(lambda *_: time.sleep(0.3))
-    slow_backward = block.register_full_backward_hook(lambda *_: time.sleep(0.5))
+    block.register_forward_hook(lambda *_: now.__setitem__(0, now[0] + 0.3))
+    block.register_full_backward_hook(lambda *_: now.__setitem__(0, now[0] + 0.5))
+
     def mine(model):
         return None
 
     bench.train_step.after_backward = mine
-    try:
-        delayed = PhaseClock(bench).run(2)
-    finally:
-        slow_forward.remove()
-        slow_backward.remove()
-    gained = {p: delayed[p] - base[p] for p in base}
-    # each step sleeps 300 ms in its forward and 500 in its backward: the phase holding a sleep lasts at least as
-    # long (compared with the delayed run itself: the undelayed run's few ms vary by more than the clock's error)
-    assert delayed["forward"] >= 300 and gained["forward"] < 500, (delayed, gained)
-    assert delayed["backward"] >= 500 and gained["backward"] < 700, (delayed, gained)
-    assert gained["rest"] < 200, gained
+    got = profile.PhaseClock(bench).run(2)
+    assert got == {"forward": pytest.approx(300.0), "backward": pytest.approx(500.0), "rest": 0.0}
     assert not bench.model._forward_hooks and not bench.model._forward_pre_hooks
     assert bench.train_step.after_backward is mine
