@@ -186,6 +186,38 @@ def test_rollback_reloads_the_last_good_checkpoint_and_skips_the_batch(args):
     assert math.isfinite(summary["final_train_loss"])
 
 
+def test_a_rollback_trains_on_at_the_cut_lr_past_the_bad_batch(args):
+    """Against an undisturbed run of the same config: after the rollback to step 5 every step's LR is the schedule's
+    times rollback_lr_factor, and the batches are the straight run's from draw 5 on, draw 8 (the NaN step's) left
+    out."""
+    def watched(trainer):
+        batches, draw = [], trainer.next_batch
+
+        def next_batch():
+            batch = draw()
+            batches.append(batch[0].flatten().tolist())
+            return batch
+        trainer.next_batch = next_batch
+        return batches
+
+    straight = trainer_for(args, "run.log_every=1", name="straight")
+    plain = watched(straight)
+    straight.run()
+    trainer = trainer_for(args, "run.log_every=1", "guard.policy=rollback", "guard.rollback_lr_factor=0.5",
+                          "run.ckpt_every=5", callbacks=[nan_at(8)])
+    seen = watched(trainer)
+    assert trainer.run()["rollbacks"] == 1
+    # steps 1-8, the NaN step's batch (draw 8), then steps 6-20 from the checkpoint: draws 5, 6, 7, 9, 10, ...
+    assert len(seen) == 8 + 1 + 15 and seen[:9] == plain[:9]
+    assert seen[9:12] == plain[5:8] and seen[12:23] == plain[9:20] and plain[8] not in seen[9:]
+    lrs = {}
+    for name, t in (("straight", straight), ("rolled", trainer)):
+        records = [json.loads(line) for line in (t.run_dir / "metrics.jsonl").read_text().splitlines()]
+        lrs[name] = {r["step"]: r["lr"] for r in records if "lr" in r and "event" not in r}
+    assert [lrs["rolled"][k] for k in range(1, 6)] == [lrs["straight"][k] for k in range(1, 6)]
+    assert [lrs["rolled"][k] for k in range(6, 21)] == pytest.approx([0.5 * lrs["straight"][k] for k in range(6, 21)])
+
+
 def test_rollback_gives_up_after_max_rollbacks(args):
     trainer = trainer_for(args, "guard.policy=rollback", "guard.max_rollbacks=2", "run.ckpt_every=5",
                           callbacks=[nan_at(8, times=99)])
