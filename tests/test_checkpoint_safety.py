@@ -131,16 +131,18 @@ def test_the_planted_pickle_does_run_when_unpickled(tmp_path):
 
 
 def test_the_manifest_names_the_format_and_only_it_decides(tmp_path, one_rank):
-    single, _ = single_run(tmp_path / "single", steps=(1,))
-    sharded, _ = sharded_run(tmp_path / "sharded", steps=(1,))
-    for run_dir, fmt in ((single, "safetensors"), (sharded, "dcp")):
+    single, saved_single = single_run(tmp_path / "single", steps=(1,))
+    sharded, saved_sharded = sharded_run(tmp_path / "sharded", steps=(1,))
+    for run_dir, fmt, saved in ((single, "safetensors", saved_single), (sharded, "dcp", saved_sharded)):
         path = ckpt(run_dir, 1)
         manifest = json.loads((path / "manifest.json").read_text())
         assert manifest["format"] == fmt and checkpoint.is_sharded(path) == (fmt == "dcp")
         del manifest["format"]  # as written before this field: inferred from the files listed
         (path / "manifest.json").write_text(json.dumps(manifest))
         assert checkpoint.is_sharded(path) == (fmt == "dcp") and checkpoint.verify(path) is None
-        checkpoint.load(path, small_model(0))
+        model = small_model(0)
+        checkpoint.load(path, model)
+        assert same_weights(model, saved[1]) and not same_weights(model, small_model(0)), fmt
 
 
 @pytest.mark.parametrize("old_manifest", [False, True], ids=["manifest", "manifest-without-format"])
