@@ -181,8 +181,13 @@ def test_gpu_suite_runs_end_to_end_at_toy_size(tmp_path):
     kernel = sections["kernel"]
     assert [r["width"] for r in kernel["rows"]] == list(suite.kernel_widths) and kernel["copy_GBps"] > 0
     for row in kernel["rows"]:
+        # float32 everywhere on a CPU: the forward reads x, f and writes y, u; the backward reads x, f, dy, du and
+        # writes dx, df (4 bytes each, per element of a rows x width tensor)
+        elements = suite.kernel_rows * row["width"]
+        assert (row["bytes_fwd"], row["bytes_fwd_bwd"]) == (4 * 4 * elements, (4 + 6) * 4 * elements)
         for impl in ("fused", "unfused", "compiled"):
-            assert row[impl]["fwd_GBps"] == pytest.approx(row["bytes_fwd"] / row[impl]["fwd_s"] / 1e9)
+            assert row[impl]["fwd_GBps"] == pytest.approx(16 * elements / row[impl]["fwd_s"] / 1e9)
+            assert row[impl]["fwd_bwd_GBps"] == pytest.approx(40 * elements / row[impl]["fwd_bwd_s"] / 1e9)
     # compile warm-up from nothing: each scheme in a process of its own, graphs counted there
     warm = sections["warmup"]
     assert warm["schemes"]["keel"]["graphs"] == 2 and warm["schemes"]["pre_ln"]["graphs"] == 1
