@@ -67,6 +67,23 @@ def test_matmul_flops_equal_torch_flop_counter():
     assert sum(o.flops for o in ops if o.kind == "matmul") == mm
 
 
+def test_a_step_on_a_flops_only_device_is_its_counted_flops_over_the_peaks():
+    """predict's step time, on a device with endless bandwidth and free launches, is torch's counted matmul FLOPs
+    over the matmul peak plus the attention FLOPs counted by hand over the attention peak, at the precision asked."""
+    cfg = ModelConfig(**TINY)
+    model, idx = TransformerLM(cfg), torch.randint(0, 64, (4, 32))
+    with FlopCounterMode(display=False) as counter:
+        _, loss = model(idx, targets=idx)
+        loss.backward()
+    mm = counter.get_flop_counts()["Global"][torch.ops.aten.mm]
+    attention = cfg.n_blocks * 4 * 4 * 32 * 32 * 64 / 2 * 3.5  # as test_attention_sublayer_matmul_flops_by_hand
+    dev = pm.DeviceSpec("flops-only", 4e12, 1e12, 1e30, 1.0, "test", matmul_eff=0.5, attention_eff=0.25,
+                        memory_eff=1.0, launch_s={"eager": 0.0, "compiled": 0.0})
+    for bf16, peak in ((True, 4e12), (False, 1e12)):
+        step = pm.predict(cfg, 4, 32, dev, "eager", bf16=bf16)["step_time_s"]
+        assert step == pytest.approx(mm / (0.5 * peak) + attention / (0.25 * peak), rel=1e-9), bf16
+
+
 def test_weight_casts_imply_the_built_models_linear_parameters():
     cfg = ModelConfig(**TINY)
     M = 4 * 32
