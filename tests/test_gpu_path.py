@@ -100,6 +100,17 @@ def test_a_time_boxed_cold_warmup_records_a_failed_measurement_and_saves_as_it_g
         cold_warmup(TINY, RUN, ["pre_ln"], processes=True)
 
 
+def test_cold_warmup_reports_the_median_of_its_fresh_processes(monkeypatch):
+    times = iter([1.0, 2.0, 9.0])  # median 2, mean 4
+
+    def first_steps(config, run, optim, device, options, cache, timeout):
+        return {"first_step_s": next(times), "second_step_s": 0.5, "graphs": 1, "recompiles": 0, "pid": 1}
+
+    monkeypatch.setattr(core, "_first_steps_in_process", first_steps)
+    got = cold_warmup(TINY, RUN, ["pre_ln"], repeats=3, processes=True)
+    assert got["pre_ln"]["each_first_step_s"] == [1.0, 2.0, 9.0] and got["pre_ln"]["first_step_s"] == 2.0
+
+
 def test_the_step_times_of_cold_warmup_come_from_the_clock(monkeypatch):
     ticks = iter([10.0, 15.0, 20.0, 22.0])  # a step reads the clock at its start and its end: 5 s, then 2 s
     monkeypatch.setattr(core, "clock", lambda: next(ticks))
