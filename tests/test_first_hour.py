@@ -212,34 +212,38 @@ def test_generated_text_reaches_the_terminal_without_control_bytes():
 
 
 # ---- interruption and wall time -----------------------------------------------------------------------------
-@pytest.mark.slow  # sleeps a second on purpose
-def test_resumed_run_counts_wall_time_of_all_segments(tmp_path, capsys):
-    """Segment one sleeps a second then is interrupted (as by Ctrl-C) at step 3; the resumed run's summary counts
-    that second too. Before: wall_seconds of the last segment only."""
+@pytest.mark.slow  # two tiny runs
+def test_resumed_run_counts_wall_time_of_all_segments(tmp_path, capsys, monkeypatch):
+    """On a clock only the callbacks move, segment one takes 100 s and is interrupted (as by Ctrl-C) at step 3, the
+    resumed segment 7 s: the resumed run's summary says 107 s. Before: wall_seconds of the last segment only."""
     import signal
-    import time
+    import types
+
+    import keel.train.trainer as trainer_module
+
+    now = [1000.0]
+    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(time=lambda: now[0]))
 
     def slow_then_stop(trainer, step):
         if step == 1:
-            time.sleep(1.0)
+            now[0] += 100.0
         if step == 3:  # as Ctrl-C: the trainer's handler only sets its flag
             os.kill(os.getpid(), signal.SIGINT)
 
     config = load_config(["run.steps=6", "run.eval_every=0", f"run.out_dir={tmp_path}", "run.name=w"], None, "tiny")
     first = Trainer(config, callbacks=[slow_then_stop]).run()
-    assert first["interrupted"] and first["wall_seconds"] >= 1.0
+    assert first["interrupted"] and first["wall_seconds"] == 100.0
     err = capsys.readouterr().err  # one line, said before the seconds the checkpoint takes
     assert err == ("keel: interrupted at step 4; saving its checkpoint; continue with: keel train "
                    f"resume={tmp_path / 'w'}\n")
     run = tmp_path / "w"
-    resumed_config = load_config([f"resume={run}"], None, "tiny")
     from keel.train.run_dir import RunDir
 
     resumed_config = RunDir.open(run).resume_config([f"resume={run}"])
-    trainer = Trainer(resumed_config)
+    trainer = Trainer(resumed_config, callbacks=[lambda trainer, step: now.__setitem__(0, now[0] + 7.0 * (step == 4))])
     second = trainer.run(RunDir.open(run).latest_checkpoint())
     assert not second["interrupted"] and second["steps"] == 6
-    assert second["wall_seconds"] >= first["wall_seconds"]
+    assert second["wall_seconds"] == 107.0
     assert json.loads((run / "summary.json").read_text())["wall_seconds"] == second["wall_seconds"]
 
 
