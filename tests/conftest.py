@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # before torch: `import keel` lets torch's idle OpenMP threads sleep (OMP_WAIT_POLICY=passive, inherited by the
@@ -112,9 +113,11 @@ def spawn():
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         context = mp.start_processes(worker, args=(port, *args), nprocs=nprocs, join=False, start_method="spawn")
-        try:
-            while not context.join(timeout=timeout):
-                pass
+        deadline = time.monotonic() + timeout
+        try:  # each join returns when some worker ends (raising if it failed): wait for all, up to the deadline
+            while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{worker.__name__}: workers still running after {timeout:g} s (killed)")
         finally:
             for p in context.processes:
                 if p.is_alive():
