@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel.model.transformer import lm_loss
-
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 ECOSYSTEM = ROOT / "docs" / "ecosystem.md"
@@ -128,8 +126,9 @@ def library_code() -> str:
 
 @pytest.mark.slow  # 30 steps of the README's model; the next test keeps the Python API in the fast tier
 def test_readme_library_example_trains_a_next_token_model():
-    """Its loss is the next-token loss (checked against an independent shift), and 30 AdamW steps of the
-    README's own call lower it as a next-token model's would: the copy task (targets=idx) falls to ~0.01."""
+    """Its loss is the next-token loss (the cross-entropy written out: minus the log-softmax at each next token),
+    and 30 AdamW steps of the README's own call on its one batch lower it (5.6 to 1.2 nats when measured), though a
+    next-token model cannot copy random tokens from its input."""
     torch.manual_seed(0)
     code = library_code()
     ns: dict = {}
@@ -139,9 +138,11 @@ def test_readme_library_example_trains_a_next_token_model():
     call = next(line.split("#")[0] for line in code.splitlines() if "loss = model(" in line)
     with torch.no_grad():
         logits, _ = model(idx[:, :-1])
-        expected = lm_loss(logits, idx[:, 1:])  # position t predicts token t + 1
-    assert torch.allclose(ns["loss"], expected, atol=1e-5), (ns["loss"], expected)
-    assert abs(ns["loss"].item() - math.log(ns["config"].vocab_size)) < 1.0  # starts near uniform
+        log_p = torch.log_softmax(logits.double(), dim=-1)  # position t predicts token t + 1
+        expected = -log_p.gather(-1, idx[:, 1:, None]).mean()
+    assert abs(ns["loss"].item() - expected.item()) < 1e-5, (ns["loss"], expected)
+    start = ns["loss"].item()
+    assert abs(start - math.log(ns["config"].vocab_size)) < 1.0  # starts near uniform
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(30):
@@ -150,7 +151,7 @@ def test_readme_library_example_trains_a_next_token_model():
         optimizer.step()
         optimizer.zero_grad()
     exec(call, ns)
-    assert ns["loss"].item() > 0.5  # random tokens' next token cannot be copied from the input
+    assert 0.5 < ns["loss"].item() < start - 2.0  # it learns the batch, but cannot copy the next token
 
 
 def test_readme_train_evaluate_generate_from_python(tmp_path, monkeypatch):
