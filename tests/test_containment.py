@@ -170,6 +170,14 @@ def test_the_walk_covers_every_entry(trained):
     assert set(ENTRIES) <= present  # a name that no run holds would walk nothing
 
 
+@pytest.mark.parametrize("command", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in COMMANDS])
+def test_every_command_succeeds_on_the_run_before_any_link(command, victim, canary, tmp_path, capsys):
+    """The control for the walk below: on the untouched copy every command does its job (exit 0), so an exit 2 there
+    is the command refusing the link, not a command that fails on any run."""
+    code, out, err = run_command(commands(victim, tmp_path)[command], canary, capsys)
+    assert code == 0, err
+
+
 def _walk(entry: str, command: str, victim: Path, canary: Path, tmp_path: Path, capsys) -> None:
     replace_by_link(victim, entry, canary)
     before = snapshot(canary)
