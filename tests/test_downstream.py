@@ -87,6 +87,7 @@ def test_equal_loss_comparisons_match_an_independent_recomputation(quick):
     report = (out / "report.md").read_text()
     points = res["points"]
     assert set(res["equal_loss"]) == {f"keel-{d} vs {o}-{d}" for d in (4, 8) for o in ("pre_ln", "post_ln")}
+    tested = 0
     for name, c in {**res["equal_loss"], **res["deep_vs_wide_equal_loss"]}.items():
         a, b = name.split(" vs ")
         runs = {arm: [points[f"{arm}-lr0.003-seed{s}"] for s in (0, 1)] for arm in (a, b)}
@@ -102,6 +103,7 @@ def test_equal_loss_comparisons_match_an_independent_recomputation(quick):
         diffs = np.subtract(at[a], at[b])
         assert c["test"]["mean"] == pytest.approx(diffs.mean())
         if np.ptp(diffs) > 0:
+            tested += 1
             p = scipy_stats.ttest_rel(at[a], at[b]).pvalue
             assert c["test"]["p"] == pytest.approx(p, rel=1e-6)
             assert f"p={p:.2g}" in report
@@ -109,6 +111,7 @@ def test_equal_loss_comparisons_match_an_independent_recomputation(quick):
             expected = ("inconclusive (both at chance)" if chance_moot else "inconclusive" if p >= 0.05
                         else "agrees (scores higher)" if diffs.mean() > 0 else "disagrees (scores lower)")
             assert c["verdict"] == expected
+    assert tested >= 2  # the p and verdict checks above ran, not only the means
     # rule 18 gives the deep-vs-wide equal-loss pairs no verdict: the report must not show one for them
     table = report[report.index("verdict (rule 18a) |"):].split("\n\n")[0]  # the equal-loss table only
     rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if " vs " in line}
@@ -133,8 +136,13 @@ def test_deep_vs_wide_rankings_match_scipy(quick):
             rank = 0 if p is None or p >= 0.05 else sign * int(np.sign(np.mean(np.subtract(xa, xb))))
             assert v[f"by_{what}"] == rank
         reversed_any |= v["by_loss"] * v["by_score"] == -1
-    if reversed_any:
-        assert res["deep_vs_wide"]["verdict"].startswith("agrees")
+    # rule 18 (b), written out: a reversed pair agrees; else every pair the loss separates ranked alike by the score
+    # disagrees; else inconclusive
+    separated = [v for v in pairs.values() if v["by_loss"] != 0]
+    expected = ("agrees (the rankings differ)" if reversed_any else
+                "disagrees (the probe ranking follows the loss ranking)"
+                if separated and all(v["by_score"] == v["by_loss"] for v in separated) else "inconclusive")
+    assert res["deep_vs_wide"]["verdict"] == expected
 
 
 @pytest.mark.slow
