@@ -126,6 +126,29 @@ def test_default_threads_are_physical_cores_within_the_affinity_mask(monkeypatch
     assert runtime.default_threads() == 1
 
 
+def test_physical_cores_count_hyper_threads_of_one_core_once(tmp_path, monkeypatch):
+    """On a made-up /sys topology: 4 CPUs, two hyper-threads on each of 2 cores -> 2; the same core id on two
+    packages is two cores; a CPU outside the affinity mask does not count; no topology -> one per usable CPU."""
+    def topology(cpus: dict[int, tuple[int, int]]) -> None:
+        for cpu, (package, core) in cpus.items():
+            where = tmp_path / f"sys/devices/system/cpu/cpu{cpu}/topology"
+            where.mkdir(parents=True, exist_ok=True)
+            (where / "physical_package_id").write_text(f"{package}\n")
+            (where / "core_id").write_text(f"{core}\n")
+    monkeypatch.setattr(runtime, "Path", lambda path: tmp_path / str(path).lstrip("/"))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    topology({0: (0, 0), 1: (0, 0), 2: (0, 1), 3: (0, 1)})
+    assert runtime.physical_cores() == 2
+    topology({2: (1, 0), 3: (1, 0)})  # cpus 2 and 3 on a second package, core id 0 there too
+    assert runtime.physical_cores() == 2
+    topology({2: (1, 0), 3: (1, 1)})
+    assert runtime.physical_cores() == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # taskset -c 0,1: one core's two threads
+    assert runtime.physical_cores() == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 7})  # cpu7 has no topology here
+    assert runtime.physical_cores() == 3
+
+
 def test_run_threads_is_applied_printed_and_recorded(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # restored after the test
     before = torch.get_num_threads()
