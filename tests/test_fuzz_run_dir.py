@@ -78,18 +78,19 @@ def time_limit(seconds: int):
 def keel(argv, capsys, seconds: int = 60) -> tuple[int, str, str]:
     """Exit code, stdout and stderr of `keel argv`; asserts the contract: 0 or 2, a 2 ends in one `keel: error:` line,
     no traceback. argparse's own errors (SystemExit) are one line."""
+    parsed = ""
     with time_limit(seconds):
         try:
             code = main([str(a) for a in argv])
         except SystemExit as exit:  # argparse: --help (0) or a usage error (2)
-            code = exit.code
-            err = capsys.readouterr().err
-            assert code == 0 or len(err.strip().splitlines()) == 1, err
+            code, parsed = exit.code, capsys.readouterr().err
+            assert code == 0 or len(parsed.strip().splitlines()) == 1, parsed
     out, err = capsys.readouterr()
+    err = parsed + err
     assert code in (0, 2), err
     assert "Traceback" not in err
-    if code == 2 and err.strip():
-        assert err.strip().splitlines()[-1].startswith("keel: error: "), err
+    if code == 2:  # never a silent refusal
+        assert err.strip() and err.strip().splitlines()[-1].startswith("keel: error: "), err
     return code, out, err
 
 
