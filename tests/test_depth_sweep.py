@@ -27,6 +27,26 @@ def test_the_warmup_grid_grows_through_the_rules_values_capped_at_the_run():
     assert inside.bound is None and inside.added == [3000]
 
 
+def test_an_arm_diverging_everywhere_grows_towards_the_cautious_side_lower_lrs_longer_warmups():
+    # every seed of Post-LN diverges at every (LR, warm-up): ties among +inf go to the lowest LR and the longest
+    # warm-up, so its LR grid grows down to its bound and its warm-up grid up (never to 30 or 10)
+    search, asked = ds.tune_arm(DepthSweepConfig(), "post_ln", lambda lr, w: math.inf), []
+    with pytest.raises(StopIteration) as done:
+        while True:
+            asked += next(search)
+    got = done.value.value
+    assert (got["lr"], got["warmup"]) == (0.000111111, 8000)
+    assert got["lr_grid"] == {"values": [0.000111111, 0.000333333, 0.001, 0.003, 0.01],
+                              "added": [0.000333333, 0.000111111], "bound": "low"}
+    assert got["warmup_grid"] == {"values": [100, 300, 1000, 3000, 8000], "added": [3000, 8000], "bound": "high"}
+    assert got["lr_grid_again"]["bound"] == "low"
+    assert sorted({w for _, w in asked}) == [100, 300, 1000, 3000, 8000]
+    # a finite score still beats +inf whichever way ties go; Keel's LR grid keeps ties at the low end
+    grid = LadderGrid([100.0, 300.0, 1000.0], 2, ties="high", below=[30, 10], above=[3000, 8000])
+    assert grid.choice(lambda w: 1.0 if w == 100 else math.inf) == 100
+    assert ds.Grid([1e-3, 3e-3, 1e-2]).choice(lambda v: math.inf) == 1e-3
+
+
 def test_marginal_is_a_raw_p_holm_lifts_or_an_adjusted_p_under_0_20():
     assert marginal(0.04, 0.06) and marginal(0.04, 0.5) and marginal(0.06, 0.19) and marginal(0.05, 0.05)
     assert not marginal(0.01, 0.04) and not marginal(0.06, 0.20) and not marginal(0.3, 0.9)
@@ -134,6 +154,35 @@ def test_an_extended_test_is_run_on_all_five_seeds():
     # the report losses of an arm stay those of seeds 0-2; the extra seeds are kept beside them
     assert res["arms"][16]["keel"]["report_losses"] == REPORT[("keel", 16)][:3]
     assert res["arms"][16]["keel"]["core_seconds"] == 50.0 and res["arms"][16]["deepnorm"]["core_seconds"] == 30.0
+
+
+def test_a_lead_that_shrinks_with_depth_is_named_and_the_report_reads_in_depth_order(tmp_path):
+    cfg = DepthSweepConfig()
+    points, tuned = synthetic([16, 64, 32])  # run in the rule's order
+    for seed, bump in enumerate((0.20, 0.21, 0.19, 0.20, 0.22)):  # Pre-LN at 64 now trails Keel by far less
+        points[key("pre_ln", 64, 3e-3, 100, seed)]["report_loss"] = REPORT[("keel", 64)][seed] + 0.05 * seed / 10
+        points[key("pre_ln", 16, 3e-3, 100, seed)]["report_loss"] = REPORT[("keel", 16)][seed] + bump
+    points[key("post_ln", 32, 3e-3, 100, 1)]["report_loss"] = 3.25  # within 0.1 nats of the unigram level (3.3)
+    res = analyse(cfg, points, tuned, {"post_ln@16"}, 3.3)
+    slope = next(t for t in res["tests"] if t["id"] == "slope")
+    assert slope["test"]["mean"] > 0 and slope["p_holm"] < 0.05
+    assert slope["verdict"] == "Keel worse (its lead over Pre-LN shrinks with depth)"
+    ds.write_report(cfg, tmp_path, "keel experiment depth-sweep", points, res)
+    report = (tmp_path / "report.md").read_text()
+    rows = [line.split(" | ")[0] for line in report.splitlines() if line.startswith(("| 16 |", "| 32 |", "| 64 |"))]
+    assert rows == ["| 16"] * 4 + ["| 32"] * 4 + ["| 64"] * 4 + ["| 16", "| 32", "| 64"]  # arms, then one-minute
+    verdicts = [line for line in report.splitlines() if line.startswith("| Keel - ") or line.startswith("| slope")]
+    assert [v.split(" | ")[0].rsplit(" ", 1)[-1] for v in verdicts] == ["16"] * 3 + ["32"] * 3 + ["64"] * 3 + ["64]"]
+    marked = [line for line in report.splitlines() if "of the unigram level" in line]
+    assert len(marked) == 1 and marked[0].startswith("| 32 | Post-LN |")
+    assert "; 1 of 5 seeds within 0.1 nats of the unigram level |" in marked[0]
+    # at 16 Post-LN has the lowest mean over seeds 0-2; its test against Keel ran on 5 seeds: the gap is over
+    # seeds 0-2 like the choice of winner, the 5-seed mean beside it
+    t = next(t for t in res["tests"] if t["id"] == "post_ln@16")
+    three = float(np.mean(REPORT[("post_ln", 16)][:3]) - np.mean(REPORT[("keel", 16)][:3]))
+    five = float(np.mean(REPORT[("post_ln", 16)]) - np.mean(REPORT[("keel", 16)]))
+    minute16 = next(line for line in report.splitlines() if line.startswith("| 16 | Post-LN ("))
+    assert f"| {three:+.3f} (Holm p={t['p_holm']:.2g}, n=5: {five:+.3f}) |" in minute16
 
 
 # ---- the whole logic on made-up losses ---------------------------------------------------------------------------

@@ -228,6 +228,20 @@ def test_a_claim_of_a_dead_process_is_taken_over_and_a_live_one_respected(tmp_pa
     assert not _claim(claim)
 
 
+@pytest.mark.skipif(not Path("/proc/uptime").exists(), reason="boot time from Linux's /proc")
+def test_a_claim_written_before_this_machine_booted_is_taken_over(tmp_path):
+    from keel.experiments import sweep
+
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    assert abs(sweep._boot_time() - (time.time() - uptime)) < 2  # /proc/stat's btime against /proc/uptime
+    claim = tmp_path / "p.claim"
+    claim.write_text(f"{socket.gethostname()} {os.getppid()}")  # a live pid: after a reboot, another process's
+    assert not _claim(claim)
+    before = sweep._boot_time() - 60
+    os.utime(claim, (before, before))
+    assert _claim(claim) and claim.read_text() == f"{socket.gethostname()} {os.getpid()}"
+
+
 def _race_claims(claim, root: str, rounds: int, barrier, won) -> None:
     """One racer: in each round wait for the others, then all try `claim` on the same path at once."""
     mine = []

@@ -46,6 +46,7 @@ from keel.experiments.grid import Grid, LadderGrid, Search, _finite, grid_note, 
 from keel.experiments.sweep import Sweep
 from keel.train.config import OptimConfig, RunConfig
 
+COLLAPSE_NATS = 0.1  # a report loss this close to the unigram level (or above it) is marked: max-lr's collapse margin
 REF, SLOPE_VS = "keel", "pre_ln"  # every test is Keel - X; the growth test is Keel's lead over Pre-LN
 NAMES = {"keel": "Keel", "pre_ln": "Pre-LN", "post_ln": "Post-LN", "deepnorm": "DeepNorm"}
 MARGINAL_BELOW = 0.20  # an adjusted p in [ALPHA, this) is marginal (so is a raw p < ALPHA that Holm lifts)
@@ -120,7 +121,7 @@ def tune_arm(cfg: DepthSweepConfig, scheme: str, score: Callable[[float, int], f
     if scheme != cfg.warmup_scheme:
         return tuned
     below, above = cfg.warmup_ladders()
-    wu_grid = LadderGrid([float(w) for w in cfg.warmups], cfg.max_extensions, below=below, above=above)
+    wu_grid = LadderGrid([float(w) for w in cfg.warmups], cfg.max_extensions, ties="high", below=below, above=above)
     warmup = int((yield from search_grid(wu_grid, lambda w: (lr, int(w)), score)))
     tuned |= {"warmup": warmup, "warmup_grid": wu_grid.describe(), "warmup_chosen_at_lr": lr}
     if warmup != base:  # one round of coordinate search: the LR again at the new warm-up, and that is final
@@ -237,12 +238,17 @@ def analyse(cfg: DepthSweepConfig, points: dict, tuned: dict[int, dict], extende
               "verdict": (f"{' and '.join(NAMES.get(s, s) for s in t['does_not_train'])} does not train (no t-test)"
                           if t["does_not_train"] else "inconclusive" if p_holm is None or p_holm >= stats.ALPHA
                           else "Keel better" if t["test"]["mean"] < 0 else "Keel worse")
-              + (" (its lead over Pre-LN grows with depth)" if t["id"] == "slope" and p_holm is not None
-                 and p_holm < stats.ALPHA and t["test"]["mean"] < 0 else "")}
+              + (_slope_reading(t["test"]["mean"]) if t["id"] == "slope" and p_holm is not None
+                 and p_holm < stats.ALPHA else "")}
     final = all(d in tuned for d in cfg.depths)
     return {"status": "final" if final else "interim", "depths_done": list(tuned), "unigram": unigram,
             "arms": arms, "tests": tests, "family_size": sum(t["p"] is not None for t in tests),
             "core_hours": sum(a["core_seconds"] for by in arms.values() for a in by.values()) / 3600}
+
+
+def _slope_reading(mean: float) -> str:
+    # the rule's words are Keel - X's; for the slope they say which way Keel's lead over Pre-LN moves with depth
+    return f" (its lead over Pre-LN {'grows' if mean < 0 else 'shrinks'} with depth)"
 
 
 def settle(cfg: DepthSweepConfig, sweep: Sweep, tuned: dict, points: dict, extended: set[str],
@@ -294,10 +300,11 @@ def _choice_cells(cfg: DepthSweepConfig, arm: dict) -> tuple[str, str]:
 
 
 def summary_rows(cfg: DepthSweepConfig, res: dict) -> list[list]:
-    """Per depth: the scheme with the lowest mean report loss (seeds `cfg.seeds`), its gap to each other scheme
-    (the test's paired mean where one of the two is Keel, else the difference of the means) and the adjusted p."""
+    """Per depth (ascending): the scheme with the lowest mean report loss (seeds `cfg.seeds`), its gap to each
+    other scheme over those seeds (the test's paired mean where one of the two is Keel, else the difference of the
+    means) and the adjusted p; a test run again on more seeds adds its mean on them."""
     tests, rows = {t["id"]: t for t in res["tests"]}, []
-    for d, arms in res["arms"].items():
+    for d, arms in sorted(res["arms"].items(), key=lambda kv: int(kv[0])):
         means = {s: mean_sd(a["report_losses"])[0] for s, a in arms.items() if a["trains"]}
         if not means:
             rows.append([d, "no scheme trains", *["-" for _ in cfg.schemes]])
@@ -311,9 +318,11 @@ def summary_rows(cfg: DepthSweepConfig, res: dict) -> list[list]:
             elif not arms[s]["trains"]:
                 cells.append("does not train")
             elif t is not None and t["test"] is not None:
-                gap = t["test"]["mean"] * (1 if win == REF else -1)
+                sign = 1 if win == REF else -1
+                gap = t.get("test_first", t["test"])["mean"] * sign  # over cfg.seeds, as the winner was picked
                 p = "n/a" if t["p_holm"] is None else f"{t['p_holm']:.2g}"
-                cells.append(f"{gap:+.3f} (Holm p={p}, n={t['test']['n']})")
+                more = f": {t['test']['mean'] * sign:+.3f}" if "test_first" in t else ""
+                cells.append(f"{gap:+.3f} (Holm p={p}, n={t['test']['n']}{more})")
             else:
                 cells.append(f"{means[win] - means[s]:+.3f} (not tested)")
         rows.append([d, f"{_name(win)} ({means[win]:.3f})", *cells])
@@ -324,12 +333,13 @@ def write_report(cfg: DepthSweepConfig, out: Path, command: str, points: dict, r
     """report.md, results.json and the plot for the depths done so far, each file replaced whole (two processes
     write the same report when they finish a depth together)."""
     rows = []
-    for d, arms in res["arms"].items():
-        for s, arm in arms.items():
+    for d in sorted(res["arms"], key=int):
+        for s, arm in res["arms"][d].items():
             lr, wu = _choice_cells(cfg, arm)
             extra = {k: v for k, v in arm["report_by_seed"].items() if k in cfg.marginal_seeds}
             loss = pm(arm["report_losses"]) + (f"; seeds {cfg.seeds + list(extra)}: "
                                                f"{pm(list(arm['report_by_seed'].values()))}" if extra else "")
+            loss += _collapsed_note(arm["report_by_seed"], res["unigram"])
             rows.append([d, _name(s), lr, wu, loss if arm["trains"] else "does not train",
                          ", ".join(f"{hp}: {v:.3f}" for hp, v in arm["select_by_hp"].items()),
                          f"{arm['core_seconds'] / 3600:.2f}"])
@@ -344,7 +354,8 @@ def write_report(cfg: DepthSweepConfig, out: Path, command: str, points: dict, r
     vrows = [[t["what"], f"{len(t['seeds'])}" + (f" (marginal on {len(cfg.seeds)}: "
                                                  f"{stats.describe(t['test_first'])})" if t["extended"] else ""),
               stats.describe(t["test"]) if t["test"] else "no t-test",
-              "n/a" if t["p_holm"] is None else f"{t['p_holm']:.2g}", t["verdict"], status] for t in res["tests"]]
+              "n/a" if t["p_holm"] is None else f"{t['p_holm']:.2g}", t["verdict"], status]
+             for t in sorted(res["tests"], key=_test_order)]
     verdicts = markdown_table(["test (report loss, paired over seeds)", "seeds", "mean [95% CI], raw p",
                                "Holm p", "verdict", "interim or final"], vrows)
     minute = markdown_table(["sub-layers", "lowest mean report loss", *[f"gap to {_name(s)}" for s in cfg.schemes]],
@@ -354,7 +365,8 @@ def write_report(cfg: DepthSweepConfig, out: Path, command: str, points: dict, r
              f"{cfg.model.d_model}, {cfg.run.steps} steps x {cfg.run.batch_size}x{cfg.run.seq_len} = {tokens(cfg):,} "
              f"tokens, warm-up {cfg.optim.warmup_steps} then cosine. LR per (scheme, depth) from {cfg.lrs}, grown "
              f"past an edge choice up to {cfg.max_extensions} values per side, chosen by the mean select-half loss "
-             f"over seeds {cfg.seeds} (a diverged seed counts as +inf). {_name(cfg.warmup_scheme)}'s warm-up from "
+             f"over seeds {cfg.seeds} (a diverged seed counts as +inf; equal scores go to the lower LR and the longer "
+             f"warm-up). {_name(cfg.warmup_scheme)}'s warm-up from "
              f"{cfg.warmups} at its chosen LR (grown through {below} / {above}), then its LR again at a new warm-up. "
              f"Report loss on {cfg.run.eval_batches} report-half batches. Unigram level {res['unigram']:.3f} nats. "
              f"Cost so far: {res['core_hours']:.1f} core-hours (sum of point times, one thread each).\n\n"
@@ -373,6 +385,17 @@ def write_report(cfg: DepthSweepConfig, out: Path, command: str, points: dict, r
             os.replace(f, out / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _test_order(test: dict) -> float:
+    """Tests by depth (ascending; a depth's tests keep their order), the growth slope last."""
+    return math.inf if test["id"] == "slope" else int(test["id"].split("@")[1])
+
+
+def _collapsed_note(by_seed: dict, unigram: float) -> str:
+    # such an arm "trains" by the rule (no seed diverged) yet learned nothing: say so beside its loss
+    low = [s for s, v in by_seed.items() if v is not None and v >= unigram - COLLAPSE_NATS]
+    return f"; {len(low)} of {len(by_seed)} seeds within {COLLAPSE_NATS} nats of the unigram level" if low else ""
 
 
 def _plot(cfg: DepthSweepConfig, res: dict, out: Path) -> str:

@@ -28,6 +28,9 @@ class Grid:
     max_extensions: int = 2
     added: list[float] = field(default_factory=list)
     bound: str | None = None  # "low" or "high": the choice is at that edge and the bound was reached
+    # which of equal scores wins: the lowest value, or the highest ("high": rule 21's warm-ups, where a longer
+    # warm-up is the cautious side, so a grid at which every seed diverged grows towards longer warm-ups)
+    ties: str = "low"
 
     def __post_init__(self):
         self.values = sorted(self.values)
@@ -36,9 +39,9 @@ class Grid:
         self.start = (self.values[0], self.values[-1])
 
     def extend(self, score: Callable[[float], float]) -> float | None:
-        """The next value to run, or None when the choice (lowest score; ties go to the first) is interior or
-        at a bound. A score that is not finite (every seed diverged) never wins."""
-        best = min(self.values, key=lambda v: _finite(score(v)))
+        """The next value to run, or None when the choice (lowest score; ties by `ties`) is interior or at a
+        bound. A score that is not finite (every seed diverged) never wins over a finite one."""
+        best = self.choice(score)
         edge = "low" if best == self.values[0] else "high" if best == self.values[-1] else None
         if edge is None:
             self.bound = None
@@ -58,7 +61,9 @@ class Grid:
         return float(f"{(lo * lo / hi if edge == 'low' else hi * hi / lo):.6g}")  # same factor, a stable name
 
     def choice(self, score: Callable[[float], float]) -> float:
-        return min(self.values, key=lambda v: _finite(score(v)))
+        if self.ties not in ("low", "high"):
+            raise ValueError(f"ties must be 'low' or 'high', got {self.ties!r}")
+        return min(self.values if self.ties == "low" else self.values[::-1], key=lambda v: _finite(score(v)))
 
     def describe(self) -> dict:
         return {"values": self.values, "added": self.added, "bound": self.bound}

@@ -116,15 +116,19 @@ class Sweep:
 def _write_atomic(path: Path, text: str) -> None:
     # one name per writer: two threads of one process (or two processes) may write the same file at once
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_text(text)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the name is: a machine that stops hard leaves no empty point
     os.replace(tmp, path)
 
 
 def _claim(path: Path) -> bool:
     """Take the point `path` names for this process (a file holding host and pid), so two processes running the
     same sweep (`keel experiment ...` started twice: two points at a time) never train the same point. A claim
-    left by a dead process on this host is taken over; one from another host is respected (delete it by hand if
-    that machine is gone).
+    left by a dead process on this host is taken over, and so is one written before this machine last booted
+    (its owner died with the machine; its pid may since belong to another process); one from another host is
+    respected (delete it by hand if that machine is gone).
 
     The claim appears whole: it is written under a private name and linked into place (os.link fails if the
     name exists), so no reader ever sees an empty or half-written claim. (Creating the file exclusively and
@@ -168,7 +172,9 @@ def _take_over(path: Path, mine: Path) -> bool:
 def _claim_alive(path: Path) -> bool:
     try:
         host, pid = path.read_text().split()
-        return host != socket.gethostname() or _pid_alive(int(pid))
+        if host != socket.gethostname():
+            return True
+        return path.stat().st_mtime >= _boot_time() and _pid_alive(int(pid))
     except FileNotFoundError:  # its owner just finished: try again
         return False
     except (OSError, ValueError):  # not a claim this code wrote whole: respect it while it is fresh
@@ -176,6 +182,15 @@ def _claim_alive(path: Path) -> bool:
             return time.time() - path.stat().st_mtime < 60
         except OSError:
             return False
+
+
+def _boot_time() -> float:
+    """When this machine booted (seconds since the epoch; Linux's /proc/stat), or 0 where that is not known."""
+    try:
+        with open("/proc/stat") as f:
+            return float(next(line.split()[1] for line in f if line.startswith("btime ")))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0.0
 
 
 def _pid_alive(pid: int) -> bool:
