@@ -137,3 +137,29 @@ def torchrun():
         assert out.returncode == 0, out.stderr[-3000:]
         return out
     return run
+
+
+@pytest.fixture
+def one_rank():
+    """A one-process gloo group, enough for DCP's collectives and `save_sharded`."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> Path:
+    """A real `keel train --preset tiny` run with checkpoints at steps 3 and 6 (copy it before changing it)."""
+    import argparse
+
+    from keel.cli import main
+
+    tmp = tmp_path_factory.mktemp("trained")
+    (tmp / "corpus.txt").write_text(inspect.getsource(argparse))
+    assert main(["train", "--preset", "tiny", f"data.source={tmp / 'corpus.txt'}", f"data.cache_dir={tmp / 'cache'}",
+                 f"run.out_dir={tmp / 'runs'}", "run.name=run", "run.steps=6", "run.ckpt_every=3",
+                 "run.progress=false"]) == 0
+    return tmp / "runs" / "run"
+

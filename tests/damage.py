@@ -1,15 +1,68 @@
-"""Helpers for tests that damage a run directory on purpose."""
+"""Helpers for tests that damage a run directory or a checkpoint on purpose."""
 
 import hashlib
 import json
 from pathlib import Path
 
+import torch
+from torch import nn
+
+from keel.train import checkpoint
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def rehash(ckpt: Path, *names: str) -> None:
+    """Make the manifest agree with the files `names`, changed on purpose, so that only their content is wrong."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest.update({name: sha(ckpt / name) for name in names})
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
 
 def rechecksum(ckpt: Path) -> None:
     """Rewrite a checkpoint's manifest to match its (edited) files, so damage reaches the loader's content checks
     instead of stopping at the checksum."""
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    for name in manifest:
-        if name != "format":
-            manifest[name] = hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    rehash(ckpt, *[name for name in json.loads((ckpt / "manifest.json").read_text()) if name != "format"])
+
+
+# ---- small checkpoints written by keel.train.checkpoint, without a training run ---------------------------------
+def small_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def same_weights(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def single_run(tmp_path: Path, steps=(1, 2)) -> tuple[Path, dict[int, nn.Module]]:
+    """A run directory with single-process checkpoints at `steps`, each of a differently seeded model."""
+    run_dir, models = tmp_path / "run", {}
+    for step in steps:
+        models[step] = small_model(step)
+        checkpoint.save(run_dir, step, models[step], {"x": torch.arange(3)}, {"draws": step}, keep=10)
+    return run_dir, models
+
+
+def ckpt(run_dir: Path, step: int) -> Path:
+    return checkpoint.checkpoint_dir(run_dir) / f"step_{step:08d}"
+
+
+def sharded_run(tmp_path: Path, steps=(1, 2)) -> tuple[Path, dict[int, nn.Module]]:
+    run_dir, models = tmp_path / "run", {}
+    for step in steps:
+        models[step] = model = small_model(step)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.ones(2, 8)).sum().backward()
+        optimizer.step()
+        checkpoint.save_sharded(run_dir, step, model, optimizer, {"x": torch.arange(3)}, {"draws": step}, keep=10,
+                                main=True)
+    return run_dir, models
+
+
+class Warnings(list):
+    def __call__(self, message):
+        self.append(message)
+
