@@ -502,3 +502,19 @@ def test_the_front_pages_when_to_use_table_is_results_one_minute_table():
     front = table((RESULTS.parent / "README.md").read_text())
     assert front.replace("](results/", "](") == table((RESULTS / "README.md").read_text())
     assert len(front.splitlines()) > 5
+
+
+def test_the_one_minute_depth_table_is_the_depth_sweeps_results():
+    """Each depth row of the one-minute per-depth table: the scheme with the lowest mean report loss over seeds 0-2
+    and Keel's mean, as depth-sweep/results.json has them; a depth the sweep has finished is not left out."""
+    names = {"keel": "Keel", "pre_ln": "Pre-LN", "post_ln": "Post-LN", "deepnorm": "DeepNorm"}
+    res = json.loads((RESULTS / "depth-sweep" / "results.json").read_text())["results"]
+    text = (RESULTS / "README.md").read_text()
+    table = text[text.index("| sub-layers | lowest mean report loss | Keel |"):].split("\n\n")[0].splitlines()[2:]
+    rows = {r.split(" | ")[0].strip("| "): r.strip("|").split(" | ") for r in table}
+    for depth in res["depths_done"]:
+        means = {names[s]: statistics.mean(a["report_losses"]) for s, a in res["arms"][str(depth)].items()}
+        best = min(means, key=means.get)
+        cells = [c.strip() for c in rows[str(depth)]]
+        assert cells[1:3] == [f"{best} {means[best]:.3f}", f"{means['Keel']:.3f}"], depth
+    assert len(rows) == len(res["depths_done"]) + (res["status"] != "final")  # and a row for the depths to come
