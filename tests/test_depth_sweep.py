@@ -28,7 +28,7 @@ def test_the_warmup_grid_grows_through_the_rules_values_capped_at_the_run():
 
 
 def test_an_arm_diverging_everywhere_grows_towards_the_cautious_side_lower_lrs_longer_warmups():
-    # every seed of Post-LN diverges at every (LR, warm-up): ties among +inf go to the lowest LR and the longest
+    # a seed of Post-LN diverges at every (LR, warm-up), so every mean is +inf: ties go to the lowest LR and the longest
     # warm-up, so its LR grid grows down to its bound and its warm-up grid up (never to 30 or 10)
     search, asked = ds.tune_arm(DepthSweepConfig(), "post_ln", lambda lr, w: math.inf), []
     with pytest.raises(StopIteration) as done:
@@ -166,7 +166,7 @@ def test_a_lead_that_shrinks_with_depth_is_named_and_the_report_reads_in_depth_o
     res = analyse(cfg, points, tuned, {"post_ln@16"}, 3.3)
     slope = next(t for t in res["tests"] if t["id"] == "slope")
     assert slope["test"]["mean"] > 0 and slope["p_holm"] < 0.05
-    assert slope["verdict"] == "Keel worse (its lead over Pre-LN shrinks with depth)"
+    assert slope["verdict"] == "Keel worse (Keel loses ground to Pre-LN with depth)"
     ds.write_report(cfg, tmp_path, "keel experiment depth-sweep", points, res)
     report = (tmp_path / "report.md").read_text()
     rows = [line.split(" | ")[0] for line in report.splitlines() if line.startswith(("| 16 |", "| 32 |", "| 64 |"))]

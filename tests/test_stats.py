@@ -237,9 +237,17 @@ def test_a_claim_written_before_this_machine_booted_is_taken_over(tmp_path):
     claim = tmp_path / "p.claim"
     claim.write_text(f"{socket.gethostname()} {os.getppid()}")  # a live pid: after a reboot, another process's
     assert not _claim(claim)
-    before = sweep._boot_time() - 60
-    os.utime(claim, (before, before))
+    os.utime(claim, (sweep._boot_time() - 30,) * 2)  # within the slack for a clock stepped after boot
+    assert not _claim(claim)
+    os.utime(claim, (sweep._boot_time() - 120,) * 2)
     assert _claim(claim) and claim.read_text() == f"{socket.gethostname()} {os.getpid()}"
+    # releasing a claim another process has since taken over leaves that process's claim in place
+    claim.write_text("vm-elsewhere 1")
+    sweep._release(claim)
+    assert claim.read_text() == "vm-elsewhere 1"
+    claim.write_text(f"{socket.gethostname()} {os.getpid()}")
+    sweep._release(claim)
+    assert not claim.exists()
 
 
 def _race_claims(claim, root: str, rounds: int, barrier, won) -> None:

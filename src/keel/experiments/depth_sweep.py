@@ -247,8 +247,9 @@ def analyse(cfg: DepthSweepConfig, points: dict, tuned: dict[int, dict], extende
 
 
 def _slope_reading(mean: float) -> str:
-    # the rule's words are Keel - X's; for the slope they say which way Keel's lead over Pre-LN moves with depth
-    return f" (its lead over Pre-LN {'grows' if mean < 0 else 'shrinks'} with depth)"
+    # the rule's words are Keel - X's; for the slope they say which way Keel - Pre-LN moves with depth (whether
+    # Keel is ahead or behind)
+    return f" (Keel {'gains on' if mean < 0 else 'loses ground to'} Pre-LN with depth)"
 
 
 def settle(cfg: DepthSweepConfig, sweep: Sweep, tuned: dict, points: dict, extended: set[str],

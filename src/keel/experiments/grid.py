@@ -29,10 +29,13 @@ class Grid:
     added: list[float] = field(default_factory=list)
     bound: str | None = None  # "low" or "high": the choice is at that edge and the bound was reached
     # which of equal scores wins: the lowest value, or the highest ("high": rule 21's warm-ups, where a longer
-    # warm-up is the cautious side, so a grid at which every seed diverged grows towards longer warm-ups)
+    # warm-up is the cautious side, so a grid whose every mean is +inf (a seed diverged at each value) grows
+    # towards longer warm-ups)
     ties: str = "low"
 
     def __post_init__(self):
+        if self.ties not in ("low", "high"):
+            raise ValueError(f"ties must be 'low' or 'high', got {self.ties!r}")
         self.values = sorted(self.values)
         if len(self.values) < 2:
             raise ValueError("a grid that can grow past its edge needs at least two values")
@@ -61,8 +64,6 @@ class Grid:
         return float(f"{(lo * lo / hi if edge == 'low' else hi * hi / lo):.6g}")  # same factor, a stable name
 
     def choice(self, score: Callable[[float], float]) -> float:
-        if self.ties not in ("low", "high"):
-            raise ValueError(f"ties must be 'low' or 'high', got {self.ties!r}")
         return min(self.values if self.ties == "low" else self.values[::-1], key=lambda v: _finite(score(v)))
 
     def describe(self) -> dict:

@@ -102,7 +102,7 @@ class Sweep:
                             # a point is either finished on disk or not there
                             _write_atomic(path, json.dumps(_fresh_compile(fn) | {"execution": self.execution()}))
                     finally:
-                        claim.unlink(missing_ok=True)
+                        _release(claim)
                 results[key] = json.loads(path.read_text())
                 bar.update()
             if elsewhere and len(elsewhere) == len(pending):
@@ -169,12 +169,30 @@ def _take_over(path: Path, mine: Path) -> bool:
         os.close(fd)
 
 
+def _release(path: Path) -> None:
+    """Remove this process's claim `path`, under the directory lock `_take_over` uses: a claim another process took
+    over (it judged this one dead) is left to its new owner."""
+    import fcntl  # noqa: PLC0415 (POSIX only)
+
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if path.read_text() == f"{socket.gethostname()} {os.getpid()}":
+                path.unlink()
+        except FileNotFoundError:
+            pass
+    finally:
+        os.close(fd)
+
+
 def _claim_alive(path: Path) -> bool:
     try:
         host, pid = path.read_text().split()
         if host != socket.gethostname():
             return True
-        return path.stat().st_mtime >= _boot_time() and _pid_alive(int(pid))
+        # a minute's slack: a clock stepped forward after boot moves btime forward as much
+        return path.stat().st_mtime >= _boot_time() - BOOT_SLACK_SECONDS and _pid_alive(int(pid))
     except FileNotFoundError:  # its owner just finished: try again
         return False
     except (OSError, ValueError):  # not a claim this code wrote whole: respect it while it is fresh
@@ -182,6 +200,9 @@ def _claim_alive(path: Path) -> bool:
             return time.time() - path.stat().st_mtime < 60
         except OSError:
             return False
+
+
+BOOT_SLACK_SECONDS = 60
 
 
 def _boot_time() -> float:
