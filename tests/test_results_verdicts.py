@@ -519,7 +519,8 @@ def test_the_one_minute_depth_table_is_the_depth_sweeps_results():
         assert cells[1:3] == [f"{best} {means[best]:.3f}", f"{means['Keel']:.3f}"], depth
         for scheme, cell in zip(("pre_ln", "post_ln", "deepnorm"), cells[3:6]):  # Keel - X, its n, p and Holm
             t = next(t for t in res["tests"] if t["id"] == f"{scheme}@{depth}")
-            said = re.fullmatch(r"\**([+-]\d\.\d{3})\**(?: \((\d) seeds)?[;(, ]+p=([0-9.e-]+), Holm ([0-9.e-]+)\)", cell)
+            said = re.fullmatch(r"\**([+-]\d\.\d{3})\**(?: \((\d) seeds)?[;(, ]+p=([0-9.e-]+), Holm ([0-9.e-]+)\)",
+                                cell)
             assert said, cell
             assert (float(said[1]), int(said[2] or 3), said[3], said[4]) == (
                 round(t["test"]["mean"], 3), t["test"]["n"], fmt(t["p"]), fmt(t["p_holm"])), (depth, scheme, cell)
