@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -134,9 +135,8 @@ def _claim(path: Path) -> bool:
     name exists), so no reader ever sees an empty or half-written claim. (Creating the file exclusively and
     then writing it left a moment in which a second process read an empty claim, took it for a dead owner's,
     deleted it and trained the same point.)"""
-    me = f"{socket.gethostname()} {os.getpid()}"
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_text(me)
+    tmp.write_text(_owner())
     try:
         try:
             os.link(tmp, path)
@@ -148,15 +148,10 @@ def _claim(path: Path) -> bool:
 
 
 def _take_over(path: Path, mine: Path) -> bool:
-    """Replace a dead owner's claim with `mine`, one process at a time: under an exclusive lock on the points
-    directory, the claim is looked at again and replaced only if still dead. (Two processes that both found it
-    dead used to both replace it, the second deleting the first one's fresh claim.) The lock is flock(2) on
-    the directory itself, so no lock file is left behind; the kernel drops it if the process dies."""
-    import fcntl  # noqa: PLC0415 (POSIX only, and only on this rare path)
-
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    """Replace a dead owner's claim with `mine`, one process at a time: under the points directory's lock, the
+    claim is looked at again and replaced only if still dead. (Two processes that both found it dead used to both
+    replace it, the second deleting the first one's fresh claim.)"""
+    with _directory_lock(path.parent):
         if _claim_alive(path):
             return False
         path.unlink(missing_ok=True)
@@ -165,25 +160,36 @@ def _take_over(path: Path, mine: Path) -> bool:
             return True
         except FileExistsError:  # a new owner linked it between our unlink and our link
             return False
-    finally:
-        os.close(fd)
 
 
 def _release(path: Path) -> None:
-    """Remove this process's claim `path`, under the directory lock `_take_over` uses: a claim another process took
-    over (it judged this one dead) is left to its new owner."""
-    import fcntl  # noqa: PLC0415 (POSIX only)
-
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    """Remove this process's claim `path`, under the lock `_take_over` holds: a claim another process took over
+    (it judged this one dead) is left to its new owner."""
+    with _directory_lock(path.parent):
         try:
-            if path.read_text() == f"{socket.gethostname()} {os.getpid()}":
+            if path.read_text() == _owner():
                 path.unlink()
         except FileNotFoundError:
             pass
+
+
+@contextmanager
+def _directory_lock(directory: Path):
+    """An exclusive flock(2) on `directory` itself: no lock file is left behind, and the kernel drops the lock if
+    the process dies. POSIX only; taken on the claims' rare paths (a take-over, a release)."""
+    import fcntl  # noqa: PLC0415
+
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
         os.close(fd)
+
+
+def _owner() -> str:
+    """What a claim of this process holds: host and pid."""
+    return f"{socket.gethostname()} {os.getpid()}"
 
 
 def _claim_alive(path: Path) -> bool:
