@@ -17,7 +17,6 @@ from keel.experiments import EXPERIMENTS, precision
 from keel.experiments.budget import budget_point
 from keel.experiments.cli import build
 
-
 TINY = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16", "run.batch_size=2"]
 QUICK = {
     "gradflow": ["schemes=[post_ln,keel]", "depths=[4]", "run.steps=3"],
