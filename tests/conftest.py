@@ -163,3 +163,15 @@ def trained_run(tmp_path_factory) -> Path:
                  "run.progress=false"]) == 0
     return tmp / "runs" / "run"
 
+
+
+@pytest.fixture
+def trainer_for(args):
+    """A `Trainer` on the tiny preset for a run named `name` under `args`' directories, with `extra` overrides."""
+    from keel.train.config import load_config
+    from keel.train.trainer import Trainer
+
+    def make(*extra, name="run", callbacks=()):
+        config = load_config(args(*extra, name=name), preset="tiny")
+        return Trainer(config, Path(config.run.out_dir) / config.run.name, callbacks)
+    return make
