@@ -16,9 +16,10 @@ Every point trains with the paper's recipe (AdamW, linear warm-up, cosine decay)
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from keel.experiments.common import (
     train_curve,
     unigram_loss,
 )
+from keel.experiments.partial import Partial, partial_dir
 from keel.experiments.probes import branches_off, plain, residual_sizes
 from keel.experiments.sweep import Sweep
 from keel.model import TransformerLM
@@ -79,12 +81,18 @@ def budget_point(cfg: BudgetConfig, model_cfg, lr: float, seed: int,
             evals["loss"].append(loss_on(model, curve_set, autocast_for(next(model.parameters()).device,
                                                                          cfg.run.dtype)))
         return False
-    curve, model = train_curve(config, eval_batches, model=model, on_step=on_step, eval_tokens=halves["select"])
+    # inside a sweep, progress is kept as the point trains (a point `prepare` changes is trained whole)
+    where = partial_dir() if prepare is None else None
+    partial = None if where is None else Partial(where, json.loads(json.dumps(asdict(config), default=str)), evals)
+    curve, model = train_curve(config, eval_batches, model=model, on_step=on_step, eval_tokens=halves["select"],
+                               partial=partial)
     out = {"scheme": model_cfg.scheme, "n_sublayers": model_cfg.n_sublayers, "d_model": model_cfg.d_model,
            "alpha": model_cfg.alpha, "first_layer": model_cfg.first_layer, "lr": lr, "seed": seed,
            "select_loss": curve.val_loss, "report_loss": None, "losses": curve.losses, "evals": evals,
            "n_params": count_params(model_cfg), "diverged": curve.stopped_at is not None,
            "seconds": curve.seconds, "tokens": tokens(cfg)}
+    if partial is not None and partial.resumed_at:  # continued after its process was killed, from these steps
+        out["resumed_at"] = partial.resumed_at
     if curve.stopped_at is not None:
         return out
     auto = autocast_for(next(model.parameters()).device, cfg.run.dtype)

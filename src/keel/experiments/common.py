@@ -5,7 +5,8 @@ An experiment is a sweep of independent points (scheme x depth x LR x seed ...).
 keel.train.step.TrainStep, exactly as `keel train` does (`point_config` is the TrainConfig that `keel train`
 would run for it), on `run.device` with `run.dtype`, `run.compile`, `run.ac_every` and `run.grad_accum`, and
 under the same divergence guard. Each finished point is written to `<out>/points/<key>.json` (`Sweep`), so
-an interrupted sweep resumes by skipping finished points. `results.json` (every number, config, versions,
+an interrupted sweep resumes by skipping finished points; a point that keeps its progress while it trains
+(keel.experiments.partial) continues from its last save. `results.json` (every number, config, versions,
 machine; each point as its file without the per-step training losses), PNG plots and `report.md` are written at
 the end.
 
@@ -34,6 +35,7 @@ import torch
 from keel import runtime
 from keel.data import DataConfig, WindowSampler, prepare
 from keel.data import eval_batches as spaced_batches
+from keel.experiments.partial import Discarded, Partial
 from keel.model import ModelConfig, TransformerLM, lm_loss
 from keel.model.config import with_scheme
 from keel.model.presets import science
@@ -174,37 +176,52 @@ def point_config(cfg: ExperimentConfig, model_cfg: ModelConfig, seed: int, **opt
 
 def train_curve(config: TrainConfig, eval_batches: int = 8, after_backward: Callable | None = None,
                 model: TransformerLM | None = None, on_step: Callable | None = None,
-                eval_tokens: np.ndarray | None = None) -> tuple[Curve, torch.nn.Module]:
+                eval_tokens: np.ndarray | None = None, partial: Partial | None = None) -> tuple[Curve, torch.nn.Module]:
     """Train `config` from scratch (or from `model`): the loss of every step, then validation loss.
 
     `keel train`'s model building, sampler, schedule and TrainStep, without run directories or checkpoints.
     A step the guard rejects ends the curve (`stopped_at`). `after_backward(model)` sees each step's gradients.
     `on_step(i, model, result)` runs after step i; returning True ends training there (`stopped_at` = i).
     The final validation loss is on `eval_tokens` (default: the whole validation split).
+    With `partial` (keel.experiments.partial), progress is saved as it trains and a point killed earlier continues
+    from its last save (built from its seed: `model` must then be None); its `seconds` add the time before.
     """
+    if partial is not None and model is not None:
+        raise ValueError("train_curve: a point that keeps its progress is built from its seed, not given a model")
     c = config
     prepared = corpus(c.data)
     device = resolve_device(c.run.device)
-    torch.manual_seed(c.run.seed)
-    model = build_model(c.model, c.run, device, model=model)
     autocast = autocast_for(device, c.run.dtype)
-    step = TrainStep(model, build_optimizer(model, c.optim), grad_accum=c.run.grad_accum, grad_clip=c.optim.grad_clip,
-                     autocast=autocast, guard=DivergenceGuard(c.guard), after_backward=after_backward)
-    sampler = WindowSampler(prepared.train, c.run.seq_len, c.run.batch_size, seed=c.run.seed)
-    losses, lrs, stopped, start = [], [], None, time.time()
-    for i in range(c.run.steps):
+    progress = None
+    while True:  # a second pass only when a saved progress was discarded after it touched what it loaded into
+        torch.manual_seed(c.run.seed)
+        built = build_model(c.model, c.run, device, model=model)
+        optimizer, guard = build_optimizer(built, c.optim), DivergenceGuard(c.guard)
+        sampler = WindowSampler(prepared.train, c.run.seq_len, c.run.batch_size, seed=c.run.seed)
+        try:
+            progress = partial.restore(built, optimizer, sampler, guard) if partial is not None else None
+            break
+        except Discarded:
+            continue
+    step = TrainStep(built, optimizer, grad_accum=c.run.grad_accum, grad_clip=c.optim.grad_clip, autocast=autocast,
+                     guard=guard, after_backward=after_backward)
+    done, losses, lrs, before = progress or (0, [], [], 0.0)
+    stopped, start = None, time.time()
+    for i in range(done, c.run.steps):
         runtime.stop_if_signalled()
         result = step(lambda: on_device(sampler.next_batch(), device), lr_at(i, c.run.steps, c.optim))
         losses.append(result.loss)
         lrs.append(result.lr)
-        if result.diverged is not None or (on_step is not None and on_step(i, model, result)):
+        if result.diverged is not None or (on_step is not None and on_step(i, built, result)):
             stopped = i
             break
+        if partial is not None and i + 1 < c.run.steps:
+            partial.maybe_save(i + 1, built, optimizer, sampler, guard, losses, lrs, before + time.time() - start)
     val = None
     if stopped is None and eval_batches:
         tokens = prepared.val if eval_tokens is None else eval_tokens
-        val = evaluate(model, tokens, c.run.seq_len, c.run.batch_size, eval_batches, device, autocast)["val_loss"]
-    return Curve(losses, lrs, val, time.time() - start, stopped), model
+        val = evaluate(built, tokens, c.run.seq_len, c.run.batch_size, eval_batches, device, autocast)["val_loss"]
+    return Curve(losses, lrs, val, before + time.time() - start, stopped), built
 
 
 def splits(data: DataConfig) -> dict[str, np.ndarray]:

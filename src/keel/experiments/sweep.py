@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from keel import runtime
 from keel.errors import ConfigError
+from keel.experiments.partial import discard, keeping_progress_in
 
 # how a point is computed, not what it computes: a compiled and an eager point agree to float32 tolerance
 # (tests/test_experiments.py), so a sweep recorded with one setting may be continued with the other; every point
@@ -56,7 +57,8 @@ class Sweep:
     alone may differ: points are named by their seed, so adding seeds to a finished sweep runs only the new
     ones (the recorded list becomes the union), and `EXECUTION_FIELDS` (how a point is computed, not what) may
     differ too: each point records its own in `execution`. Several processes may run the same sweep at once: each point
-    is claimed by one of them (`_claim`) and the others wait for it."""
+    is claimed by one of them (`_claim`) and the others wait for it. While a point runs, `<key>.partial` is where it
+may keep its progress (keel.experiments.partial), so that the process that next claims it continues it."""
 
     out: Path
     config: object
@@ -100,8 +102,12 @@ class Sweep:
                     try:
                         if not path.exists():  # finished by another process between our look and our claim
                             bar.set_postfix_str(key)
+                            partial = self.out / "points" / f"{key}.partial"  # its progress while it trains
+                            with keeping_progress_in(partial):
+                                result = _fresh_compile(fn)
                             # a point is either finished on disk or not there
-                            _write_atomic(path, json.dumps(_fresh_compile(fn) | {"execution": self.execution()}))
+                            _write_atomic(path, json.dumps(result | {"execution": self.execution()}))
+                            discard(partial)
                     finally:
                         _release(claim)
                 results[key] = json.loads(path.read_text())

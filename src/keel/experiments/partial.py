@@ -1,0 +1,110 @@
+"""A point's progress while it trains, so that a sweep killed mid-point (a session's end, a reboot) continues that
+point where it was instead of training it again from step 0.
+
+`Sweep` runs each point with `<out>/points/<key>.partial` as its partial directory (`partial_dir()`) and removes
+it once the point's file is written. A point that opts in (`budget_point`) passes a `Partial` to `train_curve`,
+which writes one keel checkpoint there (keel.train.checkpoint: atomic, checksummed, tensors only) at most every
+`EVERY_SECONDS`, holding the weights, the optimiser, the sampler, the torch RNG, the guard's history, the losses
+and LRs so far, the seconds trained and the caller's own state (e.g. budget_point's report-half curve). A process
+that later runs the same point finds it and trains on from its step: on a CPU every later number is bit for bit
+the uninterrupted point's (tests/test_point_resume.py), so a resumed point is the same point. A partial of another
+configuration (`identity`) or one that does not load is discarded with one line, and the point starts over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from keel.errors import CheckpointError
+from keel.train import checkpoint
+from keel.train.checkpoint_paths import list_checkpoints
+
+EVERY_SECONDS = 120.0  # between saves: a killed point loses at most this much training
+_DIR: contextvars.ContextVar[Path | None] = contextvars.ContextVar("partial_dir", default=None)
+
+
+def partial_dir() -> Path | None:
+    """The directory where the point now running keeps its progress (set by `Sweep`), or None outside a sweep."""
+    return _DIR.get()
+
+
+@contextlib.contextmanager
+def keeping_progress_in(path: Path) -> Iterator[None]:
+    token = _DIR.set(Path(path))
+    try:
+        yield
+    finally:
+        _DIR.reset(token)
+
+
+def discard(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class Partial:
+    """`path`: the partial directory; `identity`: what the point is (its whole configuration, JSON); `state`: the
+    caller's JSON-able state, saved with the training state and updated in place on a resume."""
+
+    path: Path
+    identity: dict
+    state: dict = field(default_factory=dict)
+    every_seconds: float | None = None  # None: EVERY_SECONDS
+    resumed_at: list[int] = field(default_factory=list)  # the steps this point continued from (none: trained whole)
+    _saved_at: float = field(default_factory=time.monotonic, repr=False)
+
+    def restore(self, model, optimizer, sampler, guard) -> tuple[int, list, list, float] | None:
+        """Load the saved progress into the freshly built objects; (steps done, losses, lrs, seconds trained), or
+        None when there is none to continue (nothing saved, another configuration's, or damaged: discarded)."""
+        found = list_checkpoints(self.path) if self.path.is_dir() else []
+        if not found:
+            return None
+        try:
+            state, meta = checkpoint.load(found[-1], model)
+            if meta.get("identity") != json.loads(json.dumps(self.identity)):
+                raise CheckpointError(f"{found[-1]}: saved by a point of another configuration")
+            optimizer.load_state_dict(state["optimizer"])
+            sampler.load_state_dict(state["sampler"])
+            torch.set_rng_state(state["torch_rng"])
+            guard.load_state_dict(meta["guard"])
+            progress = meta["step"], list(meta["losses"]), list(meta["lrs"]), float(meta["seconds"])
+            self.state.update(meta["caller"])
+        except (CheckpointError, KeyError, TypeError, ValueError, RuntimeError) as err:
+            print(f"keel: {self.path}: not continued ({str(err).splitlines()[0]}); the point starts over",
+                  file=sys.stderr, flush=True)
+            discard(self.path)
+            raise Discarded from None
+        self.resumed_at = list(meta.get("resumed_at", [])) + [progress[0]]
+        self._saved_at = time.monotonic()
+        return progress
+
+    def maybe_save(self, steps: int, model, optimizer, sampler, guard, losses: list, lrs: list,
+                   seconds: float) -> None:
+        """Save after `steps` steps if `every_seconds` have passed since the last save (or the start)."""
+        every = EVERY_SECONDS if self.every_seconds is None else self.every_seconds
+        if time.monotonic() - self._saved_at < every:
+            return
+        state = {"optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
+                 "torch_rng": torch.get_rng_state()}
+        meta = {"identity": self.identity, "guard": guard.state_dict(), "losses": losses, "lrs": lrs,
+                "seconds": seconds, "caller": self.state, "resumed_at": self.resumed_at}
+        checkpoint.save(self.path, steps, model, state, json.loads(json.dumps(meta)), keep=1)
+        self._saved_at = time.monotonic()
+
+
+class Discarded(Exception):
+    """The saved progress was discarded: the caller builds the point again from its seed (the objects it passed
+    to `restore` may hold part of what was loaded)."""
+
+
+__all__ = ["EVERY_SECONDS", "Discarded", "Partial", "discard", "keeping_progress_in", "partial_dir"]
