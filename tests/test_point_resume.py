@@ -4,12 +4,16 @@ the point starts over; the progress goes once the point's file is written."""
 
 import json
 
+import numpy as np
 import pytest
+import torch
 
-from keel import runtime
+from keel import TransformerLM, runtime
+from keel.errors import CheckpointError
 from keel.experiments import partial as partial_module
 from keel.experiments.budget import budget_point
 from keel.experiments.cli import build
+from keel.experiments.partial import Partial
 from keel.experiments.sweep import Sweep
 
 STEPS = 12
@@ -100,10 +104,57 @@ def test_a_damaged_save_is_discarded_with_one_line_and_the_point_starts_over(cfg
     assert numbers(point) == numbers(run_point(cfg, tmp_path / "fresh"))
 
 
+def test_progress_computed_with_another_thread_count_is_discarded(cfg, tmp_path, monkeypatch, capsys):
+    """CPU reductions differ with the number of threads: such progress would not continue the same point."""
+    with pytest.raises(Killed):
+        run_point(cfg, tmp_path / "killed", kill_after=6)
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
+    point = run_point(cfg, tmp_path / "killed")
+    assert "computed otherwise" in capsys.readouterr().err and "resumed_at" not in point
+
+
+def test_progress_that_cannot_be_removed_fails_the_point_in_one_error_instead_of_looping(cfg, tmp_path, monkeypatch):
+    with pytest.raises(Killed):
+        run_point(cfg, tmp_path / "killed", kill_after=6)
+    weights = next(partial_of(tmp_path / "killed").glob("checkpoints/*/model.safetensors"))
+    weights.write_bytes(b"\0" * weights.stat().st_size)
+    monkeypatch.setattr(partial_module, "discard", lambda path: None)
+    with pytest.raises(CheckpointError, match="p.partial: cannot be removed"):
+        run_point(cfg, tmp_path / "killed")
+
+
+def test_the_guards_history_and_the_callers_state_come_back(cfg, tmp_path):
+    """What the kill tests cannot see at 12 steps: the spike detector's history (it waits for 20 losses)."""
+    from keel.data import WindowSampler
+    from keel.train.guard import DivergenceGuard
+    from keel.train.optim import build_optimizer
+
+    def objects():
+        torch.manual_seed(0)
+        model = TransformerLM(cfg.point_model("keel", 4))
+        return model, build_optimizer(model, cfg.optim), WindowSampler(np.arange(1000), 8, 2, seed=0), \
+            DivergenceGuard(cfg.guard)
+    model, optimizer, sampler, guard = objects()
+    guard.history.extend([3.0, 2.5, 2.25])
+    sampler.next_batch()
+    saver = Partial(tmp_path / "p.partial", {"a": 1}, {"curve": [1.5]}, every_seconds=0.0)
+    saver.maybe_save(3, model, optimizer, sampler, guard, [3.0, 2.5, 2.25], [1e-3] * 3, 4.0)
+    model2, optimizer2, sampler2, guard2 = objects()
+    state = {}
+    assert Partial(tmp_path / "p.partial", {"a": 1}, state).restore(model2, optimizer2, sampler2, guard2) == (
+        3, [3.0, 2.5, 2.25], [1e-3] * 3, 4.0)
+    assert list(guard2.history) == [3.0, 2.5, 2.25] and state == {"curve": [1.5]}
+    assert sampler2.state_dict()["step"] == sampler.state_dict()["step"] == 1
+
+
 def test_a_finished_point_never_reads_or_leaves_progress(cfg, tmp_path):
     point = run_point(cfg, tmp_path / "s")
     assert not partial_of(tmp_path / "s").exists()
     assert json.loads((tmp_path / "s" / "points" / "p.json").read_text())["losses"] == point["losses"]
+    orphan = partial_of(tmp_path / "s") / "checkpoints"  # a process killed between the point's file and the removal
+    orphan.mkdir(parents=True)
+    assert run_point(cfg, tmp_path / "s") == point and not partial_of(tmp_path / "s").exists()
 
 
 @pytest.mark.slow  # compiles the model three times

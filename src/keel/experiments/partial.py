@@ -8,7 +8,8 @@ which writes one keel checkpoint there (keel.train.checkpoint: atomic, checksumm
 and LRs so far, the seconds trained and the caller's own state (e.g. budget_point's report-half curve). A process
 that later runs the same point finds it and trains on from its step: on a CPU every later number is bit for bit
 the uninterrupted point's (tests/test_point_resume.py), so a resumed point is the same point. A partial of another
-configuration (`identity`) or one that does not load is discarded with one line, and the point starts over.
+configuration or computed otherwise (`identity`: the point's config, threads, device, torch and keel versions), or
+one that does not load, is discarded with one line, and the point starts over.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from keel._version import __version__
 from keel.errors import CheckpointError
 from keel.train import checkpoint
 from keel.train.checkpoint_paths import list_checkpoints
@@ -57,32 +59,48 @@ class Partial:
     caller's JSON-able state, saved with the training state and updated in place on a resume."""
 
     path: Path
-    identity: dict
+    identity: dict  # with how it computes added (threads, torch and keel versions, device)
     state: dict = field(default_factory=dict)
     every_seconds: float | None = None  # None: EVERY_SECONDS
     resumed_at: list[int] = field(default_factory=list)  # the steps this point continued from (none: trained whole)
     _saved_at: float = field(default_factory=time.monotonic, repr=False)
 
+    def __post_init__(self):
+        # how the point computes, beside what it is: a continued point must compute as its first part did (CPU
+        # reductions differ with the thread count; other torch or keel code may compute otherwise)
+        self.identity = {"point": self.identity, "threads": torch.get_num_threads(), "torch": torch.__version__,
+                         "keel": __version__}
+
     def restore(self, model, optimizer, sampler, guard) -> tuple[int, list, list, float] | None:
         """Load the saved progress into the freshly built objects; (steps done, losses, lrs, seconds trained), or
-        None when there is none to continue (nothing saved, another configuration's, or damaged: discarded)."""
-        found = list_checkpoints(self.path) if self.path.is_dir() else []
-        if not found:
+        None when there is none to continue. Progress of another configuration, or that does not load, is
+        discarded (`Discarded`: build the objects again); a CheckpointError if it cannot be removed."""
+        if not self.path.exists():
             return None
         try:
+            found = list_checkpoints(self.path)
+            if not found:
+                return None
             state, meta = checkpoint.load(found[-1], model)
-            if meta.get("identity") != json.loads(json.dumps(self.identity)):
-                raise CheckpointError(f"{found[-1]}: saved by a point of another configuration")
+            device = next(model.parameters()).device
+            if meta.get("identity") != self._identity(device):
+                raise CheckpointError(f"{found[-1]}: saved by a point of another configuration or computed otherwise")
             optimizer.load_state_dict(state["optimizer"])
             sampler.load_state_dict(state["sampler"])
             torch.set_rng_state(state["torch_rng"])
+            if device.type == "cuda":
+                torch.cuda.set_rng_state(state["cuda_rng"], device)
             guard.load_state_dict(meta["guard"])
             progress = meta["step"], list(meta["losses"]), list(meta["lrs"]), float(meta["seconds"])
             self.state.update(meta["caller"])
-        except (CheckpointError, KeyError, TypeError, ValueError, RuntimeError) as err:
+        except torch.cuda.OutOfMemoryError:
+            raise  # the device's trouble, not the saved progress's
+        except (CheckpointError, OSError, KeyError, TypeError, ValueError, RuntimeError) as err:
             print(f"keel: {self.path}: not continued ({str(err).splitlines()[0]}); the point starts over",
                   file=sys.stderr, flush=True)
             discard(self.path)
+            if self.path.exists():  # else the caller would find the same progress again, and again
+                raise CheckpointError(f"{self.path}: cannot be removed; remove it and run the sweep again") from None
             raise Discarded from None
         self.resumed_at = list(meta.get("resumed_at", [])) + [progress[0]]
         self._saved_at = time.monotonic()
@@ -94,12 +112,18 @@ class Partial:
         every = EVERY_SECONDS if self.every_seconds is None else self.every_seconds
         if time.monotonic() - self._saved_at < every:
             return
+        device = next(model.parameters()).device
         state = {"optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
                  "torch_rng": torch.get_rng_state()}
-        meta = {"identity": self.identity, "guard": guard.state_dict(), "losses": losses, "lrs": lrs,
+        if device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(device)
+        meta = {"identity": self._identity(device), "guard": guard.state_dict(), "losses": losses, "lrs": lrs,
                 "seconds": seconds, "caller": self.state, "resumed_at": self.resumed_at}
         checkpoint.save(self.path, steps, model, state, json.loads(json.dumps(meta)), keep=1)
         self._saved_at = time.monotonic()
+
+    def _identity(self, device: torch.device) -> dict:
+        return json.loads(json.dumps(self.identity | {"device": str(device)}))
 
 
 class Discarded(Exception):

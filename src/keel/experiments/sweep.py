@@ -107,9 +107,9 @@ may keep its progress (keel.experiments.partial), so that the process that next 
                                 result = _fresh_compile(fn)
                             # a point is either finished on disk or not there
                             _write_atomic(path, json.dumps(result | {"execution": self.execution()}))
-                            discard(partial)
                     finally:
                         _release(claim)
+                discard(self.out / "points" / f"{key}.partial")  # left if a process died just after the point
                 results[key] = json.loads(path.read_text())
                 bar.update()
             if elsewhere and len(elsewhere) == len(pending):
