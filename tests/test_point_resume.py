@@ -58,7 +58,7 @@ def partial_of(out):
     return out / "points" / "p.partial"
 
 
-def test_a_killed_point_continues_to_the_uninterrupted_points_numbers(cfg, tmp_path, monkeypatch):
+def test_a_killed_point_continues_to_the_uninterrupted_points_numbers(cfg, tmp_path, capsys):
     whole = run_point(cfg, tmp_path / "whole")
     assert "resumed_at" not in whole
     with pytest.raises(Killed):
@@ -66,7 +66,9 @@ def test_a_killed_point_continues_to_the_uninterrupted_points_numbers(cfg, tmp_p
     assert not (tmp_path / "killed" / "points" / "p.json").exists()
     saved = sorted(p.name for p in (partial_of(tmp_path / "killed") / "checkpoints").iterdir())
     assert saved == ["step_00000007"]  # one save kept, the last one before the kill
+    capsys.readouterr()
     resumed = run_point(cfg, tmp_path / "killed")
+    assert "keel: p: continued from step 7 (its saved progress)" in capsys.readouterr().err.splitlines()
     assert resumed["resumed_at"] == [7]
     assert numbers(resumed) == numbers(whole)  # losses of every step, curve, select and report losses: exact
     assert len(resumed["losses"]) == STEPS and resumed["seconds"] > 0

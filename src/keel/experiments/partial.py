@@ -103,6 +103,8 @@ class Partial:
                 raise CheckpointError(f"{self.path}: cannot be removed; remove it and run the sweep again") from None
             raise Discarded from None
         self.resumed_at = list(meta.get("resumed_at", [])) + [progress[0]]
+        print(f"keel: {self.path.name.removesuffix('.partial')}: continued from step {progress[0]} (its saved "
+              "progress)", file=sys.stderr, flush=True)
         self._saved_at = time.monotonic()
         return progress
 
