@@ -3,6 +3,11 @@ point's, bit for bit on a CPU; progress of another configuration or a damaged sa
 the point starts over; the progress goes once the point's file is written."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -170,3 +175,38 @@ def test_a_killed_compiled_point_continues_to_the_uninterrupted_points_numbers(c
     resumed = run_point(cfg, tmp_path / "killed")
     assert resumed["resumed_at"] == [5] and resumed["execution"]["compile"] is True
     assert numbers(resumed) == numbers(whole)
+
+
+@pytest.mark.slow  # three `keel experiment` processes
+def test_a_sweep_process_killed_with_sigkill_continues_its_point_in_the_next_one(corpus, tmp_path):
+    """A real process death (SIGKILL: no `finally`, its claim left behind) in the middle of a point: the next
+    `keel experiment` takes over the dead process's claim, continues the point from its last save, and writes the
+    numbers an uninterrupted process writes."""
+
+    def command(out):
+        return [sys.executable, "-c", "import sys; from keel.experiments import partial; partial.EVERY_SECONDS = 0.2; "
+                "from keel.cli import main; sys.exit(main(sys.argv[1:]))", "experiment", "depth", "--quick",
+                "--out", str(out), f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "depths=[4]",
+                "schemes=[keel]", "lrs=[0.003]", "seeds=[0]", "run.steps=1500", "curve_every=50"]
+
+    def point(out):
+        return json.loads(next(p for p in (out / "points").glob("*.json") if p.name != "config.json").read_text())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    assert subprocess.run(command(tmp_path / "whole"), env=env, capture_output=True).returncode == 0
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(command(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not any(int(p.name[5:]) >= 100 for p in killed.glob("points/*.partial/checkpoints/step_*")):
+        assert process.poll() is None and time.monotonic() < deadline, "the point ended before it could be killed"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert list(killed.glob("points/*.claim")) and not [p for p in killed.glob("points/*.json")
+                                                         if p.name != "config.json"]
+    again = subprocess.run(command(killed), env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    resumed, whole = point(killed), point(tmp_path / "whole")
+    assert len(resumed["resumed_at"]) == 1 and 100 <= resumed["resumed_at"][0] < 1500
+    assert f"continued from step {resumed['resumed_at'][0]}" in again.stderr
+    assert numbers(resumed) == numbers(whole)
+    assert not list(killed.glob("points/*.partial")) and not list(killed.glob("points/*.claim"))
