@@ -80,6 +80,51 @@ def test_a_killed_point_continues_to_the_uninterrupted_points_numbers(cfg, tmp_p
     assert not partial_of(tmp_path / "killed").exists()  # gone once the point's file is written
 
 
+def signalled_at(n_calls, signum=signal.SIGTERM):
+    """A stand-in for runtime.stop_if_signalled that sends this process `signum` on its `n_calls`-th call (the
+    sweep's call before the point is the first, then one as each step starts), and otherwise does what it does."""
+    calls, real = {"n": 0}, runtime.stop_if_signalled
+
+    def check():
+        calls["n"] += 1
+        if calls["n"] == n_calls:
+            os.kill(os.getpid(), signum)
+        real()
+    return check
+
+
+def test_sigterm_saves_the_points_progress_at_the_next_step_boundary(cfg, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(partial_module, "EVERY_SECONDS", 1e9)  # no save on the clock: only the signal's
+    whole = run_point(cfg, tmp_path / "whole")
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runtime, "stop_if_signalled", signalled_at(1 + 7))  # during step 7 of 12 (index 6)
+        with pytest.raises(KeyboardInterrupt):
+            run_point(cfg, tmp_path / "stopped")
+    assert signal.getsignal(signal.SIGTERM) is before and not runtime.PENDING_SIGNALS
+    assert "keel: p: progress saved at step 7" in capsys.readouterr().err.splitlines()
+    assert sorted(p.name for p in (partial_of(tmp_path / "stopped") / "checkpoints").iterdir()) == ["step_00000007"]
+    resumed = run_point(cfg, tmp_path / "stopped")
+    assert resumed["resumed_at"] == [7] and numbers(resumed) == numbers(whole)
+
+
+def test_a_signal_in_the_last_step_finishes_the_point_and_stops_the_sweep_before_the_next(cfg, tmp_path,
+                                                                                           monkeypatch):
+    monkeypatch.setattr(partial_module, "EVERY_SECONDS", 1e9)
+    points = {key: (lambda: budget_point(cfg, cfg.point_model("keel", 4), 3e-3, 0)) for key in ("a", "b")}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runtime, "stop_if_signalled", signalled_at(1 + STEPS))  # during the last step
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                Sweep(tmp_path, cfg).run(points, "t")
+        finally:
+            signalled, runtime.PENDING_SIGNALS[:] = list(runtime.PENDING_SIGNALS), []
+    assert signalled == [signal.SIGTERM]  # the sweep's next boundary raised it
+    assert (tmp_path / "points" / "a.json").exists() and not (tmp_path / "points" / "b.json").exists()
+    assert not (tmp_path / "points" / "b.partial").exists()  # b never started
+    assert len(json.loads((tmp_path / "points" / "a.json").read_text())["losses"]) == STEPS
+
+
 def test_a_point_killed_twice_records_both_continuations(cfg, tmp_path):
     whole = run_point(cfg, tmp_path / "whole")
     for steps in (3, 2):  # the second process dies two steps after it continued from step 3
@@ -177,36 +222,70 @@ def test_a_killed_compiled_point_continues_to_the_uninterrupted_points_numbers(c
     assert numbers(resumed) == numbers(whole)
 
 
+def experiment_command(corpus, tmp_path, out):
+    """A `keel experiment` process running one 1500-step point, saving its progress every 0.2 s."""
+    return [sys.executable, "-c", "import sys; from keel.experiments import partial; partial.EVERY_SECONDS = 0.2; "
+            "from keel.cli import main; sys.exit(main(sys.argv[1:]))", "experiment", "depth", "--quick",
+            "--out", str(out), f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "depths=[4]",
+            "schemes=[keel]", "lrs=[0.003]", "seeds=[0]", "run.steps=1500", "curve_every=50"]
+
+
+def the_point(out):
+    return json.loads(next(p for p in (out / "points").glob("*.json") if p.name != "config.json").read_text())
+
+
+def started_mid_point(command, out, env, stderr=subprocess.DEVNULL):
+    """The process of `command`, once its point has saved progress past step 100."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+    deadline = time.monotonic() + 300
+    while not any(int(p.name[5:]) >= 100 for p in out.glob("points/*.partial/checkpoints/step_*")):
+        assert process.poll() is None and time.monotonic() < deadline, "the point ended before it could be stopped"
+        time.sleep(0.05)
+    return process
+
+
 @pytest.mark.slow  # three `keel experiment` processes
 def test_a_sweep_process_killed_with_sigkill_continues_its_point_in_the_next_one(corpus, tmp_path):
     """A real process death (SIGKILL: no `finally`, its claim left behind) in the middle of a point: the next
     `keel experiment` takes over the dead process's claim, continues the point from its last save, and writes the
     numbers an uninterrupted process writes."""
-
-    def command(out):
-        return [sys.executable, "-c", "import sys; from keel.experiments import partial; partial.EVERY_SECONDS = 0.2; "
-                "from keel.cli import main; sys.exit(main(sys.argv[1:]))", "experiment", "depth", "--quick",
-                "--out", str(out), f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "depths=[4]",
-                "schemes=[keel]", "lrs=[0.003]", "seeds=[0]", "run.steps=1500", "curve_every=50"]
-
-    def point(out):
-        return json.loads(next(p for p in (out / "points").glob("*.json") if p.name != "config.json").read_text())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    assert subprocess.run(command(tmp_path / "whole"), env=env, capture_output=True).returncode == 0
     killed = tmp_path / "killed"
-    process = subprocess.Popen(command(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not any(int(p.name[5:]) >= 100 for p in killed.glob("points/*.partial/checkpoints/step_*")):
-        assert process.poll() is None and time.monotonic() < deadline, "the point ended before it could be killed"
-        time.sleep(0.05)
+    assert subprocess.run(experiment_command(corpus, tmp_path, tmp_path / "whole"), env=env,
+                          capture_output=True).returncode == 0
+    process = started_mid_point(experiment_command(corpus, tmp_path, killed), killed, env)
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert list(killed.glob("points/*.claim")) and not [p for p in killed.glob("points/*.json")
                                                          if p.name != "config.json"]
-    again = subprocess.run(command(killed), env=env, capture_output=True, text=True)
+    again = subprocess.run(experiment_command(corpus, tmp_path, killed), env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
-    resumed, whole = point(killed), point(tmp_path / "whole")
+    resumed, whole = the_point(killed), the_point(tmp_path / "whole")
     assert len(resumed["resumed_at"]) == 1 and 100 <= resumed["resumed_at"][0] < 1500
     assert f"continued from step {resumed['resumed_at'][0]}" in again.stderr
     assert numbers(resumed) == numbers(whole)
     assert not list(killed.glob("points/*.partial")) and not list(killed.glob("points/*.claim"))
+
+
+@pytest.mark.slow  # three `keel experiment` processes
+def test_a_sweep_process_stopped_with_sigterm_saves_at_the_step_it_reached_and_releases_its_claim(corpus, tmp_path):
+    """SIGTERM (how a session's end or a scheduler stops a sweep): one line, exit 130, the claim released, and the
+    point's progress saved at the step boundary it reached, from which the next process continues to the
+    uninterrupted numbers."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    stopped = tmp_path / "stopped"
+    assert subprocess.run(experiment_command(corpus, tmp_path, tmp_path / "whole"), env=env,
+                          capture_output=True).returncode == 0
+    process = started_mid_point(experiment_command(corpus, tmp_path, stopped), stopped, env, subprocess.PIPE)
+    process.send_signal(signal.SIGTERM)
+    err = process.communicate(timeout=120)[1]
+    assert process.returncode == 130, err
+    said = [line for line in err.splitlines() if "progress saved at step" in line]
+    assert len(said) == 1 and err.rstrip().endswith("keel: interrupted"), err
+    step = int(said[0].rsplit(" ", 1)[1])
+    assert [p.name for p in stopped.glob("points/*.partial/checkpoints/*")] == [f"step_{step:08d}"]
+    assert not list(stopped.glob("points/*.claim"))
+    again = subprocess.run(experiment_command(corpus, tmp_path, stopped), env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    resumed = the_point(stopped)
+    assert resumed["resumed_at"] == [step] and numbers(resumed) == numbers(the_point(tmp_path / "whole"))

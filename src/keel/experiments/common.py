@@ -23,6 +23,7 @@ import contextvars
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -47,6 +48,7 @@ from keel.train.guard import DivergenceGuard
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.reads import Reads
 from keel.train.step import TrainStep, build_model, on_device
+from keel.train.stop import DeferredStop
 
 
 def experiment_model() -> ModelConfig:
@@ -207,16 +209,33 @@ def train_curve(config: TrainConfig, eval_batches: int = 8, after_backward: Call
                      guard=guard, after_backward=after_backward)
     done, losses, lrs, before = progress or (0, [], [], 0.0)
     stopped, start = None, time.time()
-    for i in range(done, c.run.steps):
-        runtime.stop_if_signalled()
-        result = step(lambda: on_device(sampler.next_batch(), device), lr_at(i, c.run.steps, c.optim))
-        losses.append(result.loss)
-        lrs.append(result.lr)
-        if result.diverged is not None or (on_step is not None and on_step(i, built, result)):
-            stopped = i
-            break
-        if partial is not None and i + 1 < c.run.steps:
-            partial.maybe_save(i + 1, built, optimizer, sampler, guard, losses, lrs, before + time.time() - start)
+    # a point that keeps its progress takes SIGINT/SIGTERM at the next step boundary and saves there first, so a
+    # sweep stopped on purpose loses no training (a SIGKILL still loses up to partial.EVERY_SECONDS)
+    stop = DeferredStop().install() if partial is not None else None
+    try:
+        for i in range(done, c.run.steps):
+            if stop is not None and stop.signum is not None:
+                if i > done:
+                    partial.save(i, built, optimizer, sampler, guard, losses, lrs, before + time.time() - start)
+                    print(f"keel: {partial.path.name.removesuffix('.partial')}: progress saved at step {i}",
+                          file=sys.stderr, flush=True)
+                raise KeyboardInterrupt
+            runtime.stop_if_signalled()
+            result = step(lambda: on_device(sampler.next_batch(), device), lr_at(i, c.run.steps, c.optim))
+            losses.append(result.loss)
+            lrs.append(result.lr)
+            if result.diverged is not None or (on_step is not None and on_step(i, built, result)):
+                stopped = i
+                break
+            if partial is not None and i + 1 < c.run.steps:
+                partial.maybe_save(i + 1, built, optimizer, sampler, guard, losses, lrs, before + time.time() - start)
+    finally:
+        if stop is not None:
+            stop.restore()
+    if stop is not None and stop.signum is not None and not runtime.PENDING_SIGNALS:
+        # signalled during the last step (or one that ended the curve): the point finishes (its evaluation, its
+        # file) and the sweep stops at its next boundary
+        runtime.PENDING_SIGNALS.append(stop.signum)
     val = None
     if stopped is None and eval_batches:
         tokens = prepared.val if eval_tokens is None else eval_tokens

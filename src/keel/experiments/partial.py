@@ -4,8 +4,9 @@ point where it was instead of training it again from step 0.
 `Sweep` runs each point with `<out>/points/<key>.partial` as its partial directory (`partial_dir()`) and removes
 it once the point's file is written. A point that opts in (`budget_point`) passes a `Partial` to `train_curve`,
 which writes one keel checkpoint there (keel.train.checkpoint: atomic, checksummed, tensors only) at most every
-`EVERY_SECONDS`, holding the weights, the optimiser, the sampler, the torch RNG, the guard's history, the losses
-and LRs so far, the seconds trained and the caller's own state (e.g. budget_point's report-half curve). A process
+`EVERY_SECONDS` and at the step boundary where SIGINT/SIGTERM stops it, holding the weights, the optimiser, the
+sampler, the torch RNG, the guard's history, the losses and LRs so far, the seconds trained and the caller's own
+state (e.g. budget_point's report-half curve). A process
 that later runs the same point finds it and trains on from its step: on a CPU every later number is bit for bit
 the uninterrupted point's (tests/test_point_resume.py), so a resumed point is the same point. A partial of another
 configuration or computed otherwise (`identity`: the point's config, threads, device, torch and keel versions), or
@@ -112,8 +113,11 @@ class Partial:
                    seconds: float) -> None:
         """Save after `steps` steps if `every_seconds` have passed since the last save (or the start)."""
         every = EVERY_SECONDS if self.every_seconds is None else self.every_seconds
-        if time.monotonic() - self._saved_at < every:
-            return
+        if time.monotonic() - self._saved_at >= every:
+            self.save(steps, model, optimizer, sampler, guard, losses, lrs, seconds)
+
+    def save(self, steps: int, model, optimizer, sampler, guard, losses: list, lrs: list, seconds: float) -> None:
+        """Save the progress after `steps` steps now (`maybe_save` on its clock; `train_curve` when signalled)."""
         device = next(model.parameters()).device
         state = {"optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
                  "torch_rng": torch.get_rng_state()}
