@@ -1,4 +1,4 @@
-"""Helpers for tests that damage a run directory or a checkpoint on purpose."""
+"""Helpers for tests that damage a run directory or a checkpoint on purpose, and the one-line refusal they expect."""
 
 import hashlib
 import json
@@ -7,7 +7,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from keel.cli import main
 from keel.train import checkpoint
+
+
+def refused(capsys, name: str, *argv) -> str:
+    """The `keel` command `argv` exits 2 with exactly one `keel: error:` line, naming `name`, and no traceback."""
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("keel: error:")]
+    assert code == 2 and len(lines) == 1 and name in lines[0], err
+    return lines[0]
 
 
 def sha(path: Path) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from damage import rechecksum
+from damage import rechecksum, refused
 from keel.cli import main
 
 
@@ -55,14 +55,6 @@ def keel(capsys, *argv) -> tuple[int, str]:
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return code, err
-
-
-def refused(capsys, name: str, *argv) -> str:
-    code, err = keel(capsys, *argv)
-    assert code == 2, err
-    lines = [line for line in err.splitlines() if line.startswith("keel: error:")]
-    assert len(lines) == 1 and name in lines[0], err
-    return lines[0]
 
 
 def plant(run: Path, name: str, target: Path) -> None:

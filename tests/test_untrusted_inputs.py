@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from damage import refused
 from keel.cli import main
 
 
@@ -32,16 +33,6 @@ def run(trained, tmp_path) -> Path:
     shutil.copytree(trained, copy, symlinks=True)
     (copy / ".lock").unlink(missing_ok=True)
     return copy
-
-
-def refused(capsys, name: str, *argv) -> str:
-    """The command exits 2 with exactly one `keel: error:` line, naming `name`, and no traceback."""
-    code = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.startswith("keel: error:")]
-    assert code == 2 and len(lines) == 1 and name in lines[0], err
-    return lines[0]
 
 
 def edit_config(run: Path, **fields) -> None:
