@@ -217,8 +217,7 @@ def train_curve(config: TrainConfig, eval_batches: int = 8, after_backward: Call
             if stop is not None and stop.signum is not None:
                 if i > done:
                     partial.save(i, built, optimizer, sampler, guard, losses, lrs, before + time.time() - start)
-                    print(f"keel: {partial.path.name.removesuffix('.partial')}: progress saved at step {i}",
-                          file=sys.stderr, flush=True)
+                    print(f"keel: {partial.key}: progress saved at step {i}", file=sys.stderr, flush=True)
                 raise KeyboardInterrupt
             runtime.stop_if_signalled()
             result = step(lambda: on_device(sampler.next_batch(), device), lr_at(i, c.run.steps, c.optim))

@@ -6,11 +6,11 @@ it once the point's file is written. A point that opts in (`budget_point`) passe
 which writes one keel checkpoint there (keel.train.checkpoint: atomic, checksummed, tensors only) at most every
 `EVERY_SECONDS` and at the step boundary where SIGINT/SIGTERM stops it, holding the weights, the optimiser, the
 sampler, the torch RNG, the guard's history, the losses and LRs so far, the seconds trained and the caller's own
-state (e.g. budget_point's report-half curve). A process
-that later runs the same point finds it and trains on from its step: on a CPU every later number is bit for bit
-the uninterrupted point's (tests/test_point_resume.py), so a resumed point is the same point. A partial of another
-configuration or computed otherwise (`identity`: the point's config, threads, device, torch and keel versions), or
-one that does not load, is discarded with one line, and the point starts over.
+state (e.g. budget_point's report-half curve). A process that later runs the same point finds it and trains on
+from its step: on a CPU every later number is bit for bit the uninterrupted point's (tests/test_point_resume.py),
+so a resumed point is the same point. A partial of another configuration or computed otherwise (`identity`: the
+point's config, threads, device, torch and keel versions), or one that does not load, is discarded with one line,
+and the point starts over.
 """
 
 from __future__ import annotations
@@ -72,6 +72,11 @@ class Partial:
         self.identity = {"point": self.identity, "threads": torch.get_num_threads(), "torch": torch.__version__,
                          "keel": __version__}
 
+    @property
+    def key(self) -> str:
+        """The point's key, as the sweep names its file."""
+        return self.path.name.removesuffix(".partial")
+
     def restore(self, model, optimizer, sampler, guard) -> tuple[int, list, list, float] | None:
         """Load the saved progress into the freshly built objects; (steps done, losses, lrs, seconds trained), or
         None when there is none to continue. Progress of another configuration, or that does not load, is
@@ -104,8 +109,8 @@ class Partial:
                 raise CheckpointError(f"{self.path}: cannot be removed; remove it and run the sweep again") from None
             raise Discarded from None
         self.resumed_at = list(meta.get("resumed_at", [])) + [progress[0]]
-        print(f"keel: {self.path.name.removesuffix('.partial')}: continued from step {progress[0]} (its saved "
-              "progress)", file=sys.stderr, flush=True)
+        print(f"keel: {self.key}: continued from step {progress[0]} (its saved progress)", file=sys.stderr,
+              flush=True)
         self._saved_at = time.monotonic()
         return progress
 
