@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -19,6 +20,25 @@ def refused(capsys, name: str, *argv) -> str:
     lines = [line for line in err.splitlines() if line.startswith("keel: error:")]
     assert code == 2 and len(lines) == 1 and name in lines[0], err
     return lines[0]
+
+
+def tiny_run(root: Path, corpus: Path, *overrides: str, evaluate: bool = False) -> Path:
+    """`keel train --preset tiny` on `corpus` as the run `base` under `root` (its token cache there too), with
+    `overrides`; with `evaluate`, then `keel eval` on one batch (an eval result beside the checkpoints)."""
+    run = root / "runs" / "base"
+    assert main(["train", "--preset", "tiny", f"data.source={corpus}", f"data.cache_dir={root / 'cache'}",
+                 f"run.out_dir={root / 'runs'}", "run.name=base", "run.progress=false", *overrides]) == 0
+    if evaluate:
+        assert main(["eval", str(run), "--batches", "1", "--device", "cpu"]) == 0
+    return run
+
+
+def victim(trained: Path, tmp_path: Path) -> Path:
+    """A copy of the run `trained` to damage (links copied as links), its lock released."""
+    copy = tmp_path / "runs" / "victim"
+    shutil.copytree(trained, copy, symlinks=True)
+    (copy / ".lock").unlink(missing_ok=True)
+    return copy
 
 
 def sha(path: Path) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from damage import tiny_run
 from keel.cli import main
 
 MARK = "CANARY-7f3a"
@@ -46,13 +47,8 @@ FAST = {"runs", "summary"}  # the rest train, evaluate or draw: the slow tier
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory) -> Path:
     """A tiny run trained for 2 steps with telemetry, then evaluated: every kind of file a run holds."""
-    root = tmp_path_factory.mktemp("trained")
-    assert main(["train", "--preset", "tiny", f"data.source={corpus}", f"data.cache_dir={root / 'cache'}",
-                 f"run.out_dir={root / 'runs'}", "run.name=base", "run.steps=2", "run.ckpt_every=2",
-                 "run.eval_every=2", "run.telemetry_every=1", "run.progress=false"]) == 0
-    run = root / "runs" / "base"
-    assert main(["eval", str(run), "--batches", "1", "--device", "cpu"]) == 0
-    return run
+    return tiny_run(tmp_path_factory.mktemp("trained"), corpus, "run.steps=2", "run.ckpt_every=2", "run.eval_every=2",
+                    "run.telemetry_every=1", evaluate=True)
 
 
 def _mark(path: Path) -> None:

@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from damage import rechecksum
+from damage import rechecksum, tiny_run
 from keel.cli import main
 
 pytestmark = pytest.mark.slow
@@ -39,12 +39,8 @@ CONTENT = st.one_of(st.binary(max_size=300), st.lists(JSON.map(json.dumps), max_
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory) -> Path:
     """A tiny run of 4 steps: checkpoints at 2 and 4, telemetry, an evaluation result."""
-    root = tmp_path_factory.mktemp("trained")
-    assert main(["train", "--preset", "tiny", f"data.source={corpus}", f"data.cache_dir={root / 'cache'}",
-                 f"run.out_dir={root / 'runs'}", "run.name=base", "run.steps=4", "run.ckpt_every=2",
-                 "run.eval_every=2", "run.telemetry_every=2", "run.progress=false"]) == 0
-    run = root / "runs" / "base"
-    assert main(["eval", str(run), "--batches", "1", "--device", "cpu"]) == 0
+    run = tiny_run(tmp_path_factory.mktemp("trained"), corpus, "run.steps=4", "run.ckpt_every=2", "run.eval_every=2",
+                   "run.telemetry_every=2", evaluate=True)
     (run / ".lock").unlink()
     return run
 

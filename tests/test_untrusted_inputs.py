@@ -13,26 +13,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from damage import refused
+from damage import refused, tiny_run, victim
 from keel.cli import main
 
 
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory) -> Path:
     """A tiny run trained for 2 steps on a corpus outside it, with its token cache outside it."""
-    root = tmp_path_factory.mktemp("trained")
-    assert main(["train", "--preset", "tiny", f"data.source={corpus}", f"data.cache_dir={root / 'cache'}",
-                 f"run.out_dir={root / 'runs'}", "run.name=base", "run.steps=2", "run.ckpt_every=2",
-                 "run.eval_every=2", "run.progress=false"]) == 0
-    return root / "runs" / "base"
+    return tiny_run(tmp_path_factory.mktemp("trained"), corpus, "run.steps=2", "run.ckpt_every=2", "run.eval_every=2")
 
 
 @pytest.fixture
 def run(trained, tmp_path) -> Path:
-    copy = tmp_path / "runs" / "victim"
-    shutil.copytree(trained, copy, symlinks=True)
-    (copy / ".lock").unlink(missing_ok=True)
-    return copy
+    return victim(trained, tmp_path)
 
 
 def edit_config(run: Path, **fields) -> None:
