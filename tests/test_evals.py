@@ -16,6 +16,7 @@ from keel.data.tokenizer import ByteTokenizer
 from keel.errors import ConfigError
 from keel.evals.probes import doc_sha
 from keel.model import ModelConfig, TransformerLM
+from mc_task import write_local_task
 
 VERBS = ["get", "set", "make", "read", "load", "save", "find", "drop"]
 NOUNS = ["item", "node", "path", "user", "file", "page", "list", "word", "line", "name"]
@@ -203,31 +204,6 @@ def test_a_trained_tiny_model_beats_chance_and_an_untrained_one_does_not(data):
 
 
 # ---- lm-evaluation-harness -------------------------------------------------------------------------
-
-def write_local_task(folder) -> str:
-    """The multiple-choice task of tests/test_hf_lm_eval.py, as a YAML file in `folder`; returns its path."""
-    from test_hf_lm_eval import QUESTIONS
-
-    folder.mkdir(parents=True, exist_ok=True)
-    rows = [{"question": q, "choices": c[-(i % 4):] + c[:-(i % 4)] if i % 4 else c, "answer": i % 4}
-            for i, (q, c) in enumerate(QUESTIONS)]
-    (folder / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "tiny_mc.yaml").write_text(f"""task: keel_tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {folder / 'data.jsonl'}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: answer
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-""")
-    return str(folder / "tiny_mc.yaml")
-
 
 @pytest.mark.slow
 def test_an_lm_eval_task_on_the_model_object_equals_keel_lm_eval_on_the_saved_run(tmp_path, make_run, capsys):

@@ -34,7 +34,8 @@ def _worker(rank: int, port: int, data: dict, task_yaml: str | None, out: str) -
 
 
 def test_two_processes_give_the_score_of_one(tmp_path, spawn):
-    from test_evals import tiny, write_corpus, write_local_task
+    from mc_task import write_local_task
+    from test_evals import tiny, write_corpus
 
     task_yaml = None
     try:

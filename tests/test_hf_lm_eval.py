@@ -9,21 +9,10 @@ import torch
 from keel.cli import main
 from keel.data.tokenizer import ByteTokenizer
 from keel.train.run_dir import load_model as load_run
+from mc_task import ROWS, write_local_task
 
 pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
-
-
-QUESTIONS = [
-    ("def add(a, b):", ["return a + b", "import os", "while True", "pass  # no"]),
-    ("for i in", ["range(10):", "42", "None", "]["]),
-    ("import", ["sys", "(((", "12345", "= =", ]),
-    ("class Point", ["(object):", ";;", "0x", "else"]),
-    ("print(", ["'hello')", "}}", "\\n", "#"]),
-    ("x = [1, 2,", ["3]", "def", "{", "import"]),
-    ("if x is", ["None:", "7", "((", "return"]),
-    ("while", [" True:", "0.5", "->", "@"]),
-]
 
 
 def log_likelihood(model, context: str, continuation: str) -> float:
@@ -37,30 +26,13 @@ def log_likelihood(model, context: str, continuation: str) -> float:
 @pytest.mark.slow
 def test_lm_eval_on_a_local_task_matches_our_own_scoring(tmp_path, monkeypatch, capsys, make_run):
     tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    answers = [i % 4 for i in range(len(QUESTIONS))]  # the right choice moved around, so acc is not trivial
-    rows = [{"question": q, "choices": c[-a:] + c[:-a] if a else c, "answer": a}
-            for (q, c), a in zip(QUESTIONS, answers)]
-    (tasks / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tasks / "tiny_mc.yaml").write_text(f"""task: keel_tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {tasks / 'data.jsonl'}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: answer
-metric_list:
-  - metric: acc
-""")
+    write_local_task(tasks)
     make_run(tmp_path / "run")
     _, model, _, _ = load_run(tmp_path / "run")
     model.eval()
     # the harness scores " " + choice after the question (its default target delimiter) and picks the best
-    picks = [max(range(4), key=lambda j: log_likelihood(model, r["question"], " " + r["choices"][j])) for r in rows]
-    expected = sum(p == r["answer"] for p, r in zip(picks, rows)) / len(rows)
+    picks = [max(range(4), key=lambda j: log_likelihood(model, r["question"], " " + r["choices"][j])) for r in ROWS]
+    expected = sum(p == r["answer"] for p, r in zip(picks, ROWS)) / len(ROWS)
 
     capsys.readouterr()
     assert main(["lm-eval", str(tmp_path / "run"), "--tasks", "keel_tiny_mc", "--include-path", str(tasks),
