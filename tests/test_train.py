@@ -29,6 +29,21 @@ class Killed(Exception):
     """Stands for the process dying: nothing is saved on the way out."""
 
 
+def straight_and_killed(trainer_for, *extra: str) -> Trainer:
+    """Train the run `straight` to its end, and the same run `killed`, which dies after step 13; the latter is
+    returned unresumed."""
+    trainer_for(*extra, name="straight").run()
+
+    def kill(trainer, step):
+        if step == 13:
+            raise Killed
+
+    killed = trainer_for(*extra, name="killed", callbacks=[kill])
+    with pytest.raises(Killed):
+        killed.run()
+    return killed
+
+
 @pytest.mark.slow
 def test_pulse_the_real_entry_point_trains_and_the_loss_falls(args, tmp_path):
     keel = shutil.which("keel", path=os.path.dirname(sys.executable)) or shutil.which("keel")
@@ -55,16 +70,7 @@ def test_pulse_the_real_entry_point_trains_and_the_loss_falls(args, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("dropout", ["0.0", "0.2"])  # with dropout, the torch RNG the checkpoint restores draws masks
 def test_resume_after_a_kill_reproduces_the_uninterrupted_losses(dropout, trainer_for):
-    extra = ("run.ckpt_every=5", f"model.dropout={dropout}")
-    trainer_for(*extra, name="straight").run()
-
-    def kill(trainer, step):
-        if step == 13:
-            raise Killed
-
-    killed = trainer_for(*extra, name="killed", callbacks=[kill])
-    with pytest.raises(Killed):
-        killed.run()
+    killed = straight_and_killed(trainer_for, "run.ckpt_every=5", f"model.dropout={dropout}")
     assert [p.name for p in checkpoint.list_checkpoints(killed.run_dir)][-1] == "step_00000010"
     assert main(["train", f"resume={killed.run_dir}", "run.progress=false"]) == 0
     straight = losses(killed.run_dir.parent / "straight")
@@ -85,15 +91,7 @@ def test_a_run_with_torchaos_adamw_resumes_after_a_kill_to_the_uninterrupted_los
     checkpoint restores, so a resumed bf16-weight run rounds as the uninterrupted one did."""
     pytest.importorskip("torchao")
     extra = ("run.ckpt_every=5", *TORCHAO_OPTIONS[option])
-    trainer_for(*extra, name="straight").run()
-
-    def kill(trainer, step):
-        if step == 13:
-            raise Killed
-
-    killed = trainer_for(*extra, name="killed", callbacks=[kill])
-    with pytest.raises(Killed):
-        killed.run()
+    killed = straight_and_killed(trainer_for, *extra)
     assert main(["train", f"resume={killed.run_dir}", "run.progress=false"]) == 0
     assert losses(killed.run_dir) == losses(killed.run_dir.parent / "straight")  # bit for bit
     weights = load_file(checkpoint.list_checkpoints(killed.run_dir)[-1] / "model.safetensors")
