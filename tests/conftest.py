@@ -10,6 +10,7 @@ runs everything that runs on a CPU, as CI does; `python -m pytest -q -m gpu` on 
 
 from __future__ import annotations
 
+import faulthandler
 import inspect
 import os
 import socket
@@ -102,6 +103,13 @@ def make_run():
     return make
 
 
+def _traced(rank: int, worker, port: int, *args) -> None:
+    """`worker` in a spawned process with faulthandler on: if C++ aborts it (SIGABRT), the test's captured
+    stderr gets every thread's Python stack, not only the signal's name."""
+    faulthandler.enable(all_threads=True)
+    worker(rank, port, *args)
+
+
 @pytest.fixture(scope="session")
 def spawn():
     """`spawn(worker, *args, nprocs=2)`: run `worker(rank, port, *args)` in `nprocs` fresh processes (a free
@@ -112,7 +120,8 @@ def spawn():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        context = mp.start_processes(worker, args=(port, *args), nprocs=nprocs, join=False, start_method="spawn")
+        context = mp.start_processes(_traced, args=(worker, port, *args), nprocs=nprocs, join=False,
+                                     start_method="spawn")
         deadline = time.monotonic() + timeout
         try:  # each join returns when some worker ends (raising if it failed): wait for all, up to the deadline
             while not context.join(timeout=max(0.1, deadline - time.monotonic())):

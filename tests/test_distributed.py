@@ -73,6 +73,7 @@ def _worker(rank: int, port: int, world: int, out: str) -> None:
             torch.save({"loss": loss.detach(), "grads": grads, "weights": weights, "stream": stream, "val": val,
                         "bf16_loss": bf16_loss.detach(), "branch": branch},
                        Path(out) / "rank0.pt")
+        dist.barrier()  # every rank done before any tears its group down
     finally:
         dist.destroy_process_group()
 

@@ -29,6 +29,7 @@ def _worker(rank: int, port: int, data: dict, task_yaml: str | None, out: str) -
         scores = evals.score(tiny(), evals.resolve(names(task_yaml)), DataConfig(**data), ByteTokenizer(),
                              max_items=MAX_ITEMS, device="cpu")
         Path(out, f"rank{rank}.json").write_text(json.dumps(scores))
+        dist.barrier()  # every rank done before any tears its group down
     finally:
         dist.destroy_process_group()
 

@@ -310,6 +310,7 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
                  for n, p in model.named_parameters()}
         if rank == 0:
             torch.save({"loss": loss.detach(), "grads": grads, "fused": fused}, out)
+        dist.barrier()  # every rank done before any tears its group down
     finally:
         dist.destroy_process_group()
 

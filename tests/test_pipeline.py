@@ -76,6 +76,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                 checkpoint.save_sharded(Path(out) / "run", 1, model, optimizer, {}, {"draws": 1}, keep=1,
                                         main=rank == 0)
         torch.save(got, Path(out) / f"rank{rank}.pt")
+        dist.barrier()  # every rank done before any tears its group down
     finally:
         dist.destroy_process_group()
 
@@ -287,6 +288,7 @@ def _dp_worker(rank: int, port: int, out: str) -> None:
                 checkpoint.save_sharded(Path(out) / "run", 1, model, optimizer, {}, {"draws": 1}, keep=1,
                                         main=rank == 0)
         torch.save(got, Path(out) / f"rank{rank}.pt")
+        dist.barrier()  # every rank done before any tears its group down
     finally:
         dist.destroy_process_group()
 

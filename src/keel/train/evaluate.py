@@ -118,6 +118,7 @@ def evaluate_run(run_dir, checkpoint: str | None = None, split: str = "val", bat
         result = evaluate(model, tokens, config.run.seq_len, global_batch,
                           batches or config.run.eval_batches, dev, autocast, bytes_per_token(tokenizer), world,
                           replica, replicas)
+        distributed.barrier(world)  # every rank leaves together (Trainer._leave_group says why)
     finally:
         distributed.close(world)
     return {"checkpoint": str(path), "split": split, **result}
