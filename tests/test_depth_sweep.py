@@ -3,6 +3,7 @@ the whole tuning and marginal logic end to end on made-up losses (no training), 
 
 import json
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -270,6 +271,41 @@ def test_the_sweep_tunes_each_arm_by_the_rule_and_adds_seeds_to_marginal_tests(t
     fake_point.calls = []
     ds.run(cfg, tmp_path, "keel experiment depth-sweep")
     assert fake_point.calls == []
+
+
+
+def test_an_arm_whose_round_is_done_goes_on_while_another_arms_last_point_still_trains(tmp_path, monkeypatch):
+    """Two processes (here threads) share a depth's points: while one trains DeepNorm's last first-round point, the
+    other must go on to Keel's next LR (its first round done, at the grid's top) rather than wait for it; each arm's
+    choice is the same as one process running everything in order."""
+    from keel.experiments.sweep import Sweep
+
+    fake_point.calls, started = [], threading.Event()
+
+    def point(cfg, model_cfg, lr, seed):
+        if (model_cfg.scheme, lr, seed) == ("keel", 0.0333333, 0):  # Keel's grown LR: only after its first round
+            started.set()
+        if (model_cfg.scheme, lr, seed) == ("deepnorm", 0.01, 2):  # DeepNorm's last first-round point, slow
+            point.waited = not started.wait(timeout=30)
+        return fake_point(cfg, model_cfg, lr, seed)
+    point.waited = None
+    monkeypatch.setattr(ds, "budget_point", point)
+    cfg, tuned = DepthSweepConfig(depths=[16]), [None, None]
+
+    def process(i):
+        tuned[i] = ds.tune_depth(cfg, Sweep(tmp_path / "shared", cfg, poll_seconds=0.01), 16, {})
+    threads = [threading.Thread(target=process, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert point.waited is False  # Keel's grown point started while DeepNorm's last point trained
+    assert len(fake_point.calls) == len(set(fake_point.calls))  # every point trained once between the two
+
+    monkeypatch.setattr(ds, "budget_point", fake_point)
+    alone = ds.tune_depth(cfg, Sweep(tmp_path / "alone", cfg, poll_seconds=0.01), 16, {})
+    assert tuned[0] == tuned[1] == alone
+    assert alone["keel"]["lr"] == 0.0333333 and alone["deepnorm"]["lr_grid"]["added"] == [0.000333333]
 
 
 @pytest.mark.slow

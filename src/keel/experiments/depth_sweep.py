@@ -142,10 +142,15 @@ def tune_depth(cfg: DepthSweepConfig, sweep: Sweep, depth: int, points: dict) ->
     searches = {s: tune_arm(cfg, s, lambda lr, w, s=s: mean_select(cfg, points, s, depth, lr, w))
                 for s in cfg.schemes}
 
-    def run_round(asked: dict[str, list[tuple[float, int]]]) -> None:
-        points.update(sweep.run({key(s, depth, lr, w, seed): _job(cfg, s, depth, lr, w, seed)
-                                 for s, hps in asked.items() for lr, w in hps for seed in cfg.seeds},
-                                f"depth-sweep {depth} sub-layers"))
+    def run_round(asked: dict[str, list[tuple[float, int]]]) -> set[str]:
+        # returns once some arm has all its points (run_searches advances that one), so a process never waits
+        # for another arm's last point while an arm whose round is done has new points to run
+        jobs = {s: {key(s, depth, lr, w, seed): _job(cfg, s, depth, lr, w, seed) for lr, w in hps for seed in cfg.seeds}
+                for s, hps in asked.items()}
+        got = sweep.run({k: job for arm in jobs.values() for k, job in arm.items()}, f"depth-sweep {depth} sub-layers",
+                        enough=lambda done: any(arm.keys() <= done.keys() for arm in jobs.values()))
+        points.update(got)
+        return {s for s, arm in jobs.items() if arm.keys() <= got.keys()}
     return run_searches(searches, run_round)
 
 

@@ -97,16 +97,22 @@ def search_grid(grid: Grid, hp: Callable[[float], tuple], score: Callable[..., f
     return grid.choice(lambda v: score(*hp(v)))
 
 
-def run_searches(searches: dict, run: Callable[[dict], None]) -> dict:
-    """Several arms' searches side by side: each round, what every unfinished search asks for goes to `run`
-    ({arm: [hp, ...]}) at once, so a sweep runs those points together (two processes share them). Returns each
-    search's result with the hyper-parameters it asked for ("tried", in order)."""
+def run_searches(searches: dict, run: Callable[[dict], set | None]) -> dict:
+    """Several arms' searches side by side: what every unfinished search asks for goes to `run` ({arm: [hp,
+    ...]}) at once, so a sweep runs those points together (two processes share them). `run` returns the arms whose
+    points are all done (None: all of them); only those advance, the others ask again for what they still need,
+    so an arm whose round is done goes on while another's last point still trains. Each arm's choice depends on
+    its own points alone, so it is the same in whatever order arms finish. Returns each search's result with the
+    hyper-parameters it asked for ("tried", in order)."""
     asked = {arm: next(search) for arm, search in searches.items()}
     tried, done = {arm: [] for arm in searches}, {}
     while asked:
-        run(asked)
+        finished = run(asked)
         following = {}
         for arm, hps in asked.items():
+            if finished is not None and arm not in finished:
+                following[arm] = hps
+                continue
             tried[arm] += [hp for hp in hps if hp not in tried[arm]]
             try:
                 following[arm] = next(searches[arm])

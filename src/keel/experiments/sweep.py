@@ -70,7 +70,12 @@ may keep its progress (keel.experiments.partial), so that the process that next 
         return {"compile": bool(getattr(run, "compile", False)), "threads": torch.get_num_threads(),
                 "eager_fallbacks": _eager_fallbacks()}
 
-    def run(self, points: dict[str, Callable[[], dict]], desc: str) -> dict[str, dict]:
+    def run(self, points: dict[str, Callable[[], dict]], desc: str,
+            enough: Callable[[dict[str, dict]], bool] | None = None) -> dict[str, dict]:
+        """Every point of `points` done (trained here, or by another process, or found on disk), keyed as
+        given. With `enough`, returns as soon as `enough(done so far)` holds instead: the points not yet done
+        are left to a later call (or to the process that claimed them), so a caller whose arms advance
+        independently does not wait for the slowest one (`keel.experiments.grid.run_searches`)."""
         (self.out / "points").mkdir(parents=True, exist_ok=True)
         recorded, mine = self.out / "points" / "config.json", json.loads(json.dumps(asdict(self.config)))
         theirs = upgrade_recorded(json.loads(recorded.read_text())) if recorded.exists() else None
@@ -112,6 +117,9 @@ may keep its progress (keel.experiments.partial), so that the process that next 
                 discard(self.out / "points" / f"{key}.partial")  # left if a process died just after the point
                 results[key] = json.loads(path.read_text())
                 bar.update()
+                if enough is not None and enough(results):
+                    bar.close()
+                    return results
             if elsewhere and len(elsewhere) == len(pending):
                 bar.set_postfix_str(f"waiting for {len(elsewhere)} point(s) another process runs")
                 time.sleep(self.poll_seconds)
