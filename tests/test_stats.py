@@ -139,6 +139,28 @@ def test_two_processes_running_one_sweep_train_each_point_once(tmp_path):
     assert not list(tmp_path.glob("points/*.claim"))
 
 
+def test_a_sweep_with_enough_hands_back_the_saved_points_before_training_and_stops_once_enough_is_done(tmp_path):
+    ran = []
+
+    def job(name):
+        def run():
+            ran.append(name)
+            return {"name": name}
+        return run
+    sweep = Sweep(tmp_path, _Cfg(), poll_seconds=0.01)
+    sweep.run({"b0": job("b0"), "b1": job("b1")}, "saved before")
+    ran.clear()
+    # arm a's points come first but are not saved; arm b's are: enough (an arm complete) holds before any training
+    points = {"a0": job("a0"), "a1": job("a1"), "b0": job("b0"), "b1": job("b1")}
+    arm_done = lambda done: {"a0", "a1"} <= done.keys() or {"b0", "b1"} <= done.keys()  # noqa: E731
+    assert set(sweep.run(points, "sweep", enough=arm_done)) == {"b0", "b1"} and ran == []
+    # without b, it trains a's two points and stops there: c's point is left to a later call
+    points = {"a0": job("a0"), "a1": job("a1"), "c0": job("c0")}
+    assert set(sweep.run(points, "sweep", enough=lambda done: {"a0", "a1"} <= done.keys())) == {"a0", "a1"}
+    assert ran == ["a0", "a1"] and not (tmp_path / "points" / "c0.json").exists()
+    assert set(sweep.run(points, "sweep")) == {"a0", "a1", "c0"} and ran == ["a0", "a1", "c0"]
+
+
 def test_a_sweep_stops_between_points_when_its_signal_was_swallowed_by_a_finaliser(tmp_path, capsys, monkeypatch):
     """`keel experiment` killed just as a point finished: SIGTERM lands while Python frees that point's objects, in
     a `__del__`, whose KeyboardInterrupt Python only prints (the likely reason a real sweep trained on for an hour

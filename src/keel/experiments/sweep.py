@@ -89,10 +89,12 @@ may keep its progress (keel.experiments.partial), so that the process that next 
                 mine["seeds"] = sorted(set(theirs.get("seeds", [])) | set(mine["seeds"]))
         if mine != theirs:
             _write_atomic(recorded, json.dumps(mine, indent=1))
-        saved = sum((self.out / "points" / f"{key}.json").exists() for key in points)
-        if saved:
-            print(f"{desc}: reused {saved} of {len(points)} saved points from {self.out / 'points'}", flush=True)
-        results, pending = {}, dict(points)
+        # the points already on disk first: with `enough`, an arm whose points are all saved is handed back before
+        # this process starts an hour-long point of another
+        on_disk = {key for key in points if (self.out / "points" / f"{key}.json").exists()}
+        if on_disk:
+            print(f"{desc}: reused {len(on_disk)} of {len(points)} saved points from {self.out / 'points'}", flush=True)
+        results, pending = {}, {key: points[key] for key in sorted(points, key=lambda k: k not in on_disk)}
         bar = tqdm(total=len(points), desc=desc, file=sys.stdout, dynamic_ncols=True)
         while pending:
             elsewhere = {}  # points another process is running: read them when they are done
