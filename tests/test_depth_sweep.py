@@ -273,7 +273,6 @@ def test_the_sweep_tunes_each_arm_by_the_rule_and_adds_seeds_to_marginal_tests(t
     assert fake_point.calls == []
 
 
-
 def test_an_arm_whose_round_is_done_goes_on_while_another_arms_last_point_still_trains(tmp_path, monkeypatch):
     """Two processes (here threads) share a depth's points: while one trains DeepNorm's last first-round point, the
     other must go on to Keel's next LR (its first round done, at the grid's top) rather than wait for it; each arm's

@@ -147,10 +147,12 @@ def tune_depth(cfg: DepthSweepConfig, sweep: Sweep, depth: int, points: dict) ->
         # for another arm's last point while an arm whose round is done has new points to run
         jobs = {s: {key(s, depth, lr, w, seed): _job(cfg, s, depth, lr, w, seed) for lr, w in hps for seed in cfg.seeds}
                 for s, hps in asked.items()}
+        def complete(done: dict) -> set[str]:
+            return {s for s, arm in jobs.items() if arm.keys() <= done.keys()}
         got = sweep.run({k: job for arm in jobs.values() for k, job in arm.items()}, f"depth-sweep {depth} sub-layers",
-                        enough=lambda done: any(arm.keys() <= done.keys() for arm in jobs.values()))
+                        enough=lambda done: bool(complete(done)))
         points.update(got)
-        return {s for s, arm in jobs.items() if arm.keys() <= got.keys()}
+        return complete(got)
     return run_searches(searches, run_round)
 
 
