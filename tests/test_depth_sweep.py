@@ -273,6 +273,38 @@ def test_the_sweep_tunes_each_arm_by_the_rule_and_adds_seeds_to_marginal_tests(t
     assert fake_point.calls == []
 
 
+def test_a_depth_of_lrs_from_previous_starts_each_grid_at_the_choice_before_it(tmp_path, monkeypatch):
+    """Rule 21's amendment: at a depth of lrs_from_previous an arm's LR grid starts at its choice at the depth run
+    before and that choice's neighbours there (past a bound: by the same factor), then grows by the rule."""
+    fake_point.calls = []
+    monkeypatch.setattr(ds, "budget_point", fake_point)
+    monkeypatch.setattr(ds, "unigram_level", lambda cfg: 3.3)
+    res = ds.run(DepthSweepConfig(depths=[64, 16], lrs_from_previous=[16]), tmp_path, "keel experiment depth-sweep")
+    at16 = res["arms"][16]
+    # written out from the choices at 64 (test_the_sweep_tunes_each_arm_by_the_rule_... checks those): Keel 0.0333333
+    # inside [.., 0.01, 0.0333333, 0.111111]; Pre-LN 0.003; Post-LN 0.01 from its grid again at warm-up 3000
+    # [0.001, 0.003, 0.01, 0.0333333]; DeepNorm (diverging everywhere) 0.000111111, the low bound, whose neighbour
+    # below is 0.000111111^2 / 0.000333333
+    assert {s: a["lr_start"] for s, a in at16.items()} == {
+        "keel": [0.01, 0.0333333, 0.111111], "pre_ln": [0.001, 0.003, 0.01],
+        "post_ln": [0.003, 0.01, 0.0333333], "deepnorm": [3.7037e-05, 0.000111111, 0.000333333]}
+    # then the rule: Keel and Pre-LN interior at once; Post-LN's LR at warm-up 100 falls to its optimum 0.003
+    # (0.0009 added), its warm-up goes to 3000, its LR again from the same start is 0.01; DeepNorm climbs to 0.001
+    assert (at16["keel"]["lr"], at16["keel"]["lr_grid"]["added"], at16["pre_ln"]["lr"]) == (0.0333333, [], 0.003)
+    post = at16["post_ln"]
+    assert (post["lr"], post["warmup"], post["warmup_chosen_at_lr"]) == (0.01, 3000, 0.003)
+    assert post["lr_grid"]["added"] == [0.0009] and post["lr_grid_again"]["added"] == []
+    assert (at16["deepnorm"]["lr"], at16["deepnorm"]["lr_grid"]["added"]) == (0.001, [0.001, 0.003])
+    ran16 = {(s, lr) for s, d, lr, w, seed in fake_point.calls if d == 16}
+    assert ("keel", 0.001) not in ran16 and ("deepnorm", 0.01) not in ran16  # the fixed grid's ends, not run
+    report = (tmp_path / "report.md").read_text()
+    assert "| 16 | Keel | 0.0333333; grid from 0.01, 0.0333333, 0.111111 |" in report
+    assert "(at 16 sub-layers: from the arm's choice at the depth run before" in report
+    assert "| 64 | Keel | 0.0333333; added 0.0333333, 0.111111 |" in report  # 64 from `lrs`, as before
+    with pytest.raises(ConfigError, match="lrs_from_previous cannot hold the first depth run"):
+        ds.check(DepthSweepConfig(depths=[64, 16], lrs_from_previous=[64]))
+
+
 def test_an_arm_whose_round_is_done_goes_on_while_another_arms_last_point_still_trains(tmp_path, monkeypatch):
     """Two processes (here threads) share a depth's points: while one trains DeepNorm's last first-round point, the
     other must go on to Keel's next LR (its first round done, at the grid's top) rather than wait for it; each arm's

@@ -4,7 +4,9 @@ in results/README.md, written before the runs).
 Keel, Pre-LN, Post-LN and DeepNorm at each depth of `depths`, in that order, one depth finished (grid growth and
 marginal seeds included) before the next starts, so a partial sweep still answers whole depths:
   - every arm's LR comes from `lrs` with every seed, chosen by the mean select-half loss over the seeds (a
-    diverged seed counts as +inf), the grid grown past an edge choice (keel.experiments.grid);
+    diverged seed counts as +inf), the grid grown past an edge choice (keel.experiments.grid); at a depth of
+    `lrs_from_previous` the grid starts instead at the arm's choice at the depth run before and its two
+    neighbours on that depth's grid (`start_lrs`);
   - Post-LN's warm-up is tuned too, one round of coordinate search: its LR at the base warm-up, then at that LR
     the warm-up grid `warmups` (grown past an edge through `warmups_below` / `warmups_above`, capped at the
     run), then, if the warm-up moved, its LR grid again at the new warm-up;
@@ -57,6 +59,10 @@ class DepthSweepConfig(ExperimentConfig):
     schemes: list[str] = field(default_factory=lambda: ["keel", "pre_ln", "post_ln", "deepnorm"])
     depths: list[int] = field(default_factory=lambda: [16, 64, 32, 128, 256])  # sub-layers, run in this order
     lrs: list[float] = field(default_factory=lambda: [1e-3, 3e-3, 1e-2])  # the starting LR grid of every arm
+    # depths whose LR grids start at each arm's choice at the depth run before and its neighbours there, not at
+    # `lrs` (rule 21's amendment, committed before any 256 run: at 64 and 128 sub-layers the fixed grid's top, 1e-2,
+    # left Post-LN and DeepNorm at the unigram level on every seed, and the choices fell towards its low edge)
+    lrs_from_previous: list[int] = field(default_factory=lambda: [256])
     max_extensions: int = 2  # values added past one edge of a grid before the choice is called a bound
     warmup_scheme: str = "post_ln"  # the arm whose warm-up is tuned too (every other arm: optim.warmup_steps)
     warmups: list[int] = field(default_factory=lambda: [100, 300, 1000])  # holds optim.warmup_steps
@@ -95,6 +101,9 @@ def check(cfg: DepthSweepConfig) -> None:
         (not all(b > a for a, b in zip([max(cfg.warmups), *above], above)),
          "warmups_above (capped at run.steps) must rise from above the highest warm-up"),
         (bool(set(cfg.seeds) & set(cfg.marginal_seeds)), "marginal_seeds must be new seeds"),
+        (bool(cfg.depths) and cfg.depths[0] in cfg.lrs_from_previous,
+         f"lrs_from_previous cannot hold the first depth run ({cfg.depths[0] if cfg.depths else ''}): no depth "
+         "runs before it"),
     ]
     for bad, why in problems:
         if bad:
@@ -112,12 +121,34 @@ def mean_select(cfg: DepthSweepConfig, points: dict, scheme: str, depth: int, lr
 # ---- choosing the hyper-parameters -------------------------------------------------------------------------
 # An arm's search is a generator (keel.experiments.grid.Search): it yields the (lr, warm-up) pairs it needs next
 # and returns its choice; a depth's driver runs what all arms ask for at once (two processes share those points).
-def tune_arm(cfg: DepthSweepConfig, scheme: str, score: Callable[[float, int], float]) -> Search:
-    """Rule 21's choice for one arm at one depth; `score(lr, warmup)` is the mean select-half loss over seeds."""
-    base = cfg.optim.warmup_steps
-    lr_grid = Grid(list(cfg.lrs), cfg.max_extensions)
+def start_lrs(cfg: DepthSweepConfig, depth: int, tuned: dict[int, dict]) -> dict[str, tuple[list[float], list[float]]]:
+    """Each arm's starting LR grid at `depth` and the values its growth snaps to (`Grid.known`): `lrs`, or at a
+    depth of `lrs_from_previous` its choice at the depth run before and that choice's neighbours on the grid it was
+    chosen from (Post-LN: the grid of its last LR search; a neighbour the grid lacks, at a bound, is the value past
+    the edge by the same factor), snapping to that arm's grid values there."""
+    if depth not in cfg.lrs_from_previous:
+        return {s: (list(cfg.lrs), []) for s in cfg.schemes}
+    before = tuned[cfg.depths[cfg.depths.index(depth) - 1]]
+    starts = {}
+    for s in cfg.schemes:
+        arm = before[s]
+        values, lr = sorted(arm.get("lr_grid_again", arm["lr_grid"])["values"]), arm["lr"]
+        i = values.index(lr)
+        lo = values[i - 1] if i > 0 else Grid(values).beyond("low", 0)
+        hi = values[i + 1] if i + 1 < len(values) else Grid(values).beyond("high", 0)
+        lattice = sorted({*arm["lr_grid"]["values"], *arm.get("lr_grid_again", {}).get("values", [])})
+        starts[s] = ([lo, lr, hi], lattice)
+    return starts
+
+
+def tune_arm(cfg: DepthSweepConfig, scheme: str, score: Callable[[float, int], float],
+             lrs: list[float] | None = None, lattice: list[float] | None = None) -> Search:
+    """Rule 21's choice for one arm at one depth; `score(lr, warmup)` is the mean select-half loss over seeds;
+    `lrs` the starting LR grid (default `cfg.lrs`), `lattice` the values its growth snaps to (`start_lrs`)."""
+    base, lrs, lattice = cfg.optim.warmup_steps, list(cfg.lrs if lrs is None else lrs), list(lattice or [])
+    lr_grid = Grid(list(lrs), cfg.max_extensions, known=lattice)
     lr = yield from search_grid(lr_grid, lambda v: (v, base), score)
-    tuned = {"lr": lr, "warmup": base, "lr_grid": lr_grid.describe()}
+    tuned = {"lr": lr, "warmup": base, "lr_start": lrs, "lr_grid": lr_grid.describe()}
     if scheme != cfg.warmup_scheme:
         return tuned
     below, above = cfg.warmup_ladders()
@@ -125,7 +156,7 @@ def tune_arm(cfg: DepthSweepConfig, scheme: str, score: Callable[[float, int], f
     warmup = int((yield from search_grid(wu_grid, lambda w: (lr, int(w)), score)))
     tuned |= {"warmup": warmup, "warmup_grid": wu_grid.describe(), "warmup_chosen_at_lr": lr}
     if warmup != base:  # one round of coordinate search: the LR again at the new warm-up, and that is final
-        again = Grid(list(cfg.lrs), cfg.max_extensions)
+        again = Grid(list(lrs), cfg.max_extensions, known=lattice)
         lr = yield from search_grid(again, lambda v: (v, warmup), score)
         tuned |= {"lr": lr, "lr_grid_again": again.describe()}
     return tuned
@@ -136,11 +167,14 @@ def _job(cfg: DepthSweepConfig, scheme: str, depth: int, lr: float, warmup: int,
     return lambda: budget_point(at, at.point_model(scheme, depth), lr, seed)
 
 
-def tune_depth(cfg: DepthSweepConfig, sweep: Sweep, depth: int, points: dict) -> dict[str, dict]:
-    """Every arm's search at `depth`, run side by side; adds the points to `points`, returns each arm's choice
-    with the (lr, warm-up) pairs it tried."""
-    searches = {s: tune_arm(cfg, s, lambda lr, w, s=s: mean_select(cfg, points, s, depth, lr, w))
-                for s in cfg.schemes}
+def tune_depth(cfg: DepthSweepConfig, sweep: Sweep, depth: int, points: dict,
+               starts: dict[str, tuple[list[float], list[float]]] | None = None) -> dict[str, dict]:
+    """Every arm's search at `depth` from its starting LR grid and lattice in `starts` (`start_lrs`; default
+    `cfg.lrs`), run side by side; adds the points to `points`, returns each arm's choice with the (lr, warm-up)
+    pairs it tried."""
+    starts = starts or {}
+    searches = {s: tune_arm(cfg, s, lambda lr, w, s=s: mean_select(cfg, points, s, depth, lr, w),
+                            *starts.get(s, (None, None))) for s in cfg.schemes}
 
     def run_round(asked: dict[str, list[tuple[float, int]]]) -> set[str]:
         # returns once some arm has all its points (run_searches advances that one), so a process never waits
@@ -284,7 +318,7 @@ def run(cfg: DepthSweepConfig, out: Path, command: str) -> dict:
     check(cfg)
     sweep, points, tuned, extended, unigram = Sweep(out, cfg), {}, {}, set(), unigram_level(cfg)
     for depth in cfg.depths:  # each depth whole (its marginal seeds included) before the next
-        tuned[depth] = tune_depth(cfg, sweep, depth, points)
+        tuned[depth] = tune_depth(cfg, sweep, depth, points, start_lrs(cfg, depth, tuned))
         res = settle(cfg, sweep, tuned, points, extended, unigram)
         write_report(cfg, out, command, points, res)
     return res
@@ -297,13 +331,16 @@ def _name(scheme: str) -> str:
 
 def _choice_cells(cfg: DepthSweepConfig, arm: dict) -> tuple[str, str]:
     """The chosen LR and warm-up with their grids' growth, for the per-depth table."""
-    lr = f"{arm['lr']:g}" + grid_note(arm["lr_grid"])
+    start = arm.get("lr_start", list(cfg.lrs))  # another start: a depth of lrs_from_previous
+    since = "" if start == list(cfg.lrs) else f"; grid from {', '.join(f'{v:g}' for v in start)}"
+    lr = f"{arm['lr']:g}{since}" + grid_note(arm["lr_grid"])
     if "warmup_grid" not in arm:
         return lr, f"{arm['warmup']}"
     wu = f"{arm['warmup']} (chosen at LR {arm['warmup_chosen_at_lr']:g}{grid_note(arm['warmup_grid'])})"
     if "lr_grid_again" in arm:
-        lr = (f"{arm['lr']:g} (chosen again at warm-up {arm['warmup']}{grid_note(arm['lr_grid_again'])}; first "
-              f"{arm['warmup_chosen_at_lr']:g} at warm-up {cfg.optim.warmup_steps}{grid_note(arm['lr_grid'])})")
+        lr = (f"{arm['lr']:g} (chosen again at warm-up {arm['warmup']}{since}{grid_note(arm['lr_grid_again'])}; "
+              f"first {arm['warmup_chosen_at_lr']:g} at warm-up {cfg.optim.warmup_steps}{since}"
+              f"{grid_note(arm['lr_grid'])})")
     return lr, wu + "; one round of coordinate search"
 
 
@@ -371,10 +408,10 @@ def write_report(cfg: DepthSweepConfig, out: Path, command: str, points: dict, r
     below, above = cfg.warmup_ladders()
     notes = (f"{', '.join(_name(s) for s in cfg.schemes)} at {cfg.depths} sub-layers (in that order), d="
              f"{cfg.model.d_model}, {cfg.run.steps} steps x {cfg.run.batch_size}x{cfg.run.seq_len} = {tokens(cfg):,} "
-             f"tokens, warm-up {cfg.optim.warmup_steps} then cosine. LR per (scheme, depth) from {cfg.lrs}, grown "
-             f"past an edge choice up to {cfg.max_extensions} values per side, chosen by the mean select-half loss "
-             f"over seeds {cfg.seeds} (a diverged seed counts as +inf; equal scores go to the lower LR and the longer "
-             f"warm-up). {_name(cfg.warmup_scheme)}'s warm-up from "
+             f"tokens, warm-up {cfg.optim.warmup_steps} then cosine. LR per (scheme, depth) from {cfg.lrs}"
+             f"{_from_previous(cfg)}, grown past an edge choice up to {cfg.max_extensions} values per side, chosen by "
+             f"the mean select-half loss over seeds {cfg.seeds} (a diverged seed counts as +inf; equal scores go to "
+             f"the lower LR and the longer warm-up). {_name(cfg.warmup_scheme)}'s warm-up from "
              f"{cfg.warmups} at its chosen LR (grown through {below} / {above}), then its LR again at a new warm-up. "
              f"Report loss on {cfg.run.eval_batches} report-half batches. Unigram level {res['unigram']:.3f} nats. "
              f"Cost so far: {res['core_hours']:.1f} core-hours (sum of point times, one thread each).\n\n"
@@ -393,6 +430,12 @@ def write_report(cfg: DepthSweepConfig, out: Path, command: str, points: dict, r
             os.replace(f, out / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _from_previous(cfg: DepthSweepConfig) -> str:
+    at = [d for d in cfg.depths if d in cfg.lrs_from_previous]
+    return (f" (at {', '.join(map(str, at))} sub-layers: from the arm's choice at the depth run before and its two "
+            f"neighbours on that grid, rule 21's amendment written before those runs)" if at else "")
 
 
 def _test_order(test: dict) -> float:

@@ -32,6 +32,9 @@ class Grid:
     # warm-up is the cautious side, so a grid whose every mean is +inf (a seed diverged at each value) grows
     # towards longer warm-ups)
     ties: str = "low"
+    # values a grown value snaps to when within 1e-4 of one (points already named by them: the grid a depth before,
+    # so that 0.000333333 * 3 is 0.001 again, not 0.000999999)
+    known: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         if self.ties not in ("low", "high"):
@@ -54,6 +57,7 @@ class Grid:
         if new is None:
             self.bound = edge
             return None
+        new = next((k for k in self.known if math.isclose(k, new, rel_tol=1e-4)), new)
         self.values = sorted([*self.values, new])
         self.added.append(new)
         return new
