@@ -288,12 +288,13 @@ def test_a_depth_of_lrs_from_previous_starts_each_grid_at_the_choice_before_it(t
     assert {s: a["lr_start"] for s, a in at16.items()} == {
         "keel": [0.01, 0.0333333, 0.111111], "pre_ln": [0.001, 0.003, 0.01],
         "post_ln": [0.003, 0.01, 0.0333333], "deepnorm": [3.7037e-05, 0.000111111, 0.000333333]}
-    # then the rule: Keel and Pre-LN interior at once; Post-LN's LR at warm-up 100 falls to its optimum 0.003
-    # (0.0009 added), its warm-up goes to 3000, its LR again from the same start is 0.01; DeepNorm climbs to 0.001
+    # then the rule, growing through the LRs each arm ran at 64: Keel and Pre-LN interior at once; Post-LN's LR at
+    # warm-up 100 falls to its optimum 0.003 (0.001 added, 64's value below it, not 0.003 / 3.33), its warm-up goes
+    # to 3000, its LR again from the same start is 0.01; DeepNorm climbs through 64's 0.001 and 0.003 to 0.001
     assert (at16["keel"]["lr"], at16["keel"]["lr_grid"]["added"], at16["pre_ln"]["lr"]) == (0.0333333, [], 0.003)
     post = at16["post_ln"]
     assert (post["lr"], post["warmup"], post["warmup_chosen_at_lr"]) == (0.01, 3000, 0.003)
-    assert post["lr_grid"]["added"] == [0.0009] and post["lr_grid_again"]["added"] == []
+    assert post["lr_grid"]["added"] == [0.001] and post["lr_grid_again"]["added"] == []
     assert (at16["deepnorm"]["lr"], at16["deepnorm"]["lr_grid"]["added"]) == (0.001, [0.001, 0.003])
     ran16 = {(s, lr) for s, d, lr, w, seed in fake_point.calls if d == 16}
     assert ("keel", 0.001) not in ran16 and ("deepnorm", 0.01) not in ran16  # the fixed grid's ends, not run
@@ -301,8 +302,33 @@ def test_a_depth_of_lrs_from_previous_starts_each_grid_at_the_choice_before_it(t
     assert "| 16 | Keel | 0.0333333; grid from 0.01, 0.0333333, 0.111111 |" in report
     assert "(at 16 sub-layers: from the arm's choice at the depth run before" in report
     assert "| 64 | Keel | 0.0333333; added 0.0333333, 0.111111 |" in report  # 64 from `lrs`, as before
+    assert "| 16 | Post-LN | 0.01 (chosen again at warm-up 3000; first 0.003 at warm-up 100; added 0.001); both " \
+           "grids from 0.003, 0.01, 0.0333333 |" in report
     with pytest.raises(ConfigError, match="lrs_from_previous cannot hold the first depth run"):
         ds.check(DepthSweepConfig(depths=[64, 16], lrs_from_previous=[64]))
+
+
+def test_a_start_from_the_depth_before_takes_post_lns_last_grid_and_grows_through_that_depths_values():
+    cfg = DepthSweepConfig(depths=[128, 256])
+    grids = {"keel": ([0.001, 0.003, 0.01], 0.003, None),
+             "pre_ln": ([0.000333333, 0.001, 0.003, 0.01], 0.001, None),
+             # Post-LN: first 1e-3 at warm-up 100, then 3.33e-2 from its grid run again at a longer warm-up
+             "post_ln": ([0.000333333, 0.001, 0.003, 0.01], 0.001, [0.001, 0.003, 0.01, 0.0333333, 0.111111]),
+             "deepnorm": ([0.000111111, 0.000333333, 0.001, 0.003, 0.01], 0.000111111, None)}  # a bound
+    tuned = {128: {s: {"lr": (lr if again is None else again[3]), "lr_grid": {"values": first}}
+                   | ({} if again is None else {"lr_grid_again": {"values": again}})
+                   for s, (first, lr, again) in grids.items()}}
+    starts = ds.start_lrs(cfg, 256, tuned)
+    assert {s: start for s, (start, _) in starts.items()} == {
+        "keel": [0.001, 0.003, 0.01], "pre_ln": [0.000333333, 0.001, 0.003],
+        "post_ln": [0.01, 0.0333333, 0.111111], "deepnorm": [3.7037e-05, 0.000111111, 0.000333333]}
+    assert starts["post_ln"][1] == [0.000333333, 0.001, 0.003, 0.01, 0.0333333, 0.111111]  # both its grids' values
+    assert ds.start_lrs(cfg, 128, {}) == {s: ([0.001, 0.003, 0.01], []) for s in cfg.schemes}
+    # growth takes the values run before (their spacing is x3 then x3.33), then the factor past the last of them
+    up = ds.Grid([0.000333333, 0.001, 0.003], 3, known=[0.000333333, 0.001, 0.003, 0.01, 0.0333333])
+    assert [up.extend(lambda v: -v) for _ in range(4)] == [0.01, 0.0333333, 0.111111, None] and up.bound == "high"
+    down = ds.Grid([0.001, 0.003, 0.01], 2, known=[0.000333333, 0.001, 0.003, 0.01])
+    assert [down.extend(lambda v: v) for _ in range(3)] == [0.000333333, 0.000111111, None]
 
 
 def test_an_arm_whose_round_is_done_goes_on_while_another_arms_last_point_still_trains(tmp_path, monkeypatch):

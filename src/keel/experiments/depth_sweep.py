@@ -122,10 +122,10 @@ def mean_select(cfg: DepthSweepConfig, points: dict, scheme: str, depth: int, lr
 # An arm's search is a generator (keel.experiments.grid.Search): it yields the (lr, warm-up) pairs it needs next
 # and returns its choice; a depth's driver runs what all arms ask for at once (two processes share those points).
 def start_lrs(cfg: DepthSweepConfig, depth: int, tuned: dict[int, dict]) -> dict[str, tuple[list[float], list[float]]]:
-    """Each arm's starting LR grid at `depth` and the values its growth snaps to (`Grid.known`): `lrs`, or at a
+    """Each arm's starting LR grid at `depth` and the values its growth takes first (`Grid.known`): `lrs`, or at a
     depth of `lrs_from_previous` its choice at the depth run before and that choice's neighbours on the grid it was
     chosen from (Post-LN: the grid of its last LR search; a neighbour the grid lacks, at a bound, is the value past
-    the edge by the same factor), snapping to that arm's grid values there."""
+    the edge by the same factor), growing through that arm's LRs there."""
     if depth not in cfg.lrs_from_previous:
         return {s: (list(cfg.lrs), []) for s in cfg.schemes}
     before = tuned[cfg.depths[cfg.depths.index(depth) - 1]]
@@ -144,7 +144,7 @@ def start_lrs(cfg: DepthSweepConfig, depth: int, tuned: dict[int, dict]) -> dict
 def tune_arm(cfg: DepthSweepConfig, scheme: str, score: Callable[[float, int], float],
              lrs: list[float] | None = None, lattice: list[float] | None = None) -> Search:
     """Rule 21's choice for one arm at one depth; `score(lr, warmup)` is the mean select-half loss over seeds;
-    `lrs` the starting LR grid (default `cfg.lrs`), `lattice` the values its growth snaps to (`start_lrs`)."""
+    `lrs` the starting LR grid (default `cfg.lrs`), `lattice` the values its growth takes first (`start_lrs`)."""
     base, lrs, lattice = cfg.optim.warmup_steps, list(cfg.lrs if lrs is None else lrs), list(lattice or [])
     lr_grid = Grid(list(lrs), cfg.max_extensions, known=lattice)
     lr = yield from search_grid(lr_grid, lambda v: (v, base), score)
@@ -329,18 +329,19 @@ def _name(scheme: str) -> str:
     return NAMES.get(scheme, scheme)
 
 
-def _choice_cells(cfg: DepthSweepConfig, arm: dict) -> tuple[str, str]:
-    """The chosen LR and warm-up with their grids' growth, for the per-depth table."""
-    start = arm.get("lr_start", list(cfg.lrs))  # another start: a depth of lrs_from_previous
-    since = "" if start == list(cfg.lrs) else f"; grid from {', '.join(f'{v:g}' for v in start)}"
+def _choice_cells(cfg: DepthSweepConfig, depth: int, arm: dict) -> tuple[str, str]:
+    """The chosen LR and warm-up with their grids' growth (and start, at a depth of lrs_from_previous), for the
+    per-depth table."""
+    since = (f"; grid from {', '.join(f'{v:g}' for v in arm['lr_start'])}"
+             if depth in cfg.lrs_from_previous and "lr_start" in arm else "")
     lr = f"{arm['lr']:g}{since}" + grid_note(arm["lr_grid"])
     if "warmup_grid" not in arm:
         return lr, f"{arm['warmup']}"
     wu = f"{arm['warmup']} (chosen at LR {arm['warmup_chosen_at_lr']:g}{grid_note(arm['warmup_grid'])})"
     if "lr_grid_again" in arm:
-        lr = (f"{arm['lr']:g} (chosen again at warm-up {arm['warmup']}{since}{grid_note(arm['lr_grid_again'])}; "
-              f"first {arm['warmup_chosen_at_lr']:g} at warm-up {cfg.optim.warmup_steps}{since}"
-              f"{grid_note(arm['lr_grid'])})")
+        lr = (f"{arm['lr']:g} (chosen again at warm-up {arm['warmup']}{grid_note(arm['lr_grid_again'])}; first "
+              f"{arm['warmup_chosen_at_lr']:g} at warm-up {cfg.optim.warmup_steps}{grid_note(arm['lr_grid'])})"
+              + since.replace("; grid from", "; both grids from"))
     return lr, wu + "; one round of coordinate search"
 
 
@@ -380,7 +381,7 @@ def write_report(cfg: DepthSweepConfig, out: Path, command: str, points: dict, r
     rows = []
     for d in sorted(res["arms"], key=int):
         for s, arm in res["arms"][d].items():
-            lr, wu = _choice_cells(cfg, arm)
+            lr, wu = _choice_cells(cfg, int(d), arm)
             extra = {k: v for k, v in arm["report_by_seed"].items() if k in cfg.marginal_seeds}
             loss = pm(arm["report_losses"]) + (f"; seeds {cfg.seeds + list(extra)}: "
                                                f"{pm(list(arm['report_by_seed'].values()))}" if extra else "")

@@ -32,8 +32,9 @@ class Grid:
     # warm-up is the cautious side, so a grid whose every mean is +inf (a seed diverged at each value) grows
     # towards longer warm-ups)
     ties: str = "low"
-    # values a grown value snaps to when within 1e-4 of one (points already named by them: the grid a depth before,
-    # so that 0.000333333 * 3 is 0.001 again, not 0.000999999)
+    # values already run in this grid's place (rule 21: the arm's grid a depth before): growth past an edge takes
+    # the nearest of them beyond it before it computes one by the factor, so the grid keeps their values and
+    # spacing (a start of 3.33e-4, 1e-3, 3e-3 grows to 1e-2, not 9e-3)
     known: list[float] = field(default_factory=list)
 
     def __post_init__(self):
@@ -57,13 +58,16 @@ class Grid:
         if new is None:
             self.bound = edge
             return None
-        new = next((k for k in self.known if math.isclose(k, new, rel_tol=1e-4)), new)
         self.values = sorted([*self.values, new])
         self.added.append(new)
         return new
 
     def beyond(self, edge: str, grown: int) -> float | None:
-        """The value past `edge` once `grown` values were added there: the edge times the factor to its neighbour."""
+        """The value past `edge` once `grown` values were added there: the nearest `known` value beyond it, else
+        the edge times the factor to its neighbour."""
+        past = [k for k in self.known if (k < self.values[0] if edge == "low" else k > self.values[-1])]
+        if past:
+            return max(past) if edge == "low" else min(past)
         lo, hi = (self.values[0], self.values[1]) if edge == "low" else (self.values[-2], self.values[-1])
         return float(f"{(lo * lo / hi if edge == 'low' else hi * hi / lo):.6g}")  # same factor, a stable name
 
