@@ -60,7 +60,7 @@ class DepthSweepConfig(ExperimentConfig):
     depths: list[int] = field(default_factory=lambda: [16, 64, 32, 128, 256])  # sub-layers, run in this order
     lrs: list[float] = field(default_factory=lambda: [1e-3, 3e-3, 1e-2])  # the starting LR grid of every arm
     # depths whose LR grids start at each arm's choice at the depth run before and its neighbours there, not at
-    # `lrs` (rule 21's amendment, committed before any 256 run: at 64 and 128 sub-layers the fixed grid's top, 1e-2,
+    # `lrs` (rule 21's amendment, committed before any 256 run: at 32, 64 and 128 sub-layers the grid's top, 1e-2,
     # left Post-LN and DeepNorm at the unigram level on every seed, and the choices fell towards its low edge)
     lrs_from_previous: list[int] = field(default_factory=lambda: [256])
     max_extensions: int = 2  # values added past one edge of a grid before the choice is called a bound
