@@ -11,6 +11,7 @@ from scipy import stats as sps
 
 from keel.errors import ConfigError
 from keel.experiments import depth_sweep as ds
+from keel.experiments import depth_sweep_report as dsr
 from keel.experiments.depth_sweep import DepthSweepConfig, LadderGrid, analyse, key, marginal
 
 
@@ -168,7 +169,7 @@ def test_a_lead_that_shrinks_with_depth_is_named_and_the_report_reads_in_depth_o
     slope = next(t for t in res["tests"] if t["id"] == "slope")
     assert slope["test"]["mean"] > 0 and slope["p_holm"] < 0.05
     assert slope["verdict"] == "Keel worse (Keel loses ground to Pre-LN with depth)"
-    ds.write_report(cfg, tmp_path, "keel experiment depth-sweep", points, res)
+    dsr.write_report(cfg, tmp_path, "keel experiment depth-sweep", points, res)
     report = (tmp_path / "report.md").read_text()
     rows = [line.split(" | ")[0] for line in report.splitlines() if line.startswith(("| 16 |", "| 32 |", "| 64 |"))]
     assert rows == ["| 16"] * 4 + ["| 32"] * 4 + ["| 64"] * 4 + ["| 16", "| 32", "| 64"]  # arms, then one-minute
@@ -214,8 +215,8 @@ def test_the_sweep_tunes_each_arm_by_the_rule_and_adds_seeds_to_marginal_tests(t
     def write_report(cfg, out, command, points, res):
         write(cfg, out, command, points, res)
         reports.append((res["status"], list(res["depths_done"]), (out / "report.md").read_text()))
-    write = ds.write_report
-    monkeypatch.setattr(ds, "write_report", write_report)
+    write = dsr.write_report
+    monkeypatch.setattr(dsr, "write_report", write_report)
     cfg = DepthSweepConfig(depths=[64, 16])
     res = ds.run(cfg, tmp_path, "keel experiment depth-sweep")
 
