@@ -38,6 +38,7 @@ def test_with_torch_imported_first_the_policy_is_left_alone_and_a_busy_machine_i
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "getloadavg", lambda: (5.5, 5.0, 4.0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert keel._passive_openmp() == (
         "keel: torch was imported before keel, so its idle OpenMP threads spin; with load average 5.5 on 2 CPUs "
         "that can make CPU work several times slower: import keel before torch, or set OMP_WAIT_POLICY=passive "
@@ -45,6 +46,10 @@ def test_with_torch_imported_first_the_policy_is_left_alone_and_a_busy_machine_i
     assert "OMP_WAIT_POLICY" not in os.environ
     monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 1.0, 1.0))  # an idle machine: nothing to say
     assert keel._passive_openmp() is None
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.5, 5.0, 4.0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one thread starts no OpenMP pool: nothing spins
+    assert keel._passive_openmp() is None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the user's choice: no warning even when busy
     monkeypatch.setattr(os, "getloadavg", lambda: (5.5, 5.0, 4.0))
     assert keel._passive_openmp() is None
@@ -71,13 +76,14 @@ def test_import_keel_lets_cudas_allocator_expand_segments_unless_the_user_chose_
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
 
 
-@pytest.mark.slow  # two Pythons that import torch; the in-process test above keeps the warning in the fast tier
-@pytest.mark.parametrize("load, warned", [(0.0, False), (99.0, True)])
-def test_importing_keel_after_torch_warns_only_on_a_busy_machine(load, warned):
+@pytest.mark.slow  # a Python that imports torch per case; the in-process test above keeps the warning in the fast tier
+@pytest.mark.parametrize("load, threads, warned", [(0.0, "2", False), (99.0, "2", True), (99.0, "1", False)])
+def test_importing_keel_after_torch_warns_only_on_a_busy_machine_with_an_openmp_pool(load, threads, warned):
+    # with OMP_NUM_THREADS=1 torch runs one OS thread (checked on this machine: 1 thread, 3 with 2), so none spins
     code = (f"import os, warnings\nos.getloadavg = lambda: ({load!r}, 0.0, 0.0)\nimport torch\n"
             "with warnings.catch_warnings(record=True) as w:\n    warnings.simplefilter('always')\n    import keel\n"
             "print(len(w), w and w[0].category.__name__, w and os.path.basename(w[0].filename))")
-    run = _policy_after(code)
+    run = _policy_after(code, OMP_NUM_THREADS=threads)
     expected = "1 RuntimeWarning <string>\n" if warned else "0 [] []\n"
     assert (run.returncode, run.stdout) == (0, expected + "None\n"), run.stderr[-1500:]
 

@@ -5,10 +5,10 @@ nothing of Hugging Face loads until `keel.hf.register()` registers `KeelConfig` 
 `transformers`' Auto classes when you want them.
 
 `import keel` before torch lets torch's idle OpenMP threads sleep (OMP_WAIT_POLICY=passive) unless you chose a
-policy: on a machine other jobs share, spinning threads made CPU work
-6 to 34 times slower on this project's 2-core machine at load 5-6. OpenMP reads the
-variable once, when torch loads, so with torch already imported it is left alone and, on a busy machine, a
-warning says so. OMP_WAIT_POLICY=active keeps spinning (9% faster on a machine that is yours alone).
+policy: on a machine other jobs share, spinning threads made CPU work 6 to 34 times slower on this project's
+2-core machine at load 5-6. OpenMP reads the variable once, when torch loads, so with torch already imported it
+is left alone and, on a busy machine with more than one torch thread, a warning says so (one thread starts no
+OpenMP pool: nothing spins). OMP_WAIT_POLICY=active keeps spinning (9% faster on a machine that is yours alone).
 
 `import keel` before CUDA starts also sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless you chose an
 allocator setting (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF): on one H100 (2026-11-26), `paper-2048` with
@@ -29,7 +29,8 @@ __all__ = [
 
 def _passive_openmp() -> str | None:
     """Set OMP_WAIT_POLICY=passive while it can still take effect (torch not loaded, no policy chosen); returns
-    a warning when it cannot and it matters: torch loaded first, no policy chosen, load above the usable CPUs."""
+    a warning when it cannot and it matters: torch loaded first, no policy chosen, more than one torch thread (one
+    starts no OpenMP pool: OMP_NUM_THREADS=1 runs a single OS thread), load above the usable CPUs."""
     if "OMP_WAIT_POLICY" in _os.environ:
         return None
     if "torch" not in _sys.modules:
@@ -39,7 +40,7 @@ def _passive_openmp() -> str | None:
         load, cpus = _os.getloadavg()[0], len(_os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return None
-    if load <= cpus:
+    if load <= cpus or _sys.modules["torch"].get_num_threads() <= 1:
         return None
     return (f"keel: torch was imported before keel, so its idle OpenMP threads spin; with load average {load:.1f} "
             f"on {cpus} CPUs that can make CPU work several times slower: import keel before torch, or set "
