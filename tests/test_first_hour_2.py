@@ -51,7 +51,6 @@ def test_with_torch_imported_first_the_policy_is_left_alone_and_a_busy_machine_i
     assert keel._passive_openmp() is None
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the user's choice: no warning even when busy
-    monkeypatch.setattr(os, "getloadavg", lambda: (5.5, 5.0, 4.0))
     assert keel._passive_openmp() is None
 
 
