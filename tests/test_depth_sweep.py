@@ -214,7 +214,8 @@ def test_the_sweep_tunes_each_arm_by_the_rule_and_adds_seeds_to_marginal_tests(t
 
     def write_report(cfg, out, command, points, res):
         write(cfg, out, command, points, res)
-        reports.append((res["status"], list(res["depths_done"]), (out / "report.md").read_text()))
+        reports.append((res["status"], list(res["depths_done"]), (out / "report.md").read_text(),
+                        res.get("pending"), len(list((out / "points").glob("*-seed[34].json")))))
     write = dsr.write_report
     monkeypatch.setattr(dsr, "write_report", write_report)
     cfg = DepthSweepConfig(depths=[64, 16])
@@ -259,9 +260,17 @@ def test_the_sweep_tunes_each_arm_by_the_rule_and_adds_seeds_to_marginal_tests(t
     assert extra == {key(s, d, lr, 100, k) for s, lr in (("keel", 0.0333333), ("pre_ln", 0.003)) for d in (16, 64)
                      for k in (3, 4)}
 
-    # a report after each depth: interim after the first, final after the last
-    assert [(s, d) for s, d, _ in reports] == [("interim", [64]), ("final", [64, 16])]
-    assert "**INTERIM**" in reports[0][2] and "| interim |" in reports[0][2] and "**FINAL**" in reports[1][2]
+    # a report after each depth (interim after the first, final after the last) and, while a marginal test's seeds
+    # 3 and 4 run, one naming it, written before any of them trains
+    assert [(s, d, p, n) for s, d, _, p, n in reports] == [
+        ("interim", [64], None, 0), ("interim", [64, 16], ["pre_ln@16", "slope"], 0), ("final", [64, 16], None, 8)]
+    assert "**INTERIM**" in reports[0][2] and "| interim |" in reports[0][2] and "**FINAL**" in reports[2][2]
+    assert "Marginal on seeds [0, 1, 2], so running again with seeds [3, 4] added to both arms: Keel - Pre-LN at " \
+        "16; slope of Keel - Pre-LN per doubling of depth over [16, 64]." in reports[1][2]
+    assert reports[1][2].count("| interim: marginal, seeds [3, 4] running |") == 2
+    # 3 tests at each of two depths and the slope, less DeepNorm at 64 (it does not train: no t-test)
+    assert "**INTERIM**: every depth of [64, 16] is in; Holm over the 6 tests run. Marginal on" in reports[1][2]
+    assert "Marginal on" not in reports[0][2] + reports[2][2] and "running |" not in reports[0][2] + reports[2][2]
     report = (tmp_path / "report.md").read_text()
     assert "one round of coordinate search" in report and "At this scale, in one minute" in report
     assert "bound at the low edge" in report and "does not train" in report

@@ -281,10 +281,11 @@ def _slope_reading(mean: float) -> str:
 
 
 def settle(cfg: DepthSweepConfig, sweep: Sweep, tuned: dict, points: dict, extended: set[str],
-           unigram: float) -> dict:
+           unigram: float, on_pending: Callable[[dict], None] | None = None) -> dict:
     """The marginal rule over the tests run so far: every marginal test (once) gets `marginal_seeds` on both
     arms at their chosen hyper-parameters, until no test newly turns marginal. An extended test stays on all
-    seeds (for the slope: at every later depth too)."""
+    seeds (for the slope: at every later depth too). Before the runs a newly marginal test needs, `on_pending`
+    gets the analysis so far, its status "interim" and "pending" naming those tests (the report while they run)."""
     while True:
         jobs, spans = {}, slope_depths(cfg, points, tuned)
         for tid in extended:
@@ -298,6 +299,8 @@ def settle(cfg: DepthSweepConfig, sweep: Sweep, tuned: dict, points: dict, exten
         new = {t["id"] for t in res["tests"] if t["marginal"]} - extended
         if not new:
             return res
+        if on_pending is not None:
+            on_pending(res | {"status": "interim", "pending": sorted(new)})
         extended |= new
 
 
@@ -308,6 +311,7 @@ def run(cfg: DepthSweepConfig, out: Path, command: str) -> dict:
     sweep, points, tuned, extended, unigram = Sweep(out, cfg), {}, {}, set(), unigram_level(cfg)
     for depth in cfg.depths:  # each depth whole (its marginal seeds included) before the next
         tuned[depth] = tune_depth(cfg, sweep, depth, points, start_lrs(cfg, depth, tuned))
-        res = settle(cfg, sweep, tuned, points, extended, unigram)
+        res = settle(cfg, sweep, tuned, points, extended, unigram,
+                     lambda pending: depth_sweep_report.write_report(cfg, out, command, points, pending))
         depth_sweep_report.write_report(cfg, out, command, points, res)
     return res

@@ -83,17 +83,21 @@ def write_report(cfg: DepthSweepConfig, out: Path, command: str, points: dict, r
                          ", ".join(f"{hp}: {v:.3f}" for hp, v in arm["select_by_hp"].items()),
                          f"{arm['core_seconds'] / 3600:.2f}"])
     status = res["status"]
-    banner = (f"**FINAL**: every depth of {cfg.depths} is in; Holm over the {res['family_size']} tests run."
-              if status == "final" else
+    every = f"every depth of {cfg.depths} is in; Holm over the {res['family_size']} tests run."
+    banner = (f"**FINAL**: {every}" if status == "final" else
+              f"**INTERIM**: {every}{_pending_note(cfg, res)}" if set(res["depths_done"]) == set(cfg.depths) else
               f"**INTERIM**: depths {res['depths_done']} of {cfg.depths} are in; the verdicts below adjust over the "
-              f"{res['family_size']} tests run so far and can change when later tests join the family.")
+              f"{res['family_size']} tests run so far and can change when later tests join the family."
+              + _pending_note(cfg, res))
     table = banner + "\n\n" + markdown_table(
         ["sub-layers", "scheme", "chosen LR", "warm-up", "report loss (mean ± SD over seeds)",
          "mean select loss per LR@warm-up", "core-hours"], rows)
     vrows = [[t["what"], f"{len(t['seeds'])}" + (f" (marginal on {len(cfg.seeds)}: "
                                                  f"{stats.describe(t['test_first'])})" if t["extended"] else ""),
               stats.describe(t["test"]) if t["test"] else "no t-test",
-              "n/a" if t["p_holm"] is None else f"{t['p_holm']:.2g}", t["verdict"], status]
+              "n/a" if t["p_holm"] is None else f"{t['p_holm']:.2g}", t["verdict"],
+              f"{status}: marginal, seeds {cfg.marginal_seeds} running" if t["id"] in res.get("pending", ())
+              else status]
              for t in sorted(res["tests"], key=_test_order)]
     verdicts = markdown_table(["test (report loss, paired over seeds)", "seeds", "mean [95% CI], raw p",
                                "Holm p", "verdict", "interim or final"], vrows)
@@ -130,6 +134,16 @@ def _from_previous(cfg: DepthSweepConfig) -> str:
     at = [d for d in cfg.depths if d in cfg.lrs_from_previous]
     return (f" (at {', '.join(map(str, at))} sub-layers: from the arm's choice at the depth run before and its two "
             f"neighbours on that grid, rule 21's amendment written before those runs)" if at else "")
+
+
+def _pending_note(cfg: DepthSweepConfig, res: dict) -> str:
+    """The marginal tests whose added seeds are running while this report stands (rule 21's marginal rule)."""
+    if not res.get("pending"):
+        return ""
+    what = {t["id"]: t["what"] for t in res["tests"]}
+    names = "; ".join(what[tid] for tid in sorted(res["pending"], key=lambda tid: _test_order({"id": tid})))
+    return (f" Marginal on seeds {cfg.seeds}, so running again with seeds {cfg.marginal_seeds} added to both arms: "
+            f"{names}. Their rows below are on seeds {cfg.seeds} until those runs are in.")
 
 
 def _test_order(test: dict) -> float:
