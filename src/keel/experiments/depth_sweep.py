@@ -12,10 +12,10 @@ marginal seeds included) before the next starts, so a partial sweep still answer
     run), then, if the warm-up moved, its LR grid again at the new warm-up;
   - Keel - X on the report half per depth (paired over seeds), and per seed the least-squares slope of
     Keel - Pre-LN over log2(sub-layers), tested against 0; Holm over the tests run so far ("interim" until every
-    depth is in); a marginal test gets `marginal_seeds` on both arms at their chosen hyper-parameters and is
-    run again on all seeds.
+    depth and every marginal test's added seeds are in); a marginal test gets `marginal_seeds` on both arms at
+    their chosen hyper-parameters and is run again on all seeds.
 The report (report.md, results.json, plot; keel.experiments.depth_sweep_report) is written after every finished
-depth.
+depth, and before a newly marginal test's added seeds run (naming it, its rows still on `seeds`).
 """
 
 from __future__ import annotations
