@@ -85,10 +85,10 @@ def write_report(cfg: DepthSweepConfig, out: Path, command: str, points: dict, r
     status = res["status"]
     every = f"every depth of {cfg.depths} is in; Holm over the {res['family_size']} tests run."
     banner = (f"**FINAL**: {every}" if status == "final" else
-              f"**INTERIM**: {every}{_pending_note(cfg, res)}" if set(res["depths_done"]) == set(cfg.depths) else
+              f"**INTERIM**: {every}" if set(res["depths_done"]) == set(cfg.depths) else
               f"**INTERIM**: depths {res['depths_done']} of {cfg.depths} are in; the verdicts below adjust over the "
-              f"{res['family_size']} tests run so far and can change when later tests join the family."
-              + _pending_note(cfg, res))
+              f"{res['family_size']} tests run so far and can change when later tests join the family.") \
+        + _pending_note(cfg, res)
     table = banner + "\n\n" + markdown_table(
         ["sub-layers", "scheme", "chosen LR", "warm-up", "report loss (mean ± SD over seeds)",
          "mean select loss per LR@warm-up", "core-hours"], rows)
