@@ -173,13 +173,13 @@ def _plot(cfg: DepthSweepConfig, res: dict, out: Path) -> str:
     ax.set_ylabel(f"report loss (unigram level {res['unigram']:.3f})")
     ax.set_title(f"mean ± SD over seeds {cfg.seeds}", fontsize=9)
     ax.legend(fontsize=8)
-    shift = {s: 1.06 ** (k - 1) for k, s in enumerate(cfg.schemes[1:])}  # side by side on the log-2 axis
-    for i, s in enumerate(cfg.schemes[1:], start=1):
+    others = [(i, s) for i, s in enumerate(cfg.schemes) if s != REF]  # colours as in the left panel
+    for k, (i, s) in enumerate(others):
         rows = [(int(t["id"].split("@")[1]), t) for t in res["tests"] if t["id"].split("@")[0] == s and t["test"]]
         for d, t in rows:
             mean, ci = t["test"]["mean"], t["test"]["ci95"]  # no interval from a single seed
             yerr = [[mean - ci[0]], [ci[1] - mean]] if ci else None
-            dx.errorbar([d * shift[s]], [mean], yerr=yerr, marker="o", color=f"C{i}", capsize=3,
+            dx.errorbar([d * 1.06 ** (k - 1)], [mean], yerr=yerr, marker="o", color=f"C{i}", capsize=3,
                         mfc=f"C{i}" if t["verdict"] != "inconclusive" else "white",
                         label=f"Keel - {_name(s)}" if d == rows[0][0] else None)
     dx.axhline(0, color="grey", lw=0.8)
