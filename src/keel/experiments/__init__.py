@@ -22,6 +22,7 @@ _REGISTRY = {
     "tuned": ("tuned", "TunedConfig", "run"),
     "depth-pilot": ("pilot", "PilotConfig", "run"),
     "depth-sweep": ("depth_sweep", "DepthSweepConfig", "run"),
+    "equal-tuning": ("equal_tuning", "EqualTuningConfig", "run"),
 }
 NAMES = tuple(_REGISTRY)
 

@@ -129,14 +129,16 @@ def start_lrs(cfg: DepthSweepConfig, depth: int, tuned: dict[int, dict]) -> dict
 
 
 def tune_arm(cfg: DepthSweepConfig, scheme: str, score: Callable[[float, int], float],
-             lrs: list[float] | None = None, lattice: list[float] | None = None) -> Search:
+             lrs: list[float] | None = None, lattice: list[float] | None = None,
+             tune_warmup: bool | None = None) -> Search:
     """Rule 21's choice for one arm at one depth; `score(lr, warmup)` is the mean select-half loss over seeds;
-    `lrs` the starting LR grid (default `cfg.lrs`), `lattice` the values its growth takes first (`start_lrs`)."""
+    `lrs` the starting LR grid (default `cfg.lrs`), `lattice` the values its growth takes first (`start_lrs`);
+    the warm-up is tuned too where `tune_warmup` says (default: for `cfg.warmup_scheme` only)."""
     base, lrs, lattice = cfg.optim.warmup_steps, list(cfg.lrs if lrs is None else lrs), list(lattice or [])
     lr_grid = Grid(list(lrs), cfg.max_extensions, known=lattice)
     lr = yield from search_grid(lr_grid, lambda v: (v, base), score)
     tuned = {"lr": lr, "warmup": base, "lr_start": lrs, "lr_grid": lr_grid.describe()}
-    if scheme != cfg.warmup_scheme:
+    if not (scheme == cfg.warmup_scheme if tune_warmup is None else tune_warmup):
         return tuned
     below, above = cfg.warmup_ladders()
     wu_grid = LadderGrid([float(w) for w in cfg.warmups], cfg.max_extensions, ties="high", below=below, above=above)
