@@ -12,13 +12,12 @@ larger. Run from the repository root: `python results/rejudge.py > results/rejud
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keel.experiments import stats
+from keel.experiments import stats, store
 
 ROOT = Path(__file__).parent
 
@@ -41,7 +40,7 @@ class Test:
 
 
 def results(name: str) -> dict:
-    return json.loads((ROOT / name / "results.json").read_text())["results"]
+    return store.read_results(ROOT / name)["results"]
 
 
 def arm(name: str, label: str) -> list[float]:

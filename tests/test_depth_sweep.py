@@ -13,6 +13,7 @@ from keel.errors import ConfigError
 from keel.experiments import depth_sweep as ds
 from keel.experiments import depth_sweep_report as dsr
 from keel.experiments.depth_sweep import DepthSweepConfig, LadderGrid, analyse, key, marginal
+from keel.experiments import store
 
 
 def test_the_warmup_grid_grows_through_the_rules_values_capped_at_the_run():
@@ -215,7 +216,7 @@ def test_the_sweep_tunes_each_arm_by_the_rule_and_adds_seeds_to_marginal_tests(t
     def write_report(cfg, out, command, points, res):
         write(cfg, out, command, points, res)
         reports.append((res["status"], list(res["depths_done"]), (out / "report.md").read_text(),
-                        res.get("pending"), len(list((out / "points").glob("*-seed[34].json")))))
+                        res.get("pending"), len(list((out / "points").glob("*-seed[34].json.gz")))))
     write = dsr.write_report
     monkeypatch.setattr(dsr, "write_report", write_report)
     cfg = DepthSweepConfig(depths=[64, 16])
@@ -230,7 +231,7 @@ def test_the_sweep_tunes_each_arm_by_the_rule_and_adds_seeds_to_marginal_tests(t
                         64: [(lr, 100) for lr in (0.000111111, 0.000333333, 0.001, 0.003, 0.01)]}}
     expected = {key(s, d, lr, w, seed) for s, by in hps.items() for d in (64, 16)
                 for lr, w in (by[d] if isinstance(by, dict) else by) for seed in (0, 1, 2)}
-    saved = {p.stem for p in (tmp_path / "points").glob("*.json")} - {"config"}
+    saved = set(store.keys(tmp_path / "points"))
     assert {k for k in saved if not k.endswith(("seed3", "seed4"))} == expected
     assert len(fake_point.calls) == len(saved)  # every point trained once
     first_calls = [c[1] for c in fake_point.calls if c[4] < 3]
@@ -274,7 +275,7 @@ def test_the_sweep_tunes_each_arm_by_the_rule_and_adds_seeds_to_marginal_tests(t
     report = (tmp_path / "report.md").read_text()
     assert "one round of coordinate search" in report and "At this scale, in one minute" in report
     assert "bound at the low edge" in report and "does not train" in report
-    assert json.loads((tmp_path / "results.json").read_text())["results"]["status"] == "final"
+    assert store.read_results(tmp_path)["results"]["status"] == "final"
     assert not list(tmp_path.glob(".report*"))
 
     # run again: every point is reused

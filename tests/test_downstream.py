@@ -25,6 +25,7 @@ from keel.experiments import EXPERIMENTS
 from keel.experiments.cli import build
 from keel.experiments.common import point_config, train_curve
 from keel.experiments.downstream import WIDE, score_at
+from keel.experiments import store
 
 
 def test_score_at_reads_the_curve_where_the_loss_first_reaches_the_level():
@@ -60,7 +61,7 @@ def quick(tmp_path_factory):
     out = root / "out"
     out.mkdir()
     EXPERIMENTS["downstream"][1](cfg, out, "keel experiment downstream --quick")
-    return cfg, out, json.loads((out / "results.json").read_text())["results"]
+    return cfg, out, store.read_results(out)["results"]
 
 
 @pytest.mark.slow
@@ -68,7 +69,7 @@ def test_quick_points_are_every_arm_and_seed_with_curves(quick):
     cfg, out, res = quick
     arms = [f"{s}-{d}" for s in ("post_ln", "pre_ln", "keel") for d in (4, 8)] + [WIDE]  # written out
     assert set(res["points"]) == {f"{a}-lr0.003-seed{s}" for a in arms for s in (0, 1)}
-    assert {p.stem for p in (out / "points").glob("*.json")} - {"config"} == set(res["points"])
+    assert set(store.keys(out / "points")) == set(res["points"])
     for p in res["points"].values():
         c = p["curve"]
         assert c["step"] == [0, 4, 8]
@@ -154,8 +155,7 @@ def test_the_default_runs_are_the_committed_depth_long_runs():
 
     cfg = build("downstream", False, [])
     assert cfg.lrs["keel-32"] == 3e-3 and cfg.lrs["pre_ln-64"] == 1e-3 and cfg.seeds == [0, 1, 2, 3, 4]
-    recorded = json.loads((Path(__file__).parent.parent / "results" / "depth-long-32" / "points"
-                           / "keel-32-lr0.003-seed0.json").read_text())
+    recorded = store.load(Path(__file__).parent.parent / "results" / "depth-long-32" / "points", "keel-32-lr0.003-seed0")
     config = point_config(cfg, cfg.point_model("keel", 32), 0, lr=cfg.lrs["keel-32"])
     curve, _ = train_curve(config, eval_batches=0, on_step=lambda i, model, result: i == 3)
     assert curve.losses == pytest.approx(recorded["losses"][:4], rel=1e-5)

@@ -15,6 +15,7 @@ from keel.errors import ConfigError
 from keel.experiments import EXPERIMENTS
 from keel.experiments.cli import build
 from keel.experiments.downstream_end import DownstreamEndConfig, judge, reference_points, search
+from keel.experiments import store
 
 COMMITTED = Path(__file__).parent.parent / "results" / "downstream"
 
@@ -121,8 +122,8 @@ def test_the_default_reference_is_the_committed_pre_ln_runs():
     cfg = build("downstream-end", False, [])
     assert (cfg.arm, cfg.reference, cfg.lrs["keel-64"], cfg.lrs["pre_ln-64"]) == ("keel-64", "pre_ln-64", 3e-3, 1e-3)
     points = reference_points(cfg)
-    files = sorted((COMMITTED / "points").glob("pre_ln-64-lr0.001-seed*.json"))
-    assert sorted(points) == [f.stem for f in files] and len(files) == 5
+    files = [k for k in store.keys(COMMITTED / "points") if k.startswith("pre_ln-64-lr0.001-seed")]
+    assert sorted(points) == files and len(files) == 5
     assert all(p["curve"]["step"][-1] == cfg.run.steps for p in points.values())  # read at the end of their run
     # trained with another warm-up than this config's: not this config's reference
     with pytest.raises(ConfigError, match="trained with another optim.warmup_steps"):
@@ -134,13 +135,13 @@ def test_a_missing_reference_point_is_one_error_naming_it_before_any_training(tm
     (ref / "points").mkdir(parents=True)
     shutil.copy(COMMITTED / "points" / "config.json", ref / "points")
     for s in range(4):  # seed 4 missing
-        shutil.copy(COMMITTED / "points" / f"pre_ln-64-lr0.001-seed{s}.json", ref / "points")
+        shutil.copy(store.path_of(COMMITTED / "points", f"pre_ln-64-lr0.001-seed{s}"), ref / "points")
     cfg = build("downstream-end", False, [f"reference_dir={ref}"])
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(ConfigError) as err:
         EXPERIMENTS["downstream-end"][1](cfg, out, "")
-    assert str(ref / "points" / "pre_ln-64-lr0.001-seed4.json") in str(err.value)
+    assert str(ref / "points" / f"pre_ln-64-lr0.001-seed4{store.SUFFIX}") in str(err.value)
     assert "seed3" not in str(err.value) and list(out.iterdir()) == []
 
 
@@ -167,7 +168,7 @@ def test_quick_run_matches_an_independent_recomputation(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     EXPERIMENTS["downstream-end"][1](cfg, out, "keel experiment downstream-end --quick")
-    res = json.loads((out / "results.json").read_text())["results"]
+    res = store.read_results(out)["results"]
     points = res["points"]
     loss, score = ({k: p["curve"][w][-1] for k, p in points.items()} for w in ("loss", "score"))
     target = np.mean([loss[f"pre_ln-4-lr0.003-seed{s}"] for s in (0, 1)])

@@ -16,6 +16,7 @@ from keel.errors import ConfigError
 from keel.experiments import EXPERIMENTS, precision
 from keel.experiments.budget import budget_point
 from keel.experiments.cli import build
+from keel.experiments import store
 
 TINY = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16", "run.batch_size=2"]
 QUICK = {
@@ -100,14 +101,14 @@ def test_quick_experiment_writes_results_plots_and_report(name, corpus_cfg, tmp_
     out = tmp_path / name
     out.mkdir()
     EXPERIMENTS[name][1](cfg, out, f"keel experiment {name} --quick")
-    results = json.loads((out / "results.json").read_text())
+    results = store.read_results(out)
     assert results["experiment"] == name and results["machine"]["torch_version"]
     # every configured point is in results.json, and so is every point the sweep kept on disk
     points = results["results"]["points"]
     assert set(QUICK_POINTS[name]) <= set(points), sorted(set(QUICK_POINTS[name]) - set(points))
-    assert set(points) == {p.stem for p in (out / "points").glob("*.json")} - {"config"}
+    assert set(points) == set(store.keys(out / "points"))
     for key, point in points.items():  # each is its point file less any per-step losses, which only the file has
-        saved = json.loads((out / "points" / f"{key}.json").read_text())
+        saved = store.load(out / "points", key)
         series = {"losses", "train_losses"} & set(saved)
         assert point == {f: v for f, v in saved.items() if f not in series}, key
     if name == "depth":  # the second seed runs once per scheme and depth, at the LR the first one chose
@@ -124,9 +125,9 @@ def test_quick_experiment_writes_results_plots_and_report(name, corpus_cfg, tmp_
         image = imread(out / png)
         assert min(image.shape[:2]) > 100 and image[..., :3].std() > 0.01, png
     # a second run reuses every finished point instead of training again
-    points = {p.name: p.stat().st_mtime_ns for p in (out / "points").glob("*.json")}
+    points = {p.name: p.stat().st_mtime_ns for p in (out / "points").glob("*.json.gz")}
     EXPERIMENTS[name][1](cfg, out, f"keel experiment {name} --quick")
-    assert {p.name: p.stat().st_mtime_ns for p in (out / "points").glob("*.json")} == points
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "points").glob("*.json.gz")} == points
 
 
 def test_bad_experiment_override_names_the_key():
@@ -146,12 +147,12 @@ def test_adding_seeds_to_a_sweep_runs_only_the_new_seeds(corpus_cfg, tmp_path, c
     one = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]"])
     EXPERIMENTS["lr-sweep"][1](one, tmp_path, "keel experiment lr-sweep --quick seeds=[0]")
     assert "reused" not in capsys.readouterr().out  # nothing was saved before
-    first = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "points").glob("*-seed0.json")}
+    first = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "points").glob("*-seed0.json.gz")}
     two = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0,1]"])
     points = EXPERIMENTS["lr-sweep"][1](two, tmp_path, "keel experiment lr-sweep --quick seeds=[0,1]")
     n = 2 * len(one.lrs)  # two schemes x the LR grid, per seed
     assert f"reused {n} of {2 * n} saved points from {tmp_path / 'points'}" in capsys.readouterr().out
-    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "points").glob("*-seed0.json")} == first
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "points").glob("*-seed0.json.gz")} == first
     assert sorted(k.rsplit("-", 1)[1] for k in points) == ["seed0"] * 2 * len(one.lrs) + ["seed1"] * 2 * len(one.lrs)
     assert json.loads((tmp_path / "points" / "config.json").read_text())["seeds"] == [0, 1]
     # a seed-1-only rerun still reads its points and keeps the recorded union
@@ -204,11 +205,11 @@ def test_a_prepared_budget_point_starts_from_the_same_init(corpus_cfg):
 def test_depth_can_take_each_arms_lr_from_an_earlier_run(corpus_cfg, tmp_path):
     short = build("depth", True, [*TINY, *QUICK["depth"], *corpus_cfg, "seeds=[0]", "lrs=[1e-3,1e-2]"])
     EXPERIMENTS["depth"][1](short, tmp_path / "short", "keel experiment depth --quick")
-    chosen = json.loads((tmp_path / "short" / "results.json").read_text())["results"]["chosen"]
+    chosen = store.read_results(tmp_path / "short")["results"]["chosen"]
     long = build("depth", True, [*TINY, *QUICK["depth"], *corpus_cfg, "seeds=[0,1]", "run.steps=5",
                                  f"lr_from={tmp_path / 'short' / 'results.json'}"])
     res = EXPERIMENTS["depth"][1](long, tmp_path / "long", "keel experiment depth --quick")
-    names = sorted(p.stem for p in (tmp_path / "long" / "points").glob("*-seed*.json"))
+    names = sorted(k for k in store.keys(tmp_path / "long" / "points") if "-seed" in k)
     assert names == sorted(f"{arm}-lr{lr:g}-seed{s}" for arm, lr in chosen.items() for s in (0, 1))
     assert {arm: a["lr"] for arm, a in res["arms"].items()} == chosen
     with pytest.raises(ValueError, match="lr_from"):
@@ -262,9 +263,8 @@ def test_a_sweep_recorded_eager_continues_compiled_and_each_point_says_how_it_ra
     EXPERIMENTS["lr-sweep"][1](eager, tmp_path, "seeds=[0]")
     compiled = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0,1]", "run.compile=true"])
     EXPERIMENTS["lr-sweep"][1](compiled, tmp_path, "seeds=[0,1] run.compile=true")
-    ran = {p.name: json.loads(p.read_text())["execution"]["compile"]
-           for p in (tmp_path / "points").glob("*-seed*.json")}
-    assert ran and all(ran[k] is k.endswith("seed1.json") for k in ran)
+    ran = {k: store.load(tmp_path / "points", k)["execution"]["compile"] for k in store.keys(tmp_path / "points")}
+    assert ran and all(ran[k] is k.endswith("seed1") for k in ran)
     with pytest.raises(ConfigError, match="differs in optim.warmup_steps"):  # what a point computes still counts
         EXPERIMENTS["lr-sweep"][1](build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg,
                                                             "optim.warmup_steps=1"]), tmp_path, "")

@@ -16,6 +16,7 @@ from keel.experiments import frontier as fr
 from keel.experiments.frontier import FrontierConfig, key
 from keel.experiments.grid import LadderGrid
 from keel.train.config import OptimConfig
+from keel.experiments import store
 
 RESULTS = Path(__file__).parent.parent / "results" / "frontier"
 
@@ -75,7 +76,7 @@ def test_a_warmup_at_the_high_edge_grows_through_the_ladder_then_the_lr_grid_run
            ("post_ln", 8): post_base + [(3e-3, w) for w in (2, 4, 5, 6)] + [(lr, 5) for lr in (1e-3, 9e-3, 2.7e-2)]}
     expected = {(s, d, lr, w, seed) for (s, d), hps in ran.items() for lr, w in hps for seed in (0, 1)}
     assert len(calls) == len(set(calls)) and set(calls) == expected  # each point once (9e-3 is float('0.009'))
-    saved = {p.stem for p in (tmp_path / "points").glob("*.json")} - {"config"}
+    saved = set(store.keys(tmp_path / "points"))
     assert len(saved) == len(expected)
     assert "post_ln-8-lr0.003-seed0" in saved and "post_ln-8-lr0.009-wu5-seed1" in saved  # base keeps its names
     assert not any("-wu3-" in k for k in saved) and {k for k in saved if "-wu" in k} == {
@@ -102,7 +103,7 @@ def test_a_warmup_at_the_high_edge_grows_through_the_ladder_then_the_lr_grid_run
     assert "@ 0.009, wu 5 (" in report and "@ 0.003 (" in report and "wu 3" not in report
     assert "| post_ln-8 | 0.003 | 2, 3, 4, 5, 6 (added 5, 6) | 0.001, 0.003, 0.009, 0.027 (added 0.009, 0.027) | " \
            "0.009 at warm-up 5 |" in report
-    saved_res = json.loads((tmp_path / "results.json").read_text())["results"]
+    saved_res = store.read_results(tmp_path)["results"]
     assert saved_res["arms"]["post_ln-8"]["warmup_grid"]["added"] == [5, 6]
 
     calls.clear()  # run again: every point reused
@@ -136,7 +137,7 @@ def test_the_default_config_runs_the_points_it_ran_before(fake, tmp_path):
     calls, rounds = fake
     cfg = FrontierConfig.quick()  # no warm-up tuned: every LR of each grid with every seed (grow=0)
     res = fr.run(cfg, tmp_path, "keel experiment frontier --quick")
-    saved = {p.stem for p in (tmp_path / "points").glob("*.json")} - {"config"}
+    saved = set(store.keys(tmp_path / "points"))
     grids = {("post_ln", 4): (0.001, 0.003), ("post_ln", 8): (0.001,), ("keel", 4): (0.003, 0.01),
              ("keel", 8): (0.003,)}
     assert saved == {f"{s}-{d}-lr{lr}-seed{k}" for (s, d), grid in grids.items() for lr in grid for k in (0, 1)}
@@ -152,7 +153,7 @@ def test_the_committed_frontier_replays_to_its_report_from_its_points(tmp_path, 
     point may train): the same report.md and the same results, word for word and number for number."""
     from keel.experiments.cli import build
 
-    committed = json.loads((RESULTS / "results.json").read_text())
+    committed = store.read_results(RESULTS)
     words = shlex.split(committed["command"])
     del words[words.index("--out"):words.index("--out") + 2]
     shutil.copytree(RESULTS / "points", tmp_path / "points")
@@ -160,7 +161,7 @@ def test_the_committed_frontier_replays_to_its_report_from_its_points(tmp_path, 
     monkeypatch.setattr(fr, "budget_point", lambda *a, **k: pytest.fail("a committed point is missing"))
     fr.run(build("frontier", False, words[3:]), tmp_path, committed["command"])
     assert (tmp_path / "report.md").read_text() == (RESULTS / "report.md").read_text()
-    assert json.loads((tmp_path / "results.json").read_text())["results"] == committed["results"]
+    assert store.read_results(tmp_path)["results"] == committed["results"]
 
 
 def test_the_config_check_refuses_what_rule_27_cannot_run():

@@ -19,6 +19,7 @@ from keel.train.config import RunConfig, load_config, to_yaml
 from keel.train.presets import PRESETS
 from keel.train.run_dir import RunDir
 from keel.train.trainer import Trainer
+from keel.experiments import store
 
 
 def experiment_point(corpus, tmp_path, **run):
@@ -216,7 +217,7 @@ def test_committed_sweeps_are_this_configuration_in_todays_spelling(folder):
     be added to it, and today's defaults are the ones its points ran with."""
     from keel.experiments.sweep import ADDS_POINTS, EXECUTION_FIELDS, _differences, upgrade_recorded
 
-    command = shlex.split(json.loads((RESULTS / folder / "results.json").read_text())["command"])
+    command = shlex.split(store.read_results(RESULTS / folder)["command"])
     name, words = command[2], command[3:]
     if "--out" in words:  # --out and its directory
         del words[words.index("--out"):words.index("--out") + 2]
@@ -243,9 +244,9 @@ def test_committed_sweeps_are_this_configuration_in_todays_spelling(folder):
 def test_a_committed_point_reruns_to_its_recorded_losses():
     """results/depth's 8-sub-layer Keel point at its chosen LR, seed 0, re-run in today's spelling: its first
     steps' losses are the ones committed (float32 on CPU; the schedule depends on run.steps, so it is the same)."""
-    res = json.loads((RESULTS / "depth" / "results.json").read_text())
+    res = store.read_results(RESULTS / "depth")
     lr = res["results"]["chosen"]["keel-8"]
-    recorded = json.loads((RESULTS / "depth" / "points" / f"keel-8-lr{lr:g}-seed0.json").read_text())
+    recorded = store.load(RESULTS / "depth" / "points", f"keel-8-lr{lr:g}-seed0")
     cfg = build("depth", False, ["run.steps=300", "optim.warmup_steps=30"])
     curve, _ = train_curve(point_config(cfg, cfg.point_model("keel", 8), 0, lr=lr), eval_batches=0,
                            on_step=lambda i, model, result: i == 4)

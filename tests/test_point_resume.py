@@ -20,6 +20,7 @@ from keel.experiments.budget import budget_point
 from keel.experiments.cli import build
 from keel.experiments.partial import Partial
 from keel.experiments.sweep import Sweep
+from keel.experiments import store
 
 STEPS = 12
 
@@ -68,7 +69,7 @@ def test_a_killed_point_continues_to_the_uninterrupted_points_numbers(cfg, tmp_p
     assert "resumed_at" not in whole
     with pytest.raises(Killed):
         run_point(cfg, tmp_path / "killed", kill_after=7)
-    assert not (tmp_path / "killed" / "points" / "p.json").exists()
+    assert not store.exists(tmp_path / "killed" / "points", "p")
     saved = sorted(p.name for p in (partial_of(tmp_path / "killed") / "checkpoints").iterdir())
     assert saved == ["step_00000007"]  # one save kept, the last one before the kill
     capsys.readouterr()
@@ -120,9 +121,9 @@ def test_a_signal_in_the_last_step_finishes_the_point_and_stops_the_sweep_before
         finally:
             signalled, runtime.PENDING_SIGNALS[:] = list(runtime.PENDING_SIGNALS), []
     assert signalled == [signal.SIGTERM]  # the sweep's next boundary raised it
-    assert (tmp_path / "points" / "a.json").exists() and not (tmp_path / "points" / "b.json").exists()
+    assert store.exists(tmp_path / "points", "a") and not store.exists(tmp_path / "points", "b")
     assert not (tmp_path / "points" / "b.partial").exists()  # b never started
-    assert len(json.loads((tmp_path / "points" / "a.json").read_text())["losses"]) == STEPS
+    assert len(store.load(tmp_path / "points", "a")["losses"]) == STEPS
 
 
 def test_a_point_killed_twice_records_both_continuations(cfg, tmp_path):
@@ -203,7 +204,7 @@ def test_the_guards_history_and_the_callers_state_come_back(cfg, tmp_path):
 def test_a_finished_point_never_reads_or_leaves_progress(cfg, tmp_path):
     point = run_point(cfg, tmp_path / "s")
     assert not partial_of(tmp_path / "s").exists()
-    assert json.loads((tmp_path / "s" / "points" / "p.json").read_text())["losses"] == point["losses"]
+    assert store.load(tmp_path / "s" / "points", "p")["losses"] == point["losses"]
     orphan = partial_of(tmp_path / "s") / "checkpoints"  # a process killed between the point's file and the removal
     orphan.mkdir(parents=True)
     assert run_point(cfg, tmp_path / "s") == point and not partial_of(tmp_path / "s").exists()
@@ -231,7 +232,7 @@ def experiment_command(corpus, tmp_path, out):
 
 
 def the_point(out):
-    return json.loads(next(p for p in (out / "points").glob("*.json") if p.name != "config.json").read_text())
+    return store.load(out / "points", store.keys(out / "points")[0])
 
 
 def started_mid_point(command, out, env, stderr=subprocess.DEVNULL):
@@ -256,7 +257,7 @@ def test_a_sweep_process_killed_with_sigkill_continues_its_point_in_the_next_one
     process = started_mid_point(experiment_command(corpus, tmp_path, killed), killed, env)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert list(killed.glob("points/*.claim")) and not [p for p in killed.glob("points/*.json")
+    assert list(killed.glob("points/*.claim")) and not [p for p in killed.glob("points/*.json.gz")
                                                          if p.name != "config.json"]
     again = subprocess.run(experiment_command(corpus, tmp_path, killed), env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr

@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+from keel.experiments import store
 
 RESULTS = Path(__file__).parent.parent / "results"
 pytestmark = pytest.mark.skipif(not (RESULTS / "rejudge.py").exists(), reason="no committed results")
@@ -58,7 +59,7 @@ def test_a_reports_command_parses_and_merges_to_the_configuration_its_points_rec
         if field in mine:
             grown, had = recorded.get(field, defaults[field]), mine[field]
             assert set(had) <= set(grown) if isinstance(had, list) else had <= grown, field
-    assert json.loads((RESULTS / folder / "results.json").read_text())["experiment"] == args.name
+    assert store.read_results(RESULTS / folder)["experiment"] == args.name
 
 
 def test_the_front_pages_when_to_use_table_is_results_one_minute_table():
@@ -76,7 +77,7 @@ def test_the_one_minute_depth_table_is_the_depth_sweeps_results():
     """Each depth row of the one-minute per-depth table: the scheme with the lowest mean report loss over seeds 0-2
     and Keel's mean, as depth-sweep/results.json has them; a depth the sweep has finished is not left out."""
     names = {"keel": "Keel", "pre_ln": "Pre-LN", "post_ln": "Post-LN", "deepnorm": "DeepNorm"}
-    res = json.loads((RESULTS / "depth-sweep" / "results.json").read_text())["results"]
+    res = store.read_results(RESULTS / "depth-sweep")["results"]
     text = (RESULTS / "README.md").read_text()
     table = text[text.index("| sub-layers | lowest mean report loss | Keel |"):].split("\n\n")[0].splitlines()[2:]
     rows = {r.split(" | ")[0].strip("| "): r.strip("|").split(" | ") for r in table}
@@ -92,6 +93,6 @@ def test_the_one_minute_depth_table_is_the_depth_sweeps_results():
             assert said, cell
             assert (float(said[1]), int(said[2] or 3), said[3], said[4]) == (
                 round(t["test"]["mean"], 3), t["test"]["n"], fmt(t["p"]), fmt(t["p_holm"])), (depth, scheme, cell)
-    to_come = len(json.loads((RESULTS / "depth-sweep" / "results.json").read_text())["config"]["depths"]) > len(
+    to_come = len(store.read_results(RESULTS / "depth-sweep")["config"]["depths"]) > len(
         res["depths_done"])
     assert len(rows) == len(res["depths_done"]) + to_come  # and a row for the depths to come, while there are any

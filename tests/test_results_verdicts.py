@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from keel.experiments import store
 from scipy import stats as sps
 
 RESULTS = Path(__file__).parent.parent / "results"
@@ -30,9 +31,8 @@ def rejudge():
 def point(folder: str, name: str) -> dict:
     """A point file of `folder`, or of the companion folder its seed ran in (`-s1`, `-s2`) before being merged."""
     for where in (folder, f"{folder}-s1", f"{folder}-s2"):
-        path = RESULTS / where / "points" / f"{name}.json"
-        if path.exists():
-            return json.loads(path.read_text())
+        if store.exists(RESULTS / where / "points", name):
+            return store.load(RESULTS / where / "points", name)
     raise FileNotFoundError(f"{folder}: {name}")
 
 
@@ -44,7 +44,7 @@ LOSS_EXPERIMENTS = {"depth": "seed0", "ablations": "seed0", "deep-vs-wide": "see
 
 @pytest.mark.parametrize("folder", sorted(LOSS_EXPERIMENTS))
 def test_committed_arms_are_their_point_files_at_the_lr_the_rule_chooses(folder):
-    res = json.loads((RESULTS / folder / "results.json").read_text())["results"]
+    res = store.read_results(RESULTS / folder)["results"]
     for label, arm in res["arms"].items():
         lr = arm["lr"]
         # a warm-up tuned away from the experiment's own (frontier, rule 27) is in the point's name, and the LR is
@@ -64,7 +64,7 @@ def test_committed_arms_are_their_point_files_at_the_lr_the_rule_chooses(folder)
 
 
 def test_tuned_arms_are_their_point_files_at_the_lr_chosen_over_all_seeds():
-    res = json.loads((RESULTS / "tuned" / "results.json").read_text())["results"]["depths"]["64"]
+    res = store.read_results(RESULTS / "tuned")["results"]["depths"]["64"]
     chosen = {}
     for label, arm in res["arms"].items():
         grid = [float(g) for g in arm["select_by_lr"]]
@@ -79,7 +79,7 @@ def test_tuned_arms_are_their_point_files_at_the_lr_chosen_over_all_seeds():
 
 
 def test_depth_pilot_arms_are_their_point_files_at_the_lr_chosen_over_all_seeds():
-    res = json.loads((RESULTS / "depth-pilot" / "results.json").read_text())["results"]
+    res = store.read_results(RESULTS / "depth-pilot")["results"]
     for steps, budget in res["budgets"].items():
         for depth, arm in budget["arms"].items():
             grid = [float(g) for g in arm["select_by_lr"]]
@@ -94,7 +94,7 @@ SCHEME = {"Keel": "keel", "Pre-LN": "pre_ln", "Post-LN": "post_ln", "DeepNorm": 
 
 
 def res(folder: str) -> dict:
-    return json.loads((RESULTS / folder / "results.json").read_text())
+    return store.read_results(RESULTS / folder)
 
 
 def losses(folder: str, names: list[str], key: str = "report_loss") -> list[float]:
@@ -116,8 +116,8 @@ def max_lr_from_points(folder: str, label: str, depth: int) -> list[float]:
 
 def chosen_lr(folder: str, label: str, seeds: range) -> float:
     """The LR of `label`'s points with the lowest mean select-half loss over `seeds` (a diverged seed: +inf)."""
-    grid = sorted({float(f.stem.split("-lr")[1].split("-")[0]) for f in (RESULTS / folder / "points").glob(
-        f"{label}-lr*-seed0.json")})
+    grid = sorted({float(k.split("-lr")[1].split("-")[0]) for k in store.keys(RESULTS / folder / "points")
+                   if k.startswith(f"{label}-lr") and k.endswith("-seed0")})
     def mean(lr):
         pts = [point(folder, f"{label}-lr{lr:g}-seed{s}") for s in seeds]
         return math.inf if any(p["diverged"] for p in pts) else statistics.fmean(p["select_loss"] for p in pts)
@@ -333,7 +333,7 @@ def test_rejudge_md_is_every_test_recomputed(tests_):
     lines = [line for line in (RESULTS / "rejudge.md").read_text().splitlines() if re.match(r"\| \d+ \|", line)]
     # 74 closed tests; the tests so far of rule 21's sweep (its family grows as its depths finish) and of rule 25's
     # (once it reports); rule 24's, rule 29's and rule 26's two once each reports
-    running = [json.loads((RESULTS / f / "results.json").read_text())["results"]["tests"]
+    running = [store.read_results(RESULTS / f)["results"]["tests"]
                for f in ("depth-sweep", "depth-long-tuned") if (RESULTS / f / "results.json").exists()]
     end = 2 * sum((RESULTS / f / "results.json").exists()
                   for f in ("downstream-end", "downstream-end-bisect", "tuned-alpha"))

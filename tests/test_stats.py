@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from keel.experiments import store
+
 from keel.experiments import stats
 from keel.experiments.frontier import FrontierConfig, analyse, classify, grow_grids, key
 from keel.experiments.sweep import Sweep, _claim
@@ -157,7 +159,7 @@ def test_a_sweep_with_enough_hands_back_the_saved_points_before_training_and_sto
     # without b, it trains a's two points and stops there: c's point is left to a later call
     points = {"a0": job("a0"), "a1": job("a1"), "c0": job("c0")}
     assert set(sweep.run(points, "sweep", enough=lambda done: {"a0", "a1"} <= done.keys())) == {"a0", "a1"}
-    assert ran == ["a0", "a1"] and not (tmp_path / "points" / "c0.json").exists()
+    assert ran == ["a0", "a1"] and not store.exists(tmp_path / "points", "c0")
     assert set(sweep.run(points, "sweep")) == {"a0", "a1", "c0"} and ran == ["a0", "a1", "c0"]
 
 
@@ -200,7 +202,7 @@ def test_a_sweep_stops_between_points_when_its_signal_was_swallowed_by_a_finalis
     finally:
         runtime.PENDING_SIGNALS.clear()
     assert swallowed == [KeyboardInterrupt] and capsys.readouterr().err == "keel: interrupted\n"
-    assert ran == ["first"] and (tmp_path / "points" / "first.json").exists()
+    assert ran == ["first"] and store.exists(tmp_path / "points", "first")
     assert not list(tmp_path.glob("points/*.claim"))
 
 

@@ -31,7 +31,9 @@ def build(name: str, quick: bool, overrides: list[str], config_file: str | None 
 
     cls, _ = EXPERIMENTS[name]
     try:
-        return merge(cls.quick() if quick else cls(), config_file, overrides)
+        cfg = merge(cls.quick() if quick else cls(), config_file, overrides)
+        cfg.check_fields()
+        return cfg
     except ConfigError as err:
         raise ConfigError(f"{name}: {err}") from None
 

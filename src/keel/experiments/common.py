@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from keel import runtime
+from keel.errors import ConfigError
 from keel.data import DataConfig, WindowSampler, prepare
 from keel.data import eval_batches as spaced_batches
 from keel.experiments.partial import Discarded, Partial
@@ -74,6 +75,24 @@ def experiment_run(**fields) -> RunConfig:
 _NO_RUN_DIR = ("run.out_dir", "run.name", "run.log_every", "run.eval_every", "run.ckpt_every", "run.keep_checkpoints",
                "run.progress", "run.telemetry_every", "run.log_to", "run.fsdp_group", "run.pp", "run.pp_schedule",
                "run.pp_microbatches", "run.eval_tasks", "run.eval_tasks_every", "run.eval_tasks_items")
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_FIELD_KINDS = {
+    "depth": (lambda v: _int(v) and 2 <= v <= 1 << 20 and v % 2 == 0,
+              "a depth in sub-layers (an even integer >= 2: one attention and one FFN per block)"),
+    "seed": (lambda v: _int(v) and 0 <= v < 2**32, "a seed (an integer in [0, 2**32))"),
+    "scheme": (lambda v: v in SCHEMES, f"a scheme ({', '.join(SCHEMES)})"),
+    "lr": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"),
+           "a learning rate (a finite number > 0)"),
+}
+# a study's list fields by name: (kind, must it hold a value)
+_LIST_FIELDS = {"depths": ("depth", True), "seeds": ("seed", True), "schemes": ("scheme", True), "lrs": ("lr", True)}
+_LIST_SUFFIXES = (("_depths", ("depth", False)), ("_seeds", ("seed", False)), ("_schemes", ("scheme", False)),
+                  ("_lrs", ("lr", False)))
 
 
 @dataclass
@@ -126,6 +145,25 @@ class ExperimentConfig:
                 refuse.setdefault(f"model.{name}", f"an option of {' and '.join(users)}; the arms here are "
                                                    f"{', '.join(sorted(arms))}")
         return Reads(refuse=refuse)
+
+    def check_fields(self) -> None:
+        """The study's own lists, whole, before any point trains: depths are even sub-layer counts >= 2, seeds
+        distinct integers >= 0, schemes known, LRs positive; each list that a study needs is not empty. One
+        ConfigError naming the field."""
+        for name, value in vars(self).items():
+            if not isinstance(value, list):
+                continue
+            what = _LIST_FIELDS.get(name) or next((w for end, w in _LIST_SUFFIXES if name.endswith(end)), None)
+            if what is None:
+                continue
+            kind, needed = what
+            if needed and not value:
+                raise ConfigError(f"{name}: empty; give at least one value")
+            bad = [v for v in value if not _FIELD_KINDS[kind][0](v)]
+            if bad:
+                raise ConfigError(f"{name}: {bad[0]!r} is not {_FIELD_KINDS[kind][1]}")
+            if kind == "seed" and len(set(value)) < len(value):
+                raise ConfigError(f"{name}: {value} repeats a seed")
 
     def point_model(self, scheme: str, n_sublayers: int, **fields) -> ModelConfig:
         """The base model at `n_sublayers` as `scheme` (keeping the options it reads: keel.model.config.with_scheme),
@@ -311,17 +349,15 @@ def smoke_test(on: bool = True):
         _SMOKE_TEST.reset(token)
 
 
-# a point's per-step training losses: kept in its points/<key>.json only, not copied into results.json
-STEP_SERIES = ("losses", "train_losses")
 
 
 def write_outputs(out: Path, name: str, config, command: str, results: dict, table: str, plots: list[str],
                   notes: str = "") -> None:
     """results.json (numbers + config + machine) and report.md (command, table, plots, notes; under
-    `smoke_test()` the banner first). results.json's `points` are the point files without their `STEP_SERIES`."""
+    `smoke_test()` the banner first). results.json names its points (`points`: their keys), it does not repeat
+    them: `keel.experiments.store.read_results` fills them in from `points/`."""
     if isinstance(results.get("points"), dict):
-        results = results | {"points": {k: {f: v for f, v in p.items() if f not in STEP_SERIES}
-                                        for k, p in results["points"].items()}}
+        results = results | {"points": sorted(results["points"])}
     payload = {"experiment": name, "command": command, "config": asdict(config),
                "machine": machine(resolve_device(getattr(getattr(config, "run", None), "device", "cpu"))),
                "results": results,

@@ -31,6 +31,7 @@ import numpy as np
 
 from keel import evals
 from keel.errors import ConfigError
+from keel.experiments import store
 from keel.experiments import stats
 from keel.experiments.common import (
     ExperimentConfig,
@@ -119,9 +120,10 @@ def reference_points(cfg: DownstreamEndConfig) -> dict[str, dict]:
     computed). A missing file is one ConfigError naming every missing path."""
     folder = Path(cfg.reference_dir) / "points"
     lr = cfg.lrs[cfg.reference]
-    paths = {key(cfg.reference, lr, s): folder / f"{key(cfg.reference, lr, s)}.json" for s in cfg.seeds}
+    paths = {key(cfg.reference, lr, s): store.path_of(folder, key(cfg.reference, lr, s)) for s in cfg.seeds}
     recorded = folder / "config.json"
-    missing = [str(p) for p in [recorded, *paths.values()] if not p.is_file()]
+    missing = [str(recorded)] if not recorded.is_file() else []
+    missing += [str(folder / f"{k}{store.SUFFIX}") for k, p in paths.items() if p is None]
     if missing:
         raise ConfigError(f"reference_dir: the reference arm's points are missing: {', '.join(missing)} "
                           "(reference_dir=null trains the reference arm here)")
@@ -134,7 +136,7 @@ def reference_points(cfg: DownstreamEndConfig) -> dict[str, dict]:
     if differ:
         raise ConfigError(f"reference_dir: {recorded} was trained with another {', '.join(differ)}; set them as it "
                           "did, or reference_dir=null to train the reference arm here")
-    return {k: json.loads(p.read_text()) for k, p in paths.items()}
+    return {k: store.read(p) for k, p in paths.items()}
 
 
 # ---- the search ----------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import ClassVar
 
 from keel.errors import ConfigError
 from keel.experiments import depth_sweep as ds
-from keel.experiments import stats
+from keel.experiments import stats, store
 from keel.experiments.budget import budget_point, tokens, unigram_level
 from keel.experiments.common import markdown_table, pm, tiny_quick, write_outputs
 from keel.experiments.grid import Grid, run_searches, search_grid
@@ -142,9 +142,8 @@ class Points:
 
     def _reuse(self, key: str) -> bool:
         for where in self.reused:
-            path = where / f"{key}.json"
-            if path.is_file():
-                self.got[key], self.shared[key] = json.loads(path.read_text()), str(where.parent)
+            if store.exists(where, key):
+                self.got[key], self.shared[key] = store.load(where, key), str(where.parent)
                 return True
         return False
 

@@ -27,7 +27,6 @@ training steps from the default init. Tiny width, so depths up to 256 sub-layers
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -53,6 +52,7 @@ from keel.experiments.common import (
     write_outputs,
 )
 from keel.experiments.probes import residual_sizes
+from keel.experiments import store
 from keel.experiments.sweep import Sweep
 from keel.model import ModelConfig
 from keel.model.transformer import TransformerLM
@@ -260,8 +260,8 @@ def _refuse_points_without_backward_factors(out: Path, points: dict) -> None:
     """Points measured before `measure` had the backward factors would be reused by the sweep and leave
     the new columns empty; refuse them rather than report a mix."""
     for key in points:
-        path = out / "points" / f"{key}.json"
-        if path.exists() and "shortcut" not in json.loads(path.read_text())["at_init"]:
+        path = store.path_of(out / "points", key)
+        if path is not None and "shortcut" not in store.read(path)["at_init"]:
             raise ConfigError(f"{out}: {path.name} was measured before gradflow had its backward factors; "
                               "use another --out or delete that directory's points/ to measure again")
 

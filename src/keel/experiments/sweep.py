@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from keel import runtime
 from keel.errors import ConfigError
+from keel.experiments import store
 from keel.experiments.partial import discard, keeping_progress_in
 
 # how a point is computed, not what it computes: a compiled and an eager point agree to float32 tolerance
@@ -92,7 +93,7 @@ may keep its progress (keel.experiments.partial), so that the process that next 
             _write_atomic(recorded, json.dumps(mine, indent=1))
         # the points already on disk first: with `enough`, an arm whose points are all saved is handed back before
         # this process starts an hour-long point of another
-        on_disk = {key for key in points if (self.out / "points" / f"{key}.json").exists()}
+        on_disk = {key for key in points if store.exists(self.out / "points", key)}
         if on_disk:
             print(f"{desc}: reused {len(on_disk)} of {len(points)} saved points from {self.out / 'points'}", flush=True)
         results, pending = {}, {key: points[key] for key in sorted(points, key=lambda k: k not in on_disk)}
@@ -101,24 +102,24 @@ may keep its progress (keel.experiments.partial), so that the process that next 
             elsewhere = {}  # points another process is running: read them when they are done
             for key, fn in pending.items():
                 runtime.stop_if_signalled()
-                path = self.out / "points" / f"{key}.json"
-                if not path.exists():
-                    claim = self.out / "points" / f"{key}.claim"
+                folder = self.out / "points"
+                if not store.exists(folder, key):
+                    claim = folder / f"{key}.claim"
                     if not _claim(claim):
                         elsewhere[key] = fn
                         continue
                     try:
-                        if not path.exists():  # finished by another process between our look and our claim
+                        if not store.exists(folder, key):  # finished by another process between our look and claim
                             bar.set_postfix_str(key)
-                            partial = self.out / "points" / f"{key}.partial"  # its progress while it trains
+                            partial = folder / f"{key}.partial"  # its progress while it trains
                             with keeping_progress_in(partial):
                                 result = _fresh_compile(fn)
                             # a point is either finished on disk or not there
-                            _write_atomic(path, json.dumps(result | {"execution": self.execution()}))
+                            store.write(folder, key, result | {"execution": self.execution()})
                     finally:
                         _release(claim)
                 discard(self.out / "points" / f"{key}.partial")  # left if a process died just after the point
-                results[key] = json.loads(path.read_text())
+                results[key] = store.load(folder, key)
                 bar.update()
                 if enough is not None and enough(results):
                     bar.close()

@@ -1,0 +1,101 @@
+"""How a study's points are kept on disk: one gzip-compressed JSON file per point, `points/<key>.json.gz`.
+
+A point's scalars (select and report losses, measured factors) are kept exactly as computed; its per-step
+training losses (`STEP_SERIES`), which no report reads, to `SERIES_DIGITS` significant digits, far below the
+step-to-step noise of a loss. Compression is deterministic (no timestamp in the gzip header), so writing the same
+point twice gives the same bytes. Points written before this layout (`<key>.json`, uncompressed) are read as they
+are; `compact` rewrites a finished study in this layout.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import threading
+from pathlib import Path
+
+SUFFIX, LEGACY = ".json.gz", ".json"
+STEP_SERIES = ("losses", "train_losses")  # per-step training losses: kept to SERIES_DIGITS
+SERIES_DIGITS = 6
+
+
+def path_of(points: Path, key: str) -> Path | None:
+    """The file holding point `key` in the folder `points`, or None if it is not there."""
+    for suffix in (SUFFIX, LEGACY):
+        path = points / f"{key}{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+def exists(points: Path, key: str) -> bool:
+    return path_of(points, key) is not None
+
+
+def read(path: Path) -> dict:
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.name.endswith(".gz") else data)
+
+
+def load(points: Path, key: str) -> dict:
+    path = path_of(points, key)
+    if path is None:
+        raise FileNotFoundError(points / f"{key}{SUFFIX}")
+    return read(path)
+
+
+def keys(points: Path) -> list[str]:
+    """Every point saved in the folder (its recorded config.json is not a point)."""
+    names = {p.name[: -len(SUFFIX)] for p in points.glob(f"*{SUFFIX}")}
+    names |= {p.stem for p in points.glob(f"*{LEGACY}")} - {"config"}
+    return sorted(names)
+
+
+def load_all(points: Path) -> dict[str, dict]:
+    return {k: load(points, k) for k in keys(points)}
+
+
+def encode(point: dict) -> bytes:
+    """The point's bytes on disk: its step series rounded, compact JSON, gzip without a timestamp."""
+    out = dict(point)
+    for name in STEP_SERIES:
+        if isinstance(out.get(name), list):
+            out[name] = [float(f"{v:.{SERIES_DIGITS}g}") if isinstance(v, float) else v for v in out[name]]
+    return gzip.compress(json.dumps(out, separators=(",", ":")).encode(), compresslevel=9, mtime=0)
+
+
+def write(points: Path, key: str, point: dict) -> Path:
+    """Writes point `key` whole (a reader never sees half a point) and returns its path; a legacy file of the
+    same point is replaced by it."""
+    path = points / f"{key}{SUFFIX}"
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "wb") as f:
+        f.write(encode(point))
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the name is: a machine that stops hard leaves no empty point
+    os.replace(tmp, path)
+    legacy = points / f"{key}{LEGACY}"
+    if legacy.is_file():
+        legacy.unlink()
+    return path
+
+
+def compact(points: Path) -> int:
+    """Rewrites every legacy point of a finished study in this layout; returns how many it rewrote. Not while
+    a sweep of the old layout still runs in that folder (it would not see the new files and run them again)."""
+    legacy = [k for k in keys(points) if not (points / f"{k}{SUFFIX}").is_file()]
+    for key in legacy:
+        write(points, key, read(points / f"{key}{LEGACY}"))
+    return len(legacy)
+
+
+def read_results(folder: Path) -> dict:
+    """A study's results.json with its points filled in from `points/` (results.json names them, it does not
+    repeat them); each point without its step series, as reports read it."""
+    payload = json.loads((folder / "results.json").read_text())
+    res = payload.get("results")
+    if isinstance(res, dict) and isinstance(res.get("points"), list):
+        res["points"] = {k: {f: v for f, v in load(folder / "points", k).items() if f not in STEP_SERIES}
+                         for k in res["points"]}
+    return payload
