@@ -1,7 +1,7 @@
 """The `keel` command: a thin dispatcher. Each sub-command parses its arguments and calls the library
 (keel.train, keel.experiments, keel.hf); nothing in the library imports this package. `support` holds what
 every command shares (signals, threads, argparse, checks of paths named on the command line); `hf` the Hugging
-Face commands (export-hf, import-hf, lm-eval).
+Face commands (export-hf, import-hf, lm-eval); `data` the corpus into token shards (data prepare).
 
 A `KeelError` (bad input: a config field, a file, a checkpoint) is printed as one line with exit code 2;
 any other exception is a bug and keeps its traceback.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from keel import runtime
 from keel._version import __version__
-from keel.cli import hf
+from keel.cli import data, hf
 from keel.cli.support import (
     PLOT_FORMATS,
     DefaultsShown,
@@ -314,13 +314,14 @@ COMMANDS = {
     "generate": "sample text from a run's checkpoint",
     "summary": "print a model's shape, counts and sub-layer layout (a preset's or a run's)",
     "tokenizer": "train a byte-level BPE tokenizer on a corpus",
+    **data.COMMANDS,
     **hf.COMMANDS,
     "experiment": "run one of the paper's experiments (results.json, plots, report.md)",
     "bench": "time Keel against Pre-LN at identical shapes, and against depth",
 }
 _BUILDERS = {"train": add_train_command, "eval": add_eval_command, "runs": add_runs_command,
              "plot": add_plot_command, "generate": add_generate_command, "summary": add_summary_command,
-             "tokenizer": add_tokenizer_command, **hf.BUILDERS, "experiment": add_experiment_command,
+             "tokenizer": add_tokenizer_command, **data.BUILDERS, **hf.BUILDERS, "experiment": add_experiment_command,
              "bench": add_bench_command}
 
 

@@ -13,6 +13,7 @@ import hashlib
 import importlib
 import json
 import os
+import random
 import stat
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator
@@ -37,6 +38,7 @@ class DataConfig:
     source: str = "stdlib"  # "stdlib" | a text file | a directory | .jsonl | .parquet | "hf:<path or name>"
     text_field: str = "text"  # the text key/column of JSONL, Parquet and Hugging Face records
     hf_split: str = "train"  # the split of a Hugging Face dataset to read
+    hf_config: str = ""  # a Hugging Face dataset's config (subset), e.g. "sample-10BT"; empty: its default
     tokenizer: str = "bytes"  # "bytes" | "bpe" | "bpe:<vocab_size>" | a path to a tokenizer.json
     val_fraction: float = 0.02  # share of documents held out for validation
     cache_dir: str = ""  # empty: $KEEL_CACHE if set, else ~/.cache/keel
@@ -75,6 +77,19 @@ class Corpus:
 
     def describe(self) -> dict:
         return {"source": self.spec, "kind": self.kind, **self.size(), "fingerprint": self.fingerprint}
+
+    def sample(self, n: int, seed: int = 0) -> Iterator[str]:
+        """At most `n` documents of the train split, drawn uniformly with `seed` and yielded in corpus order:
+        what a BPE is trained on, so that its cost does not grow with the corpus."""
+        for _, text in self.records(set(self._sampled_keys(n, seed)).__contains__):
+            if _has_text(text):
+                yield text
+
+    def _sampled_keys(self, n: int, seed: int) -> list:
+        keys = list(self.keys())
+        val = _val_keys(keys, self.val_fraction)
+        train = [k for k in keys if k not in val]
+        return random.Random(seed).sample(train, min(n, len(train)))
 
     # each source defines these
     def keys(self) -> Iterable:
@@ -139,6 +154,9 @@ class _OneFile(Corpus):
 
 class _TextFile(_OneFile):
     kind = "text"
+
+    def sample(self, n: int, seed: int = 0) -> Iterator[str]:
+        return self.documents("train")  # one document: the whole train part
 
     def documents(self, split: str) -> Iterator[str]:
         text = _read_text(self.path)
@@ -236,7 +254,7 @@ class _HFDataset(Corpus):
             if local.exists():
                 ds = datasets.load_from_disk(str(local))
             else:
-                ds = datasets.load_dataset(name, split=cfg.hf_split)
+                ds = datasets.load_dataset(name, cfg.hf_config or None, split=cfg.hf_split)
         except Exception as err:  # many error types, from the file system to the network
             raise DataError(f"{cfg.source}: cannot load the dataset ({_first_line(err)})") from None
         if isinstance(ds, datasets.DatasetDict):
@@ -249,7 +267,7 @@ class _HFDataset(Corpus):
                             f"columns: {', '.join(ds.column_names)}")
         # the dataset's own fingerprint follows its content and every transform applied to it
         self.id = getattr(ds, "_fingerprint", None) or f"{name}:{len(ds)}"
-        self.split, self.ds = cfg.hf_split, ds.select_columns([self.text_field])
+        self.split, self.subset, self.ds = cfg.hf_split, cfg.hf_config, ds.select_columns([self.text_field])
 
     def keys(self):
         return range(len(self.ds))
@@ -262,8 +280,16 @@ class _HFDataset(Corpus):
                     yield index, _as_text(value, f"{self.spec} record {index}", self.text_field)
                 index += 1
 
+    def sample(self, n: int, seed: int = 0) -> Iterator[str]:
+        picked = self.ds.select(sorted(self._sampled_keys(n, seed)))  # random access: only these are read
+        for i, batch in enumerate(picked.iter(batch_size=1024)):
+            for value in batch[self.text_field]:
+                if _has_text(text := _as_text(value, f"{self.spec} sample batch {i}", self.text_field)):
+                    yield text
+
     def state(self):
-        return [self.id, self.split, self.text_field]
+        # the config only when named, so that a corpus's fingerprint (its token cache's key) stays as it was
+        return [self.id, self.split, self.text_field, *([self.subset] if self.subset else [])]
 
     def size(self):
         return {"records": len(self.ds)}

@@ -1,0 +1,380 @@
+"""`keel data prepare`: a corpus into token shards (the layout is keel.data.shards'), tokenised by worker processes.
+
+This process reads the documents in the corpus's order and hands them in batches to N workers; the batches come
+back in the order they went out, so the shards are the same bytes whatever N is. A shard is written to a
+temporary file and renamed into place once full, then the manifest is rewritten: a killed prepare resumes from
+its last whole shard and ends with what an uninterrupted one would have written. Run again on a corpus with new
+documents after the old ones (records appended, files sorting after the old), it tokenises only those, into new
+shards; on an unchanged corpus it checks the shards and writes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import secrets
+import signal
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from itertools import chain, islice
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from keel.data.corpus import Corpus, DataConfig, build_corpus
+from keel.data.shards import (
+    FORMAT,
+    INDEX_DTYPE,
+    MANIFEST,
+    MAX_SHARD_TOKENS,
+    SHARD_NAME,
+    SPLITS,
+    check_files,
+    check_tokenizer,
+    read_manifest,
+    shard_dtype,
+    shard_name,
+)
+from keel.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, planned_vocab_size, read_capped, train_bpe
+from keel.errors import DataError
+
+DEFAULT_SHARD_TOKENS = 100_000_000  # nanoGPT's and modded-nanogpt's shard: 200 MB of uint16
+DEFAULT_BPE_SAMPLE = 100_000  # documents a BPE is trained on (sentencepiece's input_sentence_size, in documents)
+BPE_SEED = 0
+ENCODE_BATCH = 256  # documents per worker task
+TOKENIZER_FILE = "tokenizer.json"
+_TMP = ".tmp-"  # in every temporary file's name: `.<name>.tmp-<pid>-<random>`
+
+
+def prepare_shards(cfg: DataConfig, out, workers: int = 1, shard_tokens: int | None = None,
+                   bpe_sample: int = DEFAULT_BPE_SAMPLE, progress: bool | None = None) -> dict:
+    """Tokenise the corpus `cfg` names into shards under `out` with `workers` processes, or resume or extend the
+    shards there. A BPE (data.tokenizer=bpe[:N]) is trained on `bpe_sample` train documents drawn with a fixed
+    seed and kept as `out/tokenizer.json`; a tokenizer file is copied there. Returns what the directory holds
+    and what this call added (`up_to_date`: nothing, no file written)."""
+    out = Path(out).expanduser()
+    if workers < 1:
+        raise DataError(f"--workers: got {workers}; allowed: an integer >= 1")
+    if shard_tokens is not None and not 0 < shard_tokens <= MAX_SHARD_TOKENS:
+        raise DataError(f"--shard-tokens: got {shard_tokens}; allowed: an integer in [1, {MAX_SHARD_TOKENS:,}]")
+    if bpe_sample < 1:
+        raise DataError(f"--bpe-sample: got {bpe_sample}; allowed: an integer >= 1 (documents)")
+    manifest = _existing(out)
+    corpus = build_corpus(cfg)
+    tokenizer = _tokenizer(cfg.tokenizer, out, manifest, corpus, bpe_sample)
+    dtype = shard_dtype(tokenizer.vocab_size)
+    if manifest is None:
+        manifest = {"format": FORMAT, "dtype": dtype.name, "shard_tokens": shard_tokens or DEFAULT_SHARD_TOKENS,
+                    "tokenizer": {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size,
+                                  "eos_id": tokenizer.eos_id},
+                    "bpe_sample": {"documents": bpe_sample, "seed": BPE_SEED} if cfg.tokenizer.startswith("bpe")
+                    else None,
+                    "corpus": _corpus_info(corpus),
+                    "splits": {s: {"complete": False, "documents": 0, "tokens": 0, "shards": []} for s in SPLITS}}
+        _write_manifest(out, manifest)
+    else:
+        check_tokenizer(manifest, tokenizer, out)
+        if shard_tokens is not None and shard_tokens != manifest["shard_tokens"]:
+            raise DataError(f"--shard-tokens: {out} holds shards of {manifest['shard_tokens']:,} tokens, not "
+                            f"{shard_tokens:,}; leave the option out, or prepare into a new --out")
+    _remove_temporaries(out)
+    for split in SPLITS:
+        _drop_missing_tail(out, manifest, split)
+    check_files(out, manifest)  # what is kept is whole: a damaged shard is named, never written over
+    before = {s: len(manifest["splits"][s]["shards"]) for s in SPLITS}
+    same = manifest["corpus"]["fingerprint"] == corpus.fingerprint
+    todo = [s for s in SPLITS if not (same and manifest["splits"][s]["complete"])]  # complete: a dropped tail aside
+    up_to_date = not todo
+    if todo:
+        with _encoder(cfg.tokenizer if cfg.tokenizer == "bytes" else str(out / TOKENIZER_FILE), dtype,
+                      workers) as encode:
+            for split in todo:
+                _extend(out, manifest, split, corpus, encode, progress)
+        manifest["corpus"] = _corpus_info(corpus)
+        _write_manifest(out, manifest)  # unchanged bytes (a touched but unchanged corpus file aside): not rewritten
+    _check_splits(manifest, corpus)
+    splits = {s: {"shards": len(st["shards"]), "new_shards": len(st["shards"]) - before[s],
+                  "documents": st["documents"], "tokens": st["tokens"]} for s, st in manifest["splits"].items()}
+    return {"directory": str(out), "up_to_date": up_to_date, "dtype": manifest["dtype"],
+            "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "splits": splits}
+
+
+# ---- the directory and its tokenizer ----------------------------------------------------------------------
+
+def _existing(out: Path) -> dict | None:
+    """The manifest of `out` when there is one; None for a new or empty directory (or one holding only what an
+    earlier prepare left before its first manifest)."""
+    if os.path.lexists(out / MANIFEST):
+        return read_manifest(out)
+    if os.path.lexists(out) and not out.is_dir():
+        raise DataError(f"--out {out}: exists and is not a directory")
+    if out.is_dir():
+        foreign = sorted(e for e in os.listdir(out) if e != TOKENIZER_FILE and not e.startswith("."))
+        if foreign:
+            raise DataError(f"--out {out}: holds {foreign[0]!r} and no {MANIFEST}; not a shard directory: choose a "
+                            "new or empty one (nothing was written)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"--out {out}: cannot create the directory ({err.strerror})") from None
+    return None
+
+
+def _tokenizer(spec: str, out: Path, manifest: dict | None, corpus: Corpus, bpe_sample: int):
+    """The tokenizer `spec` names, as the shards use it: a BPE trained here (or the one trained before) in
+    `out/tokenizer.json`, a tokenizer file copied there, or bytes."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    target = out / TOKENIZER_FILE
+    if spec == "bpe" or spec.startswith("bpe:"):
+        vocab = planned_vocab_size(spec)
+        if manifest is not None and os.path.lexists(target):
+            tok = HFTokenizer(target, follow_links=False)
+            if tok.vocab_size != vocab:
+                raise DataError(f"data.tokenizer: {spec} names {vocab:,} tokens, but the BPE in {target} that made "
+                                f"the shards has {tok.vocab_size:,}; name data.tokenizer=bpe:{tok.vocab_size}")
+            return tok
+        return train_bpe(corpus.sample(bpe_sample, BPE_SEED), vocab, target)
+    tok = load_tokenizer(spec, out)
+    if manifest is not None:  # checked before the copy below could replace the directory's own
+        check_tokenizer(manifest, tok, out)
+    raw = read_capped(tok.path)
+    if not os.path.lexists(target) or target.is_symlink() or read_capped(target) != raw:
+        _atomic_write(target, [raw])
+    return HFTokenizer(target, follow_links=False)
+
+
+def _corpus_info(corpus: Corpus) -> dict:
+    # the files skipped as not text are known only after reading them all; a resumed prepare reads only some
+    return {k: v for k, v in corpus.describe().items() if k not in ("skipped", "skipped_files")}
+
+
+def _remove_temporaries(out: Path) -> None:
+    """What a killed prepare left half-written (never a file keel did not name so)."""
+    for entry in os.listdir(out):
+        name = entry.lstrip(".").split(_TMP)[0]
+        if entry.startswith(".") and _TMP in entry and (SHARD_NAME.fullmatch(name) or name in (MANIFEST,
+                                                                                              TOKENIZER_FILE)):
+            (out / entry).unlink(missing_ok=True)
+
+
+def _drop_missing_tail(out: Path, manifest: dict, split: str) -> int:
+    """Forget the shards at the end of `split` whose files are gone (a prepare stopped between renaming a shard
+    into place and rewriting the manifest, or a user who deleted them): they are made again, the same bytes.
+    A shard missing before one that is present is a damaged directory."""
+    shards = manifest["splits"][split]["shards"]
+    present = [os.path.lexists(out / s["file"]) and os.path.lexists(out / s["index"]) for s in shards]
+    keep = len(present)
+    while keep and not present[keep - 1]:
+        keep -= 1
+    if not all(present[:keep]):
+        first = shards[present.index(False)]["file"]
+        raise DataError(f"{out / first}: listed in {MANIFEST} but missing while later shards exist; the directory "
+                        "is damaged (prepare the corpus again into a new --out)")
+    if keep < len(shards):
+        del shards[keep:]
+        manifest["splits"][split]["complete"] = False
+    return len(present) - keep
+
+
+def _check_splits(manifest: dict, corpus: Corpus) -> None:
+    train, val = (manifest["splits"][s]["documents"] for s in SPLITS)
+    if train == 0:
+        raise DataError(f"{corpus.spec}: the training split is empty (no non-empty documents); add text "
+                        "or lower data.val_fraction")
+    if val == 0 and corpus.val_fraction > 0:
+        raise DataError(f"{corpus.spec}: the validation split is empty ({train} document(s) in all); add documents "
+                        "or set data.val_fraction=0")
+
+
+# ---- one split ------------------------------------------------------------------------------------------
+
+def _extend(out: Path, manifest: dict, split: str, corpus: Corpus, encode, progress: bool | None) -> None:
+    """Tokenise `split`'s documents from where its last shard ended into new shards, checking first that the
+    documents before that point are those the shards were made from."""
+    state, size = manifest["splits"][split], manifest["shard_tokens"]
+    shards = state["shards"]
+    end = shards[-1]["end"] if shards else {"document": 0, "offset": 0, "digest": hashlib.sha256().hexdigest()}
+    touched = end["document"] + (end["offset"] > 0)  # documents with tokens in the shards kept
+    docs, digest = corpus.documents(split), hashlib.sha256()
+    last = None
+    for _ in range(touched):
+        last = next(docs, None)
+        if last is None:
+            break
+        digest.update(_digest(last))
+    if (last is None and touched) or digest.hexdigest() != end["digest"]:
+        raise DataError(f"{corpus.spec}: the {split} documents already in {out}'s shards have changed (not only new "
+                        "documents after them; data.val_fraction and data.text_field count too); prepare into a "
+                        "new --out")
+    todo = chain([last] if end["offset"] else [], docs)
+    index, skip, shard = end["document"], end["offset"], None
+    bar = tqdm(desc=f"{split} documents", unit="doc", initial=index, disable=None if progress is None else not progress)
+    try:
+        for ids, doc_digest in encode(_batches(todo)):
+            if index >= touched:
+                digest.update(doc_digest)
+            pos, skip = skip, 0
+            while pos < len(ids):
+                if shard is None:
+                    shard = _Shard(out, split, len(shards))
+                if pos == 0:
+                    shard.starts.append(shard.tokens)
+                take = min(size - shard.tokens, len(ids) - pos)
+                shard.write(ids[pos:pos + take])
+                pos += take
+                if shard.tokens == size:
+                    at = (index, pos) if pos < len(ids) else (index + 1, 0)
+                    _publish(out, manifest, split, shard.finish(*at, digest.hexdigest()))
+                    shard = None
+            index += 1
+            bar.update()
+        if shard is not None:
+            _publish(out, manifest, split, shard.finish(index, 0, digest.hexdigest()))
+            shard = None
+    finally:
+        bar.close()
+        if shard is not None:
+            shard.abandon()
+    state |= {"complete": True, "documents": index, "tokens": sum(s["tokens"] for s in shards)}
+
+
+def _publish(out: Path, manifest: dict, split: str, entry: dict) -> None:
+    """A whole shard, renamed into place, entered in the manifest (rewritten: a resume starts after it)."""
+    state = manifest["splits"][split]
+    state["shards"].append(entry)
+    state |= {"documents": entry["end"]["document"], "tokens": state["tokens"] + entry["tokens"]}
+    _write_manifest(out, manifest)
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8")).digest()
+
+
+def _batches(docs: Iterable[str]) -> Iterator[list[str]]:
+    docs = iter(docs)
+    while batch := list(islice(docs, ENCODE_BATCH)):
+        yield batch
+
+
+class _Shard:
+    """One shard being written: a temporary file until `finish` renames it into place."""
+
+    def __init__(self, out: Path, split: str, k: int):
+        self.bin, self.idx = out / shard_name(split, k, "bin"), out / shard_name(split, k, "idx")
+        self.tmp, self.file = _temporary(self.bin)
+        self.sha, self.tokens, self.starts = hashlib.sha256(), 0, []
+
+    def write(self, ids: np.ndarray) -> None:
+        data = ids.tobytes()
+        self.file.write(data)
+        self.sha.update(data)
+        self.tokens += len(ids)
+
+    def finish(self, document: int, offset: int, digest: str) -> dict:
+        index = np.asarray(self.starts, dtype=INDEX_DTYPE).tobytes()
+        _atomic_write(self.idx, [index])
+        _close(self.file)
+        os.replace(self.tmp, self.bin)  # replaces a link planted there, never writes through it
+        return {"file": self.bin.name, "tokens": self.tokens, "sha256": self.sha.hexdigest(), "index": self.idx.name,
+                "index_sha256": hashlib.sha256(index).hexdigest(), "documents": len(self.starts),
+                "end": {"document": document, "offset": offset, "digest": digest}}
+
+    def abandon(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+# ---- files ----------------------------------------------------------------------------------------------
+
+def _temporary(path: Path):
+    """A new file beside `path`, opened for writing: created, never opened through a link."""
+    tmp = path.with_name(f".{path.name}{_TMP}{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except OSError as err:
+        raise DataError(f"{path.parent}: cannot write ({err.strerror})") from None
+    return tmp, os.fdopen(fd, "wb")
+
+
+def _close(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+
+
+def _atomic_write(path: Path, chunks) -> None:
+    tmp, f = _temporary(path)
+    try:
+        for chunk in chunks:
+            f.write(chunk)
+        _close(f)
+        os.replace(tmp, path)
+    finally:
+        f.close()
+        tmp.unlink(missing_ok=True)
+
+
+def _write_manifest(out: Path, manifest: dict) -> None:
+    data = (json.dumps(manifest, indent=1) + "\n").encode()
+    path = out / MANIFEST
+    if path.is_file() and not path.is_symlink() and path.read_bytes() == data:
+        return
+    _atomic_write(path, [data])
+
+
+# ---- tokenising in worker processes -----------------------------------------------------------------------
+
+_WORKER: dict = {}
+
+
+def _start_worker(tokenizer: str, dtype: str, quiet: bool = True) -> None:
+    if quiet:  # Ctrl-C reaches the whole process group: the parent stops the pool, workers say nothing
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: N workers use N cores
+    tok = ByteTokenizer() if tokenizer == "bytes" else HFTokenizer(tokenizer, follow_links=False)
+    _WORKER.update(tokenizer=tok, dtype=np.dtype(dtype))
+
+
+def _encode(texts: list[str]) -> list[tuple[np.ndarray, bytes]]:
+    """Each document's ids (followed by eos_id when the tokenizer has one) in the shard dtype, and the SHA-256 of
+    its text."""
+    tok, dtype = _WORKER["tokenizer"], _WORKER["dtype"]
+    out = []
+    for text, ids in zip(texts, tok.encode_batch(texts)):
+        if tok.eos_id is not None:
+            ids = np.append(ids, tok.eos_id)
+        out.append((ids.astype(dtype), _digest(text)))
+    return out
+
+
+@contextmanager
+def _encoder(tokenizer: str, dtype, workers: int):
+    """`encode(batches)`: (ids, digest) of each document of each batch, in order; by `workers` processes
+    (started fresh: a forked copy of a process whose tokenizer threads ran can deadlock), at most two batches
+    each in flight so that memory stays bounded however large the corpus."""
+    if workers == 1:
+        _start_worker(tokenizer, dtype.str, quiet=False)
+        yield lambda batches: (doc for batch in batches for doc in _encode(batch))
+        return
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_start_worker, initargs=(tokenizer, dtype.str))
+
+    def encode(batches):
+        pending = deque()
+        for batch in batches:
+            pending.append(pool.submit(_encode, batch))
+            if len(pending) >= 2 * workers:
+                yield from pending.popleft().result()
+        while pending:
+            yield from pending.popleft().result()
+
+    try:
+        yield encode
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
