@@ -2,7 +2,8 @@
 
 `prepare` tokenises both splits of a corpus (keel.data.corpus) once into
 `cache_dir/tokens/<key>/{train.bin,val.bin,meta.json}` and memory-maps them on every later call; the
-key changes whenever the data or the tokenizer does.
+key changes whenever the data or the tokenizer does. A directory `keel data prepare` wrote (keel.data.shards),
+or a nanoGPT-style `.bin` of token ids, is read where it is instead, through memory maps.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from keel.data import shards
 from keel.data.corpus import FORMAT, SPLITS, Corpus, DataConfig, build_corpus, cache_root
-from keel.data.tokenizer import load_tokenizer, read_capped
+from keel.data.tokenizer import HFTokenizer, load_tokenizer, planned_vocab_size, read_capped
 from keel.errors import DataError
 from keel.safe_io import loads_json
 
@@ -32,10 +34,11 @@ ENCODE_BATCH = 256  # documents per tokenizer call: enough for the Rust BPE to u
 
 @dataclass
 class Prepared:
-    """Both splits as memory-mapped token ids, the tokenizer that made them, and what the corpus was."""
+    """Both splits as memory-mapped token ids (an array, or keel.data.shards.TokenShards), the tokenizer that made
+    them, and what the corpus was."""
 
-    train: np.ndarray
-    val: np.ndarray
+    train: np.ndarray | shards.TokenShards
+    val: np.ndarray | shards.TokenShards
     tokenizer: object
     corpus_info: dict
     cache_path: Path
@@ -48,6 +51,8 @@ def prepare(cfg: DataConfig, tokenizer=None) -> Prepared:
     Shards are uint16 when the vocabulary fits, else uint32; each document is followed by the tokenizer's
     eos_id when it has one. A cache is built under a temporary name and renamed into place whole, so a
     half-written one is never read."""
+    if (ready := _prepared_elsewhere(cfg, tokenizer)) is not None:
+        return ready
     root = cache_root(cfg)
     corpus = build_corpus(cfg)
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer, root, corpus)
@@ -57,6 +62,52 @@ def prepare(cfg: DataConfig, tokenizer=None) -> Prepared:
     dtype = np.dtype(meta["dtype"])
     train, val = (_checked(_map(path / f"{s}.bin", dtype), tokenizer.vocab_size, path / f"{s}.bin") for s in SPLITS)
     return Prepared(train, val, tokenizer, meta["corpus"], path)
+
+
+def _prepared_elsewhere(cfg: DataConfig, tokenizer=None) -> Prepared | None:
+    """The token ids data.source names when they were made before keel trains: a shard directory (its files
+    checked against the manifest, its tokenizer against the one named) or a `.bin` of uint16 ids (the tokenizer
+    must then be named, bytes or a tokenizer.json). None for a corpus of text."""
+    if cfg.source == "stdlib" or cfg.source.startswith("hf:"):
+        return None
+    path = Path(cfg.source).expanduser()
+    if os.path.lexists(path / shards.MANIFEST):
+        manifest = shards.read_manifest(path)
+        tokenizer = tokenizer or _shard_tokenizer(cfg.tokenizer, path)
+        shards.check_tokenizer(manifest, tokenizer, path)
+        key = hashlib.sha256(f"{path.resolve()}\0{json.dumps(manifest, sort_keys=True)}".encode()).hexdigest()[:16]
+        shards.check_files(path, manifest, stamp=cache_root(cfg) / "shards-checked" / f"{key}.json")
+        splits = manifest["splits"]
+        counts = {f"{s}_{n}": splits[s][n] for s in SPLITS for n in ("tokens", "documents")}
+        info = manifest["corpus"] | {"shards": str(path), "tokenizer": tokenizer.name,
+                                     "vocab_size": tokenizer.vocab_size} | counts
+        return Prepared(shards.open_split(path, manifest, "train"), shards.open_split(path, manifest, "val"),
+                        tokenizer, info, path)
+    if path.suffix == ".bin" and path.is_file():
+        if tokenizer is None and (cfg.tokenizer == "bpe" or cfg.tokenizer.startswith("bpe:")):
+            raise DataError(f"data.tokenizer: {path} holds token ids: name the tokenizer that made them (bytes or "
+                            "a tokenizer.json), not a BPE to train")
+        tokenizer = tokenizer or load_tokenizer(cfg.tokenizer, cache_root(cfg))
+        train, val = shards.open_bin(path, tokenizer.vocab_size, cfg.val_fraction)
+        st = path.stat()
+        fingerprint = hashlib.sha256(json.dumps([str(path.resolve()), st.st_size, st.st_mtime_ns,
+                                                 cfg.val_fraction]).encode()).hexdigest()
+        info = {"source": cfg.source, "kind": "token-ids", "bytes": st.st_size, "fingerprint": fingerprint,
+                "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "train_tokens": len(train),
+                "val_tokens": len(val)}
+        return Prepared(train, val, tokenizer, info, path.parent)
+    return None
+
+
+def _shard_tokenizer(spec: str, directory: Path):
+    """data.tokenizer for a shard directory: bpe[:N] is the BPE `keel data prepare` trained there."""
+    if spec == "bpe" or spec.startswith("bpe:"):
+        tok = HFTokenizer(directory / "tokenizer.json", follow_links=False)
+        if spec != "bpe" and tok.vocab_size != planned_vocab_size(spec):
+            raise DataError(f"data.tokenizer: {spec} names {planned_vocab_size(spec):,} tokens, but the BPE that made "
+                            f"{directory}'s shards has {tok.vocab_size:,}; name data.tokenizer=bpe:{tok.vocab_size}")
+        return tok
+    return load_tokenizer(spec, directory)
 
 
 def _checked(tokens: np.ndarray, vocab_size: int, path: Path, sample: int = 1 << 20) -> np.ndarray:
@@ -207,9 +258,13 @@ def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches:
         yield _windows(tokens, starts[i:i + batch_size], seq_len, vocab_size, source or "a batch")
 
 
-def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int, vocab_size: int | None = None,
+def _windows(tokens, starts: np.ndarray, seq_len: int, vocab_size: int | None = None,
              source=None) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = torch.from_numpy(tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64))  # (B, T + 1)
+    if isinstance(tokens, shards.TokenShards):  # only these rows are read, from whichever shards hold them
+        rows = tokens.windows(starts, seq_len + 1)
+    else:
+        rows = tokens[starts[:, None] + np.arange(seq_len + 1)]
+    rows = torch.from_numpy(rows.astype(np.int64))  # (B, T + 1)
     # one reduction over a batch already in memory: an id past the embedding (a cache damaged where `prepare`'s
     # sample did not look) would otherwise be an IndexError, or on a GPU a device-side assert, inside the model
     if vocab_size is not None and len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < vocab_size:

@@ -1,0 +1,418 @@
+"""Token shards: `keel data prepare` (workers, rerun, resume, append, BPE sample), training from them (memory maps,
+bit-exact resume, two gloo ranks), nanoGPT-style `.bin` files, and bad input.
+
+Expectations are computed without keel.data: documents are read from the JSONL with `json`, the split rule is
+written out, shard bytes are compared with the documents' own UTF-8 bytes and checksums with hashlib."""
+
+import hashlib
+import inspect
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import keel.data.shard_writer as shard_writer
+from keel.cli import main
+from keel.data import DataConfig, DataError, WindowSampler, eval_batches, prepare
+from keel.data.shards import TokenShards
+from keel.data.tokenizer import train_bpe
+
+VAL_FRACTION = 0.1
+SHARD_TOKENS = 4000
+
+
+def in_val(index: int) -> bool:
+    """The documented split rule: the first 8 bytes of SHA-256(str(record index)) over 2**64, below the fraction."""
+    return int.from_bytes(hashlib.sha256(str(index).encode()).digest()[:8], "big") / 2**64 < VAL_FRACTION
+
+
+def paragraphs(*modules) -> list[str]:
+    return [p for m in modules for p in inspect.getsource(m).split("\n\n") if p.strip()]
+
+
+def write_jsonl(path: Path, texts: list[str], mode: str = "w") -> Path:
+    with open(path, mode) as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    return path
+
+
+def split_texts(path: Path) -> dict[str, list[str]]:
+    texts = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+    return {"train": [t for i, t in enumerate(texts) if not in_val(i)],
+            "val": [t for i, t in enumerate(texts) if in_val(i)]}
+
+
+@pytest.fixture
+def jsonl(tmp_path) -> Path:
+    """About 60 KB in ~250 records: a dozen train shards of SHARD_TOKENS bytes."""
+    import argparse
+
+    return write_jsonl(tmp_path / "corpus.jsonl", paragraphs(argparse)[:250])
+
+
+def prepare_cli(out: Path, source: Path, *extra: str, workers: int = 2, tokenizer: str = "bytes") -> int:
+    return main(["data", "prepare", "--out", str(out), "--workers", str(workers), "--shard-tokens", str(SHARD_TOKENS),
+                 f"data.source={source}", f"data.tokenizer={tokenizer}", f"data.val_fraction={VAL_FRACTION}", *extra])
+
+
+def snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file's bytes and modification time."""
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(directory.iterdir())}
+
+
+def contents(directory: Path) -> dict[str, bytes]:
+    return {name: data for name, (data, _) in snapshot(directory).items()}
+
+
+def split_ids(directory: Path, split: str) -> np.ndarray:
+    files = sorted(directory.glob(f"{split}-*.bin"))
+    return np.concatenate([np.fromfile(f, dtype="<u2") for f in files])
+
+
+# ---- prepare ------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_prepare_writes_the_documents_as_shards_with_a_checked_manifest(jsonl, tmp_path, capsys):
+    out = tmp_path / "shards"
+    assert prepare_cli(out, jsonl) == 0
+    assert "train:" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dtype"] == "uint16" and manifest["tokenizer"]["name"] == "bytes"
+    for split, texts in split_texts(jsonl).items():
+        want = b"".join(t.encode() for t in texts)  # bytes tokenizer, no eos: the documents back to back
+        assert split_ids(out, split).astype(np.uint8).tobytes() == want
+        shards = manifest["splits"][split]["shards"]
+        assert [s["tokens"] for s in shards[:-1]] == [SHARD_TOKENS] * (len(shards) - 1)  # fixed size but the last
+        assert manifest["splits"][split]["documents"] == len(texts) == sum(s["documents"] for s in shards)
+        starts = np.cumsum([0] + [len(t.encode()) for t in texts[:-1]])  # document boundaries, whole split
+        got = np.concatenate([np.fromfile(out / s["index"], dtype="<u4") + i * SHARD_TOKENS
+                              for i, s in enumerate(shards)])
+        assert got.tolist() == starts.tolist()
+        for s in shards:
+            assert hashlib.sha256((out / s["file"]).read_bytes()).hexdigest() == s["sha256"]
+            assert hashlib.sha256((out / s["index"]).read_bytes()).hexdigest() == s["index_sha256"]
+    assert len(manifest["splits"]["train"]["shards"]) >= 10
+
+
+@pytest.mark.slow
+def test_the_same_command_again_changes_no_file(jsonl, tmp_path, capsys):
+    out = tmp_path / "shards"
+    assert prepare_cli(out, jsonl) == 0
+    before = snapshot(out)
+    assert prepare_cli(out, jsonl) == 0
+    assert "up to date, nothing written" in capsys.readouterr().out
+    assert snapshot(out) == before  # bytes and modification times
+
+
+@pytest.mark.slow
+def test_one_worker_and_two_write_the_same_bytes(jsonl, tmp_path):
+    assert prepare_cli(tmp_path / "one", jsonl, workers=1) == 0
+    assert prepare_cli(tmp_path / "two", jsonl, workers=2) == 0
+    assert contents(tmp_path / "one") == contents(tmp_path / "two")
+
+
+class Killed(Exception):
+    """Stands for the process dying: nothing after it runs."""
+
+
+@pytest.mark.slow
+def test_a_killed_prepare_resumes_to_the_bytes_of_an_uninterrupted_one(jsonl, tmp_path, monkeypatch):
+    assert prepare_cli(tmp_path / "straight", jsonl) == 0
+    straight = contents(tmp_path / "straight")
+
+    out = tmp_path / "killed"
+    publish, published = shard_writer._publish, []
+
+    def dies_after_three(*args):
+        if len(published) == 3:
+            raise Killed
+        published.append(args)
+        publish(*args)
+
+    monkeypatch.setattr(shard_writer, "_publish", dies_after_three)
+    with pytest.raises(Killed):
+        prepare_cli(out, jsonl)
+    monkeypatch.setattr(shard_writer, "_publish", publish)
+    (out / ".train-000003.bin.tmp-999-abcd1234").write_bytes(b"half a shard")  # what a SIGKILL leaves
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["splits"]["train"]["shards"]) == 3 and not manifest["splits"]["train"]["complete"]
+    kept = snapshot(out)
+    assert prepare_cli(out, jsonl) == 0
+    assert contents(out) == straight
+    assert all(snapshot(out)[f"train-00000{k}.bin"] == kept[f"train-00000{k}.bin"] for k in range(3))  # kept
+
+    # shards deleted at the end (a kill between renaming a shard and rewriting the manifest): made again
+    n, v = (len(json.loads((out / "manifest.json").read_text())["splits"][s]["shards"]) for s in ("train", "val"))
+    for name in (f"train-{n - 3:06d}.bin", f"train-{n - 2:06d}.idx", f"train-{n - 1:06d}.bin", f"val-{v - 1:06d}.idx"):
+        (out / name).unlink()
+    assert prepare_cli(out, jsonl, workers=1) == 0
+    assert contents(out) == straight
+
+
+@pytest.mark.slow
+def test_appended_documents_go_into_new_shards_and_the_old_ones_stay(jsonl, tmp_path):
+    import pathlib
+
+    out = tmp_path / "shards"
+    assert prepare_cli(out, jsonl) == 0
+    old = snapshot(out)
+    old_manifest = json.loads((out / "manifest.json").read_text())
+    write_jsonl(jsonl, paragraphs(pathlib)[:80], mode="a")
+    assert prepare_cli(out, jsonl) == 0
+    now = snapshot(out)
+    assert all(now[name] == old[name] for name in old if name != "manifest.json")  # bytes and mtimes
+    manifest = json.loads((out / "manifest.json").read_text())
+    for split, texts in split_texts(jsonl).items():
+        before = old_manifest["splits"][split]["shards"]
+        assert manifest["splits"][split]["shards"][:len(before)] == before
+        assert split_ids(out, split).astype(np.uint8).tobytes() == b"".join(t.encode() for t in texts)
+    assert len(manifest["splits"]["train"]["shards"]) > len(old_manifest["splits"]["train"]["shards"])
+    before = snapshot(out)
+    assert prepare_cli(out, jsonl) == 0
+    assert snapshot(out) == before
+
+
+@pytest.mark.slow
+def test_a_bpe_is_trained_on_the_seeded_sample_and_kept(jsonl, tmp_path):
+    out = tmp_path / "shards"
+    assert prepare_cli(out, jsonl, "--bpe-sample", "30", tokenizer="bpe:300") == 0
+    # the documented sample: 30 train records drawn by random.Random(0).sample from the train indices, in order
+    texts = [json.loads(line)["text"] for line in jsonl.read_text().splitlines()]
+    train = [i for i in range(len(texts)) if not in_val(i)]
+    chosen = set(random.Random(0).sample(train, 30))
+    alone = train_bpe([t for i, t in enumerate(texts) if i in chosen], 300, tmp_path / "alone.json")
+    assert (out / "tokenizer.json").read_bytes() == (tmp_path / "alone.json").read_bytes()
+    want = [i for t in split_texts(jsonl)["train"] for i in [*alone.encode(t), alone.eos_id]]  # eos after each
+    assert split_ids(out, "train").tolist() == want
+    before = snapshot(out)
+    assert prepare_cli(out, jsonl, tokenizer="bpe:300") == 0  # the BPE is not trained again
+    assert snapshot(out) == before
+
+
+# ---- training from shards -----------------------------------------------------------------------------
+
+def test_windows_over_shards_are_the_windows_of_one_array(tmp_path):
+    """Rows that cross shard boundaries, and the sampler and validation windows, as from the concatenation."""
+    rng = np.random.default_rng(0)
+    counts = [7, 1, 30, 5, 64]
+    paths, arrays = [], []
+    for k, n in enumerate(counts):
+        arrays.append(rng.integers(0, 500, n).astype("<u2"))
+        paths.append(tmp_path / f"train-{k:06d}.bin")
+        arrays[-1].tofile(paths[-1])
+    whole = np.concatenate(arrays)
+    shards = TokenShards(paths, counts, "<u2", "test")
+    starts = np.arange(len(whole) - 9)
+    assert np.array_equal(shards.windows(starts, 10), whole[starts[:, None] + np.arange(10)])
+    with pytest.raises(IndexError):
+        shards.windows([len(whole) - 9], 10)
+    a, b = (WindowSampler(t, 8, 4, seed=3, vocab_size=500) for t in (shards, whole))
+    for _ in range(5):
+        for x, y in zip(a.next_batch(), b.next_batch()):
+            assert torch.equal(x, y)
+    for (xa, ya), (xb, yb) in zip(eval_batches(shards, 8, 3, 4), eval_batches(whole, 8, 3, 4)):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+@pytest.fixture
+def shard_dir(jsonl, tmp_path) -> Path:
+    out = tmp_path / "shards"
+    assert prepare_cli(out, jsonl) == 0
+    return out
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in records if "loss" in r and "event" not in r]
+
+
+@pytest.mark.slow
+def test_train_reads_the_shards_and_resumes_bit_exact(shard_dir, trainer_for):
+    extra = (f"data.source={shard_dir}", "data.tokenizer=bytes", "run.ckpt_every=5")
+    straight = trainer_for(*extra, name="straight")
+    assert isinstance(straight.data.train, TokenShards)
+    assert len(straight.data.train) == len(split_ids(shard_dir, "train"))
+    straight.run()
+
+    def kill(trainer, step):
+        if step == 13:
+            raise Killed
+
+    killed = trainer_for(*extra, name="killed", callbacks=[kill])
+    with pytest.raises(Killed):
+        killed.run()
+    assert main(["train", f"resume={killed.run_dir}", "run.progress=false"]) == 0
+    assert losses(killed.run_dir) == losses(straight.run_dir)  # every logged loss, bit for bit
+    assert len(losses(straight.run_dir)) == 20
+    run = json.loads((straight.run_dir / "run.json").read_text())
+    assert run["data"]["shards"] == str(shard_dir) and run["data"]["fingerprint"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_gloo_ranks_train_from_shards_as_one_process_and_resume_bit_exact(shard_dir, tmp_path, torchrun):
+    common = [f"data.source={shard_dir}", "data.tokenizer=bytes", f"data.cache_dir={tmp_path / 'cache'}",
+              f"run.out_dir={tmp_path / 'runs'}", "run.steps=8", "run.ckpt_every=4", "run.eval_every=0"]
+    runs = tmp_path / "runs"
+    torchrun("keel.cli", "train", "--preset", "tiny", *common, "run.batch_size=2", "run.name=ranks", timeout=300)
+    two = losses(runs / "ranks")
+    assert len(two) == 8
+    part = shutil.copytree(runs / "ranks", runs / "part")
+    shutil.rmtree(part / "checkpoints" / "step_00000008")
+    torchrun("keel.cli", "train", f"resume={part}", timeout=300)
+    assert losses(part) == two  # bit for bit
+    assert main(["train", "--preset", "tiny", *common, "run.batch_size=4", "run.name=one", "run.progress=false"]) == 0
+    assert [s for s, _ in losses(runs / "one")] == [s for s, _ in two]
+    assert [v for _, v in losses(runs / "one")] == pytest.approx([v for _, v in two], rel=1e-5)
+
+
+def test_a_nanogpt_bin_trains_with_its_tokenizer_named(tmp_path):
+    text = inspect.getsource(json.decoder).encode()
+    ids = np.frombuffer(text, dtype=np.uint8).astype("<u2")
+    ids[:9000].tofile(tmp_path / "train.bin")
+    ids[9000:].tofile(tmp_path / "val.bin")
+    data = prepare(DataConfig(source=str(tmp_path / "train.bin"), tokenizer="bytes", cache_dir=str(tmp_path)))
+    assert len(data.train) == 9000 and len(data.val) == len(ids) - 9000
+    x, y = next(eval_batches(data.val, 16, 1, 1))
+    assert bytes(x[0].tolist()) == text[9000:9016] and bytes(y[0].tolist()) == text[9001:9017]
+    # modded-nanogpt's header (magic, version, count in 256 int32), and no val file: the last val_fraction
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = 20240520, 1, len(ids)
+    with open(tmp_path / "fineweb_000001.bin", "wb") as f:
+        f.write(header.tobytes() + ids.tobytes())
+    data = prepare(DataConfig(source=str(tmp_path / "fineweb_000001.bin"), tokenizer="bytes", val_fraction=0.5))
+    assert len(data.train) + len(data.val) == len(ids) and len(data.val) == len(ids) // 2
+    x, _ = next(eval_batches(data.val, 16, 1, 1))
+    assert bytes(x[0].tolist()) == text[len(ids) - len(ids) // 2:][:16]
+    with pytest.raises(DataError, match="name the tokenizer"):
+        prepare(DataConfig(source=str(tmp_path / "train.bin"), tokenizer="bpe"))
+
+
+# ---- bad input: one line, exit 2, nothing lost ----------------------------------------------------------
+
+def _wrong_checksum(out: Path) -> None:
+    path = out / "train-000001.bin"
+    data = bytearray(path.read_bytes())
+    data[10] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def _edit_manifest(change):
+    def edit(out: Path) -> None:
+        manifest = json.loads((out / "manifest.json").read_text())
+        change(manifest)
+        (out / "manifest.json").write_text(json.dumps(manifest))
+    return edit
+
+
+def _big_tokenizer(tmp_path: Path) -> Path:
+    from tokenizers import Tokenizer, models
+
+    path = tmp_path / "big.json"
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(70_000)}, unk_token="t0")).save(str(path))
+    return path
+
+
+BAD = [  # (id, damage to the directory, tokenizer for training, what the line says)
+    ("wrong checksum", _wrong_checksum, "bytes", "train-000001.bin: its SHA-256 is not the one manifest.json"),
+    ("a file outside", _edit_manifest(lambda m: m["splits"]["train"]["shards"][0].update(file="../corpus.jsonl")),
+     "bytes", "is not a shard file of this directory"),
+    ("vocabulary larger than the dtype", _edit_manifest(lambda m: m["tokenizer"].update(vocab_size=70_000)),
+     "bytes", "does not fit its uint16 shards"),
+    ("another tokenizer", lambda out: None, "BIG", "differs from 'bytes'"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage,tokenizer,says", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_shards_are_one_line_exit_2_and_nothing_is_lost(damage, tokenizer, says, shard_dir, jsonl, tmp_path,
+                                                            capsys):
+    damage(shard_dir)
+    tokenizer = str(_big_tokenizer(tmp_path)) if tokenizer == "BIG" else tokenizer
+    before = snapshot(shard_dir)
+    capsys.readouterr()
+    for argv in (["train", "--preset", "tiny", f"data.source={shard_dir}", f"data.tokenizer={tokenizer}",
+                  "model.vocab_size=70000", f"run.out_dir={tmp_path / 'runs'}"],
+                 ["data", "prepare", "--out", str(shard_dir), f"data.source={jsonl}", f"data.tokenizer={tokenizer}",
+                  f"data.val_fraction={VAL_FRACTION}"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("keel: error:") and len(err.strip().splitlines()) == 1 and says in err, err
+        assert snapshot(shard_dir) == before  # not a byte or a timestamp changed
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_bin_whose_vocabulary_does_not_fit_uint16_is_refused(tmp_path):
+    np.arange(100, dtype="<u2").tofile(tmp_path / "train.bin")
+    with pytest.raises(DataError, match="does not fit") as err:
+        prepare(DataConfig(source=str(tmp_path / "train.bin"), tokenizer=str(_big_tokenizer(tmp_path))))
+    assert "\n" not in str(err.value)
+
+
+def test_prepare_refuses_a_directory_it_did_not_write(jsonl, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    assert prepare_cli(out, jsonl) == 2
+    assert "no manifest.json" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+# ---- memory -------------------------------------------------------------------------------------------
+
+# VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's peak (Linux carries it over fork and exec)
+RSS_SCRIPT = textwrap.dedent("""
+    import sys
+    from keel.data import DataConfig, WindowSampler, eval_batches, prepare
+    def mb(field):
+        line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
+        return int(line.split()[1]) / 1024
+    base = mb("VmRSS")
+    data = prepare(DataConfig(source=sys.argv[1], tokenizer="bytes", cache_dir=sys.argv[2]))
+    sampler = WindowSampler(data.train, 1024, 16, seed=0, vocab_size=256)
+    for _ in range(200):
+        sampler.next_batch()
+    for _ in eval_batches(data.val, 1024, 16, 20, vocab_size=256):
+        pass
+    print(base, mb("VmRSS"), mb("VmHWM"), len(data.train))
+""")
+
+
+@pytest.mark.slow
+def test_reading_a_1gb_shard_set_keeps_memory_bounded(tmp_path):
+    """Checksums, sampling and validation windows over 1 GB of shards: resident memory grows by < 200 MB."""
+    out, rng, chunk = tmp_path / "big", np.random.default_rng(0), 64 << 20  # ids per shard: 128 MB of uint16
+    out.mkdir()
+    splits = {"train": [], "val": []}
+    for k in range(8):
+        split, index = ("train", k) if k < 7 else ("val", 0)
+        name = f"{split}-{index:06d}"
+        ids = rng.integers(0, 256, chunk, dtype=np.uint16)
+        ids.tofile(out / f"{name}.bin")
+        np.zeros(1, "<u4").tofile(out / f"{name}.idx")
+        sha = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+        splits[split].append({"file": f"{name}.bin", "tokens": chunk, "sha256": sha(out / f"{name}.bin"),
+                              "index": f"{name}.idx", "index_sha256": sha(out / f"{name}.idx"), "documents": 1,
+                              "end": {"document": 1, "offset": 0, "digest": "0" * 64}})
+        del ids
+    manifest = {"format": "keel-shards-1", "dtype": "uint16", "shard_tokens": chunk,
+                "tokenizer": {"name": "bytes", "vocab_size": 256, "eos_id": None}, "bpe_sample": None,
+                "corpus": {"source": "random", "kind": "test", "fingerprint": "0" * 64},
+                "splits": {s: {"complete": True, "documents": len(v), "tokens": chunk * len(v), "shards": v}
+                           for s, v in splits.items()}}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert sum(f.stat().st_size for f in out.iterdir()) > 2**30
+    done = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(out), str(tmp_path / "cache")], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    base, now, peak, n = map(float, done.stdout.split())
+    assert n == 7 * chunk
+    assert peak - base < 200 and now - base < 200, done.stdout
