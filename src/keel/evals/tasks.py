@@ -12,8 +12,10 @@ import difflib
 import hashlib
 import importlib.util
 import json
+import os
 import random
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from keel.evals import probes
 
 STORED = 1000  # items written per probe; scoring keeps the first max_items (every prefix is balanced)
 HARNESS_PREFIX = "lm_eval:"
+TASK_FILE_CAP = 1 << 20  # a task YAML is a few KiB
 
 
 @dataclass(frozen=True)
@@ -125,21 +128,46 @@ def resolve(names: list[str], field: str = "run.eval_tasks") -> list[Task]:
     return tasks
 
 
+def is_task_file(name) -> bool:
+    """Whether the `run.eval_tasks` entry `name` names a task YAML (`lm_eval:<path>.yaml`): a file the harness
+    runs code from (`!function`, `include`, a Python metric), unlike a task registered with the harness itself."""
+    return isinstance(name, str) and name.startswith(HARNESS_PREFIX) and name.endswith((".yaml", ".yml"))
+
+
 def _harness_task(name: str, field: str) -> HarnessTask:
     spec = name.removeprefix(HARNESS_PREFIX)
     if importlib.util.find_spec("lm_eval") is None:
         raise ConfigError(f"{field}: {name!r} needs lm-evaluation-harness, which is not installed: "
                           "pip install -e \".[eval]\"")
-    if not spec.endswith((".yaml", ".yml")):
+    if not is_task_file(name):
         if not spec:
             raise ConfigError(f"{field}: {name!r} names no task; allowed: lm_eval:<task>, lm_eval:<task.yaml>")
+        # the harness reads a name it does not know exactly as a file path, and a pattern matches known names
+        # first: `arc_eas?` would load a file of that name from the current directory
+        if set(spec) & set("*?[]"):
+            raise ConfigError(f"{field}: {name!r}: one task name, without wildcards (* ? [ ]); allowed: "
+                              "lm_eval:<task>, lm_eval:<task.yaml>")
         return HarnessTask(name, None, f"lm-evaluation-harness task {spec}", task=spec)
     path = Path(spec).expanduser()
     try:  # a regex, not a YAML parser: harness files use tags (!function) that safe_load refuses
-        found = re.search(r"^task:[ \t]*['\"]?([\w.-]+)", path.read_text(), re.M)
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{field}: {name!r}: cannot read the task file ({type(err).__name__})") from None
+        found = re.search(r"^task:[ \t]*['\"]?([\w.-]+)", _read_task_file(path), re.M)
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err) or type(err).__name__
+        raise ConfigError(f"{field}: {name!r}: cannot read the task file ({reason})") from None
     if not found:
         raise ConfigError(f"{field}: {path} has no 'task: <name>' line")
     return HarnessTask(name, None, f"lm-evaluation-harness task {found[1]} from {path}", task=found[1],
                        include_path=str(path.resolve().parent))
+
+
+def _read_task_file(path: Path) -> str:
+    """The text of a task YAML: a regular file (a FIFO is refused, not waited on) of at most TASK_FILE_CAP
+    bytes. A run's config names it, so it is read whenever that config is loaded (`keel runs` too)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError("not a regular file")
+        data = f.read(TASK_FILE_CAP + 1)
+    if len(data) > TASK_FILE_CAP:
+        raise ValueError(f"larger than {TASK_FILE_CAP >> 10} KiB")
+    return data.decode("utf-8")
