@@ -211,9 +211,9 @@ def cmd_tokenizer(args) -> int:
 
 def add_trust_argument(p) -> None:
     p.add_argument("--trust-config", action="store_true",
-                   help="follow the run config's data.source and data.cache_dir even outside the run directory "
-                        "when keel did not write that config for you (a downloaded or copied run), as "
-                        "KEEL_TRUST_CONFIG=1 does (docs/reliability.md)")
+                   help="follow the run config's data paths even outside the run directory, and load the task "
+                        "files its run.eval_tasks names (they can run code), when keel did not write that config "
+                        "for you (a downloaded or copied run), as KEEL_TRUST_CONFIG=1 does (docs/reliability.md)")
 
 
 def add_train_command(sub) -> None:

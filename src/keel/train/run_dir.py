@@ -318,13 +318,20 @@ class RunDir(os.PathLike):
 
     def resume_config(self, overrides=(), config_file: str | None = None) -> TrainConfig:
         """The run's own config with `overrides` merged in (keel.train.reads.RESUME: changing anything but
-        RESUMABLE is refused, and so is a data path outside the run in a config keel did not write for this user:
-        keel.train.trust)."""
+        RESUMABLE is refused). In a config keel did not write for this user (keel.train.trust), a data path
+        outside the run is refused, and so is a task file in run.eval_tasks unless an override names it."""
         from keel.train import trust
 
         saved = self.config()
         trust.check_data_paths(self.path, saved.data)
-        resumed = merge(saved, config_file, [o for o in overrides if not o.startswith("resume=")], RESUME)
+        overrides = [o for o in overrides if not o.startswith("resume=")]
+        resumed = merge(saved, config_file, overrides, RESUME)
+        if resumed.run.eval_tasks:
+            # the tasks the command line names ([] when it names none), merged over the saved config without
+            # its tasks so that any spelling counts; a --config file does not name them: it may be the run's own
+            blank = replace(saved, run=replace(saved.run, eval_tasks=[]))
+            named = merge(blank, None, overrides, RESUME).run.eval_tasks
+            trust.check_task_files(self.path, [t for t in resumed.run.eval_tasks if t not in named])
         return replace(resumed, resume=str(self.path))
 
     def _write(self, name: str, text: str) -> None:
@@ -376,7 +383,11 @@ def latest_run(root) -> RunDir:
     runs = [r for r in find_runs(root) if r.status() != "imported"]
     if not runs:
         raise ConfigError(f"resume=latest: no runs in {root}")
-    return max(runs, key=activity)
+    latest = max(runs, key=activity)
+    if latest.path.is_symlink():  # planted or not, it would resume and write a run outside `root`
+        raise ConfigError(f"resume=latest: {latest.path} is a symbolic link to {os.readlink(latest.path)}; keel "
+                          f"resumes only runs inside {root} this way: name the run with resume=<path> to continue it")
+    return latest
 
 
 _TEXT_FIELDS = {"event", "reason"}  # metrics.jsonl's only text; every other value is a number (or null)

@@ -1,19 +1,27 @@
 """Which run configs keel obeys: the trust model for run directories from elsewhere.
 
 A run directory travels (downloaded, shared, copied from a colleague), and its config.yaml names files:
-data.source (read), data.cache_dir (written: the token cache) and data.tokenizer (read). Obeying a stranger's
-config as if the user had typed it would let it read any file the user can (data.source=~/.ssh/id_rsa) and
-write its bytes, as token ids, wherever it likes (data.cache_dir=/a/shared/dir). As `trust_remote_code` does
-for transformers, keel therefore follows those paths only when one of these holds:
+data.source (read), data.cache_dir (written: the token cache), data.tokenizer (read) and, in run.eval_tasks,
+lm-evaluation-harness task files (`lm_eval:<path>.yaml`). Obeying a stranger's config as if the user had typed
+it would let it read any file the user can (data.source=~/.ssh/id_rsa), write its bytes, as token ids, wherever
+it likes (data.cache_dir=/a/shared/dir), and run its own Python: a task file is code (`!function evil.f` imports
+evil.py beside it; `include` and Python metrics likewise). As `trust_remote_code` does for transformers, keel
+therefore follows those names only when one of these holds:
 - the run's config was written by keel for this user: keel signs each config.yaml it writes with a key only
   this user can read (HMAC-SHA256, key in $KEEL_CONFIG_DIR or ~/.config/keel), so a run trained or imported
-  here is trusted and a downloaded one, whose signature no key here matches, is not;
-- the path lies inside the run directory itself, or is the built-in corpus ("stdlib"), or is empty (the
-  user's own default cache);
+  here is trusted and a downloaded, copied-in or hand-edited one, whose signature no key here matches, is not;
+- for data paths only: the path lies inside the run directory itself, or is the built-in corpus ("stdlib"),
+  a built-in tokenizer ("bytes", "bpe", "bpe:N"), or empty (the user's own default cache). A task file gets no
+  such exception: inside the run directory it is the sender's code all the same;
+- the user names it: a task given on the command line (`run.eval_tasks=lm_eval:my.yaml`) or in their own
+  `--config` file runs as asked;
 - the user trusts the config explicitly: KEEL_TRUST_CONFIG=1, `--trust-config` on `keel eval` or on
   `keel train resume=RUN` (`trusting()`), or `trust=True` to `evaluate_run`.
-Anything else is refused in one line naming the field, before a byte is read or written. The model's sizes
-are checked whatever the trust (keel.train.untrusted.check_model_fits): a checkpoint is data, not a config.
+Anything else is refused in one line naming the field, before a byte is read or written and before any task
+is loaded. The other fields that name a module are closed lists checked whatever the trust (run.log_to:
+tensorboard, wandb; model.scheme; run.pp_schedule), and a task registered with the harness by name
+(`lm_eval:hellaswag`) is the installed harness's own code. The model's sizes are checked whatever the trust
+(keel.train.untrusted.check_model_fits): a checkpoint is data, not a config.
 """
 
 from __future__ import annotations
@@ -28,10 +36,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from keel import safe_io
-from keel.errors import DataError
+from keel.errors import ConfigError, DataError
 
 SIGNATURE = ".config.sig"  # beside config.yaml in a run directory
-_TOKENIZER_SPECS = ("bytes", "bpe")
+TRUST_HINT = "--trust-config (or KEEL_TRUST_CONFIG=1)"
 
 
 def _key_path() -> Path:
@@ -103,6 +111,13 @@ def trusted(run_path: Path) -> bool:
     return hmac.compare_digest(signature.decode("ascii", "replace").strip(), _signature(key, config))
 
 
+def builtin_tokenizer(spec: str) -> bool:
+    """Whether data.tokenizer names a built-in tokenizer, not a file: exactly what
+    keel.data.tokenizer.load_tokenizer reads as one ("bytes", "bpe", "bpe:<vocab_size>"). Any other value is a
+    path, "bytes.json" and "bpe/tokenizer.json" included."""
+    return spec in ("bytes", "bpe") or spec.startswith("bpe:")
+
+
 def check_data_paths(run_path: Path, data, trust: bool = False, tokenizer: bool = True) -> None:
     """Refuse (DataError, one line naming the field) a path in `data` (the run's DataConfig) that lies outside
     the run directory, unless the run is trusted. `tokenizer=False` leaves data.tokenizer out, for commands
@@ -110,11 +125,26 @@ def check_data_paths(run_path: Path, data, trust: bool = False, tokenizer: bool 
     if trust or trusted(run_path):
         return
     fields = {"data.source": "" if data.source == "stdlib" else data.source, "data.cache_dir": data.cache_dir}
-    if tokenizer and not data.tokenizer.startswith(_TOKENIZER_SPECS):
+    if tokenizer and not builtin_tokenizer(data.tokenizer):
         fields["data.tokenizer"] = data.tokenizer
     root = Path(run_path).resolve()
     for field, value in fields.items():
         if value and (value.startswith("hf:") or not Path(value).expanduser().resolve().is_relative_to(root)):
             raise DataError(f"{run_path / 'config.yaml'}: {field}={value} lies outside the run directory, and "
                             "this config was not written by keel for you (a downloaded or copied run); keel does "
-                            "not follow its paths unless you trust it: --trust-config (or KEEL_TRUST_CONFIG=1)")
+                            f"not follow its paths unless you trust it: {TRUST_HINT}")
+
+
+def check_task_files(run_path: Path, tasks, trust: bool = False) -> None:
+    """Refuse (ConfigError, one line naming run.eval_tasks) a task file (`lm_eval:<path>.yaml`, which can run
+    code) among `tasks`, the entries of run.eval_tasks that came from the run's config.yaml rather than from
+    the user, unless the run is trusted; wherever the file lies, the run directory included."""
+    from keel.evals.tasks import is_task_file
+
+    files = [name for name in tasks if is_task_file(name)]
+    if not files or trust or trusted(run_path):
+        return
+    raise ConfigError(f"{run_path / 'config.yaml'}: run.eval_tasks names the task file {files[0]!r}, and this "
+                      "config was not written by keel for you (a downloaded or copied run); a task file can run "
+                      "code, so keel loads it only when you name it (run.eval_tasks=... on the command line) or "
+                      f"trust the config: {TRUST_HINT}")
