@@ -13,8 +13,9 @@ therefore follows those names only when one of these holds:
 - for data paths only: the path lies inside the run directory itself, or is the built-in corpus ("stdlib"),
   a built-in tokenizer ("bytes", "bpe", "bpe:N"), or empty (the user's own default cache). A task file gets no
   such exception: inside the run directory it is the sender's code all the same;
-- the user names it: a task given on the command line (`run.eval_tasks=lm_eval:my.yaml`) or in their own
-  `--config` file runs as asked;
+- the user names it: a task given on the command line (`run.eval_tasks=lm_eval:my.yaml`) runs as asked. On a
+  resume a `--config` file does not name tasks (it may be the run's own config.yaml); a new run's config, from
+  a file or not, is the user's own;
 - the user trusts the config explicitly: KEEL_TRUST_CONFIG=1, `--trust-config` on `keel eval` or on
   `keel train resume=RUN` (`trusting()`), or `trust=True` to `evaluate_run`.
 Anything else is refused in one line naming the field, before a byte is read or written and before any task
