@@ -4,6 +4,7 @@ bit-exact resume, two gloo ranks), nanoGPT-style `.bin` files, and bad input.
 Expectations are computed without keel.data: documents are read from the JSONL with `json`, the split rule is
 written out, shard bytes are compared with the documents' own UTF-8 bytes and checksums with hashlib."""
 
+import errno
 import hashlib
 import inspect
 import json
@@ -155,6 +156,28 @@ def test_a_killed_prepare_resumes_to_the_bytes_of_an_uninterrupted_one(jsonl, tm
         (out / name).unlink()
     assert prepare_cli(out, jsonl, workers=1) == 0
     assert contents(out) == straight
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_line_and_the_same_command_then_resumes(jsonl, tmp_path, monkeypatch, capsys):
+    assert prepare_cli(tmp_path / "straight", jsonl) == 0
+    write, writes = shard_writer._Shard.write, []
+
+    def fills_up(self, ids):
+        writes.append(len(ids))
+        if sum(writes) > 5 * SHARD_TOKENS:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(self, ids)
+
+    monkeypatch.setattr(shard_writer._Shard, "write", fills_up)
+    out = tmp_path / "full"
+    assert prepare_cli(out, jsonl) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "run the command again" in err and len(err.splitlines()) == 1
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # the half-written shard removed
+    monkeypatch.setattr(shard_writer._Shard, "write", write)
+    assert prepare_cli(out, jsonl) == 0
+    assert contents(out) == contents(tmp_path / "straight")
 
 
 @pytest.mark.slow

@@ -90,13 +90,17 @@ def prepare_shards(cfg: DataConfig, out, workers: int = 1, shard_tokens: int | N
     same = manifest["corpus"]["fingerprint"] == corpus.fingerprint
     todo = [s for s in SPLITS if not (same and manifest["splits"][s]["complete"])]  # complete: a dropped tail aside
     up_to_date = not todo
-    if todo:
-        with _encoder(cfg.tokenizer if cfg.tokenizer == "bytes" else str(out / TOKENIZER_FILE), dtype,
-                      workers) as encode:
-            for split in todo:
-                _extend(out, manifest, split, corpus, encode, progress)
-        manifest["corpus"] = _corpus_info(corpus)
-        _write_manifest(out, manifest)  # unchanged bytes (a touched but unchanged corpus file aside): not rewritten
+    try:
+        if todo:
+            with _encoder(cfg.tokenizer if cfg.tokenizer == "bytes" else str(out / TOKENIZER_FILE), dtype,
+                          workers) as encode:
+                for split in todo:
+                    _extend(out, manifest, split, corpus, encode, progress)
+            manifest["corpus"] = _corpus_info(corpus)
+            _write_manifest(out, manifest)  # unchanged bytes (a touched but unchanged corpus file aside): not rewritten
+    except OSError as err:  # a full disk: the shards finished so far are kept, and the same command resumes
+        raise DataError(f"{out}: cannot write a shard ({err.strerror}); free space and run the command again to "
+                        "resume") from None
     _check_splits(manifest, corpus)
     splits = {s: {"shards": len(st["shards"]), "new_shards": len(st["shards"]) - before[s],
                   "documents": st["documents"], "tokens": st["tokens"]} for s, st in manifest["splits"].items()}
