@@ -203,7 +203,7 @@ def test_a_paper_preset_is_the_papers_recipe_and_says_what_a_run_of_it_needs(nam
     optimizer = micro["groups"]["optimizer"]["time_s"]
     want = ((micro["step_time_s"] - optimizer) * 1024 + optimizer) * c.run.steps / 3600
     assert hours and float(hours[1].replace(",", "")) == pytest.approx(want, rel=1e-3), out[-800:]
-    assert "data.source=hf:HuggingFaceFW/fineweb-edu" in out
+    assert "keel data prepare --out DIR" in out and "data.hf_config=sample-10BT" in out and "docs/data.md" in out
 
 
 def test_the_cpu_demo_preset_and_keel_cpu_demo_are_one_model():

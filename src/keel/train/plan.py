@@ -164,12 +164,14 @@ def plan(config, predicted: list[str] = ()) -> str:
 
 def data_notes(config, tokens: int) -> list[str]:
     """What the run's data is, where a budget outgrows the offline default (the paper presets' case:
-    keel.train.presets.PAPER_PRESETS), and the one line that gets the paper's data."""
+    keel.train.presets.PAPER_PRESETS), and the command that prepares the paper's data (docs/data.md's recipe)."""
     from keel.train.presets import PAPER_DATA  # noqa: PLC0415 (presets import config, which imports this module's users)
 
     out = []
     if config.data.source == "stdlib" and tokens > 10**9:
         out.append(f"data: 'stdlib', the offline default (Python's own source, tens of MB): {tokens:,} tokens repeat "
-                   f"it thousands of times; the paper trained on web text, e.g. FineWeb-EDU: {PAPER_DATA} (needs "
-                   "network and `pip install datasets`; data.tokenizer then trains its BPE on it)")
+                   "it thousands of times; the paper trained on web text: tokenise FineWeb-EDU's 10B-token sample "
+                   f"once into shards, `keel data prepare --out DIR --workers 16 {PAPER_DATA} "
+                   f"data.tokenizer={config.data.tokenizer}` (needs network and `pip install datasets`), then train "
+                   "with data.source=DIR (docs/data.md: the recipe, disk and time)")
     return out

@@ -43,7 +43,8 @@ def _tiny_train() -> TrainConfig:
 # default until the user names theirs (`PAPER_DATA`).
 PAPER_STEPS, PAPER_WARMUP, PAPER_BATCH = 59_605, 2_500, 1024
 PAPER_LR = {64: 9e-3, 128: 9e-3, 512: 6e-3, 1024: 4.5e-3, 2048: 4.5e-3}  # 2048: beyond the paper, 1024's rate
-PAPER_DATA = "data.source=hf:HuggingFaceFW/fineweb-edu"  # the paper's FineWeb-EDU runs (needs network, `datasets`)
+# FineWeb-EDU's 10B-token sample, as `keel data prepare` reads it (docs/data.md; needs network, `datasets`)
+PAPER_DATA = "data.source=hf:HuggingFaceFW/fineweb-edu data.hf_config=sample-10BT"
 
 
 def _paper_recipe(name: str, one_gpu: bool = False):
