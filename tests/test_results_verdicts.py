@@ -1,7 +1,7 @@
 """results/ says what its numbers say: the per-seed losses rejudge reads are the point files', every row of
 results/rejudge.md is a paired t-test and a Holm adjustment recomputed here (scipy's ttest_rel and a Holm written out
-below), and every verdict cell of results/README.md's claim table, and every "p=..., Holm ..." it quotes, follows
-from those tests. Reads JSON only; trains nothing."""
+below), and every verdict cell of the claim table (results/HISTORY.md), and every "p=..., Holm ..." results/README.md,
+PROTOCOL.md and HISTORY.md quote, follows from those tests. Reads JSON only; trains nothing."""
 
 import importlib.util
 import json
@@ -360,7 +360,8 @@ def verdict_of(tests_, family: str, what: str, agrees="a < b", disagrees="a > b"
 
 
 def claim_table() -> dict[str, str]:
-    text = (RESULTS / "README.md").read_text().split("| claim (paper) |", 1)[1]
+    """The paper's claims against ours, in results/HISTORY.md: claim -> verdict cell."""
+    text = (RESULTS / "HISTORY.md").read_text().split("| claim (paper) |", 1)[1]
     rows = {}
     for line in text.splitlines()[2:]:
         if not line.startswith("|"):
@@ -425,12 +426,16 @@ def test_every_tested_verdict_cell_of_the_claim_table_follows_from_the_tests(tes
             assert phrase in cell, (claim, phrase, cell)
 
 
-def test_every_raw_and_holm_p_quoted_in_results_readme_is_one_tests(tests_):
-    """"p=X, Holm Y" anywhere in results/README.md (the one-minute table included) is the raw and the
-    within-experiment adjusted p of one test, as rejudge.md formats them."""
-    text = (RESULTS / "README.md").read_text()
+RESULTS_TEXTS = ("README.md", "PROTOCOL.md", "HISTORY.md")  # the index, the rules and the results' history
+
+
+def test_every_raw_and_holm_p_quoted_in_results_texts_is_one_tests(tests_):
+    """"p=X, Holm Y" anywhere in results/README.md (the one-minute table included), PROTOCOL.md or HISTORY.md is
+    the raw and the within-experiment adjusted p of one test, as rejudge.md formats them."""
+    text = "\n\n".join((RESULTS / name).read_text() for name in RESULTS_TEXTS)
     pairs = re.findall(r"p=([0-9.e-]+)[,;] Holm ([0-9.e-]+)", text)
     assert len(pairs) > 20
+    assert len(re.findall(r"p=[0-9.e-]+[,;] Holm ", (RESULTS / "README.md").read_text())) > 20  # the one-minute table
     known = {(fmt(r["p"]), fmt(r["p_family"])) for r in tests_}
     assert [pair for pair in pairs if pair not in known] == []
     # where the quote follows the difference it is about ("-0.399 (p=0.00069, Holm 0.0082)"), that difference is
