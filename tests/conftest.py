@@ -20,9 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
-# before torch: `import keel` lets torch's idle OpenMP threads sleep (OMP_WAIT_POLICY=passive, inherited by the
-# tests' subprocesses). With them spinning, the fast tier took 497 s, not 133 s, on 2 cores at load 3 to 4.
-import keel  # noqa: F401
+# before torch, as the `keel` command does: torch's idle OpenMP threads sleep (OMP_WAIT_POLICY=passive, inherited by
+# the tests' subprocesses). With them spinning, the fast tier took 497 s, not 133 s, on 2 cores at load 3 to 4.
+from keel.launch import launcher_environment
+
+launcher_environment()
 
 # isort: split
 import pytest

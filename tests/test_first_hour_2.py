@@ -1,4 +1,4 @@
-"""A user's first hour, continued (issue 35): OpenMP's wait policy for Python users, one line on Ctrl-C, the
+"""A user's first hour, continued: one line on Ctrl-C, the
 step `keel runs` shows for an interrupted run, short runs' plots, lm-eval offline. Each test failed before the
 change it covers."""
 
@@ -10,81 +10,6 @@ import pytest
 import torch
 
 import keel
-
-
-# ---- OpenMP's wait policy: `import keel` does what the `keel` command does, while it can -----------------
-def _policy_after(code: str, **env: str) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    code += "\nimport os\nprint(os.environ.get('OMP_WAIT_POLICY'))"
-    return subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", code], capture_output=True,
-                          text=True, timeout=120, env=base | env)
-
-
-def test_import_keel_before_torch_makes_idle_openmp_threads_sleep():
-    run = _policy_after("import keel\nimport torch")
-    assert (run.returncode, run.stdout) == (0, "passive\n"), run.stderr[-1500:]
-
-
-@pytest.mark.slow  # a Python that imports torch, as is the next test's
-def test_a_wait_policy_the_user_chose_is_kept():
-    run = _policy_after("import keel\nimport torch", OMP_WAIT_POLICY="active")
-    assert (run.returncode, run.stdout) == (0, "active\n"), run.stderr[-1500:]
-
-
-def test_with_torch_imported_first_the_policy_is_left_alone_and_a_busy_machine_is_warned(monkeypatch):
-    # too late to take effect (OpenMP read the variable when torch loaded): setting it would only make
-    # run.json's omp_wait_policy say what did not happen
-    assert "torch" in sys.modules
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(os, "getloadavg", lambda: (5.5, 5.0, 4.0))
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert keel._passive_openmp() == (
-        "keel: torch was imported before keel, so its idle OpenMP threads spin; with load average 5.5 on 2 CPUs "
-        "that can make CPU work several times slower: import keel before torch, or set OMP_WAIT_POLICY=passive "
-        "before Python starts (OMP_WAIT_POLICY=active: keep spinning, no warning)")
-    assert "OMP_WAIT_POLICY" not in os.environ
-    monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 1.0, 1.0))  # an idle machine: nothing to say
-    assert keel._passive_openmp() is None
-    monkeypatch.setattr(os, "getloadavg", lambda: (5.5, 5.0, 4.0))
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one thread starts no OpenMP pool: nothing spins
-    assert keel._passive_openmp() is None
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the user's choice: no warning even when busy
-    assert keel._passive_openmp() is None
-
-
-def test_import_keel_lets_cudas_allocator_expand_segments_unless_the_user_chose_a_setting(monkeypatch):
-    """`import keel` sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True while CUDA has not started (the default
-    allocator stranded 14.5 GiB of an 80 GB H100 and paper-2048 with bf16 weights ran out of memory; with it, it
-    trained: benchmarks/gpu/h100-2026-11-26-b.md), and leaves either variable the user set alone."""
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        monkeypatch.delenv(name, raising=False)
-    keel._expandable_segments()
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
-    keel._expandable_segments()
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
-    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
-    keel._expandable_segments()
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # too late: the allocator has read its setting
-    keel._expandable_segments()
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
-
-
-@pytest.mark.slow  # a Python that imports torch per case; the in-process test above keeps the warning in the fast tier
-@pytest.mark.parametrize("load, threads, warned", [(0.0, "2", False), (99.0, "2", True), (99.0, "1", False)])
-def test_importing_keel_after_torch_warns_only_on_a_busy_machine_with_an_openmp_pool(load, threads, warned):
-    # with OMP_NUM_THREADS=1 torch runs one OS thread (checked on this machine: 1 thread, 3 with 2), so none spins
-    code = (f"import os, warnings\nos.getloadavg = lambda: ({load!r}, 0.0, 0.0)\nimport torch\n"
-            "with warnings.catch_warnings(record=True) as w:\n    warnings.simplefilter('always')\n    import keel\n"
-            "print(len(w), w and w[0].category.__name__, w and os.path.basename(w[0].filename))")
-    run = _policy_after(code, OMP_NUM_THREADS=threads)
-    expected = "1 RuntimeWarning <string>\n" if warned else "0 [] []\n"
-    assert (run.returncode, run.stdout) == (0, expected + "None\n"), run.stderr[-1500:]
 
 
 # ---- Ctrl-C: one line on stderr, exit 130, and the step it reached -------------------------------------

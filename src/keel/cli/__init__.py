@@ -31,6 +31,7 @@ from keel.cli.support import (
     run_interruptible,
 )
 from keel.errors import ConfigError, KeelError
+from keel.launch import launcher_environment
 from keel.train.trust import trusting
 
 MAX_NEW_TOKENS = 1_000_000  # keel generate: a long text; 10**20 would run for ever
@@ -298,6 +299,12 @@ def add_experiment_command(sub) -> None:
     register(sub)
 
 
+def add_sweep_command(sub) -> None:
+    from keel.experiments.cli import register_sweep
+
+    register_sweep(sub)
+
+
 def add_bench_command(sub) -> None:
     from keel.bench.cli import register
 
@@ -317,11 +324,13 @@ COMMANDS = {
     **data.COMMANDS,
     **hf.COMMANDS,
     "experiment": "run one of the paper's experiments (results.json, plots, report.md)",
+    "sweep": "run a study file (results/<study>/study.yaml or your own): its points, then its report",
     "bench": "time Keel against Pre-LN at identical shapes, and against depth",
 }
 _BUILDERS = {"train": add_train_command, "eval": add_eval_command, "runs": add_runs_command,
              "plot": add_plot_command, "generate": add_generate_command, "summary": add_summary_command,
              "tokenizer": add_tokenizer_command, **data.BUILDERS, **hf.BUILDERS, "experiment": add_experiment_command,
+             "sweep": add_sweep_command,
              "bench": add_bench_command}
 
 
@@ -340,10 +349,7 @@ def build_parser(command: str | None = "all") -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # before torch loads (OpenMP reads it once): idle OpenMP threads sleep instead of spinning, which on a
-    # machine other jobs share takes their CPU and slows the step; OMP_WAIT_POLICY=active restores spinning
-    if "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    launcher_environment()  # before torch loads: OpenMP's wait policy, CUDA's allocator (keel.launch)
     return run_interruptible(lambda: _main(argv))
 
 
