@@ -2,8 +2,7 @@
 its experiment, at adjusted p < 0.05 (keel/experiments/stats.py `paired` and `holm`).
 
 Reads only the committed per-seed numbers under results/ (each experiment's results.json; no training) and prints a
-markdown table: per test its family (the experiment whose runs it compares; a sweep split over folders such as
-`depth-long` + `depth-long-s2` is one experiment), the mean difference with its 95% interval, the raw p, the
+markdown table: per test its family (the experiment whose runs it compares), the mean difference with its 95% interval, the raw p, the
 Holm-adjusted p within the experiment (the verdict's p) and across every test here (shown beside it), and the
 verdict. Tests no rule defined (post-hoc) come after the rule-defined ones and say why they are post-hoc; they are
 counted in their experiment's family and in the all-tests family, which can only make the other tests' adjusted p
@@ -45,12 +44,6 @@ def results(name: str) -> dict:
 
 def arm(name: str, label: str) -> list[float]:
     return results(name)["arms"][label]["report_losses"]
-
-
-def merged(folder: str, extra: str, label: str) -> list[float]:
-    """Seeds 0, 1 from `folder` and seed 2 from its `-s2` companion where the sweep was split."""
-    a, b = arm(folder, label), arm(extra, label)
-    return a if len(a) == 3 else a[:2] + b[-1:]
 
 
 def lr_sweep(scheme: str, lr: float) -> list[float]:
@@ -236,9 +229,9 @@ def downstream_end_tests() -> list[Test]:
 
 def tests() -> list[Test]:
     """Every test results/ reports, rule-defined first (by experiment), then the post-hoc ones."""
-    dl = {s: merged("depth-long", "depth-long-s2", s) for s in
+    dl = {s: arm("depth-long", s) for s in
           ("keel-8", "pre_ln-8", "post_ln-8", "keel-64", "pre_ln-64", "post_ln-64")}
-    reg = {s: merged("regime", "regime-s2", s) for s in ("keel", "pre_ln", "post_ln")}
+    reg = {s: arm("regime", s) for s in ("keel", "pre_ln", "post_ln")}
     out = [
         Test("max-lr", "max LR, Table 1", "Keel - Pre-LN, 16 sub-layers (Keel censored at 0.08 in 2 seeds)",
              max_lr("max-lr", "keel", 16), max_lr("max-lr", "pre_ln", 16), "rule 1"),
@@ -313,8 +306,8 @@ def tests() -> list[Test]:
         Test("stream-precision", "bf16 stream", "Pre-LN bf16 - float32 stream, 64",
              arm("stream-precision", "pre_ln-bfloat16"), arm("stream-precision", "pre_ln-float32"), "rule 10 (b)"),
         Test("stream-precision-256", "bf16 stream", "Keel bf16 - float32 stream, 256",
-             merged("stream-precision-256", "stream-precision-256-s2", "keel-bfloat16"),
-             merged("stream-precision-256", "stream-precision-256-s2", "keel-float32"), "rule 13"),
+             arm("stream-precision-256", "keel-bfloat16"),
+             arm("stream-precision-256", "keel-float32"), "rule 13"),
         Test("ablations", "ablations", "alpha = sqrtL - alpha = L", arm("ablations", "alphasqrtL"),
              arm("ablations", "keelalphaL-v2"), "rule 3", "alpha = L is the configuration of depth's Keel at 32"),
         Test("ablations", "ablations", "alpha = 2 - alpha = L", arm("ablations", "alpha2"),

@@ -3,6 +3,7 @@ several processes running the same sweep (two points at a time), never mixed wit
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import socket
@@ -52,6 +53,20 @@ def _fresh_compile(fn: Callable[[], dict]) -> dict:
     return fn()
 
 
+_REPORT_ONLY = contextvars.ContextVar("report_only", default=False)
+
+
+@contextmanager
+def report_only(on: bool = True):
+    """While open (and `on`), a sweep trains nothing: a point not on disk is a ConfigError naming it, raised
+    before any point runs. `keel sweep --report-only` rebuilds a study's report from its committed points."""
+    token = _REPORT_ONLY.set(on)
+    try:
+        yield
+    finally:
+        _REPORT_ONLY.reset(token)
+
+
 @dataclass
 class Sweep:
     """Runs named points once each, keeping each result on disk as soon as it is done. The directory
@@ -94,6 +109,10 @@ may keep its progress (keel.experiments.partial), so that the process that next 
         # the points already on disk first: with `enough`, an arm whose points are all saved is handed back before
         # this process starts an hour-long point of another
         on_disk = {key for key in points if store.exists(self.out / "points", key)}
+        if _REPORT_ONLY.get() and len(on_disk) < len(points):
+            missing = sorted(set(points) - on_disk)
+            raise ConfigError(f"{self.out / 'points'}: {len(missing)} point(s) not there, e.g. {missing[0]}; "
+                              "--report-only trains nothing (drop it to run them)")
         if on_disk:
             print(f"{desc}: reused {len(on_disk)} of {len(points)} saved points from {self.out / 'points'}", flush=True)
         results, pending = {}, {key: points[key] for key in sorted(points, key=lambda k: k not in on_disk)}
