@@ -220,6 +220,42 @@ def test_a_bpe_is_trained_on_the_seeded_sample_and_kept(jsonl, tmp_path):
     assert snapshot(out) == before
 
 
+def _sources(tmp_path: Path, texts: list[str]) -> dict[str, Path]:
+    """The same documents as each kind of source prepare reads (a text file: all of them as one)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "dir").mkdir()
+    for i, text in enumerate(texts):
+        (tmp_path / "dir" / f"{i:03d}.txt").write_text(text)
+    (tmp_path / "one.txt").write_text("\n\n".join(texts))
+    pq.write_table(pa.table({"text": texts}), tmp_path / "data.parquet")
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(tmp_path / "saved")
+    return {"text file": tmp_path / "one.txt", "directory": tmp_path / "dir", "parquet": tmp_path / "data.parquet",
+            "hf": f"hf:{tmp_path / 'saved'}"}
+
+
+@pytest.mark.slow
+def test_prepare_reads_every_source_keel_train_reads(tmp_path):
+    """Shards of a text file, a directory, Parquet and a saved Hugging Face dataset hold the train split's
+    documents, as keel train's own corpus reader yields them (tests/test_data.py checks that reader)."""
+    import argparse
+
+    from keel.data import build_corpus
+
+    pytest.importorskip("datasets")
+    texts = paragraphs(argparse)[:40]
+    for name, source in _sources(tmp_path, texts).items():
+        out = tmp_path / f"shards-{name}"
+        cfg = DataConfig(source=str(source), tokenizer="bytes", val_fraction=VAL_FRACTION)
+        shard_writer.prepare_shards(cfg, out, workers=1, shard_tokens=SHARD_TOKENS, progress=False)
+        want = b"".join(t.encode() for t in build_corpus(cfg).documents("train"))
+        assert split_ids(out, "train").astype(np.uint8).tobytes() == want, name
+    with pytest.raises(DataError, match="data.hf_config"):
+        build_corpus(DataConfig(source=f"hf:{tmp_path / 'saved'}", hf_config="sample-10BT"))
+
+
 # ---- training from shards -----------------------------------------------------------------------------
 
 def test_windows_over_shards_are_the_windows_of_one_array(tmp_path):

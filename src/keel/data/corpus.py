@@ -252,9 +252,14 @@ class _HFDataset(Corpus):
         name, local = cfg.source.removeprefix("hf:"), Path(cfg.source.removeprefix("hf:")).expanduser()
         try:
             if local.exists():
+                if cfg.hf_config:
+                    raise DataError(f"data.hf_config: {cfg.hf_config!r} is for a dataset on the hub; {local} is a "
+                                    "saved dataset (save_to_disk), read whole")
                 ds = datasets.load_from_disk(str(local))
             else:
                 ds = datasets.load_dataset(name, cfg.hf_config or None, split=cfg.hf_split)
+        except DataError:
+            raise
         except Exception as err:  # many error types, from the file system to the network
             raise DataError(f"{cfg.source}: cannot load the dataset ({_first_line(err)})") from None
         if isinstance(ds, datasets.DatasetDict):
