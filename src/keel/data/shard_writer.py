@@ -72,8 +72,7 @@ def prepare_shards(cfg: DataConfig, out, workers: int = 1, shard_tokens: int | N
         manifest = {"format": FORMAT, "dtype": dtype.name, "shard_tokens": shard_tokens or DEFAULT_SHARD_TOKENS,
                     "tokenizer": {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size,
                                   "eos_id": tokenizer.eos_id},
-                    "bpe_sample": {"documents": bpe_sample, "seed": BPE_SEED} if cfg.tokenizer.startswith("bpe")
-                    else None,
+                    "bpe_sample": {"documents": bpe_sample, "seed": BPE_SEED} if _is_bpe(cfg.tokenizer) else None,
                     "corpus": _corpus_info(corpus),
                     "splits": {s: {"complete": False, "documents": 0, "tokens": 0, "shards": []} for s in SPLITS}}
         _write_manifest(out, manifest)
@@ -135,7 +134,7 @@ def _tokenizer(spec: str, out: Path, manifest: dict | None, corpus: Corpus, bpe_
     if spec == "bytes":
         return ByteTokenizer()
     target = out / TOKENIZER_FILE
-    if spec == "bpe" or spec.startswith("bpe:"):
+    if _is_bpe(spec):
         vocab = planned_vocab_size(spec)
         if manifest is not None and os.path.lexists(target):
             tok = HFTokenizer(target, follow_links=False)
@@ -153,6 +152,10 @@ def _tokenizer(spec: str, out: Path, manifest: dict | None, corpus: Corpus, bpe_
     return HFTokenizer(target, follow_links=False)
 
 
+def _is_bpe(spec: str) -> bool:
+    return spec == "bpe" or spec.startswith("bpe:")
+
+
 def _corpus_info(corpus: Corpus) -> dict:
     # the files skipped as not text are known only after reading them all; a resumed prepare reads only some
     return {k: v for k, v in corpus.describe().items() if k not in ("skipped", "skipped_files")}
@@ -167,7 +170,7 @@ def _remove_temporaries(out: Path) -> None:
             (out / entry).unlink(missing_ok=True)
 
 
-def _drop_missing_tail(out: Path, manifest: dict, split: str) -> int:
+def _drop_missing_tail(out: Path, manifest: dict, split: str) -> None:
     """Forget the shards at the end of `split` whose files are gone (a prepare stopped between renaming a shard
     into place and rewriting the manifest, or a user who deleted them): they are made again, the same bytes.
     A shard missing before one that is present is a damaged directory."""
@@ -183,7 +186,6 @@ def _drop_missing_tail(out: Path, manifest: dict, split: str) -> int:
     if keep < len(shards):
         del shards[keep:]
         manifest["splits"][split]["complete"] = False
-    return len(present) - keep
 
 
 def _check_splits(manifest: dict, corpus: Corpus) -> None:
