@@ -37,6 +37,7 @@ QUICK = {
     "downstream-end": ["run.steps=3", "run.eval_tasks=[brackets,indent]", "search_start=2", "search_max=1"],
     "depth-pilot": ["budgets=[3,4]"],
     "depth-sweep": [],
+    "equal-tuning": [],
 }
 
 
@@ -76,6 +77,9 @@ QUICK_POINTS = {
     "depth-pilot": [f"{b}-{d}-lr{lr}-seed{k}" for b in (3, 4) for d in (2, 4) for lr in (0.003, 0.01) for k in _K],
     "depth-sweep": [f"{s}-{d}-lr{lr}-wu2-seed{k}" for s in ("keel", "pre_ln", "post_ln", "deepnorm") for d in (2, 4)
                     for lr in (0.003, 0.01) for k in _K],
+    # every arm's starting LR grid at the base warm-up with every choosing seed, and Keel tuned's alpha 2 somewhere
+    "equal-tuning": [f"{s}-{d}-lr{lr}-wu2-seed{k}" for s in ("keel", "pre_ln", "post_ln", "deepnorm") for d in (2, 4)
+                     for lr in (0.003, 0.01) for k in _K],
 }
 
 

@@ -17,6 +17,7 @@ LAYERS = {
     "_version": set(),
     "errors": set(),
     "_lazy": set(),  # packages' names loaded on first use
+    "launch": set(),  # the keel command's process settings, before torch loads
     "safe_io": {"errors"},
     "runtime": {"_version", "errors"},
     "model": {"_lazy"},  # torch only: `export-hf` ships its modules (not its __init__, which names them lazily)
@@ -29,7 +30,7 @@ LAYERS = {
     "hf": _BELOW_TRAIN | {"train", "evals"},
     "experiments": _BELOW_TRAIN | {"train", "evals"},
     "bench": _BELOW_TRAIN | {"train", "evals"},
-    "cli": _BELOW_TRAIN | {"train", "generate", "hf", "experiments", "bench", "evals"},
+    "cli": _BELOW_TRAIN | {"train", "generate", "hf", "experiments", "bench", "evals", "launch"},
     "__init__": {"_version", "model"},
 }
 
