@@ -1,7 +1,6 @@
 """depth-sweep (rule 21): the warm-up ladder, the marginal rule, the analysis against scipy and a hand-written Holm,
 the whole tuning and marginal logic end to end on made-up losses (no training), and (slow) the --quick run."""
 
-import json
 import math
 import threading
 
@@ -12,8 +11,8 @@ from scipy import stats as sps
 from keel.errors import ConfigError
 from keel.experiments import depth_sweep as ds
 from keel.experiments import depth_sweep_report as dsr
-from keel.experiments.depth_sweep import DepthSweepConfig, LadderGrid, analyse, key, marginal
 from keel.experiments import store
+from keel.experiments.depth_sweep import DepthSweepConfig, LadderGrid, analyse, key, marginal
 
 
 def test_the_warmup_grid_grows_through_the_rules_values_capped_at_the_run():

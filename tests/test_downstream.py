@@ -21,11 +21,10 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from keel.experiments import EXPERIMENTS
+from keel.experiments import EXPERIMENTS, store
 from keel.experiments.cli import build
 from keel.experiments.common import point_config, train_curve
 from keel.experiments.downstream import WIDE, score_at
-from keel.experiments import store
 
 
 def test_score_at_reads_the_curve_where_the_loss_first_reaches_the_level():
@@ -155,7 +154,8 @@ def test_the_default_runs_are_the_committed_depth_long_runs():
 
     cfg = build("downstream", False, [])
     assert cfg.lrs["keel-32"] == 3e-3 and cfg.lrs["pre_ln-64"] == 1e-3 and cfg.seeds == [0, 1, 2, 3, 4]
-    recorded = store.load(Path(__file__).parent.parent / "results" / "depth-long-32" / "points", "keel-32-lr0.003-seed0")
+    recorded = store.load(Path(__file__).parent.parent / "results" / "depth-long-32" / "points",
+                          "keel-32-lr0.003-seed0")
     config = point_config(cfg, cfg.point_model("keel", 32), 0, lr=cfg.lrs["keel-32"])
     curve, _ = train_curve(config, eval_batches=0, on_step=lambda i, model, result: i == 3)
     assert curve.losses == pytest.approx(recorded["losses"][:4], rel=1e-5)

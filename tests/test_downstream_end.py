@@ -3,7 +3,6 @@ per-seed values, the reference arm read from the committed runs, and the --quick
 points' JSON by other means (scipy's paired t-test, the search's walk written out)."""
 
 import inspect
-import json
 import shutil
 from pathlib import Path
 
@@ -12,10 +11,9 @@ import pytest
 from scipy import stats as scipy_stats
 
 from keel.errors import ConfigError
-from keel.experiments import EXPERIMENTS
+from keel.experiments import EXPERIMENTS, store
 from keel.experiments.cli import build
 from keel.experiments.downstream_end import DownstreamEndConfig, judge, reference_points, search
-from keel.experiments import store
 
 COMMITTED = Path(__file__).parent.parent / "results" / "downstream"
 

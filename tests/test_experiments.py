@@ -13,10 +13,9 @@ import torch
 from keel import TransformerLM, tiny
 from keel.data import DataConfig
 from keel.errors import ConfigError
-from keel.experiments import EXPERIMENTS, precision
+from keel.experiments import EXPERIMENTS, precision, store
 from keel.experiments.budget import budget_point
 from keel.experiments.cli import build
-from keel.experiments import store
 
 TINY = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16", "run.batch_size=2"]
 QUICK = {

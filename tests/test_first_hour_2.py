@@ -7,9 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
-
-import keel
 
 
 # ---- Ctrl-C: one line on stderr, exit 130, and the step it reached -------------------------------------

@@ -2,7 +2,6 @@
 runs, written out from made-up select losses (no training); the committed results/frontier replayed unchanged;
 the ladder running out is a bound; the config check."""
 
-import json
 import math
 import shlex
 import shutil
@@ -13,10 +12,10 @@ import pytest
 
 from keel.errors import ConfigError
 from keel.experiments import frontier as fr
+from keel.experiments import store
 from keel.experiments.frontier import FrontierConfig, key
 from keel.experiments.grid import LadderGrid
 from keel.train.config import OptimConfig
-from keel.experiments import store
 
 RESULTS = Path(__file__).parent.parent / "results" / "frontier"
 

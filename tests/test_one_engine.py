@@ -11,6 +11,7 @@ import torch
 from keel.bench.core import Bench
 from keel.cli import main
 from keel.errors import ConfigError, KeelError
+from keel.experiments import store
 from keel.experiments.cli import build
 from keel.experiments.common import point_config, train_curve
 from keel.model import ModelConfig
@@ -19,7 +20,6 @@ from keel.train.config import RunConfig, load_config, to_yaml
 from keel.train.presets import PRESETS
 from keel.train.run_dir import RunDir
 from keel.train.trainer import Trainer
-from keel.experiments import store
 
 
 def experiment_point(corpus, tmp_path, **run):

@@ -2,7 +2,6 @@
 point's, bit for bit on a CPU; progress of another configuration or a damaged save is discarded with one line and
 the point starts over; the progress goes once the point's file is written."""
 
-import json
 import os
 import signal
 import subprocess
@@ -16,11 +15,11 @@ import torch
 from keel import TransformerLM, runtime
 from keel.errors import CheckpointError
 from keel.experiments import partial as partial_module
+from keel.experiments import store
 from keel.experiments.budget import budget_point
 from keel.experiments.cli import build
 from keel.experiments.partial import Partial
 from keel.experiments.sweep import Sweep
-from keel.experiments import store
 
 STEPS = 12
 

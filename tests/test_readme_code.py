@@ -227,11 +227,16 @@ def test_every_relative_link_of_the_docs_resolves():
     assert not dead, dead
 
 
-def test_the_front_pages_when_to_use_table_is_the_results_one():
-    """README's "When to use Keel" is results/README.md's one-minute summary, word for word (links made relative
-    to the repository root), so a re-judged result cannot leave the front page behind."""
-    results = (ROOT / "results" / "README.md").read_text()
-    summary = results.split("## At this scale, in one minute", 1)[1].split("\n", 1)[1].split("\n## ", 1)[0].strip()
-    summary = re.sub(r"\]\((?![a-z]+://)([^)]+)\)", r"](results/\1)", summary)
-    front = README.read_text().split("## When to use Keel", 1)[1].split("\n## ", 1)[0]
-    assert summary in front
+def test_the_front_page_decides_in_one_screen():
+    """The pitch, a decision table in words (at most 6 rows, no p-value: those live in results/, each row linked to
+    its evidence there), the equation, then the quick start before word 600 with the CPU-torch line in it."""
+    text = README.read_text()
+    before = text[:text.index("## Quick start")]
+    assert len(before.split()) < 600
+    section = before.split("## Which scheme to use", 1)[1].split("\n## ", 1)[0]
+    table = [line for line in section.splitlines() if line.startswith("| ")][2:]
+    assert 3 <= len(table) <= 6
+    assert all("](results/" in row for row in table), table
+    assert not re.search(r"\bp ?[=<]|Holm", before)
+    quick = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in quick and "-c constraints.txt" in quick

@@ -1,6 +1,6 @@
-"""results/ reads as its numbers run: every committed report's "Produced by" command parses and merges, with
-today's command line, to the configuration its points recorded; the front page's "when to use" table is
-results/README.md's; the one-minute per-depth table is the depth sweep's results.json. Reads files only;
+"""results/ reads as its numbers run: every committed report's "Produced by" command is its study file run by
+`keel sweep`, which parses and merges, with today's command line, to the configuration its points recorded; the
+one-minute per-depth table is the depth sweep's results.json. Reads files only;
 trains nothing. (Every test and verdict recomputed from the point files: test_results_verdicts.py.)"""
 
 import json
@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+
 from keel.experiments import store
 
 RESULTS = Path(__file__).parent.parent / "results"
@@ -38,18 +39,17 @@ def test_a_reports_command_parses_and_merges_to_the_configuration_its_points_rec
     text = (RESULTS / folder / "report.md").read_text()
     command = re.search(r"Produced by:\n\n```bash\n(.*?)\n```", text, re.S).group(1)
     words = shlex.split(command)
-    assert words[:2] == ["keel", "experiment"] and "\n" not in command
+    assert words == ["keel", "sweep", f"results/{folder}/study.yaml"], command
     seen = {}
 
     def merge_only(args):
-        seen["args"] = args
-        seen["cfg"] = experiment_cli.build(args.name, args.quick, args.overrides, args.config)
+        kind, fields = experiment_cli.read_study(args.study)
+        seen["cfg"] = experiment_cli.build(kind, False, [*fields, *args.overrides])
         return 0
 
-    monkeypatch.setattr(experiment_cli, "cmd_experiment", merge_only)
+    monkeypatch.setattr(experiment_cli, "cmd_sweep", merge_only)
     assert keel.cli._main(words[1:]) == 0
-    args, cfg = seen["args"], seen["cfg"]
-    assert args.out == f"results/{folder}" and not args.quick
+    cfg = seen["cfg"]
     recorded = upgrade_recorded(json.loads((RESULTS / folder / "points" / "config.json").read_text()))
     mine, defaults = json.loads(json.dumps(asdict(cfg))), json.loads(json.dumps(asdict(type(cfg)())))
     assert [k for k in _differences(mine, recorded, defaults) if k not in EXECUTION_FIELDS + ADDS_POINTS] == []
@@ -59,18 +59,7 @@ def test_a_reports_command_parses_and_merges_to_the_configuration_its_points_rec
         if field in mine:
             grown, had = recorded.get(field, defaults[field]), mine[field]
             assert set(had) <= set(grown) if isinstance(had, list) else had <= grown, field
-    assert store.read_results(RESULTS / folder)["experiment"] == args.name
-
-
-def test_the_front_pages_when_to_use_table_is_results_one_minute_table():
-    """README.md copies results/README.md's one-minute table ("copied from results/README.md"): row for row, its
-    links one folder up, so every check above on results/README.md holds for the front page too."""
-    def table(text: str) -> str:
-        start = text.index("| if you ... |")
-        return text[start:text.index("\n\n", start)]
-    front = table((RESULTS.parent / "README.md").read_text())
-    assert front.replace("](results/", "](") == table((RESULTS / "README.md").read_text())
-    assert len(front.splitlines()) > 5
+    assert store.read_results(RESULTS / folder)["experiment"] == experiment_cli.read_study(words[2])[0]
 
 
 def test_the_one_minute_depth_table_is_the_depth_sweeps_results():

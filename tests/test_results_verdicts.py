@@ -4,7 +4,6 @@ below), and every verdict cell of the claim table (results/HISTORY.md), and ever
 PROTOCOL.md and HISTORY.md quote, follows from those tests. Reads JSON only; trains nothing."""
 
 import importlib.util
-import json
 import math
 import re
 import statistics
@@ -13,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from keel.experiments import store
 from scipy import stats as sps
+
+from keel.experiments import store
 
 RESULTS = Path(__file__).parent.parent / "results"
 pytestmark = pytest.mark.skipif(not (RESULTS / "rejudge.py").exists(), reason="no committed results")
@@ -347,8 +347,8 @@ def test_rejudge_md_is_every_test_recomputed(tests_):
         assert cells[9].startswith("post-hoc") == r["posthoc"]
     posthoc = [r["posthoc"] for r in tests_]
     assert posthoc == sorted(posthoc)  # post-hoc rows come after every rule-defined one
-    # the front pages quote the count: "across all N tests, of which K stay below 0.05"
-    for page in (RESULTS.parent / "README.md", RESULTS / "README.md"):
+    # results/README.md quotes the count: "across all N tests, of which K stay below 0.05"
+    for page in (RESULTS / "README.md",):
         text = page.read_text().replace("\n", " ")
         said = re.search(r"across all (\d+) tests, of which (\d+) stays? below 0\.05", text)
         assert said and (int(said[1]), int(said[2])) == (len(tests_), sum(r["p_all"] < 0.05 for r in tests_)), page

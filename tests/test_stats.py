@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from keel.experiments import store
-
-from keel.experiments import stats
+from keel.experiments import stats, store
 from keel.experiments.frontier import FrontierConfig, analyse, classify, grow_grids, key
 from keel.experiments.sweep import Sweep, _claim
 

@@ -33,8 +33,8 @@ def test_every_results_folder_is_a_study_and_nothing_else_runs_it():
     assert sorted(p.name for p in RESULTS.glob("*.sh")) == []
     for study in STUDIES:
         kind, _ = read_study(str(RESULTS / study / "study.yaml"))
-        assert kind == store.read_results(RESULTS / study)["experiment"] if (RESULTS / study / "results.json").exists() \
-            else kind
+        if (RESULTS / study / "results.json").exists():
+            assert kind == store.read_results(RESULTS / study)["experiment"], study
 
 
 @pytest.mark.slow

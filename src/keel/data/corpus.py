@@ -410,7 +410,7 @@ def _optional(module: str, package: str, source: str):
         return importlib.import_module(module)
     except ImportError:
         raise DataError(f"data.source {source!r} needs the optional package {package!r}: "
-                        "pip install 'keel-lm[data]'") from None
+                        "pip install -c constraints.txt -e '.[data]'") from None
 
 
 def _first_line(err: Exception) -> str:

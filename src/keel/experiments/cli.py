@@ -87,8 +87,8 @@ def cmd_sweep(args) -> int:
     runtime.set_threads(cfg.run.threads)
     out = Path(args.out) if args.out else Path(args.study).parent
     out.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["keel sweep", shlex.quote(args.study)] + ([f"--out {shlex.quote(args.out)}"] if args.out else [])
-                       + [shlex.quote(o) for o in args.overrides])
+    out_flag = [f"--out {shlex.quote(args.out)}"] if args.out else []
+    command = " ".join(["keel sweep", shlex.quote(args.study), *out_flag, *map(shlex.quote, args.overrides)])
     with report_only(args.report_only):
         EXPERIMENTS[kind][1](cfg, out, command)
     print(f"wrote {out}/results.json, {out}/report.md and plots")

@@ -34,9 +34,9 @@ import numpy as np
 import torch
 
 from keel import runtime
-from keel.errors import ConfigError
 from keel.data import DataConfig, WindowSampler, prepare
 from keel.data import eval_batches as spaced_batches
+from keel.errors import ConfigError
 from keel.experiments.partial import Discarded, Partial
 from keel.model import ModelConfig, TransformerLM, lm_loss
 from keel.model.config import with_scheme

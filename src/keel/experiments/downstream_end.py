@@ -31,8 +31,7 @@ import numpy as np
 
 from keel import evals
 from keel.errors import ConfigError
-from keel.experiments import store
-from keel.experiments import stats
+from keel.experiments import stats, store
 from keel.experiments.common import (
     ExperimentConfig,
     corpus,

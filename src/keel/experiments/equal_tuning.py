@@ -161,8 +161,8 @@ class Points:
         return at, _model(at, arm, depth, alpha), lr, seed
 
     def select(self, arm, depth, lr, warmup, alpha) -> float:
-        return float(statistics.fmean([ds._finite(self.got[arm_key(arm, depth, lr, warmup, alpha, s)].get("select_loss"))
-                              for s in self.cfg.seeds]))
+        keys = [arm_key(arm, depth, lr, warmup, alpha, s) for s in self.cfg.seeds]
+        return float(statistics.fmean([ds._finite(self.got[k].get("select_loss")) for k in keys]))
 
 
 def _job(arm: str, depth: int, hp: tuple, seed: int) -> tuple[str, tuple]:
@@ -220,8 +220,8 @@ def analyse(cfg: EqualTuningConfig, pts: Points, tuned: dict) -> dict:
         for arm, t in by_arm.items():
             alpha = t.get("alpha", "L") if arm == TUNED else None
             keys = {s: arm_key(arm, d, t["lr"], t["warmup"], alpha, s) for s in seeds}
-            arms[d][arm] = t | {"keys": keys, "report_by_seed": {s: pts.got[k].get("report_loss")
-                                                                 for s, k in keys.items() if k in pts.got}}
+            losses = {s: pts.got[k].get("report_loss") for s, k in keys.items() if k in pts.got}
+            arms[d][arm] = t | {"keys": keys, "report_by_seed": losses}
         for ref in ("keel", TUNED):
             same = ref == TUNED and arms[d][TUNED]["keys"] == arms[d]["keel"]["keys"]
             for x in OTHERS:

@@ -36,6 +36,7 @@ import torch
 
 from keel.data import eval_batches
 from keel.errors import ConfigError
+from keel.experiments import store
 from keel.experiments.common import (
     ExperimentConfig,
     corpus,
@@ -52,7 +53,6 @@ from keel.experiments.common import (
     write_outputs,
 )
 from keel.experiments.probes import residual_sizes
-from keel.experiments import store
 from keel.experiments.sweep import Sweep
 from keel.model import ModelConfig
 from keel.model.transformer import TransformerLM

@@ -66,7 +66,8 @@ def torchao_adamw(groups: list[dict], cfg: OptimConfig, bf16_weights: bool = Fal
         from torchao.optim.subclass_8bit import OptimState8bit  # noqa: PLC0415
     except ImportError:
         need = "optim.state=8bit" if cfg.state == "8bit" else "run.weights=bfloat16"
-        raise ConfigError(f"{need} needs the optional package torchao: pip install 'keel-lm[depth]' (or set "
+        raise ConfigError(f"{need} needs the optional package torchao: pip install -c constraints.txt -e '.[depth]' "
+                          "(or set "
                           + ("optim.state=float32)" if cfg.state == "8bit" else "run.weights=float32)")) from None
 
     class Float32MomentsAdamW(_AdamW):  # torchao's AdamW with its moments in float32 whatever the weights' dtype
