@@ -39,6 +39,8 @@ from keel.train.task_eval import score_tasks
 from keel.train.telemetry import Telemetry
 from keel.train.tracking import Trackers
 
+PROGRESS_EVERY_S = 30.0  # seconds between progress lines when output is not a terminal
+
 
 class Trainer:
     """Trains `config` into a run directory: `run_dir` if given (a path or RunDir), the run being resumed
@@ -287,8 +289,11 @@ class Trainer:
         c = self.config
         outcome = {"diverged": False, "divergence_reason": None, "interrupted": False, "train_loss": float("nan"),
                    "val": {}, "tasks": {}}
-        bar = tqdm(total=c.run.steps, initial=self.step, disable=not (c.run.progress and self.world.main),
+        shown = c.run.progress and self.world.main
+        # a terminal gets tqdm's bar; a file or pipe gets a plain line at least every PROGRESS_EVERY_S instead
+        bar = tqdm(total=c.run.steps, initial=self.step, disable=not (shown and sys.stdout.isatty()),
                    dynamic_ncols=True, desc="train", file=sys.stdout)
+        self.lines = {"on": shown and not sys.stdout.isatty(), "t": time.time(), "step": self.step}
         stop = DeferredStop().install()
         boundary = self._boundary()
         try:
@@ -355,6 +360,7 @@ class Trainer:
             self.log(record)
             bar.set_postfix(postfix)
         last = self.step == c.run.steps
+        self._progress_line(result)
         if c.run.eval_every and (self.step % c.run.eval_every == 0 or last):
             outcome["val"] = self.evaluate()
             self.log({"step": self.step, **outcome["val"]})
@@ -366,6 +372,17 @@ class Trainer:
             self.t_last += seconds  # not counted against the next record's tokens_per_s
         if last or (c.run.ckpt_every and self.step % c.run.ckpt_every == 0):
             self.save_checkpoint()
+
+    def _progress_line(self, result) -> None:
+        """Output that is not a terminal (a log file, a pipe, a batch job) shows no bar: one line instead whenever
+        PROGRESS_EVERY_S have passed since the last, so a log never goes quiet between validations."""
+        lines, now = self.lines, time.time()
+        if not lines["on"] or now - lines["t"] < PROGRESS_EVERY_S:
+            return
+        tps = (self.step - lines["step"]) * self.tokens_per_step / max(now - lines["t"], 1e-9)
+        self.say(f"step {self.step}/{self.config.run.steps}: loss {result.loss:.4f}, lr {result.lr:.2e}, "
+                 f"{tps:,.0f} tok/s")
+        lines |= {"t": now, "step": self.step}
 
     def _save_interrupted(self, boundary: tuple) -> None:
         # rewind what a half-done step drew, so the checkpoint sits exactly on a step boundary
