@@ -27,11 +27,15 @@ from keel.launch import launcher_environment
 launcher_environment()
 
 # isort: split
-import pytest
-import torch
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # cuBLAS is deterministic only with a fixed workspace, read when its handle is made: set before any CUDA use
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+# The project's CPU suite and GPU campaign are scripts in benchmarks/ that import their siblings by name (running a
+# script puts its folder on the path): their tests import them the same way
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path[:0] = [str(BENCHMARKS / "gpu"), str(BENCHMARKS / "cpu")]
 # keel signs the run configs it writes with a per-user key (keel.train.trust): one key for the test session,
 # shared with its subprocesses, never the user's ~/.config/keel
 os.environ.setdefault("KEEL_CONFIG_DIR", tempfile.mkdtemp(prefix="keel-config-"))
@@ -186,3 +190,36 @@ def trainer_for(args):
         config = load_config(args(*extra, name=name), preset="tiny")
         return Trainer(config, Path(config.run.out_dir) / config.run.name, callbacks)
     return make
+
+
+# seconds one training step takes on the fake clock, per sub-layer, by scheme
+COST_PER_SUBLAYER = {"keel": 0.05, "pre_ln": 0.04, "deepnorm": 0.06}
+
+
+class Seen(list):
+    """What the fake clock saw, one entry per step."""
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """keel.bench.core.clock reads a fake time that only a training step advances: n_sublayers x
+    COST_PER_SUBLAYER[scheme] seconds, plus `seen.overhead(model config, call)` where a test sets one (`call`: 1 for
+    a TrainStep's first step). Returns what each step saw: its TrainStep, the batch, the lr and the autocast context."""
+    from keel.bench import core
+    from keel.train.step import TrainStep
+
+    now, seen = [0.0], Seen()
+    real = TrainStep.__call__
+
+    def timed(self, next_batch, lr):
+        batch = next_batch()
+        seen.append({"step": self, "batch": batch, "lr": lr, "autocast": self.autocast()})
+        result = real(self, lambda: batch, lr)
+        config = self.model.config
+        now[0] += COST_PER_SUBLAYER[config.scheme] * config.n_sublayers
+        if hasattr(seen, "overhead"):
+            now[0] += seen.overhead(config, sum(e["step"] is self for e in seen))
+        return result
+    monkeypatch.setattr(TrainStep, "__call__", timed)
+    monkeypatch.setattr(core, "clock", lambda: now[0])
+    return seen

@@ -59,8 +59,6 @@ COMMANDS = {
     "summary-run": ["summary", "RUN"],
     "tokenizer": ["tokenizer", "--out", "TMP/tok.json"],
     "bench": ["bench", "--preset", "tiny", "--depths", ""],
-    "bench-suite-cpu": ["bench", "--suite", "cpu"],
-    "bench-suite-gpu": ["bench", "--suite", "gpu"],
     "bench-model-gpu": ["bench", "--preset", "tiny", "--model-gpu", "H100"],
     "bench-paper": ["bench", "--model-gpu", "paper"],
     "bench-validate": ["bench", "--validate-model"],
@@ -100,12 +98,6 @@ CASES = [
     ("bench", {"data.source": "x"}, "data.source: not used by keel bench (bench trains on synthetic batches)"),
     ("bench", {"optim.warmup_steps": 3}, "optim.warmup_steps: not used by keel bench (bench steps at the constant "
                                          "rate optim.lr)"),
-    ("bench-suite-cpu", {"run.threads": 1}, None),
-    ("bench-suite-cpu", {"run.batch_size": 3}, "run.batch_size: not used by keel bench (--suite cpu is a fixed "
-                                               "campaign)"),
-    ("bench-suite-gpu", {"run.device": "cpu"}, None),
-    ("bench-suite-gpu", {"model.d_model": 64}, "model.d_model: not used by keel bench (--suite gpu is a fixed "
-                                               "campaign; it takes run.device)"),
     ("bench-model-gpu", {"run.seq_len": 32}, None),
     ("bench-model-gpu", {"model.scheme": "pre_ln"}, "model.scheme: not used by keel bench (the model predicts both "
                                                     "keel and pre_ln)"),
@@ -182,7 +174,7 @@ def test_a_file_and_an_override_are_accepted_or_refused_alike(command, settings,
         assert by_override[1] == settings["run.threads"]
 
 
-@pytest.mark.parametrize("command", ["train", "experiment", "bench", "bench-suite-cpu"])
+@pytest.mark.parametrize("command", ["train", "experiment", "bench"])  # the CPU suite's: test_cpu_suite.py
 def test_run_threads_reaches_set_threads_once_from_the_merged_config(command, run_dir, tmp_path, monkeypatch):
     """From a YAML file as from an override, the command applies run.threads once, with the merged value (the
     dispatcher no longer reads it from the raw strings first)."""
@@ -207,9 +199,9 @@ def test_a_preset_is_refused_where_a_runs_own_config_is_used(run_dir, capsys, st
                                        "its own config)\n")
     assert main(["summary", str(run_dir), "--preset", "tiny"]) == 2
     assert "--preset: not used" in capsys.readouterr().err
-    assert main(["bench", "--suite", "cpu", "--preset", "tiny"]) == 2
-    assert capsys.readouterr().err == ("keel: error: --preset: not used by keel bench (--suite cpu is a fixed "
-                                       "campaign)\n")
+    assert main(["bench", "--validate-model", "--preset", "tiny"]) == 2  # the CPU suite's: test_cpu_suite.py
+    assert capsys.readouterr().err == ("keel: error: --preset: not used by keel bench (--validate-model runs fixed "
+                                       "shapes)\n")
 
 
 def test_the_tokenizer_takes_keel_trains_data_spelling(tmp_path, stop_after_merge):

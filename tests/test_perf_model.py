@@ -1,7 +1,8 @@
 """The performance model (keel.bench.perf_model) against independent counts: matmul FLOPs by hand and by torch's
 FlopCounterMode, the parameters its weight casts imply against a built model, and every byte an eager step moves
 counted op by op by a dispatch mode (float32 and bf16 autocast); the roofline's bound switching; fused < compiled <
-eager bytes; the committed predicted.md equal to what the code generates; the CLI and the GPU campaign's column."""
+eager bytes; the committed predicted.md equal to what the code generates; the CLI (the GPU campaign's column:
+test_gpu_campaign.py; the fit to measured GPU figures: test_gpu_calibration.py)."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +15,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from keel.bench import perf_model as pm
 from keel.bench import perf_report as pr
-from keel.bench.gpu import GpuSuite, predicted
 from keel.cli import main
 from keel.model import ModelConfig, TransformerLM, flops_per_token
 from keel.model.layers import RMSNorm
@@ -186,10 +186,9 @@ def test_cli_prints_the_prediction_table(capsys):
     text = capsys.readouterr().out
     assert "PREDICTED" in text and "H100" in text and "d=64" in text
     config = load_config(overrides, None, "tiny")
-    from keel.bench.calibrate import calibrated, measured_runs
-
-    pair = pm.predict_pair(config.model, config.run.batch_size, 32, calibrated("H100"), "eager")
-    assert f"calibrated on the measured run H100 {measured_runs('H100')[-1]['date']}" in text  # the newest run
+    spec = pm.calibrated("H100")  # fitted to the newest measured run (test_gpu_calibration.py)
+    pair = pm.predict_pair(config.model, config.run.batch_size, 32, spec, "eager")
+    assert f"calibrated on the measured run {spec.calibrated}" in text and spec.calibrated.startswith("H100 ")
     assert f"| eager | {1e3 * pair['keel']['step_time_s']:.1f} | {1e3 * pair['pre_ln']['step_time_s']:.1f} |" in text
     assert f"{pair['keel_over_pre_ln_step_time']:.3f}" in text
     assert main(["bench", "--model-gpu", "H100", "run.steps=3"]) == 2  # not read: refused
@@ -213,25 +212,6 @@ def test_the_prediction_and_the_dry_run_give_one_memory_verdict(capsys):
     assert plain > pm.DEVICES["H100"].memory >= planned
 
 
-def test_gpu_campaign_prediction_column():
-    suite = GpuSuite.toy()  # predicts with the H100 spec so CI exercises the column
-    p = predicted(suite, torch.device("cpu"), 4, "compiled", 0)
-    expected = pm.predict_pair(suite.model(4), suite.batch_size, suite.seq_len, pm.DEVICES["H100"], "compiled",
-                               bf16=False)
-    assert p["device"] == "H100" and p["keel"]["step_time_s"] == expected["keel"]["step_time_s"]
-    assert p["keel_over_pre_ln_step_time"] == expected["keel_over_pre_ln_step_time"]
-    assert predicted(GpuSuite(), torch.device("cpu"), 4, "eager", 0) is None  # no spec for a CPU by name
-    # a point at more tokens per step (the campaign's 8 x 4096 with checkpointing) is predicted at its batch
-    # ("compiled" is the junction inside each block: under AC a Keel block then ends with LN_out, no SumHandoff)
-    big = predicted(suite, torch.device("cpu"), 4, "compiled", 1, batch_size=8)
-    expected = pm.predict_pair(suite.model(4), 8, suite.seq_len, pm.DEVICES["H100"], "compiled", False, 1,
-                               pm.Code(sum_handoff=False))
-    assert big["keel"]["tokens_per_s"] == expected["keel"]["tokens_per_s"]
-    handoff = predicted(suite, torch.device("cpu"), 4, "compiled+composed", 1, batch_size=8)
-    assert handoff["keel"]["step_time_s"] < big["keel"]["step_time_s"]  # one matmul a block fewer recomputed
-    assert handoff["pre_ln"]["step_time_s"] == big["pre_ln"]["step_time_s"]
-
-
 def test_validation_reports_predicted_against_measured(monkeypatch):
     measured = {"keel": 0.010, "pre_ln": 0.008}
 
@@ -244,24 +224,3 @@ def test_validation_reports_predicted_against_measured(monkeypatch):
         assert row[s]["error"] == pytest.approx(row[s]["predicted_s"] / measured[s] - 1)
     assert result["max_abs_error"] == max(abs(row[s]["error"]) for s in ("keel", "pre_ln"))
     assert row["device"]["bandwidth_GBps"] > 0 and "Largest |error|" in pr.validation_markdown(result)
-
-
-@pytest.mark.slow  # the least squares on every device
-def test_the_stored_fit_is_what_calibrate_gives_on_the_newest_measured_run():
-    """keel.bench.calibrate.calibrated reads each device's fit from calibrated_gpu.json (a dry run needs it in a
-    second, the least squares takes many): stored and refitted agree, so a new measurement without
-    `python -m keel.bench.calibrate --store` fails here."""
-    import json
-
-    from keel.bench import calibrate
-
-    stored = json.loads(calibrate.FITS.read_text())
-    fresh = json.loads(calibrate.fits_json())
-    assert set(fresh) == set(stored) == {r["device"] for r in calibrate.measured_runs()}
-    for device, fit in fresh.items():
-        assert stored[device]["calibrated"] == fit["calibrated"]
-        for name in ("matmul_eff", "memory_eff", "launch_eager", "launch_compiled"):
-            assert stored[device][name] == pytest.approx(fit[name], rel=1e-4), (device, name)
-        read = calibrate.calibrated(device)
-        assert (read.matmul_eff, read.launch_s["compiled"]) == (stored[device]["matmul_eff"],
-                                                                 stored[device]["launch_compiled"])

@@ -196,8 +196,7 @@ def test_a_paper_preset_is_the_papers_recipe_and_says_what_a_run_of_it_needs(nam
     hours = re.search(r"time on one H100 \(PREDICTED by keel.bench.perf_model, calibrated on [^)]*\)\): ([\d,.]+) "
                       "hours", out)
     # 1024 micro-batches a step, each the forward and backward of one 4096-token sequence, the optimizer once
-    from keel.bench.calibrate import calibrated
-    from keel.bench.perf_model import predict
+    from keel.bench.perf_model import calibrated, predict
 
     micro = predict(c.model, 1, 4096, calibrated("H100"), "compiled", True, 1)
     optimizer = micro["groups"]["optimizer"]["time_s"]

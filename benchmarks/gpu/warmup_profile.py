@@ -14,10 +14,10 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp()
 os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
 
 import torch  # noqa: E402
+from campaign import GpuSuite  # noqa: E402
 from torch._dynamo.utils import compile_times  # noqa: E402
 
 from keel.bench.core import Bench  # noqa: E402
-from keel.bench.gpu import GpuSuite  # noqa: E402
 
 scheme, fused = sys.argv[1], sys.argv[2]
 suite = GpuSuite.toy() if not torch.cuda.is_available() else GpuSuite()

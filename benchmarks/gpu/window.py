@@ -1,19 +1,20 @@
 """The GPU campaign's most-needed cells in one short window (one `device` call of under 10 minutes).
 
-A window of 15 minutes of device time does not hold the four parts of `keel bench --suite gpu` (30 minutes of
-boxes). This runs, in order of what issue 37 most needs measured, each time-boxed and saved as it ends:
+A window of 15 minutes of device time does not hold the four parts of campaign.py (30 minutes of boxes). This
+runs, most-needed first, each time-boxed and saved as it ends:
 
 1. `tokens`: Keel against Pre-LN at 8 x 4096 = 32k tokens a step, 64 sub-layers, d=1024, activation checkpointing
-   every block, compiled (the default, then the junction left inside each block): step time ratio and MFU (issue
-   37.7's targets);
+   every block, compiled (the default, then the junction left inside each block): step time ratio and MFU at the
+   tokens per step users train with;
 2. `compare64`: the same at batch 1 x 4096 in every variant (eager, compiled, compiled+composed, compiled+fused);
 3. `presets`: two training steps of `paper-1024` under a cap of 79.6 GiB of device memory (an 80 GB H100's usable
    memory, `torch.cuda.set_per_process_memory_fraction`) and of `paper-2048` on the whole card, each with its
-   measured peak beside the memory plan's (issue 37.3/37.4), one gradient-accumulation micro-batch a step;
-4. `tests`: `pytest -m gpu` with each test's time (issue 37.9), in whatever time is left;
+   measured peak beside the memory plan's (do the presets fit the card they are sized for?), one
+   gradient-accumulation micro-batch a step;
+4. `tests`: `pytest -m gpu` with each test's time (the costly ones to split or shrink), in whatever time is left;
 5. `profile`: two compiled steps of each scheme at the `tokens` shape under torch.profiler, the kernels' time by
    category (matmul, attention, Inductor's reductions and pointwise kernels, optimizer, copies) and Keel - Pre-LN
-   per category (`keel.bench.profile`), then each scheme's wall time per step split into forward, backward and the
+   per category (kernel_profile.py), then each scheme's wall time per step split into forward, backward and the
    rest (clip, optimizer): where Keel's remaining ~4% goes;
 6. `bf16`: two steps of `paper-2048` with `run.weights=bfloat16` under the 79.6 GiB cap (what `keel train --preset
    paper-2048 --dry-run` plans for an 80 GB H100: 72.6 GiB), its peak beside the plan's;
@@ -37,10 +38,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from campaign import GpuSuite, gpu_markdown, gpu_suite
+from kernel_profile import profile_markdown, profile_schemes
 
 from keel.bench.core import Bench, attempt
-from keel.bench.gpu import GpuSuite, gpu_markdown, gpu_suite
-from keel.bench.profile import profile_markdown, profile_schemes
 from keel.model import count_params
 from keel.train.plan import memory_plan
 from keel.train.presets import train_preset

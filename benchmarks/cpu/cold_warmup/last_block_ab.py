@@ -3,15 +3,18 @@ and Pre-LN; alternating steps; per-repeat ratios."""
 import json
 import statistics
 import sys
+from pathlib import Path
 
-import torch
-from torch import nn
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/cpu: suite.py
 
-from keel.bench.core import Bench, alternate, scheme_config
-from keel.bench.cpu import CPU_SHAPES
-from keel.model.presets import cpu_demo
-from keel.scale.junction import FusedResidual
-from keel.train.config import RunConfig
+import torch  # noqa: E402
+from suite import CPU_SHAPES  # noqa: E402
+from torch import nn  # noqa: E402
+
+from keel.bench.core import Bench, alternate, scheme_config  # noqa: E402
+from keel.model.presets import cpu_demo  # noqa: E402
+from keel.scale.junction import FusedResidual  # noqa: E402
+from keel.train.config import RunConfig  # noqa: E402
 
 shape, steps, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 over, batch, seq = CPU_SHAPES[shape]

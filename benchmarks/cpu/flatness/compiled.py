@@ -1,13 +1,17 @@
 """Time per sub-layer from 128 to 1024 sub-layers with run.compile=true (the bench's flatness section is eager):
 CPU_FLATNESS's shape, one thread. Usage: python benchmarks/cpu/flatness/compiled.py [SUBLAYERS [REPEATS]]"""
 import sys
+from pathlib import Path
 
-import torch
+BENCHMARKS = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(BENCHMARKS / "gpu"), str(BENCHMARKS / "cpu")]  # flatness.py, suite.py
 
-from keel.bench.cpu import CPU_FLATNESS
-from keel.bench.flatness import flatness_markdown, flatness_series
-from keel.model import ModelConfig
-from keel.train.config import RunConfig
+import torch  # noqa: E402
+from flatness import flatness_markdown, flatness_series  # noqa: E402
+from suite import CPU_FLATNESS  # noqa: E402
+
+from keel.model import ModelConfig  # noqa: E402
+from keel.train.config import RunConfig  # noqa: E402
 
 torch.set_num_threads(1)
 f = CPU_FLATNESS

@@ -1,15 +1,16 @@
 """`keel bench`: its command line. The model, run and optimiser settings come from the one config merge
 (`--preset`, `--config`, `key=value`, as `keel train` takes them); the flags here are only what is bench's own
-(which schemes, how many timed steps, the depth series, the suites, where to write)."""
+(which schemes, how many timed steps, the depth series, where to write)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
 
 from keel import runtime
-from keel.bench import CPU_PARTS, GPU_SECTIONS, MODELLED_GPUS
+from keel.bench import MODELLED_GPUS
 from keel.errors import ConfigError
 from keel.model.config import with_scheme
 from keel.runtime import machine, resolve_device, use_bf16
@@ -43,10 +44,6 @@ def reads(args) -> Reads:
         return Reads("keel bench", ("model", "run.threads", *(f"run.{f}" for f in MODEL_RUN_FIELDS)),
                      f"it reads model.* and run.{{{','.join(MODEL_RUN_FIELDS)}}}",
                      refuse={"model.scheme": "the model predicts both keel and pre_ln"})
-    if args.suite == "cpu":
-        return fixed("--suite cpu is a fixed campaign")
-    if args.suite == "gpu":
-        return fixed("--suite gpu is a fixed campaign; it takes run.device", "run.device")
     # the compared schemes are --schemes; model.scheme, when one of them, picks whose options apply
     return Reads("keel bench", ("model", *(f"run.{f}" for f in RUN_FIELDS), *(f"optim.{f}" for f in OPTIM_FIELDS)),
                  f"it reads model.*, run.{{{','.join(RUN_FIELDS)}}} and optim.{{{','.join(OPTIM_FIELDS)}}}",
@@ -64,37 +61,11 @@ def bench_config(args):
     return config
 
 
-def run_suite(args) -> dict:
-    out = Path(args.out) if args.out else None
-    config = bench_config(args)
-    allowed = CPU_PARTS if args.suite == "cpu" else GPU_SECTIONS
-    sections = args.sections.split(",") if args.sections else list(allowed)
-    unknown = set(sections) - set(allowed)
-    if unknown:
-        raise ConfigError(f"--sections: unknown {', '.join(sorted(unknown))}; allowed with --suite {args.suite}: "
-                          f"{', '.join(allowed)}")
-    if args.suite == "cpu":
-        from keel.bench.cpu import cpu_markdown, cpu_suite
-
-        result = cpu_suite(args.steps, args.warmup, writer(out, cpu_markdown), args.idle_load, args.idle_wait,
-                           parts=sections)
-        print(cpu_markdown(result))
-        return result
-    device = resolve_device(config.run.device)
-    if device.type != "cuda" and not args.toy:
-        raise ConfigError("--suite gpu: needs a CUDA device (its sizes are a GPU's); --toy runs it at toy size here")
-    from keel.bench.gpu import GpuSuite, gpu_markdown, gpu_suite
-
-    result = gpu_suite(GpuSuite.toy() if args.toy else GpuSuite(), device, writer(out, gpu_markdown), sections)
-    print(gpu_markdown(result))
-    return result
-
-
 def run_model(args) -> str:
     """`--model-gpu`: the performance model's PREDICTED step at the merged config's shape (or, `paper`, the
     paper's shapes on every GPU: benchmarks/gpu/predicted.md); `--validate-model`: its CPU twin against
     measured eager steps at three fixed shapes."""
-    from keel.bench.perf_model import DEVICES
+    from keel.bench.perf_model import DEVICES, calibrated
     from keel.bench.perf_report import paper_markdown, prediction_markdown, validate, validation_markdown
 
     config = bench_config(args)
@@ -112,8 +83,6 @@ def run_model(args) -> str:
         from keel.train.plan import memory_plan  # noqa: PLC0415
 
         memory = memory_plan(config, device=torch.device("cuda"))["total"]
-        from keel.bench.calibrate import calibrated  # noqa: PLC0415
-
         spec = calibrated(args.model_gpu) or DEVICES[args.model_gpu]  # the dry run's model: one prediction
         text = prediction_markdown(config.model, run_cfg.batch_size, run_cfg.seq_len, spec,
                                    bf16=run_cfg.dtype != "float32", ac_every=run_cfg.ac_every, memory=memory)
@@ -131,11 +100,7 @@ def run_model(args) -> str:
 def run(args) -> dict:
     """The comparison at the merged config's shape, then the depth series of the first scheme."""
     if getattr(args, "model_gpu", None) or getattr(args, "validate_model", False):
-        if args.suite:
-            raise ConfigError("--model-gpu/--validate-model: not with --suite")
         return run_model(args)
-    if args.suite:
-        return run_suite(args)
     config = bench_config(args)  # a bad field answers at once, before torch loads
     from keel.bench.core import check_schemes, compare, depth_series, to_markdown
 
@@ -184,7 +149,23 @@ def check_counts(args) -> None:
             raise ConfigError(f"--{name.replace('_', '-')}: got {value}; allowed: an integer in [{low}, {high:,}]")
 
 
+# The project's own suites were `keel bench` flags; they are scripts beside their data in the repository now, and a
+# user who gives one of their flags is told where it went (argparse would only say "unrecognized arguments")
+SUITES = "python benchmarks/cpu/suite.py (was --suite cpu) or python benchmarks/gpu/campaign.py (was --suite gpu)"
+MOVED = {"suite": f"the project's suites run from a clone of the repository: {SUITES}",
+         "toy": "python benchmarks/gpu/campaign.py --toy", "sections": f"a flag of {SUITES}",
+         "idle_load": "python benchmarks/cpu/suite.py --idle-load",
+         "idle_wait": "python benchmarks/cpu/suite.py --idle-wait"}
+
+
+def check_moved(args) -> None:
+    for name, where in MOVED.items():
+        if getattr(args, name) is not None:
+            raise ConfigError(f"--{name.replace('_', '-')}: no longer a keel bench flag; {where}")
+
+
 def cmd_bench(args) -> int:
+    check_moved(args)
     check_counts(args)
     run(args)
     return 0
@@ -205,16 +186,8 @@ def register(subparsers) -> None:
                    help="sub-layer counts for the depth series of the first scheme (empty: none)")
     p.add_argument("--depth-steps", type=int, default=3)
     p.add_argument("--out", help="directory for bench.json and bench.md")
-    p.add_argument("--suite", choices=["cpu", "gpu"],
-                   help="a fixed campaign instead: cpu (compile and Keel/Pre-LN on CPU; uses --steps/--warmup), "
-                        "gpu (tests, d=1024 comparison, kernel, depth, deepest model; time-boxed)")
-    p.add_argument("--toy", action="store_true", help="--suite gpu at toy sizes, on any device (what CI runs)")
-    p.add_argument("--sections", help=f"--suite gpu: a comma-separated subset of {','.join(GPU_SECTIONS)}; "
-                                      f"--suite cpu: of {','.join(CPU_PARTS)} (flatness: time per sub-layer from "
-                                      "128 to 1024 sub-layers, Keel and Pre-LN)")
-    p.add_argument("--idle-load", type=float, default=0.5,
-                   help="--suite cpu: wait until the 1-minute load average is below this before timing")
-    p.add_argument("--idle-wait", type=float, default=900, help="--suite cpu: wait at most this many seconds")
+    for name in MOVED:  # hidden: only to say where each went
+        p.add_argument(f"--{name.replace('_', '-')}", nargs="?", const="", help=argparse.SUPPRESS)
     p.add_argument("--model-gpu", choices=[*MODELLED_GPUS, "paper"],
                    help="print the performance model's PREDICTED step (keel.bench.perf_model) of Keel and Pre-LN at "
                         "the merged config's shape on this GPU, eager / compiled / compiled+fused (run.dtype auto "

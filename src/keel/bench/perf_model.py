@@ -13,8 +13,10 @@ far below every ridge point). MFU is keel's own: `flops_per_token` (6N + attenti
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import NamedTuple
 
 from keel.bench import MODELLED_GPUS
@@ -52,7 +54,7 @@ class DeviceSpec:
     overlap: bool = True  # GPU: host launch time hides under longer kernels; CPU: it adds
     # measured effective bandwidth (bytes/s) of keel's fused junction kernel forward+backward; None: the roofline
     fused_junction_bw: float | None = None
-    calibrated: str = ""  # what the efficiencies were fitted to (keel.bench.calibrate); "" = assumed
+    calibrated: str = ""  # the measured run the efficiencies were fitted to (`calibrated`); "" = assumed
     foreach_batch: int = 48  # tensors per launch of a foreach op (CUDA's multi_tensor_apply; a CPU loops in C++)
 
 
@@ -71,6 +73,24 @@ DEVICES = {  # vendor datasheets, SXM parts; bf16 peaks are keel.runtime.PEAK_BF
                        "NVIDIA A100 datasheet (80GB SXM)"),
 }
 assert tuple(DEVICES) == MODELLED_GPUS  # one list of names: the one `keel bench --model-gpu` offers
+# each measured GPU's efficiencies fitted to its newest measured run: the measurements and the fit are the project's
+# (benchmarks/gpu/measured_gpu.json, benchmarks/gpu/calibrate.py); only the fitted numbers ship with the package
+FITS = Path(__file__).with_name("calibrated_gpu.json")
+
+
+def calibrated(device: str) -> DeviceSpec | None:
+    """DEVICES[device] with the efficiencies fitted to the newest step times measured on it (FITS), or None where
+    none were measured. `python benchmarks/gpu/calibrate.py --store` refits FITS after a new measurement. A
+    prediction from the calibrated model is still a PREDICTION."""
+    fit = json.loads(FITS.read_text()).get(device)
+    if fit is None:
+        return None
+    spec = DEVICES[device]
+    if fit.get("fused_junction_bw") is not None:  # the kernel's bandwidth as it was measured, not fitted
+        spec = replace(spec, fused_junction_bw=fit["fused_junction_bw"])
+    return replace(spec, matmul_eff=fit["matmul_eff"], memory_eff=fit["memory_eff"],
+                   launch_s={"eager": fit["launch_eager"], "compiled": fit["launch_compiled"]},
+                   calibrated=fit["calibrated"])
 
 
 class Op(NamedTuple):
@@ -139,7 +159,7 @@ class Code:
 
 
 def modelled(variant: str, code: Code = Code()) -> tuple[str, Code]:
-    """The model's impl and code for a bench variant (keel.bench.gpu.VARIANTS): "compiled+composed" is "compiled"
+    """The model's impl and code for a bench variant (the GPU campaign's VARIANTS): "compiled+composed" is "compiled"
     with the sum handoff; "compiled" is the junction inside each block, so under AC a Keel block ends with LN_out
     (no handoff)."""
     composed = variant == "compiled+composed"

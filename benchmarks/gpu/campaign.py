@@ -1,39 +1,58 @@
-"""`keel bench --suite gpu`: the GPU campaign in one time-boxed command.
+"""The GPU campaign in time-boxed sections, each result written as soon as it exists.
+
+    python benchmarks/gpu/campaign.py --out DIR [--sections tests,kernel,...] [--toy] [run.device=cuda:1]
 
 Sections, in order: the `gpu` tests; the junction kernel alone; compile warm-up from nothing, Keel and Pre-LN,
 each in a fresh process with empty caches of its own; Keel/Pre-LN eager, compiled and compiled+fused at
 d=1024, batch 1 x 4096 and at the tokens per step users train with (8 x 4096 = 32k, activation checkpointing), each
 beside the performance model's prediction (keel.bench.perf_model: step time, MFU, ratio), so a run says how far off
-the model is; time per sub-layer against depth, Keel and Pre-LN, eager and compiled (keel.bench.flatness); and
-the deepest model that trains. keel.bench.gpu_plan predicts each section's time before it runs.
-Each section is time-boxed and every result is written as soon as it exists, so a run cut off by its time limit
-still leaves data. `--toy` runs the same campaign at toy sizes on a CPU in seconds (what CI runs).
+the model is; time per sub-layer against depth, Keel and Pre-LN, eager and compiled (flatness.py); and the deepest
+model that trains. plan.py predicts each section's time before it runs. Each section is time-boxed and DIR/bench.json
+and DIR/bench.md are rewritten after every cell, so a run cut off by its time limit still leaves data. `--toy` runs
+the same campaign at toy sizes on a CPU in seconds (what CI runs). Run from the repository root: the `tests`
+section runs `pytest -m gpu tests` there.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-import torch
+from keel.launch import launcher_environment
 
-from keel.bench import GPU_SECTIONS
-from keel.bench.core import Bench, attempt, cold_warmup, compare
-from keel.bench.flatness import flatness_markdown, flatness_series
-from keel.bench.perf_model import DEVICES, gpu_spec, modelled, predict_pair
-from keel.kernels.junction import can_fuse
-from keel.kernels.timing import copy_bandwidth, junction_bandwidth
-from keel.model import ModelConfig, count_params
-from keel.runtime import machine, use_bf16
-from keel.train.config import RunConfig
+if __name__ == "__main__":  # as keel's own commands do, before torch loads (keel.launch)
+    launcher_environment()
+
+import torch  # noqa: E402
+from flatness import flatness_markdown, flatness_series  # noqa: E402
+
+from keel import runtime  # noqa: E402
+from keel.bench.cli import writer  # noqa: E402
+from keel.bench.core import Bench, attempt, cold_warmup, compare  # noqa: E402
+from keel.bench.perf_model import DEVICES, gpu_spec, modelled, predict_pair  # noqa: E402
+from keel.errors import ConfigError, KeelError  # noqa: E402
+from keel.kernels.junction import can_fuse  # noqa: E402
+from keel.kernels.timing import copy_bandwidth, junction_bandwidth  # noqa: E402
+from keel.model import ModelConfig, count_params  # noqa: E402
+from keel.runtime import machine, resolve_device, use_bf16  # noqa: E402
+from keel.train.config import RunConfig, add_config_arguments, load_config  # noqa: E402
+from keel.train.reads import Reads  # noqa: E402
+
+GPU_SECTIONS = ("tests", "kernel", "warmup", "compare", "depth", "max_depth")
+# the campaign in parts of at most 8 minutes each (their sections' time boxes add up to 420-480 s), for the short
+# windows in which a GPU is lent: `python benchmarks/gpu/campaign.py --sections <part's sections> --out <dir per part>`
+GPU_PARTS = {"tests": ("tests",), "kernel": ("kernel", "warmup"), "model": ("compare",),
+             "depth": ("depth", "max_depth")}
 
 
 @dataclass
 class GpuSuite:
-    """Sizes and time boxes (seconds) of `keel bench --suite gpu`; `toy()` is the same campaign at CPU-test size.
+    """Sizes and time boxes (seconds) of the campaign; `toy()` is the same campaign at CPU-test size.
 
     The defaults fit one 10-minute call on an 80 GB GPU: compare runs the paper's d=1024 shape (16 heads, 8 KV
     heads, FFN 3x, vocabulary 32000) at seq 4096; from `ac_from` sub-layers on it checkpoints every block and
@@ -56,7 +75,7 @@ class GpuSuite:
     compare_sublayers: tuple[int, ...] = (64, 512)
     ac_from: int = 256
     together_upto: int = 128
-    tokens_points: tuple[tuple[int, int], ...] = ((64, 8),)  # 8 x 4096 = 32,768 tokens a step (issue 37.7)
+    tokens_points: tuple[tuple[int, int], ...] = ((64, 8),)  # 8 x 4096 = 32,768 tokens a step, as users train
     tokens_variants: tuple[str, ...] = ("eager", "compiled+composed", "compiled")  # the default first
     kernel_rows: int = 16384
     kernel_widths: tuple[int, ...] = (1024, 2048, 4096)
@@ -65,7 +84,7 @@ class GpuSuite:
     warmup_sublayers: int = 64  # compile warm-up from nothing at d_model, batch_size x seq_len, compiled default
     warmup_repeats: int = 2  # each scheme this many times, the order alternating, each in a fresh process
     depth_d_model: int = 512
-    depth_sublayers: tuple[int, ...] = (128, 256, 512, 1024)  # issue 37.6: flat within 10% over these
+    depth_sublayers: tuple[int, ...] = (128, 256, 512, 1024)  # flatness.FLAT_TARGET holds over these
     depth_variants: tuple[str, ...] = ("eager", "compiled")
     depth_steps: int = 2
     depth_warmup: int = 1
@@ -130,7 +149,7 @@ def gpu_suite(suite: GpuSuite, device: torch.device, write, sections=GPU_SECTION
 def _section_tests(suite, device, out, deadline, save):
     """The `gpu`-marked tests, in a child process (they set up CUDA, compile and triton state of their own), each
     test's time printed as it ends (pytest's `console_output_style=times`), so even a run cut off by its box says
-    which tests cost what (issue 37.9: split or shrink the costly ones)."""
+    which tests cost what: the costly ones are the ones to split or shrink, so the suite fits a short window."""
     start = time.monotonic()
     args = [sys.executable, "-m", "pytest", *suite.test_args, "-v", "-o", "console_output_style=times", "-p",
             "no:cacheprovider"]
@@ -256,7 +275,7 @@ def _section_compare(suite, device, out, deadline, save):
 
 def _section_depth(suite, device, out, deadline, save):
     """Time per sub-layer of Keel and Pre-LN at each of `depth_sublayers`, checkpointing every block, in each of
-    `depth_variants` (eager first: the issue's measurement), one model at a time (keel.bench.flatness)."""
+    `depth_variants` (eager first: the step without the compiler's help), one model at a time (flatness.py)."""
     out["depth"] = {"d_model": suite.depth_d_model, "ac_every": 1, "variants": {}}
     for variant in suite.depth_variants:
         compile, fused = VARIANTS[variant]
@@ -315,7 +334,7 @@ SECTIONS = {"tests": _section_tests, "kernel": _section_kernel, "warmup": _secti
 
 def gpu_markdown(result: dict) -> str:
     m, s, sec = result["machine"], result["settings"], result["sections"]
-    lines = [f"# keel bench --suite gpu ({m['gpu'] or m['cpu']}, torch {m['torch_version']})", "",
+    lines = [f"# GPU campaign ({m['gpu'] or m['cpu']}, torch {m['torch_version']})", "",
              "Status: " + ", ".join(f"{k} {v}" for k, v in result["status"].items()), ""]
     if "tests" in sec:
         t = sec["tests"]
@@ -399,3 +418,51 @@ def gpu_markdown(result: dict) -> str:
                   f"Largest: **{d['largest']}** sub-layers; first failing: {d.get('first_failing')}. Trials: "
                   + ", ".join(f"{t['n_sublayers']} {'ok' if t['trains'] else t['failed']}" for t in d["trials"]), ""]
     return "\n".join(lines) + "\n"
+
+
+COMMAND = "benchmarks/gpu/campaign.py"
+# what the campaign reads of keel's merged config (a file or key=value overrides): its sizes are its own
+READS = Reads(COMMAND, ("run.threads", "run.device"), "a fixed campaign; it takes run.device")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=COMMAND, description="The GPU campaign in time-boxed sections (run from the "
+                                "repository root).")
+    add_config_arguments(p)
+    p.add_argument("--out", help="directory for bench.json and bench.md, rewritten as results come")
+    p.add_argument("--sections", help=f"a comma-separated subset of {','.join(GPU_SECTIONS)}, run in the order given "
+                                      "(default: all, in that order)")
+    p.add_argument("--toy", action="store_true", help="the same campaign at toy sizes, on any device (what CI runs)")
+    return p
+
+
+def run(args) -> dict:
+    if args.preset:
+        raise ConfigError(f"--preset: not used by {COMMAND} ({READS.why})")
+    config = load_config(args.overrides, args.config, None, READS)
+    runtime.set_threads(config.run.threads)
+    sections = args.sections.split(",") if args.sections else list(GPU_SECTIONS)
+    unknown = set(sections) - set(GPU_SECTIONS)
+    if unknown:
+        raise ConfigError(f"--sections: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(GPU_SECTIONS)}")
+    device = resolve_device(config.run.device)
+    if device.type != "cuda" and not args.toy:
+        raise ConfigError("needs a CUDA device (its sizes are a GPU's); --toy runs it at toy size here")
+    result = gpu_suite(GpuSuite.toy() if args.toy else GpuSuite(), device,
+                       writer(Path(args.out) if args.out else None, gpu_markdown), sections)
+    print(gpu_markdown(result))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_intermixed_args(argv)
+    try:
+        run(args)
+    except KeelError as err:  # a field or flag it does not take: one line, as keel's own commands answer
+        print(f"{COMMAND}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,10 +1,11 @@
-"""The GPU campaign's time, PREDICTED before it runs: does each part of `keel bench --suite gpu` (GPU_PARTS) fit
-its time boxes, and the boxes its 8-minute window?
+"""The GPU campaign's time, PREDICTED before it runs: does each part of campaign.py (GPU_PARTS) fit its time
+boxes, and the boxes its 8-minute window? `python benchmarks/gpu/plan.py` prints the table benchmarks/gpu/README.md
+holds.
 
 Every figure here is a prediction. A timed cell costs (warm-up + timed steps) x the step time predicted by the
-performance model calibrated on the newest measured H100 run (keel.bench.calibrate), plus a build allowance per
-model and a compile allowance per compiled model. Stated assumptions, from that run (measured_gpu.json) where it
-measured them:
+performance model calibrated on the newest measured H100 run (keel.bench.perf_model.calibrated), plus a build
+allowance per model and a compile allowance per compiled model. Stated assumptions, from that run
+(measured_gpu.json) where it measured them:
 - compile: the first compile of a variant in a part's fresh process takes the larger of the schemes' measured cold
   warm-ups (Keel 14.1 s, Pre-LN 8.8 s on 2026-11-26); a later compile of the same variant at another depth or batch
   finds its kernels in Inductor's and Triton's on-disk caches and is given Pre-LN's measured warm-up (a cold
@@ -22,10 +23,10 @@ measured them:
 
 from __future__ import annotations
 
-from keel.bench import GPU_PARTS
-from keel.bench.calibrate import calibrated, fitted_runs
-from keel.bench.gpu import VARIANTS, GpuSuite, compare_points
-from keel.bench.perf_model import modelled, predict
+from calibrate import fitted_runs
+from campaign import GPU_PARTS, VARIANTS, GpuSuite, compare_points
+
+from keel.bench.perf_model import calibrated, modelled, predict
 from keel.model.config import with_scheme
 
 BUILD_S = 3.0  # assumed seconds to build a model on the GPU and free it again (initialised on the device)
@@ -94,7 +95,7 @@ def plan_depth(suite: GpuSuite, spec) -> float:
 
 
 def max_depth_trials(suite: GpuSuite, largest: int) -> list[int]:
-    """The depths keel.bench.gpu's search tries if `largest` sub-layers is the deepest that trains."""
+    """The depths the campaign's max_depth search tries if `largest` sub-layers is the deepest that trains."""
     trials, good, bad, n = [], 0, None, suite.max_depth_from
     while n <= suite.max_depth_upto:
         trials.append(n)
@@ -132,7 +133,7 @@ def plan(suite: GpuSuite | None = None) -> dict:
 
 
 def plan_markdown(p: dict) -> str:
-    lines = [f"PREDICTED time of each part (keel.bench.gpu_plan, the model calibrated on {p['device']}; tests and "
+    lines = [f"PREDICTED time of each part (benchmarks/gpu/plan.py, the model calibrated on {p['device']}; tests and "
              "kernel are their boxes, not modelled):", "",
              "| part | sections | predicted (s) | boxes (s) |", "|---|---|---|---|"]
     lines += [f"| {name} | {', '.join(GPU_PARTS[name])} | {r['predicted_s']:.0f} | {r['box_s']:.0f} |"
