@@ -27,7 +27,7 @@ def cpu_demo(**overrides) -> ModelConfig:
 
 def science(**overrides) -> ModelConfig:
     """The science experiments' base model (keel.experiments), d=64, 4 query / 2 KV heads, over bytes; each sweep
-    point sets its scheme and depth (so it is not a `--preset`). `keel bench --suite cpu` times this shape."""
+    point sets its scheme and depth (so it is not a `--preset`). benchmarks/cpu/suite.py times this shape."""
     return replace(ModelConfig(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, max_seq_len=64), **overrides)
 
 
