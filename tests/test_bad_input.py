@@ -25,6 +25,13 @@ def one_line_error(capsys, needle: str) -> str:
     ([f"run.seed={2**70}"], "run.seed"),
     (["steps=10"], "did you mean run.steps"),
     (["model.alpha=-3"], "ModelConfig.alpha"),
+    # counts beyond any run: refused at once (they overflowed or ran for minutes)
+    ([f"run.grad_accum={10**20}"], "run.grad_accum"),
+    (["run.grad_accum=1000000000"], "run.grad_accum: got 1000000000; allowed: at most 65,536"),
+    ([f"model.max_seq_len={10**20}"], "ModelConfig.max_seq_len"),
+    ([f"guard.spike_window={10**20}"], "guard.spike_window"),
+    ([f"model.n_blocks={10**20}"], "ModelConfig.n_blocks"),
+    ([f"run.eval_batches={10**20}"], "run.eval_batches"),
 ])
 def test_bad_overrides_are_refused_before_anything_is_written(overrides, needle, args, tmp_path, capsys):
     assert main(["train", "--preset", "tiny", *args(*overrides)]) == 2

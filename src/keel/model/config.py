@@ -97,15 +97,22 @@ def _fail(field: str, problem: str, allowed: str) -> None:
     raise ValueError(f"ModelConfig.{field}: {problem}; allowed: {allowed}")
 
 
+# The largest value of each size field: far beyond any model that fits a machine (the memory plan refuses those
+# first), small enough that no count, shape or loop built from it overflows or runs for ever.
+SIZE_LIMITS = {"vocab_size": 2**24, "d_model": 2**17, "n_blocks": 2**16, "n_heads": 2**12, "max_seq_len": 2**24,
+               "n_kv_heads": 2**12, "d_ffn": 2**20}
+
+
 def _validate(c: ModelConfig) -> None:
     for name in ("vocab_size", "d_model", "n_blocks", "n_heads", "max_seq_len"):
         value = getattr(c, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            _fail(name, f"got {value!r}", "an integer >= 1")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= SIZE_LIMITS[name]:
+            _fail(name, f"got {value!r}", f"an integer in [1, {SIZE_LIMITS[name]:,}]")
     for name in ("n_kv_heads", "d_ffn"):
         value = getattr(c, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            _fail(name, f"got {value!r}", "an integer >= 1, or None for the default")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 1 <= value <= SIZE_LIMITS[name]):
+            _fail(name, f"got {value!r}", f"an integer in [1, {SIZE_LIMITS[name]:,}], or None for the default")
     if c.d_model % c.n_heads:
         _fail("d_model", f"{c.d_model} is not divisible by n_heads={c.n_heads}", "a multiple of n_heads")
     if c.n_heads % c.kv_heads:

@@ -355,6 +355,22 @@ def validate(c: TrainConfig) -> None:
         value = getattr(getattr(c, section), field_name)
         if not ok(value, c):
             fail(name, value, allowed)
+    for name, most in INT_LIMITS.items():
+        section, field_name = name.split(".")
+        value = getattr(getattr(c, section), field_name)
+        if value > most:
+            fail(name, value, f"at most {most:,}")
+
+
+# The largest value of each count a run reads: beyond any real run, small enough that no loop it drives (gradient
+# accumulation, a spike window, evaluation batches) runs for ever and no counter overflows. One place for all.
+INT_LIMITS = {
+    "run.batch_size": 2**20, "run.grad_accum": 2**16, "run.seq_len": 2**24, "run.log_every": 2**40,
+    "run.eval_every": 2**40, "run.eval_batches": 2**24, "run.ckpt_every": 2**40, "run.keep_checkpoints": 2**20,
+    "run.telemetry_every": 2**40, "run.eval_tasks_every": 2**40, "run.eval_tasks_items": 2**24,
+    "run.fsdp_group": 2**20, "run.pp": 2**12, "run.pp_microbatches": 2**16, "run.ac_every": 2**16,
+    "optim.warmup_steps": 2**40, "guard.spike_window": 2**20, "guard.max_rollbacks": 2**20,
+}
 
 
 _INF = float("inf")
