@@ -208,7 +208,9 @@ def test_a_keel_block_handing_on_its_sum_keeps_one_tensor_per_boundary_and_the_r
     cfg = ModelConfig(n_blocks=4, d_model=64, n_heads=4, max_seq_len=32)
     x, y = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
     model = TransformerLM(cfg)
-    assert apply_fused_junction(model, "composed", compiled=True, checkpointed=True) == 6
+    # the two norms composed as autograd's chain, as the plan counts them: the one-pass pair (NormPair) keeps three
+    # fewer (B, T, d) tensors per junction in an eager block, while Inductor's compiled blocks keep the same either way
+    assert apply_fused_junction(model, "composed", compiled=True, checkpointed=True, one_pass=False) == 6
     apply_ac(model, ac_every)
     measured = saved_activation_bytes(model, x, y)
     plain = TransformerLM(cfg)

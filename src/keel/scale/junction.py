@@ -7,7 +7,9 @@ they were and `Residual.forward` stays the paper's equation. The junction then r
 keel.kernels.junction (CUDA), composed inside a compiled block so Inductor fuses it (`ComposedJunction`), or, under
 activation checkpointing, as the sum `alpha*x + h` handed across the block boundary (`SumHandoff`). Which of these
 a run gets is decided by `junction_impl` and, for plans and benchmarks, `hands_on_sums`; keel.scale.parallel
-applies it first, before AC, compile and FSDP2.
+applies it first, before AC, compile and FSDP2. Where the compiler fuses it, a junction's two RMSNorms (`LN_out`,
+then the next `LN_in`) run as one op whose backward reads two independent row sums (`NormPair`,
+keel.kernels.norm_pair), so the compiler can compute both norms' gradients in one reduction pass.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from keel.errors import ConfigError
+from keel.kernels.norm_pair import rms_norm_pair
 from keel.model.layers import RMSNorm
 from keel.model.numerics import upcast
 from keel.model.transformer import Residual
@@ -32,15 +35,16 @@ class FusedResidual(Residual):
 
     `x` is the stream, or the pair (stream, norm_in(stream)) a previous `FusedResidual` computed, whose norm_in
     it then skips, or (with `incoming` set) the sum `alpha*x + h` the previous sub-layer handed on, which it
-    normalises with that sub-layer's norm_out first. With `junction` set, a callable `(x, h) -> (y, u)` computing
-    this sub-layer's `y = norm_out(alpha * x + h)` and the next sub-layer's branch input `u = norm_in'(y)`, it
-    returns that pair (or, a `SumHandoff`, the sum alone); without, the stream. Code that hooks or replaces
-    single sub-layers (analysis tools) should use a model without it (`apply_fused_junction(model, "off")`).
+    normalises with that sub-layer's norm_out and then its own norm_in (`incoming`, a `NormPair`). With
+    `junction` set, a callable `(x, h) -> (y, u)` computing this sub-layer's `y = norm_out(alpha * x + h)` and the
+    next sub-layer's branch input `u = norm_in'(y)`, it returns that pair (or, a `SumHandoff`, the sum alone);
+    without, the stream. Code that hooks or replaces single sub-layers (analysis tools) should use a model without
+    it (`apply_fused_junction(model, "off")`).
     """
 
     junction: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None = None
     hands_head = False  # the stack's last sub-layer, whose u goes unused (apply_fused_junction): not a junction
-    incoming: IncomingNorm | None = None  # the previous sub-layer's norm_out, when it handed on its sum (SumHandoff)
+    incoming: NormPair | None = None  # previous norm_out, own norm_in: when the previous one handed on its sum
 
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], branch: Callable[..., torch.Tensor],
                 *args) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -49,8 +53,9 @@ class FusedResidual(Residual):
         else:
             x = upcast(x)
             if self.incoming is not None:  # x is the previous sub-layer's alpha*x + h: its norm_out, here
-                x = self.incoming(x)
-            u = x if self.norm_in is None else self.norm_in(x)
+                x, u = self.incoming(x)
+            else:
+                u = x if self.norm_in is None else self.norm_in(x)
         h = self.update(u, branch, *args)
         if self.junction is not None:
             return self.junction(x, h)
@@ -101,26 +106,50 @@ class FusedJunction:
                        u_dtype=u_dtype)
 
 
+class NormPair:
+    """`z -> (norm_out(z), next_norm_in(norm_out(z)))`: one sub-layer's `LN_out` and the next one's `LN_in`, which
+    the compiler fuses. Two RMSNorms run as keel.kernels.norm_pair's one op (`one_pass`), whose backward reads two
+    independent row sums where autograd's chain of the two norm backwards makes the second wait on the first:
+    the same numbers (tests/test_junction_norm_pair.py), one reduction pass for the compiler to fuse. It reads
+    each norm's gain at call time (FSDP2 swaps the sharded and the gathered parameter in and out) and writes u in
+    the dtype the next branch computes in, as `FusedJunction` does. Other norms (LayerNorm), or `one_pass=False`,
+    call the two modules in turn. A plain object, not an nn.Module, so no norm is registered twice."""
+
+    def __init__(self, norm_out: nn.Module, next_norm_in: nn.Module, one_pass: bool = True):
+        self.norm_out, self.next_norm_in = norm_out, next_norm_in
+        self.one_pass = one_pass and isinstance(norm_out, RMSNorm) and isinstance(next_norm_in, RMSNorm)
+
+    def __call__(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.one_pass:
+            y = self.norm_out(z)
+            return y, self.next_norm_in(y)
+        w_in, device = self.next_norm_in.weight, z.device.type
+        # the dtype the next branch computes in (keel.model.layers.compute_dtype): autocast's where it is on
+        u_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w_in.dtype
+        return rms_norm_pair(z, self.norm_out.weight, w_in, self.norm_out.eps, self.next_norm_in.eps,
+                             None if u_dtype == z.dtype else u_dtype)
+
+
 class ComposedJunction:
     """`FusedResidual.junction` for a compiled model where the Triton kernel cannot run (CPU): the same two
-    norms, `(x, h) -> (norm_out(alpha*x + h), next_norm_in(...))`, composed from the modules themselves, so it
-    computes exactly what the plain model does (any norm type). Its point is where it runs: inside the compiled
+    norms, `(x, h) -> (norm_out(alpha*x + h), next_norm_in(...))`, a `NormPair` of the modules themselves, so it
+    computes what the plain model does (any norm type). Its point is where it runs: inside the compiled
     block that ends with `norm_out`, so the compiler fuses the shortcut sum, `LN_out` and the next block's
     `LN_in` into one pass, where per-block compilation would otherwise cut the stream between two graphs at
     every block boundary and read it back for the next `LN_in`."""
 
-    def __init__(self, alpha: float, norm_out: nn.Module, next_norm_in: nn.Module):
-        self.alpha, self.norm_out, self.next_norm_in = alpha, norm_out, next_norm_in
+    def __init__(self, alpha: float, norm_out: nn.Module, next_norm_in: nn.Module, one_pass: bool = True):
+        self.alpha, self.next_norm_in = alpha, next_norm_in
+        self.pair = NormPair(norm_out, next_norm_in, one_pass)
 
     def __call__(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y = self.norm_out(self.alpha * x + h.to(x.dtype))
-        return y, self.next_norm_in(y)
+        return self.pair(self.alpha * x + h.to(x.dtype))
 
 
 class SumHandoff:
     """`FusedResidual.junction` at a junction between two compiled blocks: `(x, h) -> alpha*x + h`, the sum before
-    `norm_out`, which the next block normalises (its first sub-layer's `IncomingNorm`), so `norm_out` and the next
-    `LN_in` compile into the next block's graph, fused there. One tensor crosses each boundary, the sum.
+    `norm_out`, which the next block normalises (its first sub-layer's `incoming` `NormPair`), so `norm_out` and the
+    next `LN_in` compile into the next block's graph, fused there. One tensor crosses each boundary, the sum.
 
     Why the sum: under activation checkpointing a block keeps only its input and recomputes the rest in the
     backward pass. A block that ends with `norm_out` needs that norm's input, `alpha*x + h`, for its backward,
@@ -138,8 +167,8 @@ class SumHandoff:
 
 
 class IncomingNorm:
-    """`FusedResidual.incoming`: the previous sub-layer's `norm_out`, applied to the sum it handed on. A plain
-    object, not an nn.Module, so that norm is not registered twice and state dicts stay as they were."""
+    """`NormOfSum`'s norm: the stack's last `norm_out`, applied to the sum it handed on. A plain object, not an
+    nn.Module, so that norm is not registered twice and state dicts stay as they were."""
 
     def __init__(self, norm: nn.Module):
         self.norm = norm
@@ -185,7 +214,8 @@ def junctions(model: nn.Module, across_blocks: bool = True) -> list[tuple[Residu
 
 
 def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, across_blocks: bool = True,
-                         compiled: bool = False, checkpointed: bool = False) -> int:
+                         compiled: bool = False, checkpointed: bool = False,
+                         one_pass: bool = True) -> int:
     """Fuse every junction (`junctions`); returns how many. Call before AC, compile and FSDP, on the model's
     final device.
 
@@ -201,7 +231,8 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     Under FSDP2 pass `across_blocks=False`: a junction between two blocks would read the next block's
     norm weight while that block's parameters are still sharded. `checkpointed` (blocks under AC, which keep only
     their input): the kernel's junctions stay inside blocks (a pair would be two tensors per boundary; the sum the
-    compiler's junction hands on is one). Applying again replaces what an earlier
+    compiler's junction hands on is one). `one_pass`: the compiler's junctions run their two RMSNorms as one op
+    with a one-pass backward (`NormPair`); False composes the two norm modules. Applying again replaces what an earlier
     call did ("off" swaps the plain `Residual`s back: tools that hook or swap single sub-layers want that).
     `mode` is one of FUSED_JUNCTION, as keel.train.config checks.
 
@@ -234,10 +265,13 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     if checkpointed and not handoff:
         pairs = [p for p in pairs if p in inside]
     across = [p for p in pairs if p not in inside] if handoff else []
-    op = FusedJunction if impl == "kernel" else ComposedJunction
+    def op(alpha: float, norm_out: nn.Module, next_norm_in: nn.Module):
+        if impl == "kernel":
+            return FusedJunction(alpha, norm_out, next_norm_in)
+        return ComposedJunction(alpha, norm_out, next_norm_in, one_pass)
     ops = {a: op(a.alpha, a.norm_out, b.norm_in) for a, b in pairs if (a, b) not in across}
     ops |= {a: SumHandoff(a.alpha) for a, _ in across}
-    incoming = {b: IncomingNorm(a.norm_out) for a, b in across}
+    incoming = {b: NormPair(a.norm_out, b.norm_in, one_pass) for a, b in across}
     takers = {b for _, b in pairs}
     last = model.get_submodule(model.sublayers()[-1].path)
     ends_stack = last in ops  # a looped model (see `junctions`)

@@ -97,7 +97,7 @@ def apply_fsdp(module: nn.Module, mesh, param_dtype: torch.dtype | None = None, 
 def parallelize(model: nn.Module, *, fused_junction: str = FUSED_JUNCTION_DEFAULT, ac_every: int = 0,
                 compile: bool = False, fsdp: bool = False, pipeline=None, device_type: str = "cpu",
                 param_dtype: torch.dtype | None = None, fsdp_group: int = 1,
-                compile_backend: str = "inductor") -> nn.Module:
+                compile_backend: str = "inductor", one_pass_norms: bool = True) -> nn.Module:
     """Apply the fused junction, AC, compile and FSDP2 in the documented order to `model`, which must already be
     on its device; returns it (modified), or with `pipeline` this rank's stages of it.
 
@@ -105,12 +105,14 @@ def parallelize(model: nn.Module, *, fused_junction: str = FUSED_JUNCTION_DEFAUL
     after compile, shards each stage over its data-parallel group when there is more than one replica (FSDP2,
     `fsdp` is then not used), and returns the `PipelineModel`. Under FSDP2 or a pipeline only junctions inside
     one block are fused: a junction between two blocks would read a norm weight of another FSDP unit or stage.
+    `one_pass_norms`: the compiler's junctions run their two RMSNorms as one
+    op with a one-pass backward (keel.scale.junction.NormPair); False composes the two norm modules.
     """
     # a checkpointed block keeps only its input: handing it (stream, LN_in(stream)) would keep two tensors per
     # block boundary instead of one, so under AC the kernel's junctions stay inside blocks (the compiler's hand on
     # the sum alone: keel.scale.junction.SumHandoff)
     apply_fused_junction(model, fused_junction, across_blocks=not (fsdp or pipeline is not None), compiled=compile,
-                         checkpointed=ac_every > 0)
+                         checkpointed=ac_every > 0, one_pass=one_pass_norms)
     apply_ac(model, ac_every)
     if compile:
         apply_compile(model, compile_backend)
