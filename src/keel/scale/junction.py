@@ -15,7 +15,7 @@ keel.kernels.norm_pair), so the compiler can compute both norms' gradients in on
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -97,6 +97,7 @@ class FusedJunction:
         from keel.kernels.junction import keel_junction  # noqa: PLC0415 (triton: only when fusing)
 
         self.alpha, self.norm_out, self.next_norm_in, self.op = alpha, norm_out, next_norm_in, keel_junction
+        self.norms = (norm_out, next_norm_in)  # what it applies (`handed_norms`)
 
     def __call__(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w_in, device = self.next_norm_in.weight, x.device.type
@@ -113,16 +114,17 @@ class NormPair:
     the same numbers (tests/test_junction_norm_pair.py), one reduction pass for the compiler to fuse. It reads
     each norm's gain at call time (FSDP2 swaps the sharded and the gathered parameter in and out) and writes u in
     the dtype the next branch computes in, as `FusedJunction` does. Other norms (LayerNorm), or `one_pass=False`,
-    call the two modules in turn. A plain object, not an nn.Module, so no norm is registered twice."""
+    run the two modules' forwards in turn. A plain object, not an nn.Module, so no norm is registered twice."""
 
     def __init__(self, norm_out: nn.Module, next_norm_in: nn.Module, one_pass: bool = True):
         self.norm_out, self.next_norm_in = norm_out, next_norm_in
+        self.norms = (norm_out, next_norm_in)  # what it applies (`handed_norms`)
         self.one_pass = one_pass and isinstance(norm_out, RMSNorm) and isinstance(next_norm_in, RMSNorm)
 
     def __call__(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.one_pass:
-            y = self.norm_out(z)
-            return y, self.next_norm_in(y)
+        if not self.one_pass:  # forward, not __call__: see `IncomingNorm`
+            y = self.norm_out.forward(z)
+            return y, self.next_norm_in.forward(y)
         w_in, device = self.next_norm_in.weight, z.device.type
         # the dtype the next branch computes in (keel.model.layers.compute_dtype): autocast's where it is on
         u_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else w_in.dtype
@@ -141,6 +143,7 @@ class ComposedJunction:
     def __init__(self, alpha: float, norm_out: nn.Module, next_norm_in: nn.Module, one_pass: bool = True):
         self.alpha, self.next_norm_in = alpha, next_norm_in
         self.pair = NormPair(norm_out, next_norm_in, one_pass)
+        self.norms = self.pair.norms
 
     def __call__(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pair(self.alpha * x + h.to(x.dtype))
@@ -159,6 +162,8 @@ class SumHandoff:
     pair (stream, LN_in(stream)) handed across: per block Keel/Pre-LN 1.020 against 1.047 (its own count, CPU,
     float32, d=256 and d=512), the forward graph's bytes equal to Pre-LN's."""
 
+    norms = ()  # it applies none: the next block does (`handed_norms`)
+
     def __init__(self, alpha: float):
         self.alpha = alpha
 
@@ -168,13 +173,19 @@ class SumHandoff:
 
 class IncomingNorm:
     """`NormOfSum`'s norm: the stack's last `norm_out`, applied to the sum it handed on. A plain object, not an
-    nn.Module, so that norm is not registered twice and state dicts stay as they were."""
+    nn.Module, so that norm is not registered twice and state dicts stay as they were.
+
+    It runs the norm's `forward`, not the module call, as `NormPair` does: a norm applied outside its own block is,
+    under FSDP2, in a unit that the root gathers for the whole step (keel.scale.parallel.apply_fsdp), and a module
+    call would fire that unit's own hooks, which free the gathered gains once the first of them has its gradient,
+    while the other blocks' backwards still read theirs."""
 
     def __init__(self, norm: nn.Module):
         self.norm = norm
+        self.norms = (norm,)
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
-        return self.norm(z)
+        return self.norm.forward(z)
 
 
 class NormOfSum(nn.Identity):
@@ -189,9 +200,11 @@ class NormOfSum(nn.Identity):
         return self.incoming(z)
 
 
-def junctions(model: nn.Module, across_blocks: bool = True) -> list[tuple[Residual, Residual]]:
+def junctions(model: nn.Module, across_blocks: bool = True,
+              stage_starts: Collection[int] = ()) -> list[tuple[Residual, Residual]]:
     """Every pair of consecutive sub-layers where the first has a norm_out and the second a norm_in: Keel's
-    junctions (also Mix-LN's one Post-LN to Pre-LN boundary). `across_blocks=False`: only pairs in one block.
+    junctions (also Mix-LN's one Post-LN to Pre-LN boundary). `across_blocks=False`: only pairs in one block;
+    `stage_starts`: the blocks that begin a pipeline stage, into which no pair crosses.
 
     In a looped model one `Residual` computes several sub-layers; it is fused only if every one of them is
     followed by the same `Residual`, or by nothing where the model has no final norm (`StreamOfPair` then hands
@@ -205,7 +218,7 @@ def junctions(model: nn.Module, across_blocks: bool = True) -> list[tuple[Residu
             successors.setdefault(a.path, set())
             if not isinstance(model.final_norm, nn.Identity):  # a final norm that would have to take the pair
                 successors[a.path].add("")
-        elif a.norm_out and b.norm_in and (across_blocks or a.block == b.block):
+        elif a.norm_out and b.norm_in and (a.block == b.block or across_blocks and b.block not in stage_starts):
             successors.setdefault(a.path, set()).add(b.path)
         else:
             successors.setdefault(a.path, set()).add("")  # a successor that takes no fused input
@@ -214,7 +227,7 @@ def junctions(model: nn.Module, across_blocks: bool = True) -> list[tuple[Residu
 
 
 def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, across_blocks: bool = True,
-                         compiled: bool = False, checkpointed: bool = False,
+                         compiled: bool = False, checkpointed: bool = False, stage_starts: Collection[int] = (),
                          one_pass: bool = True) -> int:
     """Fuse every junction (`junctions`); returns how many. Call before AC, compile and FSDP, on the model's
     final device.
@@ -228,8 +241,10 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     interpreter), "composed" asks for the compiler's fusion, "on" fuses with the kernel or raises a ConfigError
     saying why it cannot, "off" leaves the plain
     composition. A model without junctions (Pre-LN, Post-LN, ...) has nothing to fuse under any mode.
-    Under FSDP2 pass `across_blocks=False`: a junction between two blocks would read the next block's
-    norm weight while that block's parameters are still sharded. `checkpointed` (blocks under AC, which keep only
+    A junction between two blocks applies a norm the other block holds: under FSDP2, keel.scale.parallel.apply_fsdp
+    gathers those norms in a unit of their own (`handed_norms`); under pipeline stages pass `stage_starts` (the
+    first block of every stage but the first), since no junction can cross to another rank's stage.
+    `checkpointed` (blocks under AC, which keep only
     their input): the kernel's junctions stay inside blocks (a pair would be two tensors per boundary; the sum the
     compiler's junction hands on is one). `one_pass`: the compiler's junctions run their two RMSNorms as one op
     with a one-pass backward (`NormPair`); False composes the two norm modules. Applying again replaces what an earlier
@@ -242,7 +257,7 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     same state-dict keys. Hooks registered on a replaced module do not carry over.
     """
     _swap(model, _unfused)
-    pairs = junctions(model, across_blocks)
+    pairs = junctions(model, across_blocks, stage_starts)
     if mode == "off" or not pairs or (mode == "auto" and not compiled and next(model.parameters()).device.type
                                         != "cuda"):  # nothing to fuse: an eager model off CUDA (no triton import)
         return 0
@@ -301,6 +316,27 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
     if ends_stack:
         model.final_norm = NormOfSum(last.norm_out) if tail and handoff else StreamOfPair()
     return len(pairs)
+
+
+def handed_norms(module: nn.Module) -> list[nn.Module]:
+    """The norms of `module` (a model, or a pipeline stage) that a junction applies outside the block holding
+    them: a block's first sub-layer applies the previous block's norm_out to the sum that block handed on
+    (`SumHandoff`), a pair handed across blocks carries the next block's norm_in, and the final norm applies the
+    last block's norm_out (`NormOfSum`). Sharding each block's parameters on their own (FSDP2) must keep these
+    gathered while the block using them runs: keel.scale.parallel.apply_fsdp makes them a unit of their own."""
+    blocks = module.blocks.values() if isinstance(module.blocks, nn.ModuleDict) else module.blocks
+    registered = set(module.modules())  # not the unregistered copy the stack's last pair may hold
+    handed: dict[int, nn.Module] = {}
+    for block in blocks:
+        own = set(block.modules())
+        for m in block.modules():  # in order: every rank must list the same norms in the same order
+            if isinstance(m, FusedResidual):
+                applied = [*getattr(m.junction, "norms", ()), *(m.incoming.norms if m.incoming else ())]
+                handed |= {id(n): n for n in applied if n not in own and n in registered}
+    final = getattr(module, "final_norm", None)
+    if isinstance(final, NormOfSum):
+        handed[id(final.incoming.norm)] = final.incoming.norm
+    return list(handed.values())
 
 
 def _unfused(m: nn.Module) -> nn.Module | None:

@@ -16,11 +16,12 @@ this fixed order (torchtitan's, with the kernel swap first, as its model convert
   3. pipeline        under run.pp > 1, cut the model into this rank's stages (keel.scale.pipeline);
   4. `apply_fsdp`    shard the parameters over the ranks with FSDP2 (`fully_shard`), one unit per
                      group of blocks, then the root (embedding, final norm, head): the whole model over
-                     every rank, or under a pipeline each stage over its data-parallel replicas.
+                     every rank, or under a pipeline each stage over its data-parallel replicas. The norms a
+                     junction applies outside their own block form one more unit, gathered for the whole step.
 
 The junction goes first: its swapped-in modules hold the very norm modules they replace (the same parameters
-under the same names), which AC, compile and FSDP then wrap like any other (under FSDP only junctions inside
-one block are fused; see `apply_fused_junction`), and the compiler sees the fused op as one node. AC goes
+under the same names), which AC, compile and FSDP then wrap like any other (under pipeline stages no junction
+crosses into another stage; see `apply_fused_junction`), and the compiler sees the fused op as one node. AC goes
 inside compile so the compiler sees the checkpoint boundary, and both go inside the stages and FSDP so a unit's
 all-gather covers what the wrapped block computes. Each step keeps the parameter names of the state dict as
 they were (`checkpoint_wrapper` strips its prefix from state dicts; `Module.compile` compiles in place), so
@@ -36,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from keel.scale import FUSED_JUNCTION, FUSED_JUNCTION_DEFAULT  # noqa: F401 (FUSED_JUNCTION: re-exported)
-from keel.scale.junction import apply_fused_junction
+from keel.scale.junction import apply_fused_junction, handed_norms
 
 
 def apply_ac(model: nn.Module, every: int) -> int:
@@ -82,8 +83,19 @@ def apply_fsdp(module: nn.Module, mesh, param_dtype: torch.dtype | None = None, 
     keel.model.numerics). The model itself casts branch inputs to the weights' dtype.
     `reshard_after_forward=False` keeps every block gathered from its forward to its backward (a pipeline
     stage runs a forward per micro-batch before the backwards: resharding would gather each block again).
+
+    A fused junction between two blocks applies a norm the other block holds (keel.scale.junction.handed_norms:
+    the previous block's norm_out, under the sum handoff). Those norms (d_model values each) form one unit of
+    their own, sharded first so that no block's unit claims them, and gathered by the root's pre-forward for the
+    whole step: one more all-gather and reduce-scatter a step, d_model values per block. They are never called as
+    modules (the compiled blocks read their weights), so FSDP2's own hooks on them never fire: the root gathers
+    them, and the root's end-of-backward callback reduce-scatters their gradients and reshards them, as it does for
+    the root's own parameters.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    handed = handed_norms(module)
+    if handed:
+        fully_shard(handed if len(handed) > 1 else handed[0], mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     blocks = list(module.blocks.values() if isinstance(module.blocks, nn.ModuleDict) else module.blocks)
     for start in range(0, len(blocks), group):
         unit = blocks[start:start + group]
@@ -92,6 +104,8 @@ def apply_fsdp(module: nn.Module, mesh, param_dtype: torch.dtype | None = None, 
     # the root holds the embedding and the head; resharding it right before the backward needs it
     # again would only add an all-gather
     fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    if handed:  # after FSDP2's root pre-forward hook, which initialises every unit on the first forward
+        module.register_forward_pre_hook(lambda *_: handed[0].unshard())
 
 
 def parallelize(model: nn.Module, *, fused_junction: str = FUSED_JUNCTION_DEFAULT, ac_every: int = 0,
@@ -103,16 +117,17 @@ def parallelize(model: nn.Module, *, fused_junction: str = FUSED_JUNCTION_DEFAUL
 
     `pipeline` (a keel.scale.pipeline.PipelinePlan, for run.pp > 1) cuts the model into this rank's stages
     after compile, shards each stage over its data-parallel group when there is more than one replica (FSDP2,
-    `fsdp` is then not used), and returns the `PipelineModel`. Under FSDP2 or a pipeline only junctions inside
-    one block are fused: a junction between two blocks would read a norm weight of another FSDP unit or stage.
-    `one_pass_norms`: the compiler's junctions run their two RMSNorms as one
+    `fsdp` is then not used), and returns the `PipelineModel`. Under a pipeline no junction crosses into another
+    stage (its norm would be on another rank); under FSDP2 junctions cross blocks as in one process (`apply_fsdp`
+    gathers the norms they hand across). `one_pass_norms`: the compiler's junctions run their two RMSNorms as one
     op with a one-pass backward (keel.scale.junction.NormPair); False composes the two norm modules.
     """
     # a checkpointed block keeps only its input: handing it (stream, LN_in(stream)) would keep two tensors per
     # block boundary instead of one, so under AC the kernel's junctions stay inside blocks (the compiler's hand on
     # the sum alone: keel.scale.junction.SumHandoff)
-    apply_fused_junction(model, fused_junction, across_blocks=not (fsdp or pipeline is not None), compiled=compile,
-                         checkpointed=ac_every > 0, one_pass=one_pass_norms)
+    stage_starts = [span.start for span in pipeline.spans[1:]] if pipeline is not None else ()
+    apply_fused_junction(model, fused_junction, compiled=compile, checkpointed=ac_every > 0, stage_starts=stage_starts,
+                         one_pass=one_pass_norms)
     apply_ac(model, ac_every)
     if compile:
         apply_compile(model, compile_backend)
