@@ -39,6 +39,12 @@ def test_bad_overrides_are_refused_before_anything_is_written(overrides, needle,
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
+def test_a_config_file_interpolating_a_missing_key_is_one_line(args, tmp_path, capsys):
+    (tmp_path / "bad.yaml").write_text("run:\n  name: ${nosuch.key}\n")
+    assert main(["train", "--preset", "tiny", "--config", str(tmp_path / "bad.yaml"), *args()]) == 2
+    one_line_error(capsys, "Interpolation key 'nosuch.key' not found")
+
+
 @pytest.mark.parametrize("text,needle", [
     (b"- a\n- b\n", "expected a mapping"),
     (b"model: 5\n", "model"),

@@ -140,6 +140,10 @@ def merge(base, config_file: str | None = None, overrides=(), reads: Reads | Non
             raise ConfigError(f"config file {path}: not valid YAML ({str(err).splitlines()[0]})") from None
         if not OmegaConf.is_dict(loaded):
             raise ConfigError(f"config file {path}: expected a mapping of sections at the top level")
+        try:  # an interpolation (${...}) to a key that is not there, or one that loops
+            OmegaConf.to_container(loaded, resolve=True)
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"config file {path}: {str(err).splitlines()[0]}") from None
         for key in loaded:
             section = getattr(base, str(key), None)
             if is_dataclass(section) and not OmegaConf.is_dict(loaded[key]):
