@@ -42,6 +42,7 @@ from campaign import GpuSuite, gpu_markdown, gpu_suite
 from kernel_profile import profile_markdown, profile_schemes
 
 from keel.bench.core import Bench, attempt
+from keel.launch import expandable_segments
 from keel.model import count_params
 from keel.train.plan import memory_plan
 from keel.train.presets import train_preset
@@ -116,6 +117,7 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
+    expandable_segments()  # before CUDA starts, as the keel command does: the bf16 part fits only with it
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
     p.add_argument("--toy", action="store_true")
