@@ -2,11 +2,11 @@
 its experiment, at adjusted p < 0.05 (keel/experiments/stats.py `paired` and `holm`).
 
 Reads only the committed per-seed numbers under results/ (each experiment's results.json; no training) and prints a
-markdown table: per test its family (the experiment whose runs it compares), the mean difference with its 95% interval, the raw p, the
-Holm-adjusted p within the experiment (the verdict's p) and across every test here (shown beside it), and the
-verdict. Tests no rule defined (post-hoc) come after the rule-defined ones and say why they are post-hoc; they are
-counted in their experiment's family and in the all-tests family, which can only make the other tests' adjusted p
-larger. Run from the repository root: `python results/rejudge.py > results/rejudge.md`.
+markdown table: per test its family (the experiment whose runs it compares), the mean difference with its 95%
+interval, the raw p, the Holm-adjusted p within the experiment (the verdict's p) and across every test here (shown
+beside it), and the verdict. Tests no rule defined (post-hoc) come after the rule-defined ones and say why they are
+post-hoc; they are counted in their experiment's family and in the all-tests family, which can only make the other
+tests' adjusted p larger. Run from the repository root: `python results/rejudge.py > results/rejudge.md`.
 """
 
 from __future__ import annotations
