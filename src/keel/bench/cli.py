@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
-from keel import runtime
+from keel import runtime, safe_io
 from keel.bench import MODELLED_GPUS
-from keel.errors import ConfigError
+from keel.errors import ConfigError, KeelError
 from keel.model.config import with_scheme
 from keel.runtime import machine, resolve_device, use_bf16
 from keel.train.config import add_config_arguments, load_config
@@ -89,10 +90,9 @@ def run_model(args) -> str:
     print(text)
     if args.out:
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{name}.md").write_text(text)
+        write_out(out, f"{name}.md", text)
         if result is not None:
-            (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+            write_out(out, f"{name}.json", json.dumps(result, indent=1))
         print(f"written: {out / f'{name}.md'}")
     return text
 
@@ -115,7 +115,7 @@ def run(args) -> dict:
         "run": {k: getattr(run_cfg, k) for k in RUN_FIELDS},
         "optim": {k: getattr(config.optim, k) for k in OPTIM_FIELDS}}}
     result["compare"] = compare(model, run_cfg, schemes, args.steps, args.warmup, config.optim, device)
-    depths = [int(d) for d in args.depths.split(",")] if args.depths else []
+    depths = parse_depths(args.depths) if isinstance(args.depths, str) else args.depths
     result["depth"] = depth_series(with_scheme(model, schemes[0]), run_cfg, depths, args.depth_steps,
                                    config.optim, device)
     table = to_markdown(result)
@@ -131,9 +131,8 @@ def run(args) -> dict:
 def writer(out: Path | None, markdown):
     def write(result: dict) -> None:
         if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "bench.json").write_text(json.dumps(result, indent=1))
-            (out / "bench.md").write_text(markdown(result))
+            write_out(out, "bench.json", json.dumps(result, indent=1))
+            write_out(out, "bench.md", markdown(result))
     return write
 
 
@@ -164,9 +163,55 @@ def check_moved(args) -> None:
             raise ConfigError(f"--{name.replace('_', '-')}: no longer a keel bench flag; {where}")
 
 
+DEPTH_LIMIT = 2 * 2**16  # sub-layers: ModelConfig's n_blocks limit
+
+
+def parse_depths(text: str) -> list[int]:
+    """--depths: comma-separated sub-layer counts, each an even integer >= 2 (one attention and one FFN per
+    block); empty: no depth series."""
+    if not text:
+        return []
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.isdigit() or int(item) < 2 or int(item) % 2 or int(item) > DEPTH_LIMIT:
+            raise ConfigError(f"--depths: got {item!r} in {text!r}; allowed: comma-separated even integers in "
+                              f"[2, {DEPTH_LIMIT:,}] (sub-layers), e.g. 16,32,64")
+        out.append(int(item))
+    return out
+
+
+def out_dir(text: str | None) -> Path | None:
+    """--out: a directory (made if missing), never a file, a link or a device: refused in one line before any work;
+    every file bench writes goes inside it through keel.safe_io (whole, atomic, never through a link)."""
+    if not text:
+        return None
+    out = Path(text)
+    if out.is_symlink():
+        raise ConfigError(f"--out: {out} is a symbolic link; give the directory itself")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: {out} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--out: cannot make {out} ({err.strerror or err})") from None
+    if not os.access(out, os.W_OK):
+        raise ConfigError(f"--out: {out} is not writable")
+    return out
+
+
+def write_out(out: Path, name: str, text: str) -> Path:
+    try:
+        return safe_io.write_text(out, out / name, text)
+    except KeelError as err:
+        raise ConfigError(f"--out: {err}") from None
+
+
 def cmd_bench(args) -> int:
     check_moved(args)
     check_counts(args)
+    args.depths = parse_depths(args.depths) if isinstance(args.depths, str) else args.depths
+    args.out = out_dir(args.out)
     run(args)
     return 0
 
