@@ -1,10 +1,9 @@
-"""frontier: the deepest model each scheme still trains, at one token budget (issue 21; the paper's central claim,
-which no table of the paper isolates).
+"""frontier: the deepest model each scheme still trains, at one token budget (the paper's central claim, which no
+table of the paper isolates).
 
 Every scheme x depth x LR x seed trains from scratch for the same `run.steps` steps of `run.batch_size x
 run.seq_len` tokens (default 300 x 4 x 64 = 76,800, the budget of benchmarks/deep-1024-learn), points in
-order of depth so the cheap depths finish first. Method (results/README.md, "Round 3 rules", written before
-the runs):
+order of depth so the cheap depths finish first. Method (written before the runs; results/PROTOCOL.md):
   - the LR of each scheme at each depth is chosen from its grid `lrs[scheme]` by the mean select-half loss over
     *all* seeds (at depths >= `deep_from` only the lowest `deep_grid` LRs of the grid run);
   - every reported loss is on `run.eval_batches` batches of the report half, at the chosen LR, every seed;
@@ -15,12 +14,13 @@ the runs):
     the shallowest is negative at p < 0.05 (paired two-sided t-test, keel.experiments.stats);
   - each trained point also records its gradient profile (one forward/backward on a report batch): the mean
     parameter-gradient norm of the bottom eighth of the sub-layers over the top eighth.
-`grow` > 0 (rule 22, issue 38 item 2): an LR chosen at an edge of its grid is a bound, not a choice, so the grid
-grows past that edge by the same factor (keel.experiments.grid) with every seed, until the choice is interior or
-`grow` values were added on that side; the choice and the verdicts are then made on the grown grids. `grow=0` is
-rule 15 as written.
-`warmup_schemes` (rule 27, issue 38 item 2): those schemes' warm-up is tuned too at depths >= `warmup_from`, one
-round of coordinate search as depth-sweep's rule 21: (1) the LR at the base warm-up `optim.warmup_steps`, as above;
+`grow` > 0: an LR chosen at an edge of its grid is a bound, not a choice, so the grid grows past that edge by the
+same factor (keel.experiments.grid) with every seed, until the choice is interior or `grow` values were added on
+that side; the choice and the verdicts are then made on the grown grids. `grow=0` chooses from the starting grids
+as they are, an edge included.
+`warmup_schemes`: those schemes' warm-up is tuned too at depths >= `warmup_from` (a warm-up nobody tuned can be
+what keeps a scheme from learning: Post-LN collapses without one), one round of coordinate search as depth-sweep
+tunes Post-LN's: (1) the LR at the base warm-up `optim.warmup_steps`, as above;
 (2) at that LR the warm-up grid `warmups` with every seed, grown past an edge choice through `warmups_below` /
 `warmups_above` (capped at the run) until interior, `grow` values were added on that side or the ladder ran out
 (a bound); (3) if the warm-up moved, the LR grid again at the new warm-up (grown the same way) and the LR chosen
@@ -86,8 +86,8 @@ class FrontierConfig(ExperimentConfig):
     curve_batches: int = 2
     probe: bool = False  # budget_point's effective-depth probe (not part of this experiment's rules)
     probe_batches: int = 4
-    grow: int = 0  # LR values added past one edge of an arm's grid before its choice is a bound (0: rule 15)
-    warmup_schemes: list[str] = field(default_factory=list)  # rule 27: schemes whose warm-up is tuned too ...
+    grow: int = 0  # LR values added past one edge of an arm's grid before its choice is a bound (0: the grid as given)
+    warmup_schemes: list[str] = field(default_factory=list)  # schemes whose warm-up is tuned too ...
     warmup_from: int = 1024  # ... at this depth and deeper
     warmups: list[int] = field(default_factory=lambda: [10, 30, 100])  # holds optim.warmup_steps
     warmups_below: list[int] = field(default_factory=lambda: [3, 1])  # the rule's values past the low edge
@@ -112,7 +112,7 @@ class FrontierConfig(ExperimentConfig):
 
 
 def check(cfg: FrontierConfig) -> None:
-    """Refuses a config rule 27 cannot run (nothing to check while no warm-up is tuned)."""
+    """Refuses a warm-up search that cannot run (nothing to check while no warm-up is tuned)."""
     if not cfg.warmup_schemes:
         return
     below, above = cfg.warmup_ladders()
@@ -161,7 +161,7 @@ def key(scheme: str, depth: int, lr: float, seed: int) -> str:
 
 def key_at(cfg: FrontierConfig, scheme: str, depth: int, lr: float, warmup: int | None, seed: int) -> str:
     """A point's name at a warm-up: `key`'s at the base warm-up (None or optim.warmup_steps: the names every point
-    ran under before rule 27), else with the warm-up in it."""
+    ran under before any warm-up was tuned), else with the warm-up in it."""
     if warmup is None or warmup == cfg.optim.warmup_steps:
         return key(scheme, depth, lr, seed)
     return f"{scheme}-{depth}-lr{lr:g}-wu{warmup}-seed{seed}"
@@ -178,7 +178,7 @@ def classify(losses: list[float | None], unigram: float, cfg: FrontierConfig) ->
 
 
 def lr_values(cfg: FrontierConfig, grids: dict[str, Grid] | None, scheme: str, depth: int) -> list[float]:
-    """The LRs an arm chooses from at the base warm-up: its grid as rule 22 grew it, else its starting grid."""
+    """The LRs an arm chooses from at the base warm-up: its grid as `grow_grids` grew it, else its starting grid."""
     grown = (grids or {}).get(f"{scheme}-{depth}")
     return grown.values if grown else cfg.grid(scheme, depth)
 
@@ -186,8 +186,8 @@ def lr_values(cfg: FrontierConfig, grids: dict[str, Grid] | None, scheme: str, d
 def analyse(cfg: FrontierConfig, points: dict, unigram: float, grids: dict[str, Grid] | None = None,
             warmups: dict[str, dict] | None = None) -> dict:
     """Chosen LRs, report losses, classes, the frontier and the pre-registered verdicts; `grids` ("scheme-depth"
-    -> Grid) the grown grids where rule 22 grew them; `warmups` ("scheme-depth" -> `tune_warmups`' result) the
-    arms whose warm-up rule 27 tuned, each at its final (LR, warm-up)."""
+    -> Grid) the grown grids where `grow_grids` grew them; `warmups` ("scheme-depth" -> `tune_warmups`' result) the
+    arms whose warm-up was tuned, each at its final (LR, warm-up)."""
     arms = {}
     for d in cfg.depths:
         for s in cfg.schemes:
@@ -266,8 +266,8 @@ def run(cfg: FrontierConfig, out: Path, command: str) -> dict:
              f"= within {cfg.stuck_margin} of it in every seed.\n\nFrontier (deepest depth that learns): "
              f"{frontier}.\n\n{verdict_table}\n\n{grows}")
     if cfg.grow:
-        notes += "\n\n" + grown_note("rule 22", cfg.grow, [(arm, a["lr_grid"]) for arm, a in res["arms"].items()
-                                                              if a.get("lr_grid", {}).get("added")])
+        notes += "\n\n" + grown_note(cfg.grow, [(arm, a["lr_grid"]) for arm, a in res["arms"].items()
+                                                 if a.get("lr_grid", {}).get("added")])
     if cfg.warmup_schemes:
         notes += "\n\n" + warmup_note(cfg, res["arms"])
     plots = [_plot(cfg, res, out)]
@@ -276,10 +276,10 @@ def run(cfg: FrontierConfig, out: Path, command: str) -> dict:
 
 
 def grow_grids(cfg, sweep: Sweep, points: dict, job, arms: list[str]) -> dict[str, Grid]:
-    """Rules 22 and 23: every arm's LR grid (`cfg.grid(arm, depth)`, `arms` at each of `cfg.depths`) grown past an
-    edge choice by `cfg.grow` values at most, a round at a time (each round's new LRs, every seed, shallow depths
-    first, run together so two processes share them), until every choice is interior or at its bound; `job(arm,
-    depth, lr, seed)` makes a point. Adds the new points to `points`; returns "arm-depth" -> Grid. A one-value
+    """Every arm's LR grid (`cfg.grid(arm, depth)`, `arms` at each of `cfg.depths`) grown past an edge choice by
+    `cfg.grow` values at most, a round at a time (each round's new LRs, every seed, shallow depths first, run
+    together so two processes share them), until every choice is interior or at its bound; `job(arm, depth, lr,
+    seed)` makes a point. Adds the new points to `points`; returns "arm-depth" -> Grid. A one-value
     grid has no factor to grow by and stays as it is."""
     grids = {f"{s}-{d}": Grid(cfg.grid(s, d), cfg.grow) for d in sorted(cfg.depths) for s in arms
              if len(cfg.grid(s, d)) > 1}
@@ -297,8 +297,8 @@ def grow_grids(cfg, sweep: Sweep, points: dict, job, arms: list[str]) -> dict[st
 
 def tune_warmup(cfg: FrontierConfig, scheme: str, depth: int, lr: float,
                 score: Callable[[float, int], float]) -> Search:
-    """Rule 27 for one arm whose LR `lr` was chosen at the base warm-up: the warm-up grid at that LR, grown
-    through the ladders, then (if the warm-up moved) the LR grid again at the new warm-up; yields the (lr,
+    """The warm-up search for one arm whose LR `lr` was chosen at the base warm-up: the warm-up grid at that LR,
+    grown through the ladders, then (if the warm-up moved) the LR grid again at the new warm-up; yields the (lr,
     warm-up) pairs to run, returns the final choice with its grids. `score(lr, warmup)`: the mean select-half
     loss over seeds."""
     below, above = cfg.warmup_ladders()
@@ -316,8 +316,8 @@ def tune_warmup(cfg: FrontierConfig, scheme: str, depth: int, lr: float,
 
 def tune_warmups(cfg: FrontierConfig, sweep: Sweep, points: dict, grids: dict[str, Grid] | None,
                  job) -> dict[str, dict]:
-    """Rule 27 for every arm of `warmup_schemes` at depths >= `warmup_from`, its LR first chosen at the base
-    warm-up (from rule 22's grown `grids`); the arms' searches run side by side, each round's new points (every
+    """The warm-up search for every arm of `warmup_schemes` at depths >= `warmup_from`, its LR first chosen at the
+    base warm-up (from the grown `grids`); the arms' searches run side by side, each round's new points (every
     seed, shallow depths first) in one `sweep.run`, so two processes share them. `job(scheme, depth, lr, seed,
     warmup)` makes a point. Adds the points to `points`; returns "scheme-depth" -> the arm's final (lr, warmup),
     its grids and the (lr, warm-up) pairs it tried (none when no arm is tuned)."""
@@ -333,7 +333,7 @@ def tune_warmups(cfg: FrontierConfig, sweep: Sweep, points: dict, grids: dict[st
 
 
 def _hp(cfg: FrontierConfig, arm: dict) -> str:
-    """An arm's LR for the table, with its warm-up where rule 27 moved it off the base."""
+    """An arm's LR for the table, with its warm-up where its search moved it off the base."""
     moved = arm.get("warmup", cfg.optim.warmup_steps) != cfg.optim.warmup_steps
     return f"{arm['lr']:g}" + (f", wu {arm['warmup']}" if moved else "")
 
@@ -345,8 +345,9 @@ def _grown(g: dict) -> str:
 
 
 def warmup_note(cfg: FrontierConfig, arms: dict) -> str:
-    """Rule 27 in the report: the method, then per tuned arm the warm-ups tried, the LR grid run again, the final
-    (LR, warm-up) and the mean select-half loss of every (LR, warm-up) it ran, in the order the search ran them."""
+    """The warm-up search in the report: the method, then per tuned arm the warm-ups tried, the LR grid run again,
+    the final (LR, warm-up) and the mean select-half loss of every (LR, warm-up) it ran, in the order the search ran
+    them."""
     base, (below, above) = cfg.optim.warmup_steps, cfg.warmup_ladders()
     rows = []
     for name, arm in arms.items():
@@ -359,7 +360,7 @@ def warmup_note(cfg: FrontierConfig, arms: dict) -> str:
                      f"{arm['lr']:g} at warm-up {arm['warmup']}", select])
     table = markdown_table(["arm", f"LR at warm-up {base}", "warm-ups at that LR", "LR grid again at the new warm-up",
                             "final", "mean select loss per LR@warm-up"], rows) if rows else "No arm at these depths."
-    return (f"Warm-up tuned too (rule 27, one round of coordinate search) for {', '.join(cfg.warmup_schemes)} at >= "
+    return (f"Warm-up tuned too (one round of coordinate search) for {', '.join(cfg.warmup_schemes)} at >= "
             f"{cfg.warmup_from} sub-layers: at the LR chosen at warm-up {base}, the warm-ups {cfg.warmups} with every "
             f"seed, grown past an edge choice through {below} below / {above} above (capped at the run's "
             f"{cfg.run.steps} steps) until the choice is interior or a bound (grow={cfg.grow} values added on that "

@@ -28,11 +28,11 @@ class Grid:
     max_extensions: int = 2
     added: list[float] = field(default_factory=list)
     bound: str | None = None  # "low" or "high": the choice is at that edge and the bound was reached
-    # which of equal scores wins: the lowest value, or the highest ("high": rule 21's warm-ups, where a longer
+    # which of equal scores wins: the lowest value, or the highest ("high": depth-sweep's warm-ups, where a longer
     # warm-up is the cautious side, so a grid whose every mean is +inf (a seed diverged at each value) grows
     # towards longer warm-ups)
     ties: str = "low"
-    # values already run in this grid's place (rule 21: the arm's grid a depth before): growth past an edge takes
+    # values already run in this grid's place (depth-sweep: the arm's grid a depth before): growth past an edge takes
     # the nearest of them beyond it before it computes one by the factor, so the grid keeps their values and
     # spacing (a start of 3.33e-4, 1e-3, 3e-3 grows to 1e-2, not 9e-3)
     known: list[float] = field(default_factory=list)
@@ -80,7 +80,7 @@ class Grid:
 
 @dataclass
 class LadderGrid(Grid):
-    """A grid that grows past an edge through written-out values (rule 21's warm-ups: 100 -> 30 -> 10 below,
+    """A grid that grows past an edge through written-out values (depth-sweep's warm-ups: 100 -> 30 -> 10 below,
     1000 -> 3000 -> 9000 above, capped at the run) instead of Grid's computed factor; when it grows and when
     the choice is a bound is Grid's rule, and a ladder that runs out before `max_extensions` is a bound too."""
 
@@ -136,9 +136,9 @@ def grid_note(g: dict) -> str:
                     f"; bound at the {g['bound']} edge" if g["bound"] else ""])
 
 
-def grown_note(rule: str, grow: int, grown: list[tuple[str, dict]]) -> str:
+def grown_note(grow: int, grown: list[tuple[str, dict]]) -> str:
     """A report's sentence on grids grown past an edge: `grown` (arm, Grid.describe()) for the arms that grew."""
     each = "; ".join(f"{arm} added {', '.join(f'{v:g}' for v in g['added'])}"
                      + (f" (still at the {g['bound']} edge: a bound)" if g["bound"] else "") for arm, g in grown)
-    return (f"Grids grown past an edge choice ({rule}: by the same factor, every seed, until interior or {grow} "
+    return (f"Grids grown past an edge choice (by the same factor, every seed, until interior or {grow} "
             f"values added on that side): {each or 'none needed'}.")

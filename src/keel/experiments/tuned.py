@@ -1,5 +1,5 @@
 """tuned: does Post-LN still beat Keel at 64 sub-layers and ~1M tokens when Keel's LR *and* alpha are tuned as
-carefully as Post-LN's? (issue 21 item 5; results/README.md, rule 19, written before the runs.)
+carefully as Post-LN's? (Method written before the runs; results/PROTOCOL.md.)
 
 `depth-long/` found Post-LN with warm-up better than Keel at 64 sub-layers and 1.02M tokens, both at the LR the
 short `depth/` runs chose (3e-3), while the ablations found alpha = sqrtL better than alpha = L at 153,600 tokens.
@@ -13,9 +13,12 @@ budget:
     LR, for every seed; verdicts are paired two-sided t-tests over the seeds (keel.experiments.stats),
     Holm-adjusted over the rule's two (tuned Keel - Post-LN; Keel sqrtL - Keel L where both ran). Each Keel arm's
     gap to Post-LN is reported as a mean, untested (a test there would join the verdicts' family);
-  - rule 26 grows the alpha grid to {1, 2, 4, sqrtL, 16, L}: its ends are bounds, and a tuned alpha at one is
-    reported as "bound at the low/high end".
-`grow` > 0 (rule 23): an arm's LR chosen at an edge of its grid is a bound, so the grid grows past that edge
+  - more Keel arms (`arms`, `alphas`) widen the alpha grid, as far as {1, 2, 4, sqrtL, 16, L} (an optimum at the
+    lowest alpha tried is a bound, not a choice); its ends are bounds by construction, not grown (alpha = 1 weights
+    the shortcut as much as the branch, below it the shortcut counts less than the branch; alpha = L is the paper's
+    value, above it is outside the paper's family), and a tuned alpha at one is reported as "bound at the low/high
+    end".
+`grow` > 0: an arm's LR chosen at an edge of its grid is a bound, so the grid grows past that edge
 (keel.experiments.frontier.grow_grids) until the choice is interior or `grow` values were added on that side.
 """
 
@@ -64,7 +67,7 @@ class TunedConfig(ExperimentConfig):
     curve_batches: int = 4
     probe: bool = False  # budget_point's effective-depth probe (not part of this experiment's rules)
     probe_batches: int = 4
-    grow: int = 0  # LR values added past one edge of an arm's grid before its choice is a bound (0: rule 19)
+    grow: int = 0  # LR values added past one edge of an arm's grid before its choice is a bound (0: the grid as given)
 
     PER_POINT: ClassVar[dict[str, str]] = ExperimentConfig.PER_POINT | {"model.scheme": "arms",
                                                                         "model.alpha": "alphas"}
@@ -83,7 +86,7 @@ class TunedConfig(ExperimentConfig):
 
 def analyse(cfg: TunedConfig, points: dict, unigram: float, grids: dict[str, Grid] | None = None) -> dict:
     """Chosen LRs per arm, the tuned Keel arm, and the pre-registered verdicts, per depth; `grids` ("arm-depth" ->
-    Grid) the grown grids where rule 23 grew them."""
+    Grid) the grown grids where `grow_grids` grew them."""
     out = {"unigram": unigram, "depths": {}}
     keels = [a for a in cfg.arms if cfg.arms[a] == "keel"]
     for d in cfg.depths:
@@ -128,7 +131,7 @@ def analyse(cfg: TunedConfig, points: dict, unigram: float, grids: dict[str, Gri
 
 
 def _verdict(test: dict, lower_is: str, higher_is: str) -> str:
-    """A verdict from the Holm-adjusted p over the rule's tests (rules 19, 23 and 26)."""
+    """A verdict from the Holm-adjusted p over the experiment's tests (tuned Keel - Post-LN; sqrtL - L)."""
     return stats.verdict(test | {"p": test["holm"]}, lower_is, higher_is)
 
 
@@ -138,7 +141,7 @@ def _described(test: dict) -> str:
 
 
 def _alpha_bound(alpha: dict[str, float], tuned: str) -> str | None:
-    """Rule 26: the alpha grid's ends are bounds, not grown; a choice at one is reported as a bound."""
+    """The alpha grid's ends are bounds, not grown (see the module's docstring); a choice at one is a bound."""
     if len(set(alpha.values())) < 2:
         return None
     if alpha[tuned] == min(alpha.values()):
@@ -187,7 +190,7 @@ def run(cfg: TunedConfig, out: Path, command: str) -> dict:
     if cfg.grow:
         grown = [(f"{a}-{d}", arm["lr_grid"]) for d, r in res["depths"].items() for a, arm in r["arms"].items()
                  if arm.get("lr_grid", {}).get("added")]
-        notes += "\n\n" + grown_note("rule 23", cfg.grow, grown)
+        notes += "\n\n" + grown_note(cfg.grow, grown)
     write_outputs(out, "tuned", cfg, command, {"points": points, **res}, table, [_plot(cfg, res, points, out)], notes)
     return res
 
