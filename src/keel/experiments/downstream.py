@@ -1,11 +1,11 @@
-"""downstream (issue 20; the paper's Appendix B): do probe scores follow the loss, and does Keel score higher than
-Pre-LN at equal loss?
+"""downstream (the paper's Appendix B): do probe scores follow the loss, and does Keel score higher than Pre-LN at
+equal loss?
 
 Every arm trains from scratch for `run.steps` steps at one LR taken from the committed sweeps (`lrs`, never tuned
 here). At step 0, every `run.eval_tasks_every` steps and at the end, each point records its report-half loss on
 `run.eval_batches` fixed batches and its accuracy on every task of `run.eval_tasks` (`run.eval_tasks_items` items
-each; the built-in probes, chance 0.25); the score is the mean accuracy over the tasks. Method (results/README.md,
-"Round 4 rules", rule 18, written before the runs):
+each; the built-in probes, chance 0.25); the score is the mean accuracy over the tasks. Method (written before the
+runs; results/PROTOCOL.md):
   - (a) equal loss: for arms A and B at one depth, the level l* is the highest final report loss among all of A's
     and B's seeds (the lowest loss every one of their runs reaches). Each run's score at l* is read off its
     curve where the loss first reaches l* (`score_at`: linear in the loss between the two evaluations around
@@ -58,7 +58,7 @@ WIDE = "wide-pre_ln"
 
 
 def _lrs() -> dict[str, float]:
-    """Each arm's LR from the committed sweeps (results/README.md, rule 18 says which row): the LR `depth/` chose
+    """Each arm's LR from the committed sweeps (fixed before the runs, never tuned here): the LR `depth/` chose
     on the select half at 32 and 64 sub-layers (also depth-long's), and deep-vs-wide's choice for its wide arm."""
     return {"post_ln-32": 3e-3, "pre_ln-32": 3e-3, "keel-32": 3e-3,
             "post_ln-64": 3e-3, "pre_ln-64": 1e-3, "keel-64": 3e-3, WIDE: 3e-3}
@@ -67,7 +67,7 @@ def _lrs() -> dict[str, float]:
 @dataclass
 class DownstreamConfig(ExperimentConfig):
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(warmup_steps=100))
-    # eager: rule 18 was written for (and its cost measured on) eager runs that reproduce depth-long-32's losses
+    # eager: the method was fixed for (and its cost measured on) eager runs that reproduce depth-long-32's losses
     run: RunConfig = field(default_factory=lambda: experiment_run(
         steps=2000, batch_size=8, seq_len=64, eval_batches=16, eval_tasks=list(evals.PROBES), eval_tasks_every=250,
         eval_tasks_items=200, compile=False))
@@ -182,7 +182,7 @@ def final(p: dict, what: str) -> float | None:
 
 
 def equal_loss(cfg: DownstreamConfig, points: dict, a: str, b: str) -> dict:
-    """Rule 18 (a): arm a - arm b in score at l* (the highest final loss among both arms' seeds), per seed."""
+    """(a) Equal loss: arm a - arm b in score at l* (the highest final loss among both arms' seeds), per seed."""
     runs = {arm: [points[key(arm, cfg.lrs[arm], s)] for s in cfg.seeds] for arm in (a, b)}
     finals = [final(p, "loss") for arm in (a, b) for p in runs[arm]]
     level = max((v for v in finals if v is not None), default=None)
@@ -201,7 +201,7 @@ def equal_loss(cfg: DownstreamConfig, points: dict, a: str, b: str) -> dict:
 
 
 def rankings(cfg: DownstreamConfig, points: dict, arms: list[str]) -> dict:
-    """Rule 18 (b): per pair of arms, paired tests of the final loss and the final score; whether they rank it
+    """(b) Deep vs wide: per pair of arms, paired tests of the final loss and the final score; whether they rank it
     the opposite way."""
     pairs = {}
     for a, b in itertools.combinations(arms, 2):
@@ -286,7 +286,7 @@ def _tables(cfg: DownstreamConfig, res: dict) -> tuple[str, str]:
                 stats.describe(c["test"]), c["verdict"] if name in res["equal_loss"] else "(reported, no verdict)"]
                for name, c in {**res["equal_loss"], **res["deep_vs_wide_equal_loss"]}.items()]
     eq = markdown_table(["A vs B", "l* (nats)", "A's score at l*", "B's score at l*",
-                         "A - B at l* [95% CI], p", "verdict (rule 18a)"], eq_rows)
+                         "A - B at l* [95% CI], p", "verdict"], eq_rows)
     dw = res["deep_vs_wide"]
     dw_rows = [[pair, stats.describe(v["loss"]), stats.describe(v["score"]), v["by_loss"], v["by_score"],
                 "yes" if v["reversed"] else "no"] for pair, v in dw["pairs"].items()]
@@ -298,11 +298,11 @@ def _tables(cfg: DownstreamConfig, res: dict) -> tuple[str, str]:
              f"(not tuned here). Report-half loss on {cfg.run.eval_batches} fixed batches and the tasks "
              f"{', '.join(cfg.run.eval_tasks)} ({cfg.run.eval_tasks_items} items each) at step 0, every "
              f"{cfg.run.eval_tasks_every} steps and at the end; score = mean accuracy over the tasks.\n\n"
-             "**(a) Equal loss** (rule 18a): l* = the highest final loss among both arms' seeds; each run's score "
+             "**(a) Equal loss**: l* = the highest final loss among both arms' seeds; each run's score "
              "where its curve first reaches l* (linear between evaluations); paired two-sided t-test on the per-seed "
              f"A - B. Moot (inconclusive) when neither arm's mean score at l* is {cfg.chance_margin} above chance. "
              f"The deep-vs-wide pairs are the same test, reported without a verdict of their own.\n\n{eq}\n\n"
-             f"**(b) Deep vs wide at equal parameters** (rule 18b; deep arms = the {cfg.deep_sublayers}-sub-layer runs "
+             f"**(b) Deep vs wide at equal parameters** (deep arms = the {cfg.deep_sublayers}-sub-layer runs "
              f"of (a)): paired tests of the final loss and the final score per pair. Appendix B's observation "
              f"(the loss ranking differs from the probe ranking): **{dw['verdict']}**.\n\n{dw_table}")
     return table, notes

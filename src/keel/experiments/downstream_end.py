@@ -1,5 +1,5 @@
-"""downstream-end (issue 38 item 4; the paper's Appendix B again): does Keel score higher downstream than Pre-LN at
-equal loss when both are read at the end of their own schedule?
+"""downstream-end (the paper's Appendix B again): does Keel score higher downstream than Pre-LN at equal loss when
+both are read at the end of their own schedule?
 
 `keel experiment downstream` reads both arms where their curves first reach l*: Keel part-way through its 2000-step
 run (LR still high), Pre-LN near its end (annealed). Here each arm is read at the end of a schedule of its own:
@@ -8,10 +8,12 @@ run (LR still high), Pre-LN near its end (annealed). Here each arm is read at th
   - the tested arm (`arm`) runs warm-up then cosine over S steps, S on the grid round(search_start *
     search_factor**k), k any integer (`search`): S = search_start first, on `search_seeds` (never reported); while the
     mean final loss m(S) is above T the next larger S, else the next smaller, until two adjacent evaluated values
-    bracket T (one above, one at or below) or `search_max` values were run (the last is then a bound); then (rule 29,
-    `bisect` > 0) the bracket is halved up to `bisect` times, its midpoint run on the search seeds and put in place of
-    the end on its side of T, stopping once a midpoint's m(S) is within `bisect_tolerance` of T; the chosen S is the
-    value of the final pair (or the bound) with m(S) nearest T;
+    bracket T (one above, one at or below) or `search_max` values were run (the last is then a bound); then, with
+    `bisect` > 0 (the grid's factor can leave even the bracket's nearer end further from T than `loss_tolerance`, so
+    that the premise, equal loss, fails by the grid's coarseness alone), the bracket is halved up to `bisect` times,
+    its midpoint run on the search seeds and put in place of the end on its side of T, stopping once a midpoint's
+    m(S) is within `bisect_tolerance` of T; the chosen S is the value of the final pair (or the bound) with m(S)
+    nearest T;
   - `arm` at the chosen S on every seed of `seeds`. Per seed, d_score = final score(arm) - final score(reference),
     d_loss likewise; paired two-sided t-tests (keel.experiments.stats), Holm over the two (`judge`).
 The score is downstream's: the mean accuracy over `run.eval_tasks` at the last evaluation (keel.experiments.downstream
@@ -60,7 +62,7 @@ class DownstreamEndConfig(DownstreamConfig):
     search_factor: float = 1.25  # between adjacent step counts of the search's grid
     search_max: int = 5  # most step counts the search runs
     loss_tolerance: float = 0.02  # nats: a larger mean final-loss gap makes the comparison inconclusive
-    bisect: int = 0  # rule 29: times the bracket is halved after it is found (0: rule 24, the grid's pair)
+    bisect: int = 0  # times the bracket is halved after it is found (0: S is the nearer of the grid's pair)
     bisect_tolerance: float = 0.01  # nats: a midpoint this near the target ends the halving
 
     PER_POINT: ClassVar[dict[str, str]] = ExperimentConfig.PER_POINT | {
@@ -288,7 +290,7 @@ def _tables(cfg: DownstreamEndConfig, res: dict) -> tuple[str, str]:
         above, below = found["bracket"]
         chosen = (f"**{found['chosen']} steps**: {above} and {below} steps bracket the target"
                   f"{' after halving' if cfg.bisect else ''}; the nearer of the two")
-    halving = (f", then its bracket halved up to {cfg.bisect} times (rule 29), stopping at a midpoint within "
+    halving = (f", then its bracket halved up to {cfg.bisect} times, stopping at a midpoint within "
                f"{cfg.bisect_tolerance:g} nats of T" if cfg.bisect else "")
     notes = (f"Target T = {target:.4f} nats: the mean final report loss of {cfg.reference} over seeds {cfg.seeds} "
              f"after its own {cfg.run.steps} steps ({res['reference_from']}). {cfg.arm} runs warm-up "
