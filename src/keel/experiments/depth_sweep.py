@@ -1,5 +1,5 @@
-"""depth-sweep: which scheme wins at each depth, at the budget where added depth pays (issue 38 item 3; rule 21
-in results/README.md, written before the runs).
+"""depth-sweep: which scheme wins at each depth, at the budget where added depth pays (the depth pilot's answer;
+method written before the runs, results/PROTOCOL.md).
 
 Keel, Pre-LN, Post-LN and DeepNorm at each depth of `depths`, in that order, one depth finished (grid growth and
 marginal seeds included) before the next starts, so a partial sweep still answers whole depths:
@@ -47,8 +47,10 @@ class DepthSweepConfig(ExperimentConfig):
     depths: list[int] = field(default_factory=lambda: [16, 64, 32, 128, 256])  # sub-layers, run in this order
     lrs: list[float] = field(default_factory=lambda: [1e-3, 3e-3, 1e-2])  # the starting LR grid of every arm
     # depths whose LR grids start at each arm's choice at the depth run before and its neighbours there, not at
-    # `lrs` (rule 21's amendment, committed before any 256 run: at 32, 64 and 128 sub-layers the grid's top, 1e-2,
-    # left Post-LN and DeepNorm at the unigram level on every seed, and the choices fell towards its low edge)
+    # `lrs`: for cost, where a run is hours long. Both starts walk the same values, so for a select loss with one
+    # minimum in log LR they end at the same interior choice unless a bound stops one first; this one skips LRs
+    # the depths before ruled out (at 32, 64 and 128 sub-layers the grid's top, 1e-2, left Post-LN and DeepNorm at
+    # the unigram level on every seed, and the choices fell towards its low edge)
     lrs_from_previous: list[int] = field(default_factory=lambda: [256])
     max_extensions: int = 2  # values added past one edge of a grid before the choice is called a bound
     warmup_scheme: str = "post_ln"  # the arm whose warm-up is tuned too (every other arm: optim.warmup_steps)
@@ -61,7 +63,7 @@ class DepthSweepConfig(ExperimentConfig):
     run: RunConfig = field(default_factory=lambda: experiment_run(steps=8000, eval_batches=448))  # whole report half
     curve_every: int = 500
     curve_batches: int = 4
-    probe: bool = False  # budget_point's probe (not part of rule 21)
+    probe: bool = False  # budget_point's probe (not part of this experiment's rules)
     probe_batches: int = 4
 
     PER_POINT: ClassVar[dict[str, str]] = ExperimentConfig.PER_POINT | {"model.scheme": "schemes"}
@@ -131,7 +133,7 @@ def start_lrs(cfg: DepthSweepConfig, depth: int, tuned: dict[int, dict]) -> dict
 def tune_arm(cfg: DepthSweepConfig, scheme: str, score: Callable[[float, int], float],
              lrs: list[float] | None = None, lattice: list[float] | None = None,
              tune_warmup: bool | None = None) -> Search:
-    """Rule 21's choice for one arm at one depth; `score(lr, warmup)` is the mean select-half loss over seeds;
+    """The hyper-parameter choice for one arm at one depth; `score(lr, warmup)` is the mean select-half loss over seeds;
     `lrs` the starting LR grid (default `cfg.lrs`), `lattice` the values its growth takes first (`start_lrs`);
     the warm-up is tuned too where `tune_warmup` says (default: for `cfg.warmup_scheme` only)."""
     base, lrs, lattice = cfg.optim.warmup_steps, list(cfg.lrs if lrs is None else lrs), list(lattice or [])
@@ -181,7 +183,8 @@ def tune_depth(cfg: DepthSweepConfig, sweep: Sweep, depth: int, points: dict,
 
 # ---- the tests -----------------------------------------------------------------------------------------------
 def marginal(p: float | None, p_holm: float | None) -> bool:
-    """Rule 21's marginal test: raw p < 0.05 that Holm lifts to >= 0.05, or an adjusted p in [0.05, 0.20)."""
+    """Whether a test is marginal, so that it runs again with `marginal_seeds` added: raw p < 0.05 that Holm lifts
+    to >= 0.05, or an adjusted p in [0.05, 0.20)."""
     if p is None or p_holm is None:
         return False
     return p_holm >= stats.ALPHA and (p < stats.ALPHA or p_holm < MARGINAL_BELOW)

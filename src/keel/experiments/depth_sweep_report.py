@@ -1,5 +1,5 @@
-"""depth-sweep's report: report.md, results.json and the plot for the depths done so far (rule 21 in
-results/README.md); the per-depth table, the tests in depth order and the one-minute "which scheme wins" table."""
+"""depth-sweep's report: report.md, results.json and the plot for the depths done so far; the per-depth table, the
+tests in depth order and the one-minute "which scheme wins" table."""
 
 from __future__ import annotations
 
@@ -133,11 +133,12 @@ def write_report(cfg: DepthSweepConfig, out: Path, command: str, points: dict, r
 def _from_previous(cfg: DepthSweepConfig) -> str:
     at = [d for d in cfg.depths if d in cfg.lrs_from_previous]
     return (f" (at {', '.join(map(str, at))} sub-layers: from the arm's choice at the depth run before and its two "
-            f"neighbours on that grid, rule 21's amendment written before those runs)" if at else "")
+            f"neighbours on that grid, a start fixed before any run there)" if at else "")
 
 
 def _pending_note(cfg: DepthSweepConfig, res: dict) -> str:
-    """The marginal tests whose added seeds are running while this report stands (rule 21's marginal rule)."""
+    """The marginal tests (keel.experiments.depth_sweep.marginal) whose added seeds are running while this report
+    stands."""
     if not res.get("pending"):
         return ""
     what = {t["id"]: t["what"] for t in res["tests"]}

@@ -1,5 +1,5 @@
-"""depth-pilot: at what token budget does added depth help the best-tuned Pre-LN? (issue 38 item 3; rule 20 in
-results/README.md, written before the runs.)
+"""depth-pilot: at what token budget does added depth help the best-tuned Pre-LN? (Method written before the runs;
+results/PROTOCOL.md.)
 
 Every "Keel wins at depth" row so far was measured where extra depth makes every scheme worse. Before a
 depth sweep can say where Keel pays, it needs a budget at which depth pays at all. Here one scheme (Pre-LN,
@@ -49,7 +49,7 @@ class PilotConfig(ExperimentConfig):
     run: RunConfig = field(default_factory=lambda: experiment_run(eval_batches=448))  # the whole report half
     curve_every: int = 500
     curve_batches: int = 4
-    probe: bool = False  # budget_point's probe (not part of rule 20)
+    probe: bool = False  # budget_point's probe (not part of this experiment's rules)
     probe_batches: int = 4
 
     PER_POINT: ClassVar[dict[str, str]] = ExperimentConfig.PER_POINT | {"model.scheme": "scheme",
