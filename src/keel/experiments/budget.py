@@ -3,7 +3,7 @@ regime, stream-precision): one point trained from scratch, its LR chosen on the 
 report-half losses.
 
 Every point trains with the paper's recipe (AdamW, linear warm-up, cosine decay) for `run.steps` steps of
-`run.batch_size x run.seq_len` tokens. The method (issue 10):
+`run.batch_size x run.seq_len` tokens. The method:
   - the LR of each arm (scheme x depth x ...) is chosen with the first seed from the grid `lrs`, by the loss
     on the *select* half of the validation split;
   - the remaining seeds run at that LR only; every reported number is the loss on the *report* half, as

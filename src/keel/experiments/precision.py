@@ -14,7 +14,7 @@ sum in float32. This experiment measures what is lost when they are not:
 norm_out) and the outgoing stream to bf16, in the forward and (through the casts' gradients) the backward
 pass; branches, norms and the head compute in float32 as before. Rounding is round-to-nearest-even on CPU
 and GPU alike, so this is the arithmetic a bf16 stream has on a GPU, only slower. Decision rules:
-results/README.md, "Round 2 rules", rule 10.
+results/PROTOCOL.md.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from keel.experiments.partial import discard, keeping_progress_in
 # records its own (`Sweep.execution`)
 EXECUTION_FIELDS = ("run.compile", "run.threads")
 # fields that only add points (more seeds; an LR grid grown past its edge, frontier's `grow`; a warm-up tuned too,
-# frontier's rule 27 and depth-sweep's grid, whose points are named by their warm-up; where depth-sweep's LR grid
-# starts, its points named by their LR): a sweep recorded with other values is continued, its points reused
+# frontier's `warmup_schemes` and depth-sweep's grid, whose points are named by their warm-up; where depth-sweep's
+# LR grid starts, its points named by their LR): a sweep recorded with other values is continued, its points reused
 ADDS_POINTS = ("seeds", "grow", "warmup_schemes", "warmup_from", "warmups", "warmups_below", "warmups_above",
                "lrs_from_previous")
 
