@@ -34,3 +34,18 @@ def test_an_equal_tuning_study_reusing_points_of_another_configuration_is_refuse
                  f"reuse=[{tmp_path / 'other'}]"]) == 2
     err = capsys.readouterr().err
     assert "reuse:" in err and "differ in" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("content,why", [
+    (b"\x00\xff garbage", "damaged point file"), (b"", "damaged point file"), (b"[1, 2]", "not a mapping"),
+    (b"[" * 100_000 + b"]" * 100_000, "damaged point file"), (b'{"select_loss": "low"}', "select_loss is str"),
+    (b'{"report_loss": ' + b"9" * 5000 + b"}", "damaged point file"),
+])
+def test_a_damaged_point_file_is_one_line_naming_it(content, why, tmp_path):
+    from keel.errors import ConfigError
+    from keel.experiments import store
+
+    (tmp_path / "p.json").write_bytes(content)
+    with pytest.raises(ConfigError, match=why) as err:
+        store.load(tmp_path, "p")
+    assert str(tmp_path / "p.json") in str(err.value) and "\n" not in str(err.value)

@@ -34,8 +34,25 @@ def exists(points: Path, key: str) -> bool:
 
 
 def read(path: Path) -> dict:
-    data = path.read_bytes()
-    return json.loads(gzip.decompress(data) if path.name.endswith(".gz") else data)
+    """A point file, checked: a damaged one (not gzip or JSON, not a mapping, nested past reason, a loss that is not
+    a number) is one ConfigError naming it, never a traceback in the report that reads it."""
+    try:
+        data = path.read_bytes()
+        point = json.loads(gzip.decompress(data) if path.name.endswith(".gz") else data)
+    except (OSError, EOFError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise _damaged(path, type(err).__name__) from None
+    if not isinstance(point, dict):
+        raise _damaged(path, f"a JSON {type(point).__name__}, not a mapping")
+    for name, value in point.items():
+        if name.endswith("_loss") and not (value is None or type(value) in (int, float)):
+            raise _damaged(path, f"{name} is {type(value).__name__}, not a number")
+    return point
+
+
+def _damaged(path: Path, why: str):
+    from keel.errors import ConfigError  # noqa: PLC0415
+
+    return ConfigError(f"{path}: damaged point file ({why}); delete it and the sweep runs that point again")
 
 
 def load(points: Path, key: str) -> dict:
