@@ -13,7 +13,7 @@ from keel.errors import ConfigError
 from keel.model import CONFIG_FIELDS, ModelConfig, count_params, flops_per_token
 from keel.model.schemes import SCHEME_OPTIONS
 from keel.model.transformer import build_scheme
-from keel.runtime import GPU_MEMORY, device_memory, use_bf16
+from keel.runtime import GPU_MEMORY, device_memory, resolve_device, use_bf16
 from keel.scale.junction import hands_on_sums
 from keel.scale.memory import estimate_memory, format_bytes
 from keel.train.optim import optimizer_implementation
@@ -143,6 +143,21 @@ def gpu_fit_lines(config) -> list[str]:
     return out
 
 
+def memory_lines(config) -> list[str]:
+    """Memory, saying which figure applies: this run's peak on the device it would train on (run.device resolved
+    here), then, unless that is a GPU, what one GPU would need instead and which GPUs that fits."""
+    r = config.run
+    device = resolve_device(r.device)
+    fits = gpu_fit_lines(config)
+    if device.type == "cuda":
+        return [f"memory per process, this run's peak on {device}: {memory_line(config, device=device)}", *fits]
+    dtype = "bf16 autocast" if use_bf16(device, r.dtype) else "float32"
+    return [f"memory per process, this run's peak here on the CPU ({dtype}): "
+            f"{memory_line(config)}",
+            "on one GPU instead (PREDICTED by the memory plan with bf16 autocast; validated on CPU within 10%):",
+            *fits]
+
+
 def plan(config, predicted: list[str] = ()) -> str:
     """`keel train --dry-run`: the model, the run's token budget, the memory plan, and `predicted` (the CLI's
     keel.bench.perf_report.time_lines: the run's time on a GPU by the calibrated performance model)."""
@@ -153,9 +168,7 @@ def plan(config, predicted: list[str] = ()) -> str:
         f"run: {r.steps} steps x {r.batch_size} x {r.grad_accum} sequences x {r.seq_len} tokens = {tokens:,} tokens "
         f"(per process), lr {config.optim.lr:g}, {config.optim.schedule} after {config.optim.warmup_steps} warm-up "
         f"steps, data {config.data.source!r}",
-        f"memory per process (single process, {r.dtype} on {r.device}): {memory_line(config)}",
-        "on one GPU (PREDICTED by the memory plan, bf16 autocast; validated on CPU within 10%):",
-        *gpu_fit_lines(config),
+        *memory_lines(config),
         *predicted,
         *data_notes(config, tokens),
         *recipe_warnings(config),
