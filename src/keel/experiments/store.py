@@ -44,9 +44,17 @@ def read(path: Path) -> dict:
     if not isinstance(point, dict):
         raise _damaged(path, f"a JSON {type(point).__name__}, not a mapping")
     for name, value in point.items():
-        if name.endswith("_loss") and not (value is None or type(value) in (int, float)):
+        if name.endswith("_loss") and not _losses(value):
             raise _damaged(path, f"{name} is {type(value).__name__}, not a number")
     return point
+
+
+def _losses(value, depth: int = 2) -> bool:
+    """A loss field holds a number (None: not measured), or lists and mappings of them two deep at most
+    (redundancy's `delta_loss`: per way of removal, one delta per sub-layer)."""
+    if isinstance(value, (list, dict)) and depth > 0:
+        return all(_losses(v, depth - 1) for v in (value.values() if isinstance(value, dict) else value))
+    return value is None or type(value) in (int, float)
 
 
 def _damaged(path: Path, why: str):
