@@ -27,7 +27,7 @@ from keel.errors import ConfigError
 from keel.experiments import depth_sweep as ds
 from keel.experiments import stats, store
 from keel.experiments.budget import budget_point, tokens, unigram_level
-from keel.experiments.common import markdown_table, pm, tiny_quick, write_outputs
+from keel.experiments.common import markdown_table, mean_sd, pm, pyplot, save, tiny_quick, write_outputs
 from keel.experiments.grid import Grid, run_searches, search_grid
 from keel.experiments.sweep import EXECUTION_FIELDS, Sweep
 
@@ -275,11 +275,42 @@ def write_report(cfg: EqualTuningConfig, out: Path, command: str, pts: Points, r
              f"{', '.join(shared) or 'none'}.")
     tmp = Path(tempfile.mkdtemp(prefix=".report.tmp-", dir=out))
     try:
-        write_outputs(tmp, "equal-tuning", cfg, command, res, table, [], notes)  # the points stay in points/
+        own = {k: v for k, v in pts.got.items() if k not in pts.shared}  # named here; the shared ones under "shared"
+        write_outputs(tmp, "equal-tuning", cfg, command, {"points": own, **res}, table, [_plot(res, tmp)], notes)
         for f in tmp.iterdir():
             os.replace(f, out / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _plot(res: dict, out: Path) -> str:
+    """Left: each arm's report loss per depth (mean ± SD over seeds). Right: each test's paired difference with its
+    95% interval, filled where the Holm-adjusted p is below 0.05."""
+    plt = pyplot()
+    fig, (ax, dx) = plt.subplots(1, 2, figsize=(10, 4))
+    depths = list(res["arms"])
+    for i, arm in enumerate(NAMES_ORDER):
+        got = [(d, mean_sd(list(res["arms"][d][arm]["report_by_seed"].values()))) for d in depths
+               if arm in res["arms"][d]]
+        ax.errorbar([str(d) for d, _ in got], [m for _, (m, _) in got], yerr=[sd for _, (_, sd) in got],
+                    marker="o", capsize=3, color=f"C{i}", label=NAMES[arm])
+    ax.set_xlabel("sub-layers")
+    ax.set_ylabel("report loss")
+    ax.legend(fontsize=8)
+    tests = [t for t in res["tests"] if t["test"]["n"] and not t["shares"]]
+    for k, t in enumerate(tests):
+        mean, ci = t["test"]["mean"], t["test"]["ci95"]
+        filled = t["p_holm"] is not None and t["p_holm"] < stats.ALPHA
+        dx.errorbar([mean], [k], xerr=None if ci is None else [[mean - ci[0]], [ci[1] - mean]], marker="o",
+                    capsize=3, color="C0", mfc="C0" if filled else "white")
+    dx.set_yticks(range(len(tests)), [t["what"] for t in tests], fontsize=7)
+    dx.axvline(0, color="grey", lw=0.8)
+    dx.set_xlabel("paired difference in report loss (below 0: Keel better)")
+    fig.suptitle(f"equal tuning ({res['status']})", fontsize=10)
+    return save(fig, out, "equal-tuning.png")
+
+
+NAMES_ORDER = ("keel", TUNED, "pre_ln", "post_ln", "deepnorm")
 
 
 def run(cfg: EqualTuningConfig, out: Path, command: str) -> dict:
