@@ -131,27 +131,36 @@ def profile_scheme(config: ModelConfig, run: RunConfig, device: torch.device, st
     """One scheme's model built alone, `warmup` untimed steps, then `steps` profiled: per category the
     milliseconds and kernel count per step, and the step's total."""
     fresh_compile_state()
-    cuda = device.type == "cuda"
     # on a CPU Inductor's C++ kernels are recorded only when compiled to be (else their time is the self time of
     # the whole graph's call)
-    with inductor_config.patch({"cpp.enable_kernel_profile": not cuda}):
+    with inductor_config.patch({"cpp.enable_kernel_profile": device.type != "cuda"}):
         bench = Bench(config, run, optim, device, **bench_options)
         for _ in range(warmup):
             bench.step(record=False)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=activities) as prof:
-            for _ in range(steps):
-                bench.step()
+        result = profile_steps(bench, steps)
+    del bench
+    free(device)
+    return result
+
+
+def profile_steps(bench: Bench, steps: int = 2) -> dict:
+    """`steps` training steps of a built and warmed-up Bench under torch.profiler: per category and per kernel name
+    (`kernel_name`) the milliseconds and kernel count per step, the step's total, then `phase_times` over `steps`
+    more steps."""
+    cuda = bench.device.type == "cuda"
+    bench.times.clear()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            bench.step()
     times = kernel_times(prof, cuda)
     per_step = {c: {"ms": t["ms"] / steps, "count": t["count"] / steps} for c, t in times.items()}
     names = sorted(kernel_times(prof, cuda, by="name").items(), key=lambda kv: -kv[1]["ms"])
-    result = {"categories": per_step, "total_ms": sum(t["ms"] for t in per_step.values()),
-              "by_name": {n: {"ms": t["ms"] / steps, "count": t["count"] / steps} for n, t in names},
-              "step_time_ms": 1e3 * min(bench.times), "kernels": "device" if cuda else "host operators",
-              "phases_ms": phase_times(bench, steps)}
-    del bench, prof
-    free(device)
-    return result
+    del prof
+    return {"categories": per_step, "total_ms": sum(t["ms"] for t in per_step.values()),
+            "by_name": {n: {"ms": t["ms"] / steps, "count": t["count"] / steps} for n, t in names},
+            "step_time_ms": 1e3 * min(bench.times), "kernels": "device" if cuda else "host operators",
+            "phases_ms": phase_times(bench, steps)}
 
 
 def profile_schemes(config: ModelConfig, run: RunConfig, schemes: list[str], device: torch.device,
