@@ -13,7 +13,7 @@ parts before it left:
 
 1. `build`: each worker builds and compiles Keel chained (`parallelize(one_pass_norms=False)`), Keel one-pass and
    Pre-LN at d=1024, two warm-up steps each, the first compiling from the caches the worker finds (cold on a fresh
-   machine); all six models stay on the device (about 45 GiB of weights and AdamW state);
+   machine); all six models stay on the device (an estimated 45 GB of weights and AdamW state);
 2. `rounds`: every model takes one untimed step, then `steps` timed ones, the order reversed every round, each
    worker handing its cached memory back after its turn so the next has room: medians, and Keel / Pre-LN with the
    Pre-LN of the same worker;
@@ -318,7 +318,7 @@ def run_window(out: Path, seconds: float, toy: bool) -> dict:
     start = time.monotonic()
     end = start + seconds
     result = {"command": sys.argv, "seconds": seconds, "toy": toy, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "plan": plan(), "settings": {"rounds": ROUNDS, "steps": STEPS, "rounds_2048": ROUNDS_2048,
+              "plan": planned(), "settings": {"rounds": ROUNDS, "steps": STEPS, "rounds_2048": ROUNDS_2048,
               "steps_2048": STEPS_2048, "warmup": WARMUP, "profile_steps": PROFILE_STEPS, "boxes": BOXES},
               "status": {}, "workers": {}, "models": {}, "rounds": {},
               "profile": {}, "summary": {}, "part_s": {}}
@@ -451,6 +451,14 @@ def plan() -> dict:
             "seconds": sum(BOXES.values()) + SLACK}
 
 
+def planned() -> dict:
+    """`plan()`, or what kept it from being made: the window measures either way."""
+    try:
+        return plan()
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}"[:500]}
+
+
 def plan_markdown(p: dict) -> str:
     steps = ", ".join(f"d={k.split()[0]} {k.split()[1]} {1e3 * t:.0f} ms" for k, t in p["step_s"].items())
     lines = [f"PREDICTED seconds of each part (`norm_window.plan()`; step times by the model calibrated on "
@@ -472,12 +480,12 @@ def markdown(result: dict) -> str:
              "Workers: " + "; ".join(f"{w} ({MIX_ENV}={r.get(MIX_ENV)}, Inductor's triton.mix_order_reduction = "
                                      f"{r.get('mix_order_reduction', r.get('error'))})"
                                      for w, r in result["workers"].items()), ""]
-    if result.get("plan"):
+    if "parts" in (result.get("plan") or {}):
         lines += [plan_markdown(result["plan"]), ""]
     for d, models in result["models"].items():
         s = result["summary"].get(d, {"median_s": {}, "n_steps": {}, "ratios": {}})
         lines += [f"## d={d} (measured)", "", "| model | build (s) | warm-up steps (s) | graphs | norm pairs one-pass "
-                  "/ chained | timed steps | median step (ms) | peak (GiB) |", "|---|---|---|---|---|---|---|---|"]
+                  "/ chained | timed steps | median step (ms) | worker's peak (GiB) |", "|---" * 8 + "|"]
         for key, m in models.items():
             if "error" in m:
                 lines.append(f"| {key} | failed: {m['error'].strip().splitlines()[-1][:200]} | | | | | | |")
