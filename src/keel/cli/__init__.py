@@ -29,6 +29,7 @@ from keel.cli.support import (
     output_path,
     printable,
     run_interruptible,
+    writable,
 )
 from keel.errors import ConfigError, KeelError
 from keel.launch import launcher_environment
@@ -203,9 +204,9 @@ def cmd_tokenizer(args) -> int:
     from keel.train.config import TrainConfig, merge
     from keel.train.reads import TOKENIZER
 
-    output_path(args.out, "--out", (".json",))
+    out = writable(output_path(args.out, "--out", (".json",)), "--out")  # before training, which can take hours
     corpus = build_corpus(merge(TrainConfig(), args.config, args.overrides, TOKENIZER).data)
-    tok = train_bpe(corpus.documents("train"), args.vocab_size, Path(args.out))
+    tok = train_bpe(corpus.document_streams("train"), args.vocab_size, out)  # a file read a block at a time
     print(f"trained a byte-level BPE with {tok.vocab_size} tokens on {corpus.fingerprint[:12]}: {args.out}")
     return 0
 

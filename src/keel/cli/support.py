@@ -121,6 +121,23 @@ def output_path(value: str, flag: str, suffixes, owned=()) -> Path:
     return out
 
 
+def writable(out: Path, flag: str) -> Path:
+    """`out` (an output file, checked by `output_path`), once a file can be made beside it: a read-only file
+    system, /proc or a directory without write permission is one line before any work, not an OSError after
+    it; a link at `out` is refused (keel.safe_io writes the file and never follows one)."""
+    import secrets
+
+    if out.is_symlink():
+        raise ConfigError(f"{flag} {out}: is a symbolic link; give the file itself")
+    probe = out.parent / f".{out.name}.probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        os.unlink(probe)
+    except OSError as err:
+        raise ConfigError(f"{flag} {out}: cannot write in {out.parent} ({err.strerror or err})") from None
+    return out
+
+
 def check_config_file(value: str) -> None:
     """--config: a regular YAML file of sane size, without duplicate keys (YAML would keep the last one)."""
     import stat

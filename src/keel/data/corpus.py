@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from keel.data import text_stream
 from keel.errors import DataError
 from keel.safe_io import loads_json
 
@@ -70,6 +71,12 @@ class Corpus:
             if _has_text(text):
                 yield text
 
+    def document_streams(self, split: str) -> Iterator[Iterable[str]]:
+        """The documents of `split`, each as consecutive pieces of its text: a file is read a block at a time,
+        never whole, so a file larger than memory can be trained on (what `keel tokenizer` and a BPE read)."""
+        for text in self.documents(split):
+            yield (text,)
+
     @cached_property
     def fingerprint(self) -> str:
         state = [FORMAT, self.spec, self.val_fraction, *self.state()]
@@ -115,7 +122,7 @@ class _Files(Corpus):
     def __init__(self, cfg: DataConfig, root: Path, suffixes, prune=(), kind="directory"):
         super().__init__(cfg)
         self.root, self.kind, self.skipped = root, kind, set()
-        self.files = _walk(root, suffixes, prune)  # [(relative path, size, mtime_ns)]
+        self.files = text_stream.walk(root, suffixes, prune)  # [(relative path, size, mtime_ns)]
         if not self.files:
             raise DataError(f"{root}: no text files (suffixes {', '.join(sorted(suffixes))}) in this directory")
 
@@ -129,6 +136,20 @@ class _Files(Corpus):
                 if text is None:
                     self.skipped.add(rel)
                 yield rel, text
+
+    def document_streams(self, split):
+        if split not in SPLITS:
+            raise ValueError(f"split must be 'train' or 'val', not {split!r}")
+        val = _val_keys(self.keys(), self.val_fraction)
+        for rel in self.keys():
+            if (rel in val) != (split == "val"):
+                continue
+            try:  # the whole file checked before any of it is used, as documents() skips it whole
+                blocks = text_stream.scan(self.root / rel)
+            except text_stream.NotText:
+                self.skipped.add(rel)
+                continue
+            yield text_stream.stream(self.root / rel, blocks)
 
     def state(self):
         return [str(self.root.resolve()), self.files]
@@ -168,6 +189,21 @@ class _TextFile(_OneFile):
         part = text[:cut] if split == "train" else text[cut:]
         if _has_text(part):
             yield part
+
+    def document_streams(self, split: str):
+        """As `documents`, the file read twice a block at a time (checked and measured, then streamed)."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be 'train' or 'val', not {split!r}")
+        try:
+            blocks = text_stream.scan(self.path)
+        except text_stream.NotText as err:
+            raise DataError(f"{self.path}: not a UTF-8 text file ({err}; binary data or another encoding)") from None
+        n = blocks[-1].chars
+        target = int(n * (1 - self.val_fraction))
+        end = text_stream.find(self.path, blocks, "\n", target)
+        cut = target if end == -1 or self.val_fraction == 0 else end + 1
+        yield text_stream.stream(self.path, blocks, 0, cut) if split == "train" else text_stream.stream(
+            self.path, blocks, cut)
 
 
 class _Records(_OneFile):
@@ -313,7 +349,8 @@ def build_corpus(cfg: DataConfig) -> Corpus:
     if path.is_dir():
         return _Files(cfg, path, TEXT_SUFFIXES)
     if not path.exists():
-        raise DataError(f"{path}: no such file or directory (data.source)")
+        why = "a link to nothing (a loop or a missing target)" if path.is_symlink() else "no such file or directory"
+        raise DataError(f"{path}: {why} (data.source)")
     reader = {".parquet": _Parquet, **dict.fromkeys(JSONL_SUFFIXES, _Jsonl)}.get(path.suffix.lower(), _TextFile)
     return reader(cfg, path)
 
@@ -342,26 +379,6 @@ def _val_keys(keys: Iterable, fraction: float) -> set:
     elif n >= 2 and len(val) == n:
         val.discard(highest[1])
     return val
-
-
-def _walk(root: Path, suffixes, prune) -> list[tuple[str, int, int]]:
-    def fail(err: OSError):
-        raise DataError(f"{err.filename}: cannot read directory ({err.strerror})")
-
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root, onerror=fail):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in prune)
-        for name in sorted(filenames):
-            if name.startswith(".") or Path(name).suffix.lower() not in suffixes:
-                continue
-            path = Path(dirpath, name)
-            try:
-                st = path.stat()
-            except OSError:  # a dangling symlink
-                continue
-            if stat.S_ISREG(st.st_mode):
-                found.append((path.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns))
-    return found
 
 
 def _readable(path: Path) -> os.stat_result:

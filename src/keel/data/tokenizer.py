@@ -10,8 +10,9 @@ import errno
 import hashlib
 import json
 import os
+import re
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -100,9 +101,11 @@ class HFTokenizer:
                          for i in range(self.vocab_size)], dtype=np.int64)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out_path) -> HFTokenizer:
+def train_bpe(texts: Iterable, vocab_size: int, out_path) -> HFTokenizer:
     """Train a byte-level BPE on `texts`, write it to `out_path` atomically and return it loaded.
 
+    `texts` are documents, each a string or an iterable of consecutive pieces of one (a file streamed from
+    disk: `Corpus.document_streams`); the trainer sees them in bounded pieces (`bounded_pieces`).
     Byte-level means every string round-trips: decode(encode(s)) == s, with no unknown token."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
@@ -114,16 +117,71 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path) -> HFTokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_CANDIDATES[0]],
                                   initial_alphabet=alphabet, show_progress=False)
-    tok.train_from_iterator(texts, trainer)
+    pieces = (p for text in texts for p in bounded_pieces((text,) if isinstance(text, str) else text))
+    tok.train_from_iterator(pieces, trainer)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
-    try:
-        tok.save(str(tmp))
-        os.replace(tmp, out_path)  # a reader sees the old file or the whole new one, never half of it
-    finally:
-        tmp.unlink(missing_ok=True)
+    # whole and atomic, never through a link planted at the target or its temporary name
+    safe_io.write_text(out_path.parent, out_path, tok.to_str(pretty=True))
     return HFTokenizer(out_path)
+
+
+# The trainer's pre-tokenizer (the GPT-2 regex, in the Onig engine) fails to allocate on a line of 50 million
+# characters, and a pre-token (a run of letters, digits, other marks or spaces) costs time quadratic in its length:
+# 100,000 letters in a row take 8 s, a million minutes. So the trainer is given pieces of at most PIECE_CHARS,
+# cut where the regex would split anyway, and runs longer than WORD_CHARS are cut (no real word is that long).
+PIECE_CHARS = 1 << 20
+WORD_CHARS = 256
+_SPACE_RUN = re.compile(rf"\s{{{WORD_CHARS}}}")
+_LONG_RUN = re.compile(rf"[^\W_]{{{WORD_CHARS},}}|(?:[^\w\s]|_){{{WORD_CHARS},}}|\s{{{WORD_CHARS},}}")
+
+
+def bounded_pieces(chunks: Iterable[str]) -> Iterator[str]:
+    """The text of one document, given as consecutive `chunks`, in pieces the trainer can take: at most
+    PIECE_CHARS each, and no run of one kind of character longer than WORD_CHARS. Where a piece ends is a
+    place the pre-tokenizer splits anyway (before a space or after a line end, with text on both sides), so
+    the pieces train the same BPE as the whole text did, unless the text has runs cut by the bounds.
+    Pieces of spaces only are left out, as documents of spaces only are."""
+    text, start = "", 0
+    for chunk in chunks:
+        text = text[start:] + chunk
+        start = 0
+        while len(text) - start > PIECE_CHARS:
+            end = _split_point(text, start + PIECE_CHARS // 2, start + PIECE_CHARS)
+            yield from _short_runs(text[start:end])
+            start = end
+    yield from _short_runs(text[start:])
+
+
+def _split_point(text: str, lo: int, hi: int, tries: int = 64) -> int:
+    """The last place in (lo, hi] where GPT-2's pre-tokenizer splits whatever follows: before a space with
+    text on both sides (" word" is one pre-token), or after a line end with text on both sides; else hi."""
+    for mark, before, after in ((" ", 1, 1), ("\n", 2, 0)):
+        at = hi
+        for _ in range(tries):
+            at = text.rfind(mark, lo, at)
+            if at <= lo:
+                break
+            cut = at + (mark == "\n")
+            if not text[cut - before].isspace() and not text[cut + after].isspace():
+                return cut
+    return hi
+
+
+def _short_runs(piece: str) -> Iterator[str]:
+    longest = max(map(len, piece.split()), default=0)  # a fast check; the regex only where one may be long
+    if longest < WORD_CHARS and not _SPACE_RUN.search(piece):
+        if piece and not piece.isspace():
+            yield piece
+        return
+    start = 0
+    for run in _LONG_RUN.finditer(piece):
+        for cut in range(run.start() + WORD_CHARS, run.end(), WORD_CHARS):
+            if not (part := piece[start:cut]).isspace():
+                yield part
+            start = cut
+    if (part := piece[start:]) and not part.isspace():
+        yield part
 
 
 def load_tokenizer(spec: str, cache_dir, corpus=None):
@@ -143,7 +201,7 @@ def load_tokenizer(spec: str, cache_dir, corpus=None):
         path = Path(cache_dir) / "tokenizers" / f"{corpus.fingerprint[:16]}-bpe{vocab_size}" / "tokenizer.json"
         if path.is_file():
             return HFTokenizer(path)
-        return train_bpe(corpus.documents("train"), vocab_size, path)
+        return train_bpe(corpus.document_streams("train"), vocab_size, path)
     path = Path(spec).expanduser()
     try:
         return HFTokenizer(path / "tokenizer.json" if path.is_dir() else path)
