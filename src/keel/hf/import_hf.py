@@ -53,6 +53,8 @@ def _weight_files(hf_dir: Path) -> list[Path]:
         for name in weight_map.values():
             if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts or "\\" in name:
                 raise ExportError(f"{index}: weight_map names {name[:80]!r}, outside {hf_dir}; refused")
+            if "\0" in name:  # no file has such a name; opening it is a ValueError, not an OSError
+                raise ExportError(f"{index}: weight_map names {name[:80]!r}, which holds a NUL byte; refused")
         files = [hf_dir / name for name in sorted(set(weight_map.values()))]
     else:
         raise ExportError(f"{single}: not found (only safetensors weights are read; re-save the model with "
@@ -146,6 +148,18 @@ def _check_size(model_config, weights: int, config_path: Path) -> None:
                           f"machine's {memory / 2**30:.3g} GiB")
 
 
+def _check_new_run_dir(run_dir: Path) -> None:
+    """Before any work: `run_dir` is new or an empty directory, and the nearest part of its path that exists
+    is a directory (a path under a file was a NotADirectoryError once the model was converted)."""
+    if os.path.lexists(run_dir) and (not run_dir.is_dir() or run_dir.is_symlink() or any(run_dir.iterdir())):
+        raise ExportError(f"{run_dir}: already exists and is not an empty directory; choose a new run directory")
+    above = run_dir.absolute().parent
+    while not os.path.lexists(above):
+        above = above.parent
+    if not above.is_dir():
+        raise ExportError(f"{run_dir}: {above} is not a directory; choose a run directory under one")
+
+
 def import_llama(hf_dir, run_dir, data_source: str = "stdlib") -> Path:
     """Convert `hf_dir` (config.json, model.safetensors, tokenizer.json) into the run directory `run_dir`."""
     from keel.data.corpus import DataConfig
@@ -158,8 +172,7 @@ def import_llama(hf_dir, run_dir, data_source: str = "stdlib") -> Path:
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     config_path, tokenizer_path = hf_dir / "config.json", hf_dir / "tokenizer.json"
-    if os.path.lexists(run_dir) and (not run_dir.is_dir() or run_dir.is_symlink() or any(run_dir.iterdir())):
-        raise ExportError(f"{run_dir}: already exists and is not an empty directory; choose a new run directory")
+    _check_new_run_dir(run_dir)
     hf = _read_json(config_path, "a transformers model directory")
     model_config = _model_config(hf, config_path)
     _check_size(model_config, _weight_count(_weight_files(hf_dir)), config_path)
@@ -177,7 +190,10 @@ def import_llama(hf_dir, run_dir, data_source: str = "stdlib") -> Path:
     except (ValueError, RuntimeError) as err:  # missing/unknown names, shapes that do not match config.json
         raise ExportError(f"{weights}: does not match {config_path.name} ({str(err).splitlines()[0]})") from None
 
-    run = RunDir.create_at(run_dir)
+    try:
+        run = RunDir.create_at(run_dir)
+    except OSError as err:  # a read-only file system, /proc, no permission
+        raise ExportError(f"{run_dir}: cannot make the run directory ({err.strerror or err})") from None
     run.save_tokenizer(tokenizer)
     seq_len = min(RunConfig.seq_len, model_config.max_seq_len)
     config = TrainConfig(
