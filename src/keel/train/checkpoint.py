@@ -98,7 +98,7 @@ def load(path: Path, model: nn.Module) -> tuple[dict, dict]:
         missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
     except RuntimeError as err:  # shape mismatch
         raise CheckpointError(f"checkpoint {path}: weights do not fit the model ({one_line(err)})") from None
-    except SafetensorError as err:  # replaced since verify
+    except (SafetensorError, OSError) as err:  # replaced or removed (a live run pruning it) since verify
         raise CheckpointError(f"checkpoint {path}: model.safetensors cannot be read ({one_line(err)})") from None
     if missing or unexpected:
         names = ", ".join(sorted(missing or unexpected)[:3])

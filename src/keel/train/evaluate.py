@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -87,7 +86,6 @@ def evaluate_run(run_dir, checkpoint: str | None = None, split: str = "val", bat
     from keel.data import prepare
     from keel.runtime import autocast_for, resolve_device
     from keel.scale import distributed
-    from keel.train import checkpoint as checkpoints
     from keel.train.run_dir import RunDir
     from keel.train.step import build_model
     from keel.train.trust import check_data_paths
@@ -100,9 +98,7 @@ def evaluate_run(run_dir, checkpoint: str | None = None, split: str = "val", bat
             dev = torch.device("cuda", world.local_rank)
         config, tokenizer = run.config(), run.tokenizer()
         check_data_paths(run.path, config.data, trust, tokenizer=False)  # before any file is read
-        path = Path(checkpoint) if checkpoint else run.latest_checkpoint()
-        model = run.build_model(config, path)
-        _, meta = checkpoints.load(path, model)
+        model, meta, path = run.load_weights(config, checkpoint)  # the newest that loads, unless one is named
         global_batch = meta.get("global_batch", config.run.batch_size)  # of the processes that trained it
         data = prepare(config.data, tokenizer)
         tokens = data.val if split == "val" else data.train

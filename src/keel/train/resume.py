@@ -2,8 +2,9 @@
 
 `verify` (keel.train.checkpoint) reads each checkpoint's structure cheaply; some damage shows only once one
 is loaded into the model (weights that are NaN or inf, training state of the wrong type or shape, a field
-missing). A resume then falls back to the next older checkpoint that loads, saying so; `keel eval`,
-`generate` and `export-hf` report such a checkpoint in one line instead, since they were asked for it.
+missing). A resume then falls back to the next older checkpoint that loads, saying so, and so do `keel eval`,
+`generate` and `export-hf` when no --checkpoint is named (RunDir.load_weights); a checkpoint named with
+--checkpoint is reported in one line instead, since they were asked for it.
 """
 
 from __future__ import annotations
@@ -48,17 +49,26 @@ def load_newest(path: Path, load, warn=lambda msg: print(msg, file=sys.stderr)) 
         load(path)
         return path
     except CheckpointError as first:
-        if not (path.name.startswith("step_") and path.name[5:].isdigit()):  # not one of a run's checkpoints
-            raise
-        warn(f"keel: {first}; trying an older one")
-        older = [p for p in list_checkpoints(path.parent.parent) if int(p.name[5:]) < int(path.name[5:])]
-        for candidate in reversed(older):
-            if (problem := verify(candidate)) is not None:
-                warn(f"keel: checkpoint {candidate} is damaged ({problem}); trying an older one")
-                continue
-            try:
-                load(candidate)
-                return candidate
-            except CheckpointError as err:
-                warn(f"keel: {err}; trying an older one")
-        raise first from None
+        return load_older(path, load, first, warn)
+
+
+def load_older(path: Path, load, first: CheckpointError, warn=lambda msg: print(msg, file=sys.stderr)) -> Path:
+    """After `load(path)` raised `first`: `load` of the newest checkpoint older than `path` that verifies and
+    loads, reporting each one skipped; with none, `first` is raised."""
+    path = Path(path)
+    if not (path.name.startswith("step_") and path.name[5:].isdigit()):  # not one of a run's checkpoints
+        raise first
+    older = [p for p in list_checkpoints(path.parent.parent) if int(p.name[5:]) < int(path.name[5:])]
+    if not older:  # nothing to fall back to: the one line is the error itself
+        raise first
+    warn(f"keel: {first}; trying an older one")
+    for candidate in reversed(older):
+        if (problem := verify(candidate)) is not None:
+            warn(f"keel: checkpoint {candidate} is damaged ({problem}); trying an older one")
+            continue
+        try:
+            load(candidate)
+            return candidate
+        except CheckpointError as err:
+            warn(f"keel: {err}; trying an older one")
+    raise first from None

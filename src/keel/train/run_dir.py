@@ -286,21 +286,42 @@ class RunDir(os.PathLike):
     # ---- using it -------------------------------------------------------------------------------
     def load_model(self, checkpoint_path=None) -> tuple[TrainConfig, TransformerLM, object, Path]:
         """(config, model, tokenizer, checkpoint) from the given or the newest intact checkpoint, on CPU."""
-        from keel.train import checkpoint
-
         config = self.config()
-        for _ in range(3):
-            path = Path(checkpoint_path) if checkpoint_path else self.latest_checkpoint()
+        model, _, path = self.load_weights(config, checkpoint_path)
+        return config, model, self.tokenizer(), path
+
+    def load_weights(self, config: TrainConfig, checkpoint_path=None) -> tuple[TransformerLM, dict, Path]:
+        """(model, the checkpoint's meta, checkpoint) on CPU, from `checkpoint_path` or else the newest checkpoint
+        that loads. A newest one damaged past its checksums (NaN weights, training state of the wrong shape)
+        falls back to the next older one, saying so, as a resume does. A run still training writes new
+        checkpoints and prunes old ones (run.keep_checkpoints), so the one chosen can vanish while it is read:
+        then the newest is chosen again."""
+        from keel.train import checkpoint
+        from keel.train.resume import load_older
+
+        loaded = {}
+
+        def load(path: Path) -> None:
             try:
                 model = self.build_model(config, path)
-                checkpoint.load(path, model)
-                return config, model, self.tokenizer(), path
-            except (OSError, CheckpointError):
-                # a run still training prunes its oldest checkpoint (run.keep_checkpoints): the one being read
-                # can vanish under the reader. Then the newest is taken again; anything else is the error it is.
-                if checkpoint_path or path.exists():
-                    raise
-        raise CheckpointError(f"checkpoint {path}: removed while being read, three times over (a run still "
+                _, loaded["meta"] = checkpoint.load(path, model)
+            except OSError as err:  # removed while being read
+                raise CheckpointError(f"checkpoint {path}: cannot be read ({err.strerror or err})") from None
+            loaded["model"] = model
+
+        if checkpoint_path:
+            load(Path(checkpoint_path))
+            return loaded["model"], loaded["meta"], Path(checkpoint_path)
+        for _ in range(3):
+            newest = self.latest_checkpoint()
+            try:
+                load(newest)
+                return loaded["model"], loaded["meta"], newest
+            except CheckpointError as err:
+                if newest.exists() and checkpoint.list_checkpoints(self.path)[-1:] == [newest]:
+                    path = load_older(newest, load, err)  # damaged, and still the newest: the next older
+                    return loaded["model"], loaded["meta"], path
+        raise CheckpointError(f"checkpoint {newest}: removed while being read, three times over (a run still "
                               "training prunes its old checkpoints); try again")
 
     def build_model(self, config: TrainConfig, path: Path) -> TransformerLM:

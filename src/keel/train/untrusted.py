@@ -156,11 +156,15 @@ def inspect_checkpoint(path: Path) -> tuple[str, dict[str, str]]:
                 f.keys()
         except SafetensorError as err:
             raise Damaged(f"model.safetensors cannot be read ({one_line(err)})") from None
+        except OSError as err:  # removed since its checksum was read: a live run pruning it
+            raise Damaged(f"model.safetensors cannot be read ({err.strerror or err})") from None
     else:
         try:  # the metadata's objects are DCP's classes, but their fields came from the file
             check_shards(path, manifest, dcp_metadata(path, manifest))
         except (AttributeError, TypeError, ValueError, OverflowError) as err:
             raise Damaged(f".metadata is malformed ({one_line(err)})") from None
+        except OSError as err:
+            raise Damaged(f"a shard cannot be read ({err.strerror or err})") from None
     return fmt, manifest
 
 
