@@ -155,23 +155,31 @@ def non_finite(path: Path, value: float = float("nan")) -> str:
 
 @pytest.mark.slow  # a real training run
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_non_finite_weights_are_one_line_naming_the_step_in_eval_and_export(trained_run, tmp_path, capsys, value):
+def test_non_finite_weights_fall_back_in_eval_and_export_unless_named(trained_run, tmp_path, capsys, value):
+    """As a resume does, eval, generate and export-hf use the next older checkpoint and say why in one line; the
+    same checkpoint named with --checkpoint is refused in one line naming its step."""
     from keel.cli import main
 
     run_dir = shutil.copytree(trained_run, tmp_path / "run")
     newest = ckpt(run_dir, 6)
     rehash(newest, non_finite(newest, value))
-    argvs = [["eval", str(run_dir), "--batches", "1", "--device", "cpu"], ["generate", str(run_dir),
-                                                                             "--max-new-tokens", "2"]]
+    argvs = [["eval", str(run_dir), "--batches", "1", "--device", "cpu", "--json"],
+             ["generate", str(run_dir), "--max-new-tokens", "2"]]
     if pytest.importorskip("transformers"):
         argvs.append(["export-hf", str(run_dir), str(tmp_path / "export")])
     for argv in argvs:
-        assert main(argv) == 2, argv
+        assert main([*argv, "--checkpoint", str(newest)]) == 2, argv
         err = capsys.readouterr().err
         lines = [line for line in err.splitlines() if line.startswith("keel: error:")]
         assert "Traceback" not in err and len(lines) == 1, err
         assert "(step 6)" in lines[0] and "NaN or inf" in lines[0] and str(newest) in lines[0]
-    assert not (tmp_path / "export").exists()
+        assert not (tmp_path / "export").exists()
+        assert main(argv) == 0, argv
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err and err.count("\n") == 1, err
+        assert f"checkpoint {newest} (step 6)" in err and "NaN or inf; trying an older one" in err
+        if argv[0] == "eval":
+            assert json.loads(out)["checkpoint"] == str(ckpt(run_dir, 3))
 
 
 @pytest.mark.slow  # a real training run
