@@ -110,11 +110,11 @@ def test_model_sizes_are_checked_before_anything_is_allocated(run, tmp_path, mon
     edit_config(run, **{f"model__{field}": value})
     argv = [tmp_path / "out" if a == "OUT" else a for a in command[1:]]
     line = refused(capsys, "config.yaml", command[0], run, *argv)
-    assert f"model.{field}" in line or "shape" in line
+    assert f"model.{field}" in line or f"ModelConfig.{field}" in line or "shape" in line
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("field, value, needle", [("max_seq_len", 10**12, "model.max_seq_len"),
+@pytest.mark.parametrize("field, value, needle", [("max_seq_len", 10**12, "ModelConfig.max_seq_len"),
                                                    ("d_model", 128, "shape")])
 def test_a_resume_checks_model_sizes_as_eval_does(run, monkeypatch, field, value, needle, capsys):
     """model.max_seq_len=10**12 was an allocator RuntimeError traceback (4 TB of RoPE tables); d_model=128 was

@@ -19,9 +19,14 @@ from pathlib import Path, PurePosixPath
 
 from keel import safe_io
 from keel.errors import DataError, ExportError
+from keel.model.config import SIZE_LIMITS
 
 _INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 _OPTIONAL_INT_FIELDS = ("num_key_value_heads", "max_position_embeddings", "head_dim")
+# config.json's counts -> the ModelConfig field whose size limit bounds them
+_KEEL_FIELD = {"vocab_size": "vocab_size", "hidden_size": "d_model", "num_hidden_layers": "n_blocks",
+               "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads", "intermediate_size": "d_ffn",
+               "max_position_embeddings": "max_seq_len"}
 
 
 def _read_json(path: Path, what: str):
@@ -118,6 +123,9 @@ def _model_config(hf, config_path: Path):
         value = hf.get(key)
         if (key in _INT_FIELDS or value is not None) and not (type(value) is int and value >= 1):
             raise ExportError(f"{config_path}: {key}={str(value)[:40]}; allowed: an integer >= 1")
+        most = SIZE_LIMITS.get(_KEEL_FIELD.get(key, ""))
+        if most is not None and value is not None and value > most:  # named as config.json spells it
+            raise ExportError(f"{config_path}: {key}={value}; allowed: an integer in [1, {most:,}]")
     for key in ("rope_parameters", "rope_scaling"):
         if hf.get(key) is not None and not isinstance(hf[key], dict):
             raise ExportError(f"{config_path}: {key}={str(hf[key])[:40]}; allowed: an object, or null")
