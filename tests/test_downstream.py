@@ -113,7 +113,7 @@ def test_equal_loss_comparisons_match_an_independent_recomputation(quick):
             assert c["verdict"] == expected
     assert tested >= 2  # the p and verdict checks above ran, not only the means
     # rule 18 gives the deep-vs-wide equal-loss pairs no verdict: the report must not show one for them
-    table = report[report.index("verdict (rule 18a) |"):].split("\n\n")[0]  # the equal-loss table only
+    table = report[report.index("A - B at l* [95% CI], p | verdict |"):].split("\n\n")[0]  # the equal-loss table
     rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if " vs " in line}
     assert all(rows[name].endswith("| (reported, no verdict) |") for name in res["deep_vs_wide_equal_loss"]), rows
     assert all(rows[name].endswith(f"| {c['verdict']} |") for name, c in res["equal_loss"].items())

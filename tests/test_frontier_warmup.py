@@ -3,7 +3,6 @@ runs, written out from made-up select losses (no training); the committed result
 the ladder running out is a bound; the config check."""
 
 import math
-import shlex
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -150,15 +149,14 @@ def test_the_default_config_runs_the_points_it_ran_before(fake, tmp_path):
 def test_the_committed_frontier_replays_to_its_report_from_its_points(tmp_path, monkeypatch):
     """The committed report's command, merged as `keel experiment` merges it, run on a copy of its points (no
     point may train): the same report.md and the same results, word for word and number for number."""
-    from keel.experiments.cli import build
+    from keel.experiments.cli import build, read_study
 
     committed = store.read_results(RESULTS)
-    words = shlex.split(committed["command"])
-    del words[words.index("--out"):words.index("--out") + 2]
+    kind, fields = read_study(str(RESULTS / "study.yaml"))
     shutil.copytree(RESULTS / "points", tmp_path / "points")
     monkeypatch.setattr(fr, "unigram_level", lambda cfg: committed["results"]["unigram"])
     monkeypatch.setattr(fr, "budget_point", lambda *a, **k: pytest.fail("a committed point is missing"))
-    fr.run(build("frontier", False, words[3:]), tmp_path, committed["command"])
+    fr.run(build(kind, False, fields), tmp_path, committed["command"])
     assert (tmp_path / "report.md").read_text() == (RESULTS / "report.md").read_text()
     assert store.read_results(tmp_path)["results"] == committed["results"]
 

@@ -1,7 +1,6 @@
 """One engine: `keel train`, the experiments and the bench share one step, one config merge, one run directory."""
 
 import json
-import shlex
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -212,22 +211,13 @@ RESULTS = Path(__file__).parent.parent / "results"
 @pytest.mark.parametrize("folder", sorted(p.parent.parent.name for p in RESULTS.glob("*/points/config.json")
                                            if (p.parent.parent / "results.json").exists()) if RESULTS.is_dir() else [])
 def test_committed_sweeps_are_this_configuration_in_todays_spelling(folder):
-    """Every committed sweep, its command re-spelled (steps -> run.steps, warmup_steps -> optim.warmup_steps),
-    builds a config with no difference from the one the sweep recorded in the old layout: so more seeds can
-    be added to it, and today's defaults are the ones its points ran with."""
+    """Every committed sweep's study file, merged as `keel sweep` merges it, builds a config with no difference
+    from the one the sweep recorded: so more seeds can be added to it, and today's defaults are the ones its
+    points ran with."""
+    from keel.experiments.cli import read_study
     from keel.experiments.sweep import ADDS_POINTS, EXECUTION_FIELDS, _differences, upgrade_recorded
 
-    command = shlex.split(store.read_results(RESULTS / folder)["command"])
-    name, words = command[2], command[3:]
-    if "--out" in words:  # --out and its directory
-        del words[words.index("--out"):words.index("--out") + 2]
-    renamed = {"steps": "run.steps", "warmup_steps": "optim.warmup_steps"}
-    overrides = [renamed.get(w.split("=")[0], w.split("=")[0]) + "=" + w.split("=", 1)[1] for w in words]
-    if folder in ("max-lr", "max-lr-64"):  # ran before max-lr's defaults became the paper's protocol (round-3
-        # rule 16; results/max-lr-paper ran with those): the old defaults
-        old = {"optim.lr": "0.08", "run.steps": "1000", "depths": "[16]", "no_clip": "[pre_ln,keel]"}
-        overrides = [f"{k}={v}" for k, v in old.items() if not any(o.startswith(k + "=") for o in overrides)] \
-            + overrides
+    name, overrides = read_study(str(RESULTS / folder / "study.yaml"))
     cfg = build(name, False, overrides)
     recorded = upgrade_recorded(json.loads((RESULTS / folder / "points" / "config.json").read_text()))
     assert "shape" not in recorded and "steps" not in recorded
