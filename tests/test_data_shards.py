@@ -256,6 +256,81 @@ def test_prepare_reads_every_source_keel_train_reads(tmp_path):
         build_corpus(DataConfig(source=f"hf:{tmp_path / 'saved'}", hf_config="sample-10BT"))
 
 
+@pytest.mark.slow
+def test_a_document_longer_than_a_piece_has_the_ids_of_the_whole(tmp_path, monkeypatch):
+    """A text file cut into pieces of at most PIECE_CHARS (made small here) for encoding: its shards hold the ids
+    the BPE gives the whole text at once, with one eos at its end, and a kill mid-document resumes to the same
+    bytes."""
+    import argparse
+
+    import keel.data.tokenizer as tokenizer
+
+    text = "\n\n".join(paragraphs(argparse)[:120])
+    (tmp_path / "one.txt").write_text(text)
+    bpe = train_bpe([text], 400, tmp_path / "bpe.json")
+    cfg = DataConfig(source=str(tmp_path / "one.txt"), tokenizer=str(tmp_path / "bpe.json"), val_fraction=0)
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 1000)
+    assert len(list(tokenizer.text_pieces([text]))) > 20
+    assert "".join(tokenizer.text_pieces([text[i:i + 77] for i in range(0, len(text), 77)])) == text
+    shard_writer.prepare_shards(cfg, tmp_path / "whole", workers=2, shard_tokens=SHARD_TOKENS, progress=False)
+    assert split_ids(tmp_path / "whole", "train").tolist() == [*bpe.encode(text), bpe.eos_id]
+    index = np.fromfile(tmp_path / "whole" / "train-000000.idx", dtype="<u4")
+    assert index.tolist() == [0] and not (tmp_path / "whole" / "train-000001.idx").read_bytes()  # one document
+
+    publish, published = shard_writer._publish, []
+
+    def dies_after_two(*args):
+        if len(published) == 2:
+            raise Killed
+        published.append(args)
+        publish(*args)
+
+    monkeypatch.setattr(shard_writer, "_publish", dies_after_two)
+    with pytest.raises(Killed):
+        shard_writer.prepare_shards(cfg, tmp_path / "killed", workers=1, shard_tokens=SHARD_TOKENS, progress=False)
+    monkeypatch.setattr(shard_writer, "_publish", publish)
+    manifest = json.loads((tmp_path / "killed" / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["shards"][-1]["end"]["offset"] == 2 * SHARD_TOKENS  # inside the document
+    shard_writer.prepare_shards(cfg, tmp_path / "killed", workers=1, progress=False)
+    assert contents(tmp_path / "killed") == contents(tmp_path / "whole")
+
+
+PREPARE_RSS_SCRIPT = textwrap.dedent("""
+    import sys
+    from keel.data.corpus import DataConfig
+    from keel.data.shard_writer import prepare_shards
+    def mb(field):
+        line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
+        return int(line.split()[1]) / 1024
+    base = mb("VmRSS")
+    cfg = DataConfig(source=sys.argv[1], tokenizer="bytes", val_fraction=0.01)
+    done = prepare_shards(cfg, sys.argv[2], workers=1, progress=False)
+    print(base, mb("VmHWM"), done["splits"]["train"]["tokens"])
+""")
+
+
+@pytest.mark.slow
+def test_preparing_a_large_text_file_keeps_memory_bounded(tmp_path):
+    """A 64 MB text file (one document) into shards: resident memory grows by < 64 MB (reading it whole, with its
+    ids, took over 300), and the shards hold its bytes up to the validation cut."""
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "über", "naïve", "x", "seventeen", "the", "of", "and"]
+    block = "\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(16000)) + "\n"
+    path = tmp_path / "big.txt"
+    with open(path, "w") as f:
+        for _ in range((64 << 20) // len(block.encode()) + 1):
+            f.write(block)
+    done = subprocess.run([sys.executable, "-c", PREPARE_RSS_SCRIPT, str(path), str(tmp_path / "shards")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    base, peak, tokens = map(float, done.stdout.split())
+    assert peak - base < 64, done.stdout
+    text = path.read_text()
+    cut = text.index("\n", int(len(text) * 0.99)) + 1  # the documented cut: the line end after 99% of the text
+    want = text[:cut].encode()
+    assert tokens == len(want) and split_ids(tmp_path / "shards", "train").astype(np.uint8).tobytes() == want
+
+
 # ---- training from shards -----------------------------------------------------------------------------
 
 def test_windows_over_shards_are_the_windows_of_one_array(tmp_path):

@@ -72,8 +72,9 @@ class Corpus:
                 yield text
 
     def document_streams(self, split: str) -> Iterator[Iterable[str]]:
-        """The documents of `split`, each as consecutive pieces of its text: a file is read a block at a time,
-        never whole, so a file larger than memory can be trained on (what `keel tokenizer` and a BPE read)."""
+        """The documents of `split` (those of `documents`), each as consecutive pieces of its text that can be
+        iterated more than once: a file is read a block at a time, never whole, so a file larger than memory can
+        be trained on and tokenised (what `keel tokenizer`, a BPE and `keel data prepare` read)."""
         for text in self.documents(split):
             yield (text,)
 
@@ -85,9 +86,10 @@ class Corpus:
     def describe(self) -> dict:
         return {"source": self.spec, "kind": self.kind, **self.size(), "fingerprint": self.fingerprint}
 
-    def sample(self, n: int, seed: int = 0) -> Iterator[str]:
-        """At most `n` documents of the train split, drawn uniformly with `seed` and yielded in corpus order:
-        what a BPE is trained on, so that its cost does not grow with the corpus."""
+    def sample(self, n: int, seed: int = 0) -> Iterator[Iterable[str]]:
+        """At most `n` documents of the train split, drawn uniformly with `seed` and yielded in corpus order, each
+        a string or (a file) its pieces as `document_streams` gives them: what a BPE is trained on, so that its
+        cost does not grow with the corpus."""
         for _, text in self.records(set(self._sampled_keys(n, seed)).__contains__):
             if _has_text(text):
                 yield text
@@ -141,15 +143,22 @@ class _Files(Corpus):
         if split not in SPLITS:
             raise ValueError(f"split must be 'train' or 'val', not {split!r}")
         val = _val_keys(self.keys(), self.val_fraction)
+        yield from self._streams(lambda rel: (rel in val) == (split == "val"))
+
+    def sample(self, n, seed=0):
+        yield from self._streams(set(self._sampled_keys(n, seed)).__contains__)
+
+    def _streams(self, want):
         for rel in self.keys():
-            if (rel in val) != (split == "val"):
+            if not want(rel):
                 continue
             try:  # the whole file checked before any of it is used, as documents() skips it whole
                 blocks = text_stream.scan(self.root / rel)
             except text_stream.NotText:
                 self.skipped.add(rel)
                 continue
-            yield text_stream.stream(self.root / rel, blocks)
+            if (text := text_stream.Text(self.root / rel, blocks)).has_text():  # as documents() leaves out
+                yield text
 
     def state(self):
         return [str(self.root.resolve()), self.files]
@@ -176,8 +185,8 @@ class _OneFile(Corpus):
 class _TextFile(_OneFile):
     kind = "text"
 
-    def sample(self, n: int, seed: int = 0) -> Iterator[str]:
-        return self.documents("train")  # one document: the whole train part
+    def sample(self, n: int, seed: int = 0):
+        return self.document_streams("train")  # one document: the whole train part, read a block at a time
 
     def documents(self, split: str) -> Iterator[str]:
         text = _read_text(self.path)
@@ -202,8 +211,10 @@ class _TextFile(_OneFile):
         target = int(n * (1 - self.val_fraction))
         end = text_stream.find(self.path, blocks, "\n", target)
         cut = target if end == -1 or self.val_fraction == 0 else end + 1
-        yield text_stream.stream(self.path, blocks, 0, cut) if split == "train" else text_stream.stream(
+        text = text_stream.Text(self.path, blocks, 0, cut) if split == "train" else text_stream.Text(
             self.path, blocks, cut)
+        if text.has_text():
+            yield text
 
 
 class _Records(_OneFile):

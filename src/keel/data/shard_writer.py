@@ -1,7 +1,9 @@
 """`keel data prepare`: a corpus into token shards (the layout is keel.data.shards'), tokenised by worker processes.
 
 This process reads the documents in the corpus's order and hands them in batches to N workers; the batches come
-back in the order they went out, so the shards are the same bytes whatever N is. A shard is written to a
+back in the order they went out, so the shards are the same bytes whatever N is. Nothing is read whole: a text
+file is read a block at a time and a document longer than a million characters goes out in pieces, so memory
+stays bounded whatever the size of a file. A shard is written to a
 temporary file and renamed into place once full, then the manifest is rewritten: a killed prepare resumes from
 its last whole shard and ends with what an uninterrupted one would have written. Run again on a corpus with new
 documents after the old ones (records appended, files sorting after the old), it tokenises only those, into new
@@ -20,7 +22,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
-from itertools import chain, islice
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -40,13 +42,22 @@ from keel.data.shards import (
     shard_dtype,
     shard_name,
 )
-from keel.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, planned_vocab_size, read_capped, train_bpe
+from keel.data.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    load_tokenizer,
+    planned_vocab_size,
+    read_capped,
+    text_pieces,
+    train_bpe,
+)
 from keel.errors import DataError
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # nanoGPT's and modded-nanogpt's shard: 200 MB of uint16
 DEFAULT_BPE_SAMPLE = 100_000  # documents a BPE is trained on (sentencepiece's input_sentence_size, in documents)
 BPE_SEED = 0
-ENCODE_BATCH = 256  # documents per worker task
+ENCODE_BATCH = 256  # documents (or pieces of one) per worker task
+BATCH_CHARS = 1 << 21  # and about this many characters: a batch of long documents stays small
 TOKENIZER_FILE = "tokenizer.json"
 _TMP = ".tmp-"  # in every temporary file's name: `.<name>.tmp-<pid>-<random>`
 
@@ -207,7 +218,7 @@ def _extend(out: Path, manifest: dict, split: str, corpus: Corpus, encode, progr
     shards = state["shards"]
     end = shards[-1]["end"] if shards else {"document": 0, "offset": 0, "digest": hashlib.sha256().hexdigest()}
     touched = end["document"] + (end["offset"] > 0)  # documents with tokens in the shards kept
-    docs, digest = corpus.documents(split), hashlib.sha256()
+    docs, digest = corpus.document_streams(split), hashlib.sha256()  # a file's text read a block at a time
     last = None
     for _ in range(touched):
         last = next(docs, None)
@@ -219,27 +230,31 @@ def _extend(out: Path, manifest: dict, split: str, corpus: Corpus, encode, progr
                         "documents after them; data.val_fraction and data.text_field count too); prepare into a "
                         "new --out")
     todo = chain([last] if end["offset"] else [], docs)
-    index, skip, shard = end["document"], end["offset"], None
+    # offset: ids of document `index` before this piece; skip: those of its first ids the kept shards hold
+    index, offset, skip, shard = end["document"], 0, end["offset"], None
     bar = tqdm(desc=f"{split} documents", unit="doc", initial=index, disable=None if progress is None else not progress)
     try:
-        for ids, doc_digest in encode(_batches(todo)):
-            if index >= touched:
+        for (_, doc_digest, last_piece), ids in encode(_batches(_pieces(todo))):
+            if doc_digest is not None and index >= touched:
                 digest.update(doc_digest)
-            pos, skip = skip, 0
+            pos = min(skip, len(ids))
+            skip -= pos
             while pos < len(ids):
                 if shard is None:
                     shard = _Shard(out, split, len(shards))
-                if pos == 0:
+                if offset + pos == 0:
                     shard.starts.append(shard.tokens)
                 take = min(size - shard.tokens, len(ids) - pos)
                 shard.write(ids[pos:pos + take])
                 pos += take
                 if shard.tokens == size:
-                    at = (index, pos) if pos < len(ids) else (index + 1, 0)
+                    at = (index + 1, 0) if last_piece and pos == len(ids) else (index, offset + pos)
                     _publish(out, manifest, split, shard.finish(*at, digest.hexdigest()))
                     shard = None
-            index += 1
-            bar.update()
+            offset += len(ids)
+            if last_piece:
+                index, offset = index + 1, 0
+                bar.update()
         if shard is not None:
             _publish(out, manifest, split, shard.finish(index, 0, digest.hexdigest()))
             shard = None
@@ -258,13 +273,37 @@ def _publish(out: Path, manifest: dict, split: str, entry: dict) -> None:
     _write_manifest(out, manifest)
 
 
-def _digest(text: str) -> bytes:
-    return hashlib.sha256(text.encode("utf-8")).digest()
+def _digest(document: Iterable[str]) -> bytes:
+    """The SHA-256 of a document's text, given as its consecutive pieces."""
+    sha = hashlib.sha256()
+    for piece in document:
+        sha.update(piece.encode("utf-8"))
+    return sha.digest()
 
 
-def _batches(docs: Iterable[str]) -> Iterator[list[str]]:
-    docs = iter(docs)
-    while batch := list(islice(docs, ENCODE_BATCH)):
+def _pieces(docs: Iterable[Iterable[str]]) -> Iterator[tuple[str, bytes | None, bool]]:
+    """(piece, the document's digest on its first piece, whether it is its last) for each piece of each document:
+    a document longer than PIECE_CHARS goes out in pieces (keel.data.tokenizer.text_pieces), so none is held whole.
+    Its digest is taken first, in a pass of its own: a shard that fills before its last piece records it."""
+    for doc in docs:
+        digest, pieces = _digest(doc), text_pieces(doc)
+        piece = next(pieces, "")
+        for after in pieces:
+            yield piece, digest, False
+            piece, digest = after, None
+        yield piece, digest, True
+
+
+def _batches(units: Iterable[tuple]) -> Iterator[list[tuple]]:
+    """At most ENCODE_BATCH pieces, and about BATCH_CHARS characters, a batch."""
+    batch, chars = [], 0
+    for unit in units:
+        batch.append(unit)
+        chars += len(unit[0])
+        if len(batch) == ENCODE_BATCH or chars >= BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
         yield batch
 
 
@@ -347,26 +386,29 @@ def _start_worker(tokenizer: str, dtype: str, quiet: bool = True) -> None:
     _WORKER.update(tokenizer=tok, dtype=np.dtype(dtype))
 
 
-def _encode(texts: list[str]) -> list[tuple[np.ndarray, bytes]]:
-    """Each document's ids (followed by eos_id when the tokenizer has one) in the shard dtype, and the SHA-256 of
-    its text."""
+def _encode(pieces: list[tuple[str, bool]]) -> list[np.ndarray]:
+    """Each (piece, last piece of its document?)'s ids in the shard dtype, a document's last followed by eos_id
+    when the tokenizer has one."""
     tok, dtype = _WORKER["tokenizer"], _WORKER["dtype"]
     out = []
-    for text, ids in zip(texts, tok.encode_batch(texts)):
-        if tok.eos_id is not None:
+    for (_, last), ids in zip(pieces, tok.encode_batch([text for text, _ in pieces])):
+        if last and tok.eos_id is not None:
             ids = np.append(ids, tok.eos_id)
-        out.append((ids.astype(dtype), _digest(text)))
+        out.append(ids.astype(dtype))
     return out
 
 
 @contextmanager
 def _encoder(tokenizer: str, dtype, workers: int):
-    """`encode(batches)`: (ids, digest) of each document of each batch, in order; by `workers` processes
-    (started fresh: a forked copy of a process whose tokenizer threads ran can deadlock), at most two batches
-    each in flight so that memory stays bounded however large the corpus."""
+    """`encode(batches)`: (unit, ids) for each unit (piece, digest, last) of each batch, in order; by `workers`
+    processes (started fresh: a forked copy of a process whose tokenizer threads ran can deadlock), at most two
+    batches each in flight so that memory stays bounded however large the corpus."""
+    def work(batch):
+        return [(text, last) for text, _, last in batch]
+
     if workers == 1:
         _start_worker(tokenizer, dtype.str, quiet=False)
-        yield lambda batches: (doc for batch in batches for doc in _encode(batch))
+        yield lambda batches: (pair for batch in batches for pair in zip(batch, _encode(work(batch))))
         return
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_start_worker, initargs=(tokenizer, dtype.str))
@@ -374,11 +416,13 @@ def _encoder(tokenizer: str, dtype, workers: int):
     def encode(batches):
         pending = deque()
         for batch in batches:
-            pending.append(pool.submit(_encode, batch))
+            pending.append((batch, pool.submit(_encode, work(batch))))
             if len(pending) >= 2 * workers:
-                yield from pending.popleft().result()
+                batch, ids = pending.popleft()
+                yield from zip(batch, ids.result())
         while pending:
-            yield from pending.popleft().result()
+            batch, ids = pending.popleft()
+            yield from zip(batch, ids.result())
 
     try:
         yield encode

@@ -3,7 +3,7 @@
 A corpus may be a file larger than memory (a 3 GB log, an 8 GB sparse file of NUL bytes) or a tree thousands
 of directories deep, so nothing here reads a whole file or recurses per directory level. `scan` checks a file
 once, block by block (UTF-8, no NUL byte), and records where each block's characters start; `stream` then
-yields any range of its characters a block at a time.
+yields any range of its characters a block at a time, and `Text` is such a range as a document read on demand.
 """
 
 from __future__ import annotations
@@ -128,6 +128,21 @@ def stream(path: Path, blocks: list[Block], lo: int = 0, hi: int | None = None) 
         if block.chars >= hi:
             return
         yield _read(path, block)[max(0, lo - block.chars):hi - block.chars]
+
+
+class Text:
+    """Characters [lo, hi) of a file that `scan` checked, as a document that can be read more than once: each
+    iteration streams it again a block at a time, so a document larger than memory is never held whole."""
+
+    def __init__(self, path: Path, blocks: list[Block], lo: int = 0, hi: int | None = None):
+        self.path, self.blocks, self.lo, self.hi = path, blocks, lo, hi
+
+    def __iter__(self) -> Iterator[str]:
+        return stream(self.path, self.blocks, self.lo, self.hi)
+
+    def has_text(self) -> bool:
+        """Whether any character is not whitespace (read up to the first block that has one)."""
+        return any(not piece.isspace() for piece in self)
 
 
 def find(path: Path, blocks: list[Block], char: str, start: int) -> int:

@@ -153,6 +153,24 @@ def bounded_pieces(chunks: Iterable[str]) -> Iterator[str]:
     yield from _short_runs(text[start:])
 
 
+def text_pieces(chunks: Iterable[str]) -> Iterator[str]:
+    """The text of one document, given as consecutive `chunks`, in pieces of at most PIECE_CHARS that join to
+    exactly the text, for encoding a document larger than memory. A piece ends where GPT-2's pre-tokenizer splits
+    anyway, so bytes and a byte-level BPE give the same ids piece by piece as for the whole text; a document of
+    up to PIECE_CHARS is one piece (a tokenizer whose post-processor adds tokens to each input would add them
+    to each piece of a longer one)."""
+    text, start = "", 0
+    for chunk in chunks:
+        text = text[start:] + chunk
+        start = 0
+        while len(text) - start > PIECE_CHARS:
+            end = _split_point(text, start + PIECE_CHARS // 2, start + PIECE_CHARS)
+            yield text[start:end]
+            start = end
+    if start < len(text):
+        yield text[start:]
+
+
 def _split_point(text: str, lo: int, hi: int, tries: int = 64) -> int:
     """The last place in (lo, hi] where GPT-2's pre-tokenizer splits whatever follows: before a space with
     text on both sides (" word" is one pre-token), or after a line end with text on both sides; else hi."""
