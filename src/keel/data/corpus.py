@@ -43,6 +43,7 @@ class DataConfig:
     tokenizer: str = "bytes"  # "bytes" | "bpe" | "bpe:<vocab_size>" | a path to a tokenizer.json
     val_fraction: float = 0.02  # share of documents held out for validation
     cache_dir: str = ""  # empty: $KEEL_CACHE if set, else ~/.cache/keel
+    streaming: bool = False  # tokenise an hf: dataset, JSONL or Parquet as training reads it (keel.data.streaming)
 
 
 def cache_root(cfg: DataConfig) -> Path:

@@ -34,8 +34,9 @@ ENCODE_BATCH = 256  # documents per tokenizer call: enough for the Rust BPE to u
 
 @dataclass
 class Prepared:
-    """Both splits as memory-mapped token ids (an array, or keel.data.shards.TokenShards), the tokenizer that made
-    them, and what the corpus was."""
+    """Both splits as memory-mapped token ids (an array, or keel.data.shards.TokenShards; with data.streaming the
+    train split is a keel.data.streaming.TokenStream and val an array in memory), the tokenizer that made them, and
+    what the corpus was."""
 
     train: np.ndarray | shards.TokenShards
     val: np.ndarray | shards.TokenShards
@@ -51,6 +52,11 @@ def prepare(cfg: DataConfig, tokenizer=None) -> Prepared:
     Shards are uint16 when the vocabulary fits, else uint32; each document is followed by the tokenizer's
     eos_id when it has one. A cache is built under a temporary name and renamed into place whole, so a
     half-written one is never read."""
+    if cfg.streaming:  # nothing cached: documents are tokenised as training reads them
+        from keel.data.streaming import open_stream
+
+        stream, val, tokenizer, info = open_stream(cfg, tokenizer)
+        return Prepared(stream, val, tokenizer, info, cache_root(cfg))
     if (ready := _prepared_elsewhere(cfg, tokenizer)) is not None:
         return ready
     root = cache_root(cfg)
@@ -210,7 +216,17 @@ class WindowSampler:
     `load_state_dict` makes the sampler draw exactly what the uninterrupted one would have.
 
     With `vocab_size`, every batch is checked to hold only ids below it (`source`: the shard, for the message),
-    since `prepare` checks a cache only on a sample."""
+    since `prepare` checks a cache only on a sample.
+
+    Given a stream (data.streaming=true), it is a keel.data.streaming.StreamSampler instead, which reads its
+    rank's part of the stream in order (the trainer builds every sampler by this one name)."""
+
+    def __new__(cls, tokens, *args, **kwargs):
+        from keel.data.streaming import TokenStream
+
+        if isinstance(tokens, TokenStream):
+            return tokens.sampler(*args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, rank: int = 0,
                  world_size: int = 1, split: str = "train", vocab_size: int | None = None, source=None):
