@@ -36,7 +36,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 # script puts its folder on the path): their tests import them the same way
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path[:0] = [str(BENCHMARKS / "gpu"), str(BENCHMARKS / "cpu")]
-# keel signs the run configs it writes with a per-user key (keel.train.trust): one key for the test session,
+# keel signs the run configs it writes with a per-user key (keel.runs.trust): one key for the test session,
 # shared with its subprocesses, never the user's ~/.config/keel
 os.environ.setdefault("KEEL_CONFIG_DIR", tempfile.mkdtemp(prefix="keel-config-"))
 
@@ -83,11 +83,11 @@ def args(corpus, tmp_path):
 @pytest.fixture
 def make_run():
     """A run directory as the trainer leaves it (config.yaml, tokenizer/, one checkpoint), random weights."""
+    from keel.config import RunConfig, TrainConfig, to_yaml
     from keel.data.corpus import DataConfig
     from keel.data.tokenizer import ByteTokenizer
     from keel.model import ModelConfig, TransformerLM
-    from keel.train import checkpoint
-    from keel.train.config import RunConfig, TrainConfig, to_yaml
+    from keel.runs import checkpoint
 
     def make(run_dir: Path, scheme: str = "keel", tokenizer=None, **model) -> TransformerLM:
         tokenizer = tokenizer or ByteTokenizer()
@@ -183,7 +183,7 @@ def trained_run(tmp_path_factory) -> Path:
 @pytest.fixture
 def trainer_for(args):
     """A `Trainer` on the tiny preset for a run named `name` under `args`' directories, with `extra` overrides."""
-    from keel.train.config import load_config
+    from keel.config import load_config
     from keel.train.trainer import Trainer
 
     def make(*extra, name="run", callbacks=()):

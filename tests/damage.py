@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from keel.cli import main
-from keel.train import checkpoint
+from keel.runs import checkpoint
 
 
 def refused(capsys, name: str, *argv) -> str:
@@ -58,7 +58,7 @@ def rechecksum(ckpt: Path) -> None:
     rehash(ckpt, *[name for name in json.loads((ckpt / "manifest.json").read_text()) if name != "format"])
 
 
-# ---- small checkpoints written by keel.train.checkpoint, without a training run ---------------------------------
+# ---- small checkpoints written by keel.runs.checkpoint, without a training run ---------------------------------
 def small_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))

@@ -148,15 +148,15 @@ def test_an_argument_with_control_characters_is_echoed_escaped_on_one_line(argv,
 @pytest.mark.parametrize("case,needle", [("short validation", "run.eval_every"),
                                          ("large tokenizer", "model.vocab_size"), ("no memory", "run.batch_size")])
 def test_a_run_that_does_not_fit_its_data_or_device_is_refused_naming_the_field(case, needle, monkeypatch):
-    """keel.train.plan.check_fits, which the trainer calls before building the model: each refusal names the
+    """keel.reporting.plan.check_fits, which the trainer calls before building the model: each refusal names the
     field to change, and a run that fits passes."""
     from types import SimpleNamespace
 
     import torch
 
+    from keel.config import load_config
     from keel.errors import ConfigError
-    from keel.train import plan
-    from keel.train.config import load_config
+    from keel.reporting import plan
 
     config = load_config(["model.vocab_size=256", "run.seq_len=32", "run.eval_every=10"], preset="tiny")
     data = SimpleNamespace(val=[0] * 33, tokenizer=SimpleNamespace(name="bytes", vocab_size=256))
@@ -175,7 +175,7 @@ def test_a_run_that_does_not_fit_its_data_or_device_is_refused_naming_the_field(
 def test_on_and_off_are_text_for_a_text_field_and_a_yaml_boolean_is_named(args, tmp_path, capsys):
     """YAML 1.1 reads on/off/yes/no as booleans: `run.fused_junction=off` on the command line was refused as
     'False'. Typed as an override it is the text; in a YAML file unquoted, the message says why."""
-    from keel.train.config import load_config
+    from keel.config import load_config
 
     assert load_config(["run.fused_junction=off"], preset="tiny").run.fused_junction == "off"
     assert load_config(["run.fused_junction=on"], preset="tiny").run.fused_junction == "on"

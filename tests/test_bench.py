@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel.bench import cli as bench_cli
 from keel.bench import core
-from keel.bench.cli import register
 from keel.bench.core import Bench, compare, depth_series
+from keel.cli import bench as bench_cli
 from keel.cli import main
+from keel.cli.bench import register
+from keel.config import RunConfig
 from keel.errors import ConfigError
 from keel.model import SCHEMES, ModelConfig, TransformerLM
-from keel.train.config import RunConfig
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from damage import Warnings, ckpt, rehash, same_weights, sharded_run, single_run, small_model
-from keel.train import checkpoint, untrusted
-from keel.train.checkpoint import CheckpointError
+from keel.runs import checkpoint, untrusted
+from keel.runs.checkpoint import CheckpointError
 
 
 class Planted:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from damage import Warnings, ckpt, rehash, same_weights, sharded_run, single_run, small_model
-from keel.train import checkpoint, resume
-from keel.train.checkpoint import CheckpointError
+from keel.runs import checkpoint, resume
+from keel.runs.checkpoint import CheckpointError
 
 
 def fifo(path: Path) -> None:
@@ -256,7 +256,7 @@ def test_a_listed_file_that_is_a_symlink_or_a_fifo_is_refused(tmp_path):
 def test_a_rollback_falls_back_past_non_finite_weights_as_a_resume_does(args, capsys):
     """guard.policy=rollback: the newest checkpoint (step 6) verifies but holds NaN weights, so the rollback
     after the blow-up at step 8 goes on to step 3 instead of stopping the run."""
-    from keel.train.config import load_config
+    from keel.config import load_config
     from keel.train.trainer import Trainer
 
     def spoil_then_blow_up(trainer, step):

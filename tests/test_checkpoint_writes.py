@@ -15,8 +15,8 @@ import torch
 from safetensors import SafetensorError
 
 from damage import ckpt, same_weights, sharded_run, single_run, small_model
-from keel.train import checkpoint
-from keel.train.checkpoint import CheckpointError
+from keel.runs import checkpoint
+from keel.runs.checkpoint import CheckpointError
 
 
 # ---- 1. a failing disk -----------------------------------------------------------------------------
@@ -128,7 +128,7 @@ def test_a_real_write_failure_from_each_library(tmp_path):
         import json, resource, signal, torch
         from pathlib import Path
         from torch import nn
-        from keel.train import checkpoint
+        from keel.runs import checkpoint
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing us
         run_dir, out = Path({str(tmp_path / 'run')!r}), {{}}
         small = {{"x": torch.zeros(4)}}

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from keel.model.config import ModelConfig
-from keel.scale.junction import fused_junctions
-from keel.train.config import OptimConfig, RunConfig
+from keel.config import OptimConfig, RunConfig
+from keel.model.architecture import ModelConfig
+from keel.scale.fused_junction import fused_junctions
 from keel.train.optim import build_optimizer
 from keel.train.step import TrainStep, build_model
 
@@ -129,7 +129,7 @@ def test_the_final_norm_of_the_handed_on_sum_moves_and_casts_with_the_model():
     # the stack's last sub-layer hands on its sum so that the last block compiles to the middle blocks' graph, and
     # the final norm normalises it with that sub-layer's norm_out, which it holds unregistered: .to() must reach it
     # (as it must the kernel's unregistered norm copy on CUDA: tests/test_compile.py's CUDA test counts the graphs)
-    from keel.scale.junction import NormOfSum
+    from keel.scale.fused_junction import NormOfSum
 
     torch._dynamo.reset()
     counters.clear()

@@ -19,8 +19,8 @@ from suite import CPU_FLATNESS, cpu_markdown, cpu_suite
 
 from keel import runtime
 from keel.bench import core as bench_core
+from keel.config import RunConfig
 from keel.model import ModelConfig
-from keel.train.config import RunConfig
 
 GOLDEN = Path(__file__).parent / "golden"
 TINY_FLAT = {"model": {"vocab_size": 64, "d_model": 16, "n_heads": 2, "n_kv_heads": 1, "max_seq_len": 8},

@@ -9,10 +9,10 @@ import pytest
 from scipy import stats as sps
 
 from keel.errors import ConfigError
-from keel.experiments import depth_sweep as ds
-from keel.experiments import depth_sweep_report as dsr
 from keel.experiments import store
-from keel.experiments.depth_sweep import DepthSweepConfig, LadderGrid, analyse, key, marginal
+from keel_studies import depth_sweep as ds
+from keel_studies import depth_sweep_report as dsr
+from keel_studies.depth_sweep import DepthSweepConfig, LadderGrid, analyse, key, marginal
 
 
 def test_the_warmup_grid_grows_through_the_rules_values_capped_at_the_run():
@@ -380,7 +380,7 @@ def test_quick_depth_sweep_trains_end_to_end(tmp_path):
     import argparse
     import inspect
 
-    from keel.experiments.cli import build
+    from keel.cli.experiment import build
     (tmp_path / "text.txt").write_text(inspect.getsource(argparse) * 2)
     cfg = build("depth-sweep", True, ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16",
                                       "run.batch_size=2", f"data.source={tmp_path / 'text.txt'}",

@@ -9,12 +9,12 @@ import torch
 import torch.distributed as dist
 
 from keel.cli import main
-from keel.model.config import ModelConfig
+from keel.config import OptimConfig, load_config
+from keel.model.architecture import ModelConfig
 from keel.model.transformer import TransformerLM
+from keel.runs import checkpoint
 from keel.scale import distributed
 from keel.scale.parallel import parallelize
-from keel.train import checkpoint
-from keel.train.config import OptimConfig, load_config
 from keel.train.evaluate import evaluate
 from keel.train.optim import build_optimizer
 from keel.train.trainer import Trainer
@@ -240,9 +240,9 @@ def test_validation_is_the_global_batchs_in_one_process_under_fsdp_and_under_sta
     assert "  pp: 1\n" in saved and "  pp_microbatches: 4\n" in saved
     (run_dir / "config.yaml").write_text(saved.replace("  pp: 1\n", "  pp: 2\n").replace(
         "  pp_microbatches: 4\n", "  pp_microbatches: 2\n"))
-    from keel.train import trust
+    from keel.runs import trust
 
-    trust.sign(run_dir)  # edited by its own user: its data path is followed again (keel.train.trust)
+    trust.sign(run_dir)  # edited by its own user: its data path is followed again (keel.runs.trust)
     stages_by_replicas = under_torchrun(4)  # 2 stages x 2 replicas, 6 windows each
     for got in (fsdp, stages_by_replicas):
         assert got["val_tokens"] == one["val_tokens"]

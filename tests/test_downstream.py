@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
+from keel.cli.experiment import build
 from keel.experiments import EXPERIMENTS, store
-from keel.experiments.cli import build
 from keel.experiments.common import point_config, train_curve
-from keel.experiments.downstream import WIDE, score_at
+from keel_studies.downstream import WIDE, score_at
 
 
 def test_score_at_reads_the_curve_where_the_loss_first_reaches_the_level():

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
+from keel.cli.experiment import build
 from keel.errors import ConfigError
 from keel.experiments import EXPERIMENTS, store
-from keel.experiments.cli import build
-from keel.experiments.downstream_end import DownstreamEndConfig, judge, reference_points, search
+from keel_studies.downstream_end import DownstreamEndConfig, judge, reference_points, search
 
 COMMITTED = Path(__file__).parent.parent / "results" / "downstream"
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from keel import TransformerLM, tiny
+from keel.config import ConfigError, GuardConfig, OptimConfig, load_config
 from keel.generate import filter_logits
-from keel.train.config import ConfigError, GuardConfig, OptimConfig, load_config
 from keel.train.guard import DivergenceGuard
 from keel.train.optim import build_optimizer, lr_at
 

@@ -11,10 +11,10 @@ import pytest
 
 from keel import evals
 from keel.cli import main
-from keel.train import plot
-from keel.train.config import load_config
-from keel.train.report import flat_scores, last_task_scores, task_columns, task_scores
-from keel.train.run_dir import RunDir
+from keel.config import load_config
+from keel.reporting import plot
+from keel.reporting.tables import flat_scores, last_task_scores, task_columns, task_scores
+from keel.runs.run_dir import RunDir
 from keel.train.trainer import Trainer
 
 TASKS = ["brackets", "next_line"]

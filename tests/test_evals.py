@@ -150,7 +150,7 @@ def test_contexts_are_cut_from_the_left_to_the_models_length(data):
     model = tiny().eval()
     item = evals.prepare(evals.resolve(["next_line"]), data, ByteTokenizer())["next_line"][0]
     assert len(item["context"]) > 200
-    got = evals.scoring.Scorer(model, ByteTokenizer(), "cpu").loglikelihoods(
+    got = evals.scorer.Scorer(model, ByteTokenizer(), "cpu").loglikelihoods(
         [(list(item["context"].encode()), list(c.encode())) for c in item["choices"]])
     for (ll, _), choice in zip(got, item["choices"]):
         ids = torch.tensor([list((item["context"] + choice).encode())[-129:]])
@@ -210,7 +210,7 @@ def test_an_lm_eval_task_on_the_model_object_equals_keel_lm_eval_on_the_saved_ru
     pytest.importorskip("lm_eval")
     pytest.importorskip("transformers")
     from keel.cli import main
-    from keel.train.run_dir import load_model
+    from keel.runs.run_dir import load_model
 
     yaml_path = write_local_task(tmp_path / "tasks")
     make_run(tmp_path / "run")

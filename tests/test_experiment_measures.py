@@ -13,10 +13,10 @@ from keel import TransformerLM, tiny
 from keel.data import DataConfig
 from keel.experiments.common import fixed_batches, mean_sd, splits, unigram_loss
 from keel.experiments.detect import FailureRules
-from keel.experiments.gradflow import measure
-from keel.experiments.maxlr import MaxLRConfig, judge, ratio_verdict, verdict
-from keel.experiments.probes import branches_off, removed, residual_sizes
-from keel.experiments.regime import compare
+from keel_studies.gradflow import measure
+from keel_studies.maxlr import MaxLRConfig, judge, ratio_verdict, verdict
+from keel_studies.probes import branches_off, removed, residual_sizes
+from keel_studies.regime import compare
 
 
 def rmsnorm(x):
@@ -203,7 +203,7 @@ def test_regime_rules():
 def test_tuned_chooses_lr_and_alpha_over_all_seeds_and_judges_on_the_report_half():
     """Rule 19 on hand-made points: seed 0 alone would pick other LRs (and the other alpha) than the mean over the
     seeds does; the verdict is the paired t-test of tuned Keel's report losses against Post-LN's."""
-    from keel.experiments.tuned import TunedConfig, analyse
+    from keel_studies.tuned import TunedConfig, analyse
 
     cfg = TunedConfig(seeds=[0, 1, 2], lrs={a: [1e-3, 1e-2] for a in ("post_ln", "keel", "keel-sqrtL")})
     select = {("post_ln", 1e-3): [2.0, 2.5, 2.5], ("post_ln", 1e-2): [2.1, 2.1, 2.1],      # mean picks 1e-2
@@ -231,7 +231,7 @@ def test_tuned_holm_over_the_rules_two_tests_and_an_alpha_at_the_grids_end_is_a_
     does not."""
     from scipy.stats import ttest_rel
 
-    from keel.experiments.tuned import TunedConfig, analyse
+    from keel_studies.tuned import TunedConfig, analyse
 
     arms = {"post_ln": "post_ln", "keel": "keel", "keel-sqrtL": "keel", "keel-a2": "keel"}
     cfg = TunedConfig(seeds=[0, 1, 2], arms=arms, alphas={"keel-sqrtL": "sqrtL", "keel-a2": "2"},

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from keel import TransformerLM, tiny
+from keel.cli.experiment import build
 from keel.data import DataConfig
 from keel.errors import ConfigError
-from keel.experiments import EXPERIMENTS, precision, store
+from keel.experiments import EXPERIMENTS, store
 from keel.experiments.budget import budget_point
-from keel.experiments.cli import build
+from keel_studies import precision
 
 TINY = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16", "run.batch_size=2"]
 QUICK = {

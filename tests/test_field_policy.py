@@ -1,4 +1,4 @@
-"""Which fields each command reads (keel.train.reads.Reads), enforced inside the one merge: a YAML file and
+"""Which fields each command reads (keel.config.reads.Reads), enforced inside the one merge: a YAML file and
 key=value overrides are accepted or refused alike, with the same one line, for every command; run.threads is
 applied once, from the merged config; a scheme's options follow it (with_scheme) and read the same everywhere."""
 
@@ -11,9 +11,9 @@ import yaml
 
 from keel import runtime
 from keel.cli import main
+from keel.cli.experiment import build
 from keel.errors import ConfigError
-from keel.experiments.cli import build
-from keel.model.config import ModelConfig, with_scheme
+from keel.model.architecture import ModelConfig, with_scheme
 from keel.model.schemes import SCHEMES
 
 

@@ -15,7 +15,7 @@ import torch
 
 from keel import runtime
 from keel.cli import COMMANDS, main, printable
-from keel.train.config import load_config
+from keel.config import load_config
 from keel.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def test_generate_help_shows_defaults():
     (["bench", "--preset", "tiny", "model.nope=1"], "ModelConfig has no field 'nope'"),
 ])
 def test_argument_and_config_errors_answer_in_one_line_without_torch(argv, says):
-    """Before: keel.train.config imported the model, the data loader and keel.scale.parallel (all torch), and
+    """Before: keel.config imported the model, the data loader and keel.scale.parallel (all torch), and
     eval/generate/experiment imported their work before checking their arguments."""
     rc, out = _without_torch(argv)
     assert rc == 2 and out.startswith("keel: error:") and len(out.strip().splitlines()) == 1, out
@@ -94,7 +94,7 @@ def test_every_commands_usage_error_answers_without_torch(command):
 def test_runs_lists_runs_without_torch(tmp_path):
     """`keel runs` reads config.yaml, metrics.jsonl and summary.json: no torch (before: run_dir imported the
     model and checkpoints, and the config the model, the data loader and keel.scale.parallel)."""
-    from keel.train.config import to_yaml
+    from keel.config import to_yaml
 
     run = tmp_path / "pre-ln-4L"
     run.mkdir()
@@ -214,7 +214,7 @@ def test_lm_eval_task_that_cannot_be_fetched_offline_is_one_line(tmp_path):
 
 
 def test_fetch_failure_is_found_through_the_exception_chain():
-    from keel.evals.harness import fetch_failure
+    from keel.evals.in_memory_lm import fetch_failure
 
     class OfflineModeIsEnabled(Exception):
         pass
@@ -260,7 +260,7 @@ def test_resumed_run_counts_wall_time_of_all_segments(tmp_path, capsys, monkeypa
     assert err == ("keel: interrupted at step 4; saving its checkpoint; continue with: keel train "
                    f"resume={tmp_path / 'w'}\n")
     run = tmp_path / "w"
-    from keel.train.run_dir import RunDir
+    from keel.runs.run_dir import RunDir
 
     resumed_config = RunDir.open(run).resume_config([f"resume={run}"])
     trainer = Trainer(resumed_config, callbacks=[lambda trainer, step: now.__setitem__(0, now[0] + 7.0 * (step == 4))])

@@ -18,8 +18,7 @@ def test_ctrl_c_is_one_line_on_stderr_and_the_run_shows_the_step_it_reached(tmp_
     import signal
 
     from keel.cli import main
-    from keel.train.run_dir import RunDir
-    from keel.train.stop import steps_done
+    from keel.runs.run_dir import RunDir, steps_done
     from keel.train.trainer import Trainer
 
     def ctrl_c_at_16(trainer, step):  # called before step `step` + 1, which then completes
@@ -57,7 +56,7 @@ def telemetry_run(tmp_path_factory):
 
 
 def test_heatmap_columns_are_centred_on_their_steps(telemetry_run):
-    from keel.train.plot import build_figure
+    from keel.reporting.plot import build_figure
 
     images = [im for ax in build_figure([telemetry_run]).axes for im in ax.images]
     assert len(images) == 3  # gradient norm, stream RMS, |F| / |alpha x|
@@ -68,7 +67,7 @@ def test_heatmap_columns_are_centred_on_their_steps(telemetry_run):
 def test_a_run_with_one_telemetry_record_gets_a_line_not_a_sliver_at_step_0(telemetry_run, tmp_path):
     import shutil
 
-    from keel.train.plot import build_figure
+    from keel.reporting.plot import build_figure
 
     short = tmp_path / "short"
     shutil.copytree(telemetry_run, short)

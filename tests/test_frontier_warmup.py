@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from keel.config import OptimConfig
 from keel.errors import ConfigError
-from keel.experiments import frontier as fr
 from keel.experiments import store
-from keel.experiments.frontier import FrontierConfig, key
 from keel.experiments.grid import LadderGrid
-from keel.train.config import OptimConfig
+from keel_studies import frontier as fr
+from keel_studies.frontier import FrontierConfig, key
 
 RESULTS = Path(__file__).parent.parent / "results" / "frontier"
 
@@ -149,7 +149,7 @@ def test_the_default_config_runs_the_points_it_ran_before(fake, tmp_path):
 def test_the_committed_frontier_replays_to_its_report_from_its_points(tmp_path, monkeypatch):
     """The committed report's command, merged as `keel experiment` merges it, run on a copy of its points (no
     point may train): the same report.md and the same results, word for word and number for number."""
-    from keel.experiments.cli import build, read_study
+    from keel.cli.experiment import build, read_study
 
     committed = store.read_results(RESULTS)
     kind, fields = read_study(str(RESULTS / "study.yaml"))

@@ -1,4 +1,5 @@
-"""The fused Keel junction inside a model (keel.scale.junction.apply_fused_junction) against the plain composition.
+"""The fused Keel junction inside a model (keel.scale.fused_junction.apply_fused_junction)
+against the plain composition.
 
 The fused path needs triton's interpreter on CPU, which must be on before triton is first imported, so the fused
 models train in one child process started with TRITON_INTERPRET=1 (this file run as a script); this process
@@ -16,14 +17,21 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
+from keel.config import OptimConfig, RunConfig
 from keel.errors import ConfigError
 from keel.kernels.junction import available
-from keel.model.config import ModelConfig
+from keel.model.architecture import ModelConfig
 from keel.model.layers import RMSNorm
 from keel.model.transformer import Residual, TransformerLM
-from keel.scale.junction import FusedResidual, NormOfSum, StreamOfPair, apply_fused_junction, fused_junctions, junctions
+from keel.scale.fused_junction import (
+    FusedResidual,
+    NormOfSum,
+    StreamOfPair,
+    apply_fused_junction,
+    fused_junctions,
+    junctions,
+)
 from keel.scale.parallel import apply_ac
-from keel.train.config import OptimConfig, RunConfig
 from keel.train.optim import build_optimizer
 from keel.train.step import TrainStep, build_model
 
@@ -202,7 +210,7 @@ def test_junctions_are_a_norm_out_followed_by_a_norm_in():
 
 
 def test_the_models_residual_is_the_papers_equation_with_no_junction_path():
-    """The fused junction lives outside the model (keel.scale.junction swaps modules in): the model's own
+    """The fused junction lives outside the model (keel.scale.fused_junction swaps modules in): the model's own
     sub-layer and stack know nothing of pairs."""
     assert not hasattr(Residual, "junction")
     source = inspect.getsource(Residual) + inspect.getsource(TransformerLM.run_blocks)

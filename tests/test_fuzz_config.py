@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keel.cli import main
-from keel.train.config import TrainConfig
+from keel.config import TrainConfig
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def snapshot(root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def existing(tmp_path_factory):
-    from keel.train.config import to_yaml
+    from keel.config import to_yaml
 
     root = tmp_path_factory.mktemp("fuzz")
     run = root / "runs" / "kept"

@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
+from keel.config import load_config
 from keel.model import ModelConfig, TransformerLM
+from keel.runs.run_dir import RunDir
 from keel.runtime import autocast_for
 from keel.scale.parallel import parallelize
-from keel.train.config import load_config
-from keel.train.run_dir import RunDir
 from keel.train.trainer import Trainer
 
 pytestmark = pytest.mark.gpu

@@ -14,8 +14,8 @@ import torch
 
 from keel.bench import core
 from keel.bench.core import Bench, cold_warmup, compare
+from keel.config import RunConfig
 from keel.model import ModelConfig
-from keel.train.config import RunConfig
 
 TINY = ModelConfig(vocab_size=64, d_model=32, n_blocks=2, n_heads=2, n_kv_heads=1, max_seq_len=16)
 RUN = RunConfig(batch_size=2, seq_len=16)
@@ -141,14 +141,14 @@ def test_compare_reports_graph_counts_only_when_compiled(variant):
     ("composed", "cpu", True, False, "composed"),
 ])
 def test_the_junction_default_under_compile_is_the_measured_faster_path(mode, device, compiled, kernel_ok, expected):
-    from keel.scale.junction import junction_impl
+    from keel.scale.fused_junction import junction_impl
 
     assert junction_impl(mode, device, compiled, None if kernel_ok else "no triton") == expected
 
 
 def test_fused_junction_on_or_composed_without_what_they_need_is_refused_in_one_line():
     from keel.errors import ConfigError
-    from keel.scale.junction import junction_impl
+    from keel.scale.fused_junction import junction_impl
 
     with pytest.raises(ConfigError, match="run.fused_junction=on: no triton and run.compile is off"):
         junction_impl("on", "cpu", False, "no triton")
@@ -169,7 +169,7 @@ def test_the_sum_handoff_computes_what_the_plain_model_does(case):
     """The modules a compiled, checkpointed model runs (swapped in, run eagerly here) against the plain model, with
     norm gains away from 1 (at 1 a norm's weight cannot be told from another's): the same loss and gradients."""
     from keel.model import TransformerLM
-    from keel.scale.junction import apply_fused_junction, fused_junctions
+    from keel.scale.fused_junction import apply_fused_junction, fused_junctions
     from keel.scale.parallel import apply_ac
 
     fields, ac_every, fused = HANDOFF_CASES[case]
@@ -242,7 +242,7 @@ def test_under_activation_checkpointing_a_keel_block_hands_on_its_sum_and_recomp
     block would recompute its last matmul for that norm's input; handing on alpha*x + h instead (the next block
     normalises it), one tensor still crosses each boundary and the recomputation matches Pre-LN's, whose output
     x + h is not needed either. The model computes what the plain one does."""
-    from keel.scale.junction import FusedResidual, NormOfSum, fused_junctions
+    from keel.scale.fused_junction import FusedResidual, NormOfSum, fused_junctions
 
     pre_ln, _ = backward_matmuls("pre_ln", ac_every=1)
     keel, out = backward_matmuls("keel", ac_every=1)
@@ -264,9 +264,9 @@ def test_the_one_gpu_presets_fit_their_gpus_by_the_memory_plan_and_the_dry_run_s
     """paper-1024 on one 80 GB GPU and paper-2048 on one 141 GB GPU, by the phase plan that
     tests/test_memory.py holds to torch's storage tracker; 20 bytes a parameter (float32 foreach AdamW) would not."""
     from keel.cli import main
+    from keel.config.presets import train_preset
     from keel.runtime import GPU_MEMORY
     from keel.scale.memory import estimate_memory
-    from keel.train.presets import train_preset
 
     for name, gpu in (("paper-1024", "H100 80GB"), ("paper-2048", "H200 141GB")):
         c = train_preset(name)
@@ -310,7 +310,7 @@ def test_hands_on_sums_says_what_apply_fused_junction_builds(mode, compiled, nor
     from keel.errors import ConfigError
     from keel.kernels import junction
     from keel.model import TransformerLM
-    from keel.scale.junction import NormOfSum, SumHandoff, apply_fused_junction, hands_on_sums
+    from keel.scale.fused_junction import NormOfSum, SumHandoff, apply_fused_junction, hands_on_sums
 
     if kernel:
         pytest.importorskip("triton")

@@ -155,7 +155,7 @@ def test_import_llama_round_trip(tmp_path, capsys, tied, make_run):
     (tmp_path / "corpus.txt").write_text(TEXT * 200)
     assert main(["import-hf", str(tmp_path / "llama"), str(tmp_path / "run"), "--data",
                  str(tmp_path / "corpus.txt")]) == 0
-    from keel.train.run_dir import load_model as load_run
+    from keel.runs.run_dir import load_model as load_run
 
     config, model, tokenizer, _ = load_run(tmp_path / "run")
     assert (config.model.scheme, config.model.n_blocks, config.model.tie_embeddings) == ("pre_ln", 2, tied)

@@ -8,7 +8,7 @@ import torch
 
 from keel.cli import main
 from keel.data.tokenizer import ByteTokenizer
-from keel.train.run_dir import load_model as load_run
+from keel.runs.run_dir import load_model as load_run
 from mc_task import ROWS, write_local_task
 
 pytest.importorskip("transformers")

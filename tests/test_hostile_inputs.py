@@ -328,8 +328,8 @@ def test_the_walk_lists_what_os_walk_lists(tmp_path):
 @pytest.fixture
 def two_checkpoints(make_run, tmp_path) -> Path:
     """A run (config, tokenizer, checkpoints at steps 7 and 8) reading a corpus inside it."""
-    from keel.train import checkpoint
-    from keel.train.config import load_config
+    from keel.config import load_config
+    from keel.runs import checkpoint
 
     run = tmp_path / "run"
     model = make_run(run)
@@ -396,7 +396,7 @@ def test_a_checkpoint_pruned_mid_read_is_read_again_from_the_newest(command, two
     gone) while the command reads step 8: was a FileNotFoundError traceback. Step 9 is read instead."""
     import shutil
 
-    from keel.train import checkpoint
+    from keel.runs import checkpoint
 
     run, real_load, calls = two_checkpoints, checkpoint.load, []
 
@@ -416,7 +416,7 @@ def test_a_checkpoint_pruned_mid_read_is_read_again_from_the_newest(command, two
 
 def test_a_checkpoint_whose_weights_vanish_after_their_checksum_is_damaged_not_a_traceback(two_checkpoints,
                                                                                           monkeypatch):
-    from keel.train import checkpoint, untrusted
+    from keel.runs import checkpoint, untrusted
 
     def vanished(*args, **kwargs):
         raise FileNotFoundError(errno.ENOENT, "No such file or directory")

@@ -246,9 +246,9 @@ def test_config_files_that_are_not_regular_or_have_duplicate_keys(tmp_path, caps
 
 def test_a_symlinked_tensorboard_dir_is_refused(tmp_path):
     """TensorBoard's event files would land wherever a planted `tensorboard` link points."""
+    from keel.config import TrainConfig
     from keel.errors import DataError
-    from keel.train.config import TrainConfig
-    from keel.train.tracking import Trackers
+    from keel.reporting.tracking import Trackers
 
     pytest.importorskip("torch.utils.tensorboard")
     outside = tmp_path / "outside"

@@ -1,5 +1,5 @@
 """A junction's two RMSNorms as one op with a one-pass backward (keel.kernels.norm_pair), against two of the model's
-own RMSNorm modules differentiated by autograd, and the compiled model that runs it (keel.scale.junction.NormPair)
+own RMSNorm modules differentiated by autograd, and the compiled model that runs it (keel.scale.fused_junction.NormPair)
 against the plain model: numbers, compiled graphs, and the reductions Inductor generates for the backward."""
 
 import re
@@ -11,10 +11,10 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 from keel.kernels.norm_pair import rms_norm_pair
-from keel.model.config import ModelConfig
+from keel.model.architecture import ModelConfig
 from keel.model.layers import LayerNorm, RMSNorm
 from keel.model.transformer import TransformerLM
-from keel.scale.junction import FusedResidual, NormPair, apply_fused_junction, fused_junctions
+from keel.scale.fused_junction import FusedResidual, NormPair, apply_fused_junction, fused_junctions
 from keel.scale.parallel import parallelize
 
 CONFIG = ModelConfig(n_blocks=4, d_model=32, n_heads=2, n_kv_heads=1, max_seq_len=16, vocab_size=64)

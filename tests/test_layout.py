@@ -25,12 +25,19 @@ LAYERS = {
     "data": {"_lazy", "errors", "safe_io"},
     "scale": {"errors", "runtime", "model", "kernels"},
     "evals": {"errors", "safe_io", "runtime", "model", "data"},
-    "train": _BELOW_TRAIN | {"evals"},
+    # the config of the whole program: every command's merge, field reads and presets
+    "config": {"errors", "runtime", "model", "data", "scale", "evals"},
+    # run directories: the run dir, checkpoints, resume and the trust layer over what a run holds
+    "runs": {"errors", "safe_io", "runtime", "model", "data", "evals", "config"},
+    # what a run will be and was: the plan, tables, plots, trackers
+    "reporting": _BELOW_TRAIN | {"config", "runs"},
+    "train": _BELOW_TRAIN | {"evals", "config", "runs", "reporting"},
     "generate": {"model"},
-    "hf": _BELOW_TRAIN | {"train", "evals"},
-    "experiments": _BELOW_TRAIN | {"train", "evals"},
-    "bench": _BELOW_TRAIN | {"train", "evals"},
-    "cli": _BELOW_TRAIN | {"train", "generate", "hf", "experiments", "bench", "evals", "launch"},
+    "hf": _BELOW_TRAIN | {"evals", "config", "runs"},
+    "experiments": _BELOW_TRAIN | {"train", "evals", "config", "runs", "reporting"},
+    "bench": _BELOW_TRAIN | {"train", "evals", "config", "reporting"},
+    "cli": _BELOW_TRAIN | {"config", "runs", "reporting", "train", "generate", "hf", "experiments", "bench", "evals",
+            "launch"},
     "__init__": {"_version", "model"},
 }
 
@@ -89,6 +96,76 @@ def test_the_layer_table_has_no_cycles():
         placed += ready
 
 
+def module_imports(path: Path) -> set[str]:
+    """The keel modules a file imports, each by its own name: `from keel.evals import scoring` is keel.evals.scoring
+    where that is a module, else keel.evals (its package's __init__)."""
+    package = ".".join(("keel", *path.relative_to(SRC).parent.parts))
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{up}.{base}" if base else up
+            for a in node.names:
+                sub = SRC.parent.joinpath(*f"{base}.{a.name}".split("."))
+                names.add(f"{base}.{a.name}" if sub.is_dir() or sub.with_suffix(".py").exists() else base)
+    return {n for n in names if n == "keel" or n.startswith("keel.")}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_module_imports_itself_through_others():
+    """No import circle between modules, counting imports inside functions (a deferred import hides a circle
+    from Python, not from a reader): the strongly connected parts of the import graph are single modules."""
+    graph = {module_name(p): module_imports(p) for p in SRC.rglob("*.py")}
+    index, low, stack, on_stack, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):  # Tarjan's algorithm
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                circles.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert circles == []
+
+
+def test_no_two_modules_share_a_name():
+    """A module's name says which one it is: no two files in the package have the same stem (`__init__` and
+    `__main__` aside)."""
+    stems = {}
+    for path in SRC.rglob("*.py"):
+        if path.stem not in ("__init__", "__main__"):
+            stems.setdefault(path.stem, []).append(str(path.relative_to(SRC)))
+    assert {s: paths for s, paths in stems.items() if len(paths) > 1} == {}
+
+
 def test_the_model_package_imports_only_torch_and_itself():
     """keel.model's modules are what export-hf ships beside the weights: nothing else from keel, nothing but torch.
     Its __init__ (not shipped) may use keel._lazy."""
@@ -132,7 +209,7 @@ assert sys.meta_path == finders and "transformers" not in sys.modules, "import k
 
 def test_one_training_step_implementation():
     """Backward passes, clipping and optimiser steps live in keel/train/step.py; the only other backwards are
-    gradflow's gradient measurement, the performance model's timing of single ops (bench/perf_report.py) and the
+    the performance model's timing of single ops (bench/perf_report.py) and the
     count of operators a sub-layer adds (bench/core.py), which take no optimiser step."""
     found = {}
     for path in SRC.rglob("*.py"):
@@ -144,7 +221,7 @@ def test_one_training_step_implementation():
     assert found["self.clip"] == {"train/step.py"}  # TrainStep scales the gradients by its clip itself
     assert found.get("clip_grad_norm_(", set()) | found.get("clip_grads_with_norm_(", set()) <= {"train/step.py"}
     assert found["optimizer.step()"] == {"train/step.py"} and "opt.step()" not in found
-    assert found[".backward("] <= {"train/step.py", "experiments/gradflow.py", "kernels/junction.py",
+    assert found[".backward("] <= {"train/step.py", "research/keel_studies/gradflow.py", "kernels/junction.py",
                                    "bench/perf_report.py", "bench/core.py"}
 
 

@@ -5,12 +5,12 @@ import contextlib
 import pytest
 import torch
 
+from keel.config import OptimConfig
 from keel.model import lm_loss
-from keel.model.config import ModelConfig
+from keel.model.architecture import ModelConfig
 from keel.model.transformer import TransformerLM
 from keel.scale.memory import activation_bytes, estimate_memory, measured_bytes, pipeline_memory, saved_activation_bytes
 from keel.scale.parallel import apply_ac
-from keel.train.config import OptimConfig
 from keel.train.optim import build_optimizer
 from keel.train.step import TrainStep
 
@@ -168,8 +168,8 @@ BF16_WEIGHT_CASES = [
 def test_the_phase_plan_for_bf16_weights_is_within_10_percent_of_torchs_storage_tracker(fields, batch, seq, ac_every,
                                                                                        state, monkeypatch):
     pytest.importorskip("torchao")
+    from keel.config import RunConfig
     from keel.scale.memory import measure_phases
-    from keel.train.config import RunConfig
     from keel.train.step import hold_bf16_weights
 
     cfg = ModelConfig(vocab_size=256, n_heads=4, n_kv_heads=2, max_seq_len=seq, **fields)
@@ -199,10 +199,11 @@ def test_the_phase_plan_for_bf16_weights_is_within_10_percent_of_torchs_storage_
 
 @pytest.mark.parametrize("ac_every", [1, 2])
 def test_a_keel_block_handing_on_its_sum_keeps_one_tensor_per_boundary_and_the_root_two_more(ac_every):
-    """Compiled under AC, a Keel block hands on alpha*x + h (keel.scale.junction.SumHandoff) and the root norms the
+    """Compiled under AC, a Keel block hands on alpha*x + h (keel.scale.fused_junction.SumHandoff) and the root
+    norms the
     last one (NormOfSum): the plan counts that norm's input and output, and nothing else changes. Measured on the
     eager model with the same modules swapped in (what the compiled one runs, without compiling)."""
-    from keel.scale.junction import apply_fused_junction
+    from keel.scale.fused_junction import apply_fused_junction
     from keel.scale.memory import hands_on_sum
 
     cfg = ModelConfig(n_blocks=4, d_model=64, n_heads=4, max_seq_len=32)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from keel import SCHEMES, ModelConfig, TransformerLM, count_params, flops_per_token, paper_512, preset, tiny
-from keel.model.presets import PRESETS
+from keel.model.sizes import PRESETS
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))

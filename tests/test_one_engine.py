@@ -9,15 +9,15 @@ import torch
 
 from keel.bench.core import Bench
 from keel.cli import main
+from keel.cli.experiment import build
+from keel.config import RunConfig, load_config, to_yaml
+from keel.config.presets import PRESETS
 from keel.errors import ConfigError, KeelError
 from keel.experiments import store
-from keel.experiments.cli import build
 from keel.experiments.common import point_config, train_curve
 from keel.model import ModelConfig
+from keel.runs.run_dir import RunDir
 from keel.train import step as step_module
-from keel.train.config import RunConfig, load_config, to_yaml
-from keel.train.presets import PRESETS
-from keel.train.run_dir import RunDir
 from keel.train.trainer import Trainer
 
 
@@ -101,7 +101,7 @@ def test_compile_true_runs_the_compiled_step(corpus, tmp_path):
 
 
 def test_every_model_preset_is_a_training_preset():
-    from keel.model.presets import PRESETS as MODEL_PRESETS
+    from keel.model.sizes import PRESETS as MODEL_PRESETS
 
     assert set(PRESETS) == set(MODEL_PRESETS)  # `--preset` offers the model presets' names
     for name in PRESETS:
@@ -214,7 +214,7 @@ def test_committed_sweeps_are_this_configuration_in_todays_spelling(folder):
     """Every committed sweep's study file, merged as `keel sweep` merges it, builds a config with no difference
     from the one the sweep recorded: so more seeds can be added to it, and today's defaults are the ones its
     points ran with."""
-    from keel.experiments.cli import read_study
+    from keel.cli.experiment import read_study
     from keel.experiments.sweep import ADDS_POINTS, EXECUTION_FIELDS, _differences, upgrade_recorded
 
     name, overrides = read_study(str(RESULTS / folder / "study.yaml"))
@@ -261,7 +261,7 @@ def test_keel_summary_refuses_overrides_it_does_not_read(capsys):
 def test_resume_goes_through_the_one_merge(tmp_path, make_run):
     """Resume merges like train: the bare-field shorthand and the checks apply, scoring fields may change, a
     model field may not."""
-    from keel.train.run_dir import RunDir
+    from keel.runs.run_dir import RunDir
 
     make_run(tmp_path / "run")
     run = RunDir.open(tmp_path / "run")

@@ -4,9 +4,9 @@ for 200 steps to within a stated tolerance of plain float32 foreach AdamW on the
 
 import pytest
 
+from keel.config import DataConfig, GuardConfig, OptimConfig, RunConfig, TrainConfig
 from keel.experiments.common import train_curve
 from keel.model import ModelConfig
-from keel.train.config import DataConfig, GuardConfig, OptimConfig, RunConfig, TrainConfig
 
 MODEL = ModelConfig(vocab_size=256, d_model=64, n_blocks=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 # mean training loss over the last 50 of 200 steps: how far an option may sit from float32 foreach AdamW
@@ -85,8 +85,8 @@ def test_a_tampered_8bit_moment_is_damage_not_a_traceback():
     import torch
 
     from keel.model import TransformerLM
+    from keel.runs.untrusted import Damaged, check_optimizer
     from keel.train.optim import build_optimizer
-    from keel.train.untrusted import Damaged, check_optimizer
 
     model = TransformerLM(MODEL)
     opt = build_optimizer(model, OptimConfig(state="8bit"))
@@ -129,8 +129,8 @@ def test_bf16_weights_refuse_float32_compute_and_fsdp_in_one_line(tmp_path, caps
 def test_dry_run_names_bf16_weights_where_only_they_make_a_model_fit():
     """A shape that 8-bit moments and checkpointing do not fit on an 80 GB GPU but bf16 weights do (by the plan):
     `--dry-run`'s fit line names run.weights=bfloat16."""
+    from keel.reporting.plan import gpu_fit_lines
     from keel.scale.memory import estimate_memory
-    from keel.train.plan import gpu_fit_lines
 
     config = TrainConfig(model=ModelConfig(d_model=1024, n_blocks=704, n_heads=16, max_seq_len=4096),
                          run=RunConfig(batch_size=1, seq_len=4096))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from keel.model.config import ModelConfig
+from keel.model.architecture import ModelConfig
 from keel.model.transformer import TransformerLM
 from keel.scale.parallel import apply_ac, apply_compile
 
@@ -89,15 +89,16 @@ def test_fused_junction_values_and_default_are_written_once_and_importing_them_i
     import subprocess
     import sys
 
-    from keel.scale import junction, parallel
-    from keel.train import config
+    from keel import config
+    from keel.scale import fused_junction as junction
+    from keel.scale import parallel
 
     assert config.FUSED_JUNCTION is parallel.FUSED_JUNCTION
     defaults = {inspect.signature(f).parameters["fused_junction" if f is parallel.parallelize else "mode"].default
                 for f in (parallel.parallelize, junction.apply_fused_junction)}
     assert defaults == {config.RunConfig().fused_junction} == {"auto"}
     # the config reads these values: importing them must not import the kernel module (and triton)
-    code = ("import sys, keel.train.config, keel.scale.parallel\n"
+    code = ("import sys, keel.config, keel.scale.parallel\n"
             "print(sorted(m for m in ('triton', 'keel.kernels.junction') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

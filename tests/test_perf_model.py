@@ -16,10 +16,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from keel.bench import perf_model as pm
 from keel.bench import perf_report as pr
 from keel.cli import main
+from keel.config import load_config
 from keel.model import ModelConfig, TransformerLM, flops_per_token
 from keel.model.layers import RMSNorm
 from keel.runtime import PEAK_BF16
-from keel.train.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"vocab_size": 64, "d_model": 64, "n_blocks": 4, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32}
@@ -202,8 +202,8 @@ def test_the_prediction_and_the_dry_run_give_one_memory_verdict(capsys):
     # the run's own plan, not float32 weights and moments (which do not fit)
     assert main(["bench", "--preset", "paper-1024", "--model-gpu", "H100"]) == 0
     text = capsys.readouterr().out
+    from keel.reporting.plan import memory_plan
     from keel.scale.memory import estimate_memory
-    from keel.train.plan import memory_plan
 
     config = load_config([], None, "paper-1024")
     planned = memory_plan(config, device=torch.device("cuda"))["total"]

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from keel.config import OptimConfig, RunConfig, load_config
 from keel.errors import ConfigError
 from keel.model import ModelConfig, TransformerLM
+from keel.runs import checkpoint
 from keel.scale import distributed
 from keel.scale.memory import measured_bytes, pipeline_memory
 from keel.scale.pipeline import SCHEDULES, split_blocks
-from keel.train import checkpoint
-from keel.train.config import OptimConfig, RunConfig, load_config
 from keel.train.evaluate import evaluate
 from keel.train.optim import build_optimizer
 from keel.train.pipeline_step import PipelineStep
@@ -231,7 +231,7 @@ def test_torchrun_pp_trains_like_one_process_and_resumes_in_one(tmp_path, corpus
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_the_pipeline_benchmark_writes_its_tables(tmp_path, torchrun):
-    torchrun("keel.bench.pipeline", "--out", str(tmp_path), "--n-blocks", "4", "--d-model", "32", "--batch-size",
+    torchrun("keel.bench.pipeline_timing", "--out", str(tmp_path), "--n-blocks", "4", "--d-model", "32", "--batch-size",
              "4", "--seq-len", "16", "--steps", "1", "--schedules", "1f1b,zbv", timeout=TIMEOUT)
     result = json.loads((tmp_path / "bench.json").read_text())
     assert [r["schedule"] for r in result["records"]] == ["1f1b", "zbv"]
@@ -383,7 +383,7 @@ class _Plan:
 
 def test_parallelize_builds_stages_after_the_junction_checkpointing_and_compile(monkeypatch):
     import keel.kernels.junction as kernel
-    from keel.scale.junction import fused_junctions, junctions
+    from keel.scale.fused_junction import fused_junctions, junctions
     from keel.scale.parallel import parallelize
     monkeypatch.setattr(kernel, "can_fuse", lambda device, width: True)  # as on a GPU; never called here
     torch.manual_seed(0)

@@ -9,9 +9,10 @@ import pytest
 from matplotlib.collections import PathCollection
 
 from keel.cli import main
-from keel.experiments import common, scaling
-from keel.experiments.cli import build
-from keel.train.plot import build_figure
+from keel.cli.experiment import build
+from keel.experiments import common
+from keel.reporting.plot import build_figure
+from keel_studies import scaling
 
 TRAIN = ["--preset", "tiny", "run.steps=12", "run.telemetry_every=4", "run.eval_every=1000", "run.progress=false"]
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from keel import TransformerLM, runtime
+from keel.cli.experiment import build
 from keel.errors import CheckpointError
 from keel.experiments import partial as partial_module
 from keel.experiments import store
 from keel.experiments.budget import budget_point
-from keel.experiments.cli import build
 from keel.experiments.partial import Partial
 from keel.experiments.sweep import Sweep
 

@@ -33,7 +33,7 @@ def test_a_reports_command_parses_and_merges_to_the_configuration_its_points_rec
     from dataclasses import asdict
 
     import keel.cli
-    import keel.experiments.cli as experiment_cli
+    import keel.cli.experiment as experiment_cli
     from keel.experiments.sweep import ADDS_POINTS, EXECUTION_FIELDS, _differences, upgrade_recorded
 
     text = (RESULTS / folder / "report.md").read_text()

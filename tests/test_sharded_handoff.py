@@ -1,15 +1,15 @@
-"""The sum handoff between compiled blocks (keel.scale.junction.SumHandoff) kept under FSDP2 and pipeline stages:
+"""The sum handoff between compiled blocks (keel.scale.fused_junction.SumHandoff) kept under FSDP2 and pipeline stages:
 two gloo ranks train as one process does, and pipeline stages hand sums on inside a stage but not across one."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from keel.model.config import ModelConfig
+from keel.config import OptimConfig
+from keel.model.architecture import ModelConfig
 from keel.model.transformer import TransformerLM
-from keel.scale.junction import NormOfSum, SumHandoff, fused_junctions, handed_norms, junctions
+from keel.scale.fused_junction import NormOfSum, SumHandoff, fused_junctions, handed_norms, junctions
 from keel.scale.parallel import parallelize
-from keel.train.config import OptimConfig
 from keel.train.optim import build_optimizer
 
 CONFIG = ModelConfig(n_blocks=4, d_model=32, n_heads=2, n_kv_heads=1, max_seq_len=16, vocab_size=64)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from keel.experiments import stats, store
-from keel.experiments.frontier import FrontierConfig, analyse, classify, grow_grids, key
 from keel.experiments.sweep import Sweep, _claim
+from keel_studies.frontier import FrontierConfig, analyse, classify, grow_grids, key
 
 
 def test_paired_t_test_against_the_closed_form_for_two_degrees_of_freedom():

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from keel import TransformerLM
 from keel.cli import main
-from keel.train import checkpoint
-from keel.train.config import load_config
+from keel.config import load_config
+from keel.runs import checkpoint
 from keel.train.trainer import Trainer
 
 
@@ -320,7 +320,7 @@ def test_a_torn_last_metrics_line_does_not_block_resume(capsys, trainer_for):
 @pytest.mark.slow
 def test_a_full_disk_at_start_leaves_nothing_that_blocks_a_retry(args, tmp_path, monkeypatch, capsys):
     """It used to leave an empty config.yaml that blocked both a new run of that name and resume=."""
-    from keel.train.run_dir import RunDir
+    from keel.runs.run_dir import RunDir
 
     real_write = RunDir._write
 

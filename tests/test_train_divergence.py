@@ -9,7 +9,7 @@ import torch
 
 from keel.cli import main
 from keel.cli.support import DIVERGED_EXIT
-from keel.train import checkpoint
+from keel.runs import checkpoint
 from keel.train.trainer import Trainer
 
 

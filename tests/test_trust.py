@@ -1,4 +1,4 @@
-"""A run's config never brings code (keel.train.trust): every field of a downloaded or copied run's config.yaml
+"""A run's config never brings code (keel.runs.trust): every field of a downloaded or copied run's config.yaml
 that names a file or a module is planted with a file that would leave a marker if it ran, and each command that
 reads the config is run on it. The marker must stay absent and a command that would obey the field refuse it in
 one line naming the field (exit 2, no traceback); a task file the user names on the command line runs as asked."""
@@ -17,7 +17,7 @@ import yaml
 
 from damage import refused, tiny_run, victim
 from keel.cli import main
-from keel.train import trust
+from keel.runs import trust
 
 RESUME = ("run.steps=3", "run.progress=false", "run.eval_every=0")
 

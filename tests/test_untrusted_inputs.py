@@ -407,8 +407,8 @@ def test_a_checkpoint_pruned_while_being_read_is_read_again_from_the_newest(make
     import shutil
 
     from keel.errors import CheckpointError
-    from keel.train import checkpoint
-    from keel.train.run_dir import RunDir
+    from keel.runs import checkpoint
+    from keel.runs.run_dir import RunDir
 
     model = make_run(tmp_path / "run")
     checkpoint.save(tmp_path / "run", 8, model, {}, {}, keep=2)  # two checkpoints: 7 and 8

@@ -179,7 +179,7 @@ def test_a_paper_preset_is_the_papers_recipe_and_says_what_a_run_of_it_needs(nam
     """The paper's recipe (PAPER.md section 5): 2,500 warm-up steps that the run leaves, a global batch of 1024
     sequences of 4096, its peak rate for the depth, a tokenizer of the model's vocabulary; the dry run prints the
     tokens, the memory per GPU and the predicted hours on an H100, and names the paper's data."""
-    from keel.train.presets import train_preset
+    from keel.config.presets import train_preset
 
     c = train_preset(name)
     assert c.optim.warmup_steps == 2500 < c.run.steps and c.optim.min_lr == 1e-7 and c.optim.schedule == "cosine"
@@ -207,8 +207,8 @@ def test_a_paper_preset_is_the_papers_recipe_and_says_what_a_run_of_it_needs(nam
 
 def test_the_cpu_demo_preset_and_keel_cpu_demo_are_one_model():
     import keel
-    from keel.train.config import TrainConfig
-    from keel.train.presets import train_preset
+    from keel.config import TrainConfig
+    from keel.config.presets import train_preset
 
     assert train_preset("cpu-demo").model == keel.cpu_demo() == TrainConfig().model
     assert train_preset("cpu-demo").run.seq_len <= keel.cpu_demo().max_seq_len
@@ -254,7 +254,7 @@ def test_an_imported_run_is_listed_as_imported_and_never_resumed_as_latest(train
     status = {row["run"]: row["status"] for row in json.loads(capsys.readouterr().out)}
     assert status == {"trained": "finished", "imported": "imported"}
 
-    from keel.train.run_dir import latest_run
+    from keel.runs.run_dir import latest_run
 
     assert latest_run(runs).name == "trained"  # the imported run is the newest, yet not a run to continue
 
@@ -289,7 +289,7 @@ def test_log_readers_never_raise_on_any_lines(trained, metrics, telemetry, summa
     import io
     import tempfile
 
-    from keel.train.run_dir import RunDir, latest_run
+    from keel.runs.run_dir import RunDir, latest_run
 
     with tempfile.TemporaryDirectory() as root, contextlib.redirect_stderr(io.StringIO()):
         run = Path(root) / "fuzzed"

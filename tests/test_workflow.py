@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from keel.cli import main
+from keel.config import load_config
 from keel.model import ModelConfig, TransformerLM
+from keel.runs.run_dir import RunDir
 from keel.scale.distributed import World
-from keel.train.config import load_config
-from keel.train.run_dir import RunDir
 from keel.train.telemetry import Telemetry
 
 
 def test_telemetry_equals_an_independent_measurement():
     """Per-sub-layer gradient norms and stream RMS as gradflow's own hooks measure them; |F| / |alpha x| by hand."""
-    from keel.experiments.gradflow import measure
+    from keel_studies.gradflow import measure
 
     torch.manual_seed(0)
     model = TransformerLM(ModelConfig(d_model=32, n_blocks=3, n_heads=2, max_seq_len=16))
@@ -143,9 +143,9 @@ def test_eval_prints_a_table_or_json(tmp_path, capsys, make_run, corpus):
     make_run(tmp_path / "run")
     config = (tmp_path / "run" / "config.yaml").read_text()
     (tmp_path / "run" / "config.yaml").write_text(config.replace("source: stdlib", f"source: {corpus}"))
-    from keel.train import trust
+    from keel.runs import trust
 
-    trust.sign(tmp_path / "run")  # edited by its own user: trusted again (keel.train.trust)
+    trust.sign(tmp_path / "run")  # edited by its own user: trusted again (keel.runs.trust)
     assert main(["eval", str(tmp_path / "run"), "--batches", "1"]) == 0
     text = capsys.readouterr().out
     assert "val_loss" in text and "{" not in text

@@ -30,14 +30,14 @@ import torch  # noqa: E402
 from flatness import FLAT_SUBLAYERS, FLAT_TARGET, flatness_markdown, flatness_series  # noqa: E402
 
 from keel import runtime  # noqa: E402
-from keel.bench.cli import writer  # noqa: E402
 from keel.bench.core import Bench, alternate, cold_warmup, scheme_config, summarize  # noqa: E402
+from keel.cli.bench import writer  # noqa: E402
+from keel.config import RunConfig, add_config_arguments, load_config  # noqa: E402
+from keel.config.reads import Reads  # noqa: E402
 from keel.errors import ConfigError, KeelError  # noqa: E402
 from keel.model import ModelConfig  # noqa: E402
-from keel.model.presets import cpu_demo, science  # noqa: E402
+from keel.model.sizes import cpu_demo, science  # noqa: E402
 from keel.runtime import machine  # noqa: E402
-from keel.train.config import RunConfig, add_config_arguments, load_config  # noqa: E402
-from keel.train.reads import Reads  # noqa: E402
 
 CPU_PARTS = ("compare", "cold_warmup", "science", "flatness")  # in the order they run
 

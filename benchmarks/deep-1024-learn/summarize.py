@@ -7,7 +7,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from keel.train.run_dir import RunDir
+from keel.runs.run_dir import RunDir
 
 UNIGRAM = 3.3  # nats: the byte-unigram entropy of the stdlib corpus, measured in the max-lr experiment
 

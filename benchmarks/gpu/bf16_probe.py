@@ -15,8 +15,8 @@ from dataclasses import replace
 import torch
 
 from keel.bench.core import Bench
-from keel.train.plan import memory_plan
-from keel.train.presets import train_preset
+from keel.config.presets import train_preset
+from keel.reporting.plan import memory_plan
 
 GiB = 2**30
 

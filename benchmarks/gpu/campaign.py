@@ -32,16 +32,16 @@ import torch  # noqa: E402
 from flatness import flatness_markdown, flatness_series  # noqa: E402
 
 from keel import runtime  # noqa: E402
-from keel.bench.cli import writer  # noqa: E402
 from keel.bench.core import Bench, attempt, cold_warmup, compare  # noqa: E402
 from keel.bench.perf_model import DEVICES, gpu_spec, modelled, predict_pair  # noqa: E402
+from keel.cli.bench import writer  # noqa: E402
+from keel.config import RunConfig, add_config_arguments, load_config  # noqa: E402
+from keel.config.reads import Reads  # noqa: E402
 from keel.errors import ConfigError, KeelError  # noqa: E402
 from keel.kernels.junction import can_fuse  # noqa: E402
 from keel.kernels.timing import copy_bandwidth, junction_bandwidth  # noqa: E402
 from keel.model import ModelConfig, count_params  # noqa: E402
 from keel.runtime import machine, resolve_device, use_bf16  # noqa: E402
-from keel.train.config import RunConfig, add_config_arguments, load_config  # noqa: E402
-from keel.train.reads import Reads  # noqa: E402
 
 GPU_SECTIONS = ("tests", "kernel", "warmup", "compare", "depth", "max_depth")
 # the campaign in parts of at most 8 minutes each (their sections' time boxes add up to 420-480 s), for the short
@@ -123,7 +123,7 @@ class GpuSuite:
 
 
 # variant -> (run.compile, run.fused_junction). "compiled+composed" (Keel's junction fused across blocks by Inductor)
-# is the default under compile (keel.scale.junction.junction_impl), measured fastest on one H200 (2026-11-26);
+# is the default under compile (keel.scale.fused_junction.junction_impl), measured fastest on one H200 (2026-11-26);
 # "compiled" leaves the junction to Inductor inside each block. The performance model's view of each:
 # perf_model.modelled.
 VARIANTS = {"eager": (False, "off"), "compiled": (True, "off"), "compiled+composed": (True, "composed"),

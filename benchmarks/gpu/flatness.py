@@ -25,10 +25,10 @@ from dataclasses import replace
 import torch
 
 from keel.bench.core import Bench, attempt, fresh_compile_state
+from keel.config import OptimConfig, RunConfig
 from keel.model import ModelConfig
-from keel.model.config import with_scheme
+from keel.model.architecture import with_scheme
 from keel.runtime import resolve_device
-from keel.train.config import OptimConfig, RunConfig
 
 FLAT_SUBLAYERS = (128, 256, 512, 1024)
 FLAT_TARGET = 0.10  # largest |ms per sub-layer at a depth / at the shallowest - 1| allowed

@@ -25,8 +25,8 @@ from torch._inductor import config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
 from keel.bench.core import Bench, free, fresh_compile_state, scheme_config
+from keel.config import OptimConfig, RunConfig
 from keel.model import ModelConfig
-from keel.train.config import OptimConfig, RunConfig
 
 # (category, pattern on the kernel or operator name), the first match wins. Inductor's kernels first: their names
 # list the ops fused into them (`triton_poi_fused__scaled_dot_product_efficient_attention__to_copy_...` is a

@@ -109,7 +109,7 @@ def junction_norms(one_pass: bool):
 
 def norm_pairs(model: torch.nn.Module) -> dict[str, int]:
     """How many of the model's junction norm pairs run in one pass and how many chained (what the arm installed)."""
-    from keel.scale.junction import NormPair  # noqa: PLC0415
+    from keel.scale.fused_junction import NormPair  # noqa: PLC0415
 
     pairs = [obj.one_pass for m in model.modules()
              for obj in (getattr(m, "incoming", None), getattr(getattr(m, "junction", None), "pair", None))

@@ -27,7 +27,7 @@ from calibrate import fitted_runs
 from campaign import GPU_PARTS, VARIANTS, GpuSuite, compare_points
 
 from keel.bench.perf_model import calibrated, modelled, predict
-from keel.model.config import with_scheme
+from keel.model.architecture import with_scheme
 
 BUILD_S = 3.0  # assumed seconds to build a model on the GPU and free it again (initialised on the device)
 PROCESS_S = 10.0  # assumed seconds to start a Python process that imports torch and keel and sets CUDA up

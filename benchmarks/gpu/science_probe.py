@@ -30,7 +30,7 @@ def one(depth: int, scheme: str, steps: int, dtype: str, compile_: bool, device:
     import torch
 
     from keel.experiments.common import point_config, train_curve
-    from keel.experiments.depth_sweep import DepthSweepConfig
+    from keel_studies.depth_sweep import DepthSweepConfig
 
     if mode:
         torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile, mode=mode)

@@ -42,13 +42,13 @@ from campaign import GpuSuite, gpu_markdown, gpu_suite
 from kernel_profile import profile_markdown, profile_schemes
 
 from keel.bench.core import Bench, attempt
+from keel.config.presets import train_preset
 from keel.launch import expandable_segments
 from keel.model import count_params
-from keel.train.plan import memory_plan
-from keel.train.presets import train_preset
+from keel.reporting.plan import memory_plan
 
 GiB = 2**30
-H100_USABLE_GIB = 79.6  # what the memory plan takes as an 80 GB H100's (keel.train.plan)
+H100_USABLE_GIB = 79.6  # what the memory plan takes as an 80 GB H100's (keel.reporting.plan)
 
 
 def preset_trial(name: str, device: torch.device, cap_gib: float | None, steps: int, toy: bool,

@@ -44,9 +44,11 @@ DTYPES = ("auto", "float32", "bfloat16")
 
 # dense bf16 peak FLOP/s by GPU name fragment, for MFU
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "4090": 165e12}
-# bytes of device memory as the driver reports it (nvidia-smi's total, MiB), of the GPUs keel plans for: the
-# datasheets' "80 GB" and "141 GB" are these sizes rounded. The CUDA context takes about 0.5 GiB of it.
-GPU_MEMORY = {"H100 80GB": 81559 * 2**20, "H200 141GB": 143771 * 2**20, "A100 80GB": 81920 * 2**20}
+# bytes one process's tensors can use on the GPUs keel plans for, one figure per GPU: the driver's total (nvidia-smi,
+# MiB) less the 1,247 MiB an 80 GB H100 kept back from PyTorch (79.18 GiB CUDA capacity, 0.74 GiB of it the CUDA
+# context and libraries: 78.43 GiB reserved or free at an out-of-memory error), assumed the same on the others
+GPU_MEMORY = {"H100 80GB": (81559 - 1247) * 2**20, "H200 141GB": (143771 - 1247) * 2**20,
+              "A100 80GB": (81920 - 1247) * 2**20}
 
 
 def usable_cpus() -> int:

@@ -12,9 +12,9 @@ from suite import CPU_SHAPES  # noqa: E402
 from torch import nn  # noqa: E402
 
 from keel.bench.core import Bench, alternate, scheme_config  # noqa: E402
-from keel.model.presets import cpu_demo  # noqa: E402
-from keel.scale.junction import FusedResidual  # noqa: E402
-from keel.train.config import RunConfig  # noqa: E402
+from keel.config import RunConfig  # noqa: E402
+from keel.model.sizes import cpu_demo  # noqa: E402
+from keel.scale.fused_junction import FusedResidual  # noqa: E402
 
 shape, steps, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 over, batch, seq = CPU_SHAPES[shape]

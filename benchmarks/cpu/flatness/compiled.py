@@ -10,8 +10,8 @@ import torch  # noqa: E402
 from flatness import flatness_markdown, flatness_series  # noqa: E402
 from suite import CPU_FLATNESS  # noqa: E402
 
+from keel.config import RunConfig  # noqa: E402
 from keel.model import ModelConfig  # noqa: E402
-from keel.train.config import RunConfig  # noqa: E402
 
 torch.set_num_threads(1)
 f = CPU_FLATNESS

@@ -8,8 +8,8 @@ import time
 import torch
 
 import keel  # noqa: F401
+from keel.config import OptimConfig
 from keel.model import ModelConfig, TransformerLM
-from keel.train.config import OptimConfig
 from keel.train.optim import build_optimizer
 from keel.train.step import TrainStep
 

@@ -22,13 +22,13 @@ from dataclasses import asdict, replace
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from keel.config import OptimConfig, RunConfig
 from keel.errors import ConfigError
 from keel.model import SCHEMES, ModelConfig, TransformerLM, count_params, flops_per_token
-from keel.model.config import with_scheme
+from keel.model.architecture import with_scheme
 from keel.runtime import autocast_for, peak_flops, resolve_device
-from keel.scale.junction import fused_junctions, hands_on_sums
+from keel.scale.fused_junction import fused_junctions, hands_on_sums
 from keel.scale.memory import estimate_memory
-from keel.train.config import OptimConfig, RunConfig
 from keel.train.optim import build_optimizer
 from keel.train.step import TrainStep, build_model
 
@@ -113,7 +113,7 @@ def check_schemes(schemes: list[str]) -> None:
 
 
 def scheme_config(config: ModelConfig, scheme: str) -> ModelConfig:
-    """`config` as `scheme` (keel.model.config.with_scheme, what the experiments use too)."""
+    """`config` as `scheme` (keel.model.architecture.with_scheme, what the experiments use too)."""
     return with_scheme(config, scheme)
 
 

@@ -153,9 +153,9 @@ class Code:
     cast_once: bool = True  # under autocast a branch casts its float32 input once (keel.model.layers.compute_dtype),
     # not once per matmul (before 2026-11-25)
     fused_u_compute_dtype: bool = True  # the fused kernel writes u in the compute dtype, not float32 plus a cast
-    sum_handoff: bool = True  # compiled under AC, a Keel block hands on alpha*x + h (keel.scale.junction.SumHandoff)
-    # and its recomputation skips the block's last matmul, as Pre-LN's does; it ended with LN_out, whose input its
-    # backward needs, and ran that matmul again (before 2026-11-26)
+    sum_handoff: bool = True  # compiled under AC, a Keel block hands on alpha*x + h
+    # (keel.scale.fused_junction.SumHandoff) and its recomputation skips the block's last matmul, as Pre-LN's does;
+    # it ended with LN_out, whose input its backward needs, and ran that matmul again (before 2026-11-26)
 
 
 def modelled(variant: str, code: Code = Code()) -> tuple[str, Code]:
@@ -217,7 +217,7 @@ def _reads_last_output(config: ModelConfig, scheme, specs: list, j: int, impl: s
     """Whether the backward of the block ending with sub-layer j needs its branch output h: a norm on h
     (Peri-LN's norm_branch), or the block's output norm_out(alpha*x + h) (Post-LN; Keel unless it hands on the sum,
     which a compiled, checkpointed, unlooped Keel does at every junction and at the stack's end:
-    keel.scale.junction.SumHandoff)."""
+    keel.scale.fused_junction.SumHandoff)."""
     spec = specs[j]
     if spec.norm_branch:
         return True

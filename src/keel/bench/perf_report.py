@@ -27,7 +27,7 @@ from keel.model import ModelConfig
 def prediction_markdown(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, bf16: bool = True,
                         ac_every: int = 0, memory: int | None = None) -> str:
     """The PREDICTED step of Keel and Pre-LN at one shape on `device`, per implementation and per op group.
-    `memory`: the run's bytes by its memory plan (keel.train.plan.memory_plan: its weights, optimizer and
+    `memory`: the run's bytes by its memory plan (keel.reporting.plan.memory_plan: its weights, optimizer and
     checkpointing as configured); without it, float32 weights and AdamW moments."""
     pairs = {impl: predict_pair(config, batch, seq, device, impl, bf16, ac_every) for impl in IMPLS}
     basis = ("its efficiencies calibrated on the measured run " + device.calibrated + ", whose step times were "
@@ -209,8 +209,8 @@ def validation_config(d: int, n_sublayers: int, seq: int) -> ModelConfig:
 def validate(steps: int = 10, warmup: int = 3, shapes=VALIDATION_SHAPES) -> dict:
     """Predicted (from `measure_cpu`) against measured (keel.bench.core.compare) eager float32 step times."""
     from keel.bench.core import compare  # noqa: PLC0415
+    from keel.config import RunConfig  # noqa: PLC0415
     from keel.runtime import machine  # noqa: PLC0415
-    from keel.train.config import RunConfig  # noqa: PLC0415
 
     rows = []
     for d, n, batch, seq in shapes:

@@ -33,7 +33,7 @@ from keel.cli.support import (
 )
 from keel.errors import ConfigError, KeelError
 from keel.launch import launcher_environment
-from keel.train.trust import trusting
+from keel.runs.trust import trusting
 
 MAX_NEW_TOKENS = 1_000_000  # keel generate: a long text; 10**20 would run for ever
 SMALLEST = 1e-6  # keel generate's smallest --temperature and --top-p (see cmd_generate)
@@ -47,9 +47,9 @@ def _no_preset(args, why: str) -> None:
 
 
 def cmd_summary(args) -> int:
-    from keel.train.config import load_config, merge
-    from keel.train.reads import SUMMARY, SUMMARY_OF_RUN
-    from keel.train.run_dir import RunDir
+    from keel.config import load_config, merge
+    from keel.config.reads import SUMMARY, SUMMARY_OF_RUN
+    from keel.runs.run_dir import RunDir
 
     run_dir = args.run_dir
     if run_dir and "=" in run_dir:  # `keel summary scheme=pre_ln`: the optional positional took an override
@@ -59,15 +59,15 @@ def cmd_summary(args) -> int:
         config = merge(RunDir.open(run_dir).config(), args.config, args.overrides, SUMMARY_OF_RUN)
     else:
         config = load_config(args.overrides, args.config, args.preset, SUMMARY)
-    from keel.train.plan import describe  # torch: after the config's checks, so a bad field answers at once
+    from keel.reporting.plan import describe  # torch: after the config's checks, so a bad field answers at once
 
     print(describe(config.model))
     return 0
 
 
 def cmd_train(args) -> int:
-    from keel.train.config import load_config, to_yaml
-    from keel.train.run_dir import RunDir, latest_run
+    from keel.config import load_config, to_yaml
+    from keel.runs.run_dir import RunDir, latest_run
 
     config = load_config(args.overrides, args.config, args.preset)  # a bad field or value: one line, no torch
     resume_from = None
@@ -78,7 +78,7 @@ def cmd_train(args) -> int:
         run = latest_run(config.run.out_dir) if config.resume == "latest" else RunDir.open(config.resume)
         config = run.resume_config(args.overrides, args.config)
         resume_from = run.latest_checkpoint()
-        from keel.train.resume import check_resume_fits
+        from keel.runs.resume import check_resume_fits
 
         check_resume_fits(run.path, config, resume_from)  # as eval does, before the trainer allocates anything
     runtime.set_threads(config.run.threads)  # once, from the merged config, before any torch work
@@ -86,7 +86,7 @@ def cmd_train(args) -> int:
         print(to_yaml(config), end="")
         return 0
     from keel.cli.support import DIVERGED_EXIT, INTERRUPTED_EXIT
-    from keel.train.plan import plan, recipe_warnings
+    from keel.reporting.plan import plan, recipe_warnings
     from keel.train.trainer import Trainer
 
     if args.dry_run:
@@ -106,7 +106,7 @@ def cmd_train(args) -> int:
     if summary["interrupted"]:
         return INTERRUPTED_EXIT
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
-        from keel.train.report import SUMMARY_KEYS, key_values
+        from keel.reporting.tables import SUMMARY_KEYS, key_values
 
         print(json.dumps(summary, indent=1) if args.json else key_values(summary, SUMMARY_KEYS))
         print(f"run: {trainer.run_dir}")
@@ -114,8 +114,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_runs(args) -> int:
-    from keel.train.report import table, task_columns
-    from keel.train.run_dir import find_runs
+    from keel.reporting.tables import table, task_columns
+    from keel.runs.run_dir import find_runs
 
     rows = [r.describe() | task_columns(r.metrics()) for r in find_runs(args.dir)]
     if args.json:
@@ -126,7 +126,7 @@ def cmd_runs(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from keel.train.run_dir import RunDir
+    from keel.runs.run_dir import RunDir
 
     runs = [RunDir.open(r) for r in args.runs]
     if args.out:
@@ -135,7 +135,7 @@ def cmd_plot(args) -> int:
         out = runs[0] / "curves.png"
     else:  # beside the runs compared
         out = runs[0].parent / f"compare-{'-'.join(r.name for r in runs)[:120]}.png"
-    from keel.train.plot import plot_runs
+    from keel.reporting.plot import plot_runs
 
     print(f"wrote {plot_runs(runs, out)}")
     return 0
@@ -145,8 +145,8 @@ def cmd_eval(args) -> int:
     if args.batches < 0:
         raise ConfigError(f"--batches: got {args.batches}; allowed: an integer >= 1, or 0 for run.eval_batches")
     check_device(args.device, "--device")
+    from keel.reporting.tables import EVAL_KEYS, key_values
     from keel.train.evaluate import evaluate_run
-    from keel.train.report import EVAL_KEYS, key_values
 
     result = evaluate_run(args.run_dir, args.checkpoint, args.split, args.batches, args.device)
     if os.environ.get("RANK", "0") != "0":  # under torchrun every rank evaluated its share; rank 0 reports
@@ -182,7 +182,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from keel.generate import generate
-    from keel.train.run_dir import load_model
+    from keel.runs.run_dir import load_model
 
     config, model, tokenizer, _ = load_model(args.run_dir, args.checkpoint)
     ids = tokenizer.encode(args.prompt)
@@ -199,10 +199,10 @@ def cmd_generate(args) -> int:
 def cmd_tokenizer(args) -> int:
     if not 0 < args.vocab_size <= MAX_VOCAB:
         raise ConfigError(f"--vocab-size: got {args.vocab_size}; allowed: an integer in [1, {MAX_VOCAB:,}]")
+    from keel.config import TrainConfig, merge
+    from keel.config.reads import TOKENIZER
     from keel.data import build_corpus
     from keel.data.tokenizer import train_bpe
-    from keel.train.config import TrainConfig, merge
-    from keel.train.reads import TOKENIZER
 
     out = writable(output_path(args.out, "--out", (".json",)), "--out")  # before training, which can take hours
     corpus = build_corpus(merge(TrainConfig(), args.config, args.overrides, TOKENIZER).data)
@@ -219,7 +219,7 @@ def add_trust_argument(p) -> None:
 
 
 def add_train_command(sub) -> None:
-    from keel.train.config import add_config_arguments
+    from keel.config import add_config_arguments
 
     p = sub.add_parser("train", help=COMMANDS["train"],
                        description="Train. Settings are dotted key=value overrides, e.g. model.n_blocks=8 "
@@ -275,7 +275,7 @@ def add_generate_command(sub) -> None:
 
 
 def add_summary_command(sub) -> None:
-    from keel.train.config import add_config_arguments
+    from keel.config import add_config_arguments
 
     p = sub.add_parser("summary", help=COMMANDS["summary"])
     p.add_argument("run_dir", nargs="?", help="a run directory: describe that run's model")
@@ -295,19 +295,19 @@ def add_tokenizer_command(sub) -> None:
 
 
 def add_experiment_command(sub) -> None:
-    from keel.experiments.cli import register
+    from keel.cli.experiment import register
 
     register(sub)
 
 
 def add_sweep_command(sub) -> None:
-    from keel.experiments.cli import register_sweep
+    from keel.cli.experiment import register_sweep
 
     register_sweep(sub)
 
 
 def add_bench_command(sub) -> None:
-    from keel.bench.cli import register
+    from keel.cli.bench import register
 
     register(sub)
 

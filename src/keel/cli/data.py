@@ -4,7 +4,7 @@ The corpus and tokenizer are named with the `data.*` fields `keel train` takes."
 from __future__ import annotations
 
 from keel.cli.support import DefaultsShown
-from keel.train.reads import Reads
+from keel.config.reads import Reads
 
 COMMANDS = {"data": "tokenise a corpus into token shards for training (keel data prepare)"}
 
@@ -15,8 +15,8 @@ PREPARE = Reads("keel data prepare", ("data.source", "data.text_field", "data.hf
 
 
 def cmd_prepare(args) -> int:
+    from keel.config import TrainConfig, merge
     from keel.data.shard_writer import prepare_shards
-    from keel.train.config import TrainConfig, merge
 
     data = merge(TrainConfig(), args.config, args.overrides, PREPARE).data
     done = prepare_shards(data, args.out, args.workers, args.shard_tokens, args.bpe_sample)

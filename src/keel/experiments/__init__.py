@@ -1,36 +1,46 @@
-"""The paper's experiments as commands: `keel experiment <name> [--quick] [key=value ...]`.
+"""The engine the studies run on: points trained through the one training step (`common`), sweeps shared by
+several processes and kept point by point (`sweep`, `store`, `partial`), searches that grow a grid past an edge
+choice (`grid`), the paper's measurements (`budget`: loss at a token budget on the select and report halves;
+`detect`: failure under a rising LR) and the statistics (`stats`).
 
-`NAMES` needs no torch, so the command's usage errors answer at once; `EXPERIMENTS` imports every experiment
-(and torch) on first use."""
+The studies themselves, the paper's and this project's, are research: the `keel_studies` package in a Keel
+checkout's `research/` folder, beside the library. `keel experiment NAME` and `keel sweep STUDY.yaml` find it
+there (`studies()`); `NAMES` and `EXPERIMENTS` name them."""
 
 import importlib
+import sys
+from pathlib import Path
 
-# name -> (module, config class, run function); each run writes results.json, PNG plots and report.md
-_REGISTRY = {
-    "gradflow": ("gradflow", "GradflowConfig", "run"),
-    "max-lr": ("maxlr", "MaxLRConfig", "run"),
-    "depth": ("scaling", "DepthConfig", "run_depth"),
-    "lr-sweep": ("scaling", "LRSweepConfig", "run_lr_sweep"),
-    "deep-vs-wide": ("scaling", "DeepWideConfig", "run_deep_vs_wide"),
-    "ablations": ("ablations", "AblationConfig", "run"),
-    "redundancy": ("redundancy", "RedundancyConfig", "run"),
-    "regime": ("regime", "RegimeConfig", "run"),
-    "stream-precision": ("precision", "PrecisionConfig", "run"),
-    "frontier": ("frontier", "FrontierConfig", "run"),
-    "downstream": ("downstream", "DownstreamConfig", "run"),
-    "downstream-end": ("downstream_end", "DownstreamEndConfig", "run"),
-    "tuned": ("tuned", "TunedConfig", "run"),
-    "depth-pilot": ("pilot", "PilotConfig", "run"),
-    "depth-sweep": ("depth_sweep", "DepthSweepConfig", "run"),
-    "equal-tuning": ("equal_tuning", "EqualTuningConfig", "run"),
-}
-NAMES = tuple(_REGISTRY)
+from keel.errors import ConfigError
+
+WHERE = ("the studies live beside the library in a Keel checkout's research/ folder (research/keel_studies): run "
+         "keel experiment / keel sweep from inside a clone of the Keel repository")
+
+
+def studies(near: str | Path | None = None):
+    """The `keel_studies` package: importable already, or found in a `research/` folder at or above `near` (a
+    study file), the working directory or this package's checkout. One ConfigError when there is none."""
+    try:
+        return importlib.import_module("keel_studies")
+    except ModuleNotFoundError as err:
+        if err.name != "keel_studies":
+            raise
+    starts = [Path(near).resolve() if near else None, Path.cwd(), Path(__file__).resolve()]
+    for start in filter(None, starts):
+        for folder in (start, *start.parents):
+            if (folder / "research" / "keel_studies" / "__init__.py").is_file():
+                sys.path.insert(0, str(folder / "research"))
+                return importlib.import_module("keel_studies")
+    raise ConfigError(WHERE)
 
 
 def __getattr__(name: str):
+    if name == "NAMES":  # the study names, without torch
+        return tuple(studies().STUDIES)
     if name == "EXPERIMENTS":  # name -> (config class, run function), loaded once
-        modules = {m: importlib.import_module(f"keel.experiments.{m}") for m, _, _ in _REGISTRY.values()}
-        experiments = {n: (getattr(modules[m], c), getattr(modules[m], r)) for n, (m, c, r) in _REGISTRY.items()}
+        registry = studies().STUDIES
+        modules = {m: importlib.import_module(f"keel_studies.{m}") for m, _, _ in registry.values()}
+        experiments = {n: (getattr(modules[m], c), getattr(modules[m], r)) for n, (m, c, r) in registry.items()}
         globals()["EXPERIMENTS"] = experiments
         return experiments
     raise AttributeError(f"module 'keel.experiments' has no attribute {name!r}")

@@ -34,26 +34,26 @@ import numpy as np
 import torch
 
 from keel import runtime
+from keel.config import GuardConfig, OptimConfig, RunConfig, TrainConfig, validate
+from keel.config.reads import Reads
 from keel.data import DataConfig, WindowSampler, prepare
 from keel.data import eval_batches as spaced_batches
 from keel.errors import ConfigError
 from keel.experiments.partial import Discarded, Partial
 from keel.model import ModelConfig, TransformerLM, lm_loss
-from keel.model.config import with_scheme
-from keel.model.presets import science
+from keel.model.architecture import with_scheme
 from keel.model.schemes import SCHEME_OPTIONS, SCHEMES
+from keel.model.sizes import science
 from keel.runtime import autocast_for, machine, resolve_device
-from keel.train.config import GuardConfig, OptimConfig, RunConfig, TrainConfig, validate
 from keel.train.evaluate import evaluate
 from keel.train.guard import DivergenceGuard
 from keel.train.optim import build_optimizer, lr_at
-from keel.train.reads import Reads
 from keel.train.step import TrainStep, build_model, on_device
 from keel.train.stop import DeferredStop
 
 
 def experiment_model() -> ModelConfig:
-    """The base model of the science experiments (keel.model.presets.science: d=64, 4 query / 2 KV heads,
+    """The base model of the science experiments (keel.model.sizes.science: d=64, 4 query / 2 KV heads,
     bytes). Depth and scheme are set per point."""
     return science()
 
@@ -166,7 +166,8 @@ class ExperimentConfig:
                 raise ConfigError(f"{name}: {value} repeats a seed")
 
     def point_model(self, scheme: str, n_sublayers: int, **fields) -> ModelConfig:
-        """The base model at `n_sublayers` as `scheme` (keeping the options it reads: keel.model.config.with_scheme),
+        """The base model at `n_sublayers` as `scheme` (keeping the options it reads:
+        keel.model.architecture.with_scheme),
         with any other field given."""
         return replace(with_scheme(self.model, scheme), n_blocks=n_sublayers // 2, max_seq_len=self.run.seq_len,
                        **fields)

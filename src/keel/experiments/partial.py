@@ -3,7 +3,7 @@ point where it was instead of training it again from step 0.
 
 `Sweep` runs each point with `<out>/points/<key>.partial` as its partial directory (`partial_dir()`) and removes
 it once the point's file is written. A point that opts in (`budget_point`) passes a `Partial` to `train_curve`,
-which writes one keel checkpoint there (keel.train.checkpoint: atomic, checksummed, tensors only) at most every
+which writes one keel checkpoint there (keel.runs.checkpoint: atomic, checksummed, tensors only) at most every
 `EVERY_SECONDS` and at the step boundary where SIGINT/SIGTERM stops it, holding the weights, the optimiser, the
 sampler, the torch RNG, the guard's history, the losses and LRs so far, the seconds trained and the caller's own
 state (e.g. budget_point's report-half curve). A process that later runs the same point finds it and trains on
@@ -29,8 +29,8 @@ import torch
 
 from keel._version import __version__
 from keel.errors import CheckpointError
-from keel.train import checkpoint
-from keel.train.checkpoint_paths import list_checkpoints
+from keel.runs import checkpoint
+from keel.runs.paths import list_checkpoints
 
 EVERY_SECONDS = 120.0  # between saves: a killed point loses at most this much training
 _DIR: contextvars.ContextVar[Path | None] = contextvars.ContextVar("partial_dir", default=None)

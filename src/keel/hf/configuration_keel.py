@@ -1,4 +1,4 @@
-"""`KeelConfig`: a `transformers` config holding the fields of `keel.model.config.ModelConfig`.
+"""`KeelConfig`: a `transformers` config holding the fields of `keel.model.architecture.ModelConfig`.
 
 `keel export-hf` copies this file into an exported directory with its `keel` imports made relative, so
 keep every import of this project on one `from keel.<module> import ...` line.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from keel.model.config import CONFIG_FIELDS, ModelConfig
+from keel.model.architecture import CONFIG_FIELDS, ModelConfig
 
 
 class KeelConfig(PretrainedConfig):

@@ -18,7 +18,7 @@ from keel.data.tokenizer import ByteTokenizer
 from keel.errors import DataError, ExportError
 
 # the model's modules in dependency order; concatenated, they form the exported keel_model.py
-MODEL_MODULES = ("numerics", "schemes", "config", "layers", "transformer")
+MODEL_MODULES = ("numerics", "schemes", "architecture", "layers", "transformer")
 AUTO_MAP = {"AutoConfig": "configuration_keel.KeelConfig", "AutoModelForCausalLM": "modeling_keel.KeelForCausalLM"}
 
 
@@ -139,7 +139,7 @@ def model_card(config, model, run_dir: Path, checkpoint: Path) -> str:
 
     m, d, r = config.model, config.data, config.run
     step = _checkpoint_step(checkpoint)
-    from keel.train.run_dir import RunDir
+    from keel.runs.run_dir import RunDir
 
     corpus = RunDir(run_dir).provenance().get("data")  # a planted link or damaged file: noted, not followed
     equation = type(model.scheme).__doc__.strip().splitlines()[0]
@@ -198,7 +198,7 @@ def export_run(run_dir, out_dir, checkpoint: str | None = None) -> Path:
 
     from keel.hf.configuration_keel import KeelConfig
     from keel.hf.modeling_keel import KeelForCausalLM
-    from keel.train.run_dir import load_model
+    from keel.runs.run_dir import load_model
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from keel import safe_io
 from keel.errors import ExportError
-from keel.evals.harness import fetch_failure, fetch_message, find_tasks
+from keel.evals.in_memory_lm import fetch_failure, fetch_message, find_tasks
 from keel.hf import register
 from keel.hf.export import export_run
 

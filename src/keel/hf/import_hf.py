@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 
 from keel import safe_io
 from keel.errors import DataError, ExportError
-from keel.model.config import SIZE_LIMITS
+from keel.model.architecture import SIZE_LIMITS
 
 _INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 _OPTIONAL_INT_FIELDS = ("num_key_value_heads", "max_position_embeddings", "head_dim")
@@ -76,7 +76,7 @@ def _weight_files(hf_dir: Path) -> list[Path]:
 
 def _weight_count(files: list[Path]) -> int:
     """Numbers in all the weight files, from their headers (no tensor read)."""
-    from keel.train.untrusted import Damaged, safetensors_shapes
+    from keel.runs.untrusted import Damaged, safetensors_shapes
 
     total = 0
     for path in files:
@@ -170,13 +170,13 @@ def _check_new_run_dir(run_dir: Path) -> None:
 
 def import_llama(hf_dir, run_dir, data_source: str = "stdlib") -> Path:
     """Convert `hf_dir` (config.json, model.safetensors, tokenizer.json) into the run directory `run_dir`."""
+    from keel.config import RunConfig, TrainConfig, validate
     from keel.data.corpus import DataConfig
     from keel.data.tokenizer import HFTokenizer
     from keel.hf.llama import state_dict_from_llama
     from keel.model.transformer import TransformerLM
-    from keel.train import checkpoint
-    from keel.train.config import RunConfig, TrainConfig, validate
-    from keel.train.run_dir import RunDir
+    from keel.runs import checkpoint
+    from keel.runs.run_dir import RunDir
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     config_path, tokenizer_path = hf_dir / "config.json", hf_dir / "tokenizer.json"

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
-from keel.model.config import ModelConfig
+from keel.model.architecture import ModelConfig
 
 # (Hugging Face name, Keel name); {i} is the block index
 _LAYER_NAMES = (

@@ -87,7 +87,7 @@ def keel_junction(x: torch.Tensor, f: torch.Tensor, alpha: float, w_out: torch.T
 # shapes (`register_fake`). They stay opaque custom ops rather than torch.library.triton_op (which lets Inductor
 # launch the kernel from its own generated code) because:
 # - by default the kernel is not in a compiled graph at all: under compile on CUDA, run.fused_junction=auto
-#   leaves the junction to Inductor, measured faster (keel.scale.junction.junction_impl); only "on" puts it there;
+#   leaves the junction to Inductor, measured faster (keel.scale.fused_junction.junction_impl); only "on" puts it there;
 # - Inductor would still not fuse into it (it fuses its own kernels only), and the measured gap to Inductor's
 #   junction (945 vs 638 us forward+backward at d=1024 on an H100) lies inside the kernel, not around it;
 # - under triton's interpreter, which the CPU tests rely on, a triton_op cannot be compiled: torch 2.13's

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from keel.model.config import ModelConfig
+from keel.model.architecture import ModelConfig
 from keel.model.transformer import block_specs, build_scheme
 
 

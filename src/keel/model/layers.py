@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from keel.model.config import ModelConfig
+from keel.model.architecture import ModelConfig
 from keel.model.numerics import upcast
 
 

@@ -42,7 +42,7 @@ class Scheme:
 
     A scheme owns its options (the ModelConfig fields only it reads): `defaults` says what an unset one (None)
     means, `shown` how one reads in `keel summary` and a model card, and `switched` what a config switched to
-    another scheme keeps of them (keel.model.config.with_scheme)."""
+    another scheme keeps of them (keel.model.architecture.with_scheme)."""
 
     name: ClassVar[str]
     # config fields (beyond the shared ones) that this scheme reads; any other scheme rejects them

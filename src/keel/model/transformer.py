@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from keel.model.config import ModelConfig
+from keel.model.architecture import ModelConfig
 from keel.model.layers import Attention, KVCache, make_ffn, make_norm, rope_tables
 from keel.model.numerics import upcast
 from keel.model.schemes import SCHEMES, Scheme, SublayerSpec

@@ -1,6 +1,6 @@
 """Scale: processes (torch.distributed), the one builder (junction, AC, compile, pipeline, FSDP2), memory.
 
-The values of the run fields this package reads live here, so that keel.train.config validates a config
+The values of the run fields this package reads live here, so that keel.config validates a config
 without importing torch (parallel) or torch.distributed.pipelining (pipeline)."""
 
 from keel.errors import ConfigError
@@ -16,7 +16,7 @@ PP_SCHEDULE_SPECS = {
     "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
 }
 PP_SCHEDULES = tuple(PP_SCHEDULE_SPECS)  # run.pp_schedule's values
-# run.fused_junction's values and default (keel.scale.junction.apply_fused_junction); the kernel module (and
+# run.fused_junction's values and default (keel.scale.fused_junction.apply_fused_junction); the kernel module (and
 # triton) is imported only when a junction is fused
 FUSED_JUNCTION = ("auto", "on", "composed", "off")  # composed: fused by the compiler across blocks (run.compile)
 FUSED_JUNCTION_DEFAULT = "auto"

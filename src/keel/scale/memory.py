@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from keel.model.config import ModelConfig
+from keel.model.architecture import ModelConfig
 from keel.model.counting import block_params, count_param_tensors, root_params
 from keel.model.transformer import build_scheme
 
@@ -57,7 +57,8 @@ def _block_words(config: ModelConfig, index: int, branch_scale: float) -> float:
 
 
 def hands_on_sum(config: ModelConfig, ac_every: int, compiled: bool) -> bool:
-    """Whether the stack's last sub-layer hands on its sum, normalised at the root (keel.scale.junction.NormOfSum):
+    """Whether the stack's last sub-layer hands on its sum, normalised at the root
+    (keel.scale.fused_junction.NormOfSum):
     compiled under AC, an unlooped model whose last sub-layer is a junction's first half and that has no final
     norm (Keel)."""
     scheme = build_scheme(config)

@@ -4,7 +4,7 @@ built model from outside: `parallelize` is the one place that decides them, for 
 The model (keel.model.transformer) is single-device code and knows nothing of this. `parallelize` applies, in
 this fixed order (torchtitan's, with the kernel swap first, as its model converters come first):
 
-  0. `apply_fused_junction`  (keel.scale.junction) compute each Keel junction (`LN_out` of one sub-layer and
+  0. `apply_fused_junction`  (keel.scale.fused_junction) compute each Keel junction (`LN_out` of one sub-layer and
                      `LN_in` of the next) in one piece, by swapping the two sub-layers' `Residual` modules for
                      `FusedResidual`s (as torchtitan's model converters swap modules): with the fused kernel of
                      keel.kernels.junction on CUDA, or, for a compiled model elsewhere, composed inside the
@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from keel.scale import FUSED_JUNCTION, FUSED_JUNCTION_DEFAULT  # noqa: F401 (FUSED_JUNCTION: re-exported)
-from keel.scale.junction import apply_fused_junction, handed_norms
+from keel.scale.fused_junction import apply_fused_junction, handed_norms
 
 
 def apply_ac(model: nn.Module, every: int) -> int:
@@ -84,7 +84,7 @@ def apply_fsdp(module: nn.Module, mesh, param_dtype: torch.dtype | None = None, 
     `reshard_after_forward=False` keeps every block gathered from its forward to its backward (a pipeline
     stage runs a forward per micro-batch before the backwards: resharding would gather each block again).
 
-    A fused junction between two blocks applies a norm the other block holds (keel.scale.junction.handed_norms:
+    A fused junction between two blocks applies a norm the other block holds (keel.scale.fused_junction.handed_norms:
     the previous block's norm_out, under the sum handoff). Those norms (d_model values each) form one unit of
     their own, sharded first so that no block's unit claims them, and gathered by the root's pre-forward for the
     whole step: one more all-gather and reduce-scatter a step, d_model values per block. They are never called as
@@ -120,11 +120,11 @@ def parallelize(model: nn.Module, *, fused_junction: str = FUSED_JUNCTION_DEFAUL
     `fsdp` is then not used), and returns the `PipelineModel`. Under a pipeline no junction crosses into another
     stage (its norm would be on another rank); under FSDP2 junctions cross blocks as in one process (`apply_fsdp`
     gathers the norms they hand across). `one_pass_norms`: the compiler's junctions run their two RMSNorms as one
-    op with a one-pass backward (keel.scale.junction.NormPair); False composes the two norm modules.
+    op with a one-pass backward (keel.scale.fused_junction.NormPair); False composes the two norm modules.
     """
     # a checkpointed block keeps only its input: handing it (stream, LN_in(stream)) would keep two tensors per
     # block boundary instead of one, so under AC the kernel's junctions stay inside blocks (the compiler's hand on
-    # the sum alone: keel.scale.junction.SumHandoff)
+    # the sum alone: keel.scale.fused_junction.SumHandoff)
     stage_starts = [span.start for span in pipeline.spans[1:]] if pipeline is not None else ()
     apply_fused_junction(model, fused_junction, compiled=compile, checkpointed=ac_every > 0, stage_starts=stage_starts,
                          one_pass=one_pass_norms)

@@ -9,7 +9,7 @@ fused junction, activation checkpointing and compile are applied to it, `Pipelin
 stages, FSDP2 shards them over their data-parallel replicas, and `PipelinePlan.assemble` returns the
 `PipelineModel`. A stage runs `TransformerLM`'s own pieces (`embed_tokens`, `run_blocks`, `head`), and the
 `PipelineModel` holds the kept modules under the full model's names, so the optimiser, `state_dict` and DCP
-checkpoints (keel.train.checkpoint.save_sharded) see the same parameter names as in one process: a checkpoint
+checkpoints (keel.runs.checkpoint.save_sharded) see the same parameter names as in one process: a checkpoint
 written by the stages loads in one process, and the reverse.
 
 One step (`PipelineModel.forward_backward`) is one `schedule.step()` over the batch, split into micro-batches.

@@ -79,16 +79,16 @@ def evaluate_run(run_dir, checkpoint: str | None = None, split: str = "val", bat
                  device: str = "auto", trust: bool = False) -> dict:
     """`keel eval`: a run's checkpoint on its own data split, with the run's sequence length, dtype and saved
     tokenizer. The run's data.source and data.cache_dir are followed outside the run only when the config is
-    trusted (`trust`, or keel.train.trust's rules); the model's sizes are checked before it is built.
+    trusted (`trust`, or keel.runs.trust's rules); the model's sizes are checked before it is built.
 
     Under torchrun the model is built as the run trained (FSDP2, or run.pp stages by replicas) and the same
     windows as in one process are split over the ranks, so the loss is one process's; every rank returns it."""
     from keel.data import prepare
+    from keel.runs.run_dir import RunDir
+    from keel.runs.trust import check_data_paths
     from keel.runtime import autocast_for, resolve_device
     from keel.scale import distributed
-    from keel.train.run_dir import RunDir
     from keel.train.step import build_model
-    from keel.train.trust import check_data_paths
 
     run = RunDir.open(run_dir)
     dev = resolve_device(device)

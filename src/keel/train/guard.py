@@ -9,8 +9,8 @@ import sys
 import time
 from collections import deque
 
-from keel.train import checkpoint, resume
-from keel.train.config import GuardConfig
+from keel.config import GuardConfig
+from keel.runs import checkpoint, resume
 
 
 class Diverged(Exception):

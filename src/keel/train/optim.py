@@ -7,8 +7,8 @@ import math
 import torch
 from torch import nn
 
+from keel.config import OptimConfig, optimizer_implementation
 from keel.errors import ConfigError
-from keel.train.config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
@@ -30,16 +30,6 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
                              foreach=impl == "foreach", fused=impl == "fused")
 
 
-def optimizer_implementation(cfg: OptimConfig, device: torch.device) -> str:
-    """torch's AdamW kernel: "fused" (one kernel over all parameters, no temporaries: 16 bytes a parameter at
-    the step) or "foreach" (a few multi-tensor ops, with one float32 temporary per parameter: 20 bytes a
-    parameter, keel.scale.memory). optim.implementation=auto takes the fused one on CUDA and keeps foreach on a
-    CPU, where every committed result was trained with it (the two agree to float32 rounding, not bit for bit)."""
-    if cfg.implementation == "auto":
-        return "fused" if device.type == "cuda" else "foreach"
-    return cfg.implementation
-
-
 def torchao_adamw(groups: list[dict], cfg: OptimConfig, bf16_weights: bool = False) -> torch.optim.Optimizer:
     """torchao's AdamW, which steps one parameter at a time (no foreach temporary) and computes each update in
     float32. The `depth` extra installs torchao.
@@ -53,7 +43,7 @@ def torchao_adamw(groups: list[dict], cfg: OptimConfig, bf16_weights: bool = Fal
 
     Its state dict holds each quantised moment as plain tensors: `<moment>` its uint8 codes (the parameter's
     shape), `<moment>.scale` the block scales, `<moment>.qmap` the code book, `<moment>.signed`; a checkpoint then
-    loads weights-only with no tensor class of torchao's (keel.train.untrusted.check_optimizer checks the layout),
+    loads weights-only with no tensor class of torchao's (keel.runs.untrusted.check_optimizer checks the layout),
     at 2 bytes a parameter per moment as on the GPU, and loading rebuilds exactly the moments that were saved
     (dequantising and quantising again would not: the signed code book moves some block scales)."""
     import logging  # noqa: PLC0415

@@ -1,6 +1,5 @@
 """Stopping a run cleanly: SIGINT (Ctrl-C) and SIGTERM only set a flag, and the training loop acts on it at the
-next step boundary, so a signal never lands inside an optimiser step or a checkpoint write; and the step a
-stopped run reached. Importing it does not import torch (`keel runs` asks every run for its step)."""
+next step boundary, so a signal never lands inside an optimiser step or a checkpoint write."""
 
 from __future__ import annotations
 
@@ -46,15 +45,3 @@ class DeferredStop:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
             flag = bool(t.item())
         return flag
-
-
-def steps_done(run) -> int:
-    """The last step the run `run` (a keel.train.run_dir.RunDir) completed, as `keel runs` shows it: the later of
-    its last metrics record and its summary's step. A run stopped by Ctrl-C stops between two records (written
-    every run.log_every steps): interrupted at step 16 with log_every=10, its last record says 10 while its
-    summary and checkpoint say 16. A checkpoint's name alone does not count: a damaged one is no step to go on from."""
-    logged = max((r["step"] for r in run.metrics() if "loss" in r and "event" not in r), default=0)
-    stopped = (run.summary() or {}).get("steps")
-    if isinstance(stopped, int) and not isinstance(stopped, bool) and stopped >= 0:
-        return max(logged, stopped)
-    return logged

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from keel import evals
-from keel.train.report import flat_scores, task_line
+from keel.reporting.tables import flat_scores, task_line
 
 
 def score_tasks(trainer, bar) -> tuple[dict[str, dict], float]:

@@ -1,4 +1,4 @@
-"""The training loop: one run directory (keel.train.run_dir), resumable, with divergence handling.
+"""The training loop: one run directory (keel.runs.run_dir), resumable, with divergence handling.
 
 Each step is keel.train.step.TrainStep, the same step experiments and benchmarks take. Under torchrun every
 rank runs this loop on its share of each global batch (keel.data.WindowSampler), the model sharded with
@@ -18,26 +18,27 @@ import torch
 from tqdm.auto import tqdm
 
 from keel import evals, runtime
+from keel.config import TrainConfig
 from keel.data import WindowSampler, prepare
 from keel.data.tokenizer import planned_vocab_size
 from keel.errors import ConfigError, DataError, KeelError
 from keel.model import count_params, flops_per_token
+from keel.reporting import tracking
+from keel.reporting.plan import check_fits, memory_line
+from keel.reporting.tables import flat_scores
+from keel.reporting.tracking import Trackers
+from keel.runs import checkpoint, resume
+from keel.runs.run_dir import RunDir
 from keel.runtime import autocast_for, busy_note, peak_flops, provenance, resolve_device
 from keel.scale import distributed
-from keel.train import checkpoint, resume, tracking
-from keel.train.config import TrainConfig
 from keel.train.evaluate import bytes_per_token, evaluate
 from keel.train.guard import Diverged, DivergenceGuard, handle_divergence
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.pipeline_step import PipelineStep
-from keel.train.plan import check_fits, memory_line
-from keel.train.report import flat_scores
-from keel.train.run_dir import RunDir
 from keel.train.step import TrainStep, build_model, on_device
 from keel.train.stop import DeferredStop
 from keel.train.task_eval import score_tasks
 from keel.train.telemetry import Telemetry
-from keel.train.tracking import Trackers
 
 PROGRESS_EVERY_S = 30.0  # seconds between progress lines when output is not a terminal
 
@@ -429,7 +430,7 @@ class Trainer:
         """curves.png next to the run (what `keel plot RUN` draws), when matplotlib is installed; `quiet`: no
         line naming it (an error is still said)."""
         try:
-            from keel.train.plot import plot_runs
+            from keel.reporting.plot import plot_runs
         except ImportError:
             return
         try:

@@ -1,0 +1,26 @@
+"""The paper's studies, each run by `keel experiment <name>` or `keel sweep results/<name>/study.yaml`: the
+research this project does with the library (keel.experiments is the engine they run on: points, sweeps,
+searches, the statistics). They live beside the package, not in it: a Keel checkout has them, `pip install`
+does not.
+
+`STUDIES` needs no torch, so the command's usage errors answer at once."""
+
+# name -> (module, config class, run function); each run writes results.json, PNG plots and report.md
+STUDIES = {
+    "gradflow": ("gradflow", "GradflowConfig", "run"),
+    "max-lr": ("maxlr", "MaxLRConfig", "run"),
+    "depth": ("scaling", "DepthConfig", "run_depth"),
+    "lr-sweep": ("scaling", "LRSweepConfig", "run_lr_sweep"),
+    "deep-vs-wide": ("scaling", "DeepWideConfig", "run_deep_vs_wide"),
+    "ablations": ("ablations", "AblationConfig", "run"),
+    "redundancy": ("redundancy", "RedundancyConfig", "run"),
+    "regime": ("regime", "RegimeConfig", "run"),
+    "stream-precision": ("precision", "PrecisionConfig", "run"),
+    "frontier": ("frontier", "FrontierConfig", "run"),
+    "downstream": ("downstream", "DownstreamConfig", "run"),
+    "downstream-end": ("downstream_end", "DownstreamEndConfig", "run"),
+    "tuned": ("tuned", "TunedConfig", "run"),
+    "depth-pilot": ("pilot", "PilotConfig", "run"),
+    "depth-sweep": ("depth_sweep", "DepthSweepConfig", "run"),
+    "equal-tuning": ("equal_tuning", "EqualTuningConfig", "run"),
+}

@@ -1,0 +1,138 @@
+"""`keel experiment <name>`: parse, merge the experiment's config with overrides, run, report."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from keel.config import merge
+from keel.errors import ConfigError
+from keel.experiments import WHERE, studies
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("experiment", help="run one of the paper's experiments (results.json, plots, report.md)",
+                              description="Overrides set the experiment's own fields and keel train's sections, "
+                                          "e.g. depths=[16,64] schemes=[keel,pre_ln] run.steps=200 "
+                                          "model.d_model=64 data.source=stdlib; a field the experiment sets per "
+                                          "point (model.n_blocks, optim.lr, ...) is refused.")
+    try:
+        names = list(studies().STUDIES)
+    except ConfigError:  # not in a checkout: the command says where the studies are when it runs
+        names = None
+    p.add_argument("name", choices=names, help=None if names else WHERE)
+    p.add_argument("--quick", action="store_true", help="a CPU-sized version that runs in seconds to minutes")
+    p.add_argument("--out", help="output directory (default runs/experiments/<name>; with --quick "
+                                 "runs/quick/<name>; --out results/<name> adds to the committed results)")
+    p.add_argument("--config", help="a YAML file with any of the experiment's fields")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.set_defaults(func=cmd_experiment, sets_threads=True)
+
+
+def register_sweep(subparsers) -> None:
+    s = subparsers.add_parser("sweep", help="run a study file: its points (two processes may share them), then its "
+                                            "report; with every point in, it only rebuilds the report",
+                              description="STUDY.yaml names the study kind (`study:`, one of keel experiment's "
+                                          "names) and its fields (`fields:`); results/<study>/study.yaml are the "
+                                          "paper's. Overrides as for keel experiment.")
+    s.add_argument("study", help="the study file (YAML)")
+    s.add_argument("--out", help="output directory (default: the study file's folder)")
+    s.add_argument("--report-only", action="store_true",
+                   help="train nothing: rebuild the report from the points on disk (a missing point is an error)")
+    s.add_argument("overrides", nargs="*", metavar="key=value")
+    s.set_defaults(func=cmd_sweep, sets_threads=True)
+
+
+STUDY_KEYS = {"study": "the study kind", "fields": "the kind's fields this study sets", "rule": "its decision rule",
+              "question": "what it asks", "answer": "what it found"}
+
+
+def read_study(path: str) -> tuple[str, list[str]]:
+    """(kind, overrides) from a study file, checked whole: one ConfigError naming the file and the key."""
+    import yaml  # noqa: PLC0415
+    from omegaconf import OmegaConf  # noqa: PLC0415 (its YAML reads 1e-3 as a number, as keel's configs do)
+
+    try:
+        doc = OmegaConf.to_container(OmegaConf.load(path))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as err:
+        raise ConfigError(f"{path}: not a readable study file ({type(err).__name__})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: a study file is a mapping with `study:` and `fields:`")
+    unknown = sorted(set(map(str, doc)) - set(STUDY_KEYS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r} (allowed: {', '.join(STUDY_KEYS)})")
+    kind, fields = doc.get("study"), doc.get("fields") or {}
+    names = studies(path).STUDIES
+    if kind not in names:
+        raise ConfigError(f"{path}: study: {kind!r} is not a study kind ({', '.join(names)})")
+    if not isinstance(fields, dict):
+        raise ConfigError(f"{path}: fields: a mapping of the study's fields")
+    return kind, [f"{k}={json.dumps(v)}" for k, v in _dotted(fields).items()]
+
+
+def _dotted(fields: dict, prefix: str = "") -> dict:
+    """{"run": {"steps": 2}} as {"run.steps": 2}; a study's own mapping fields (arms, lrs, ...) stay whole."""
+    out = {}
+    for k, v in fields.items():
+        if isinstance(v, dict) and k in ("model", "data", "optim", "guard", "run"):
+            out |= _dotted(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def cmd_sweep(args) -> int:
+    from keel import runtime
+    from keel.experiments import EXPERIMENTS
+    from keel.experiments.sweep import report_only
+
+    kind, fields = read_study(args.study)
+    cfg = build(kind, False, [*fields, *args.overrides])
+    runtime.set_threads(cfg.run.threads)
+    out = Path(args.out) if args.out else Path(args.study).parent
+    out.mkdir(parents=True, exist_ok=True)
+    out_flag = [f"--out {shlex.quote(args.out)}"] if args.out else []
+    command = " ".join(["keel sweep", shlex.quote(args.study), *out_flag, *map(shlex.quote, args.overrides)])
+    with report_only(args.report_only):
+        EXPERIMENTS[kind][1](cfg, out, command)
+    print(f"wrote {out}/results.json, {out}/report.md and plots")
+    return 0
+
+
+def build(name: str, quick: bool, overrides: list[str], config_file: str | None = None):
+    """The experiment's defaults (or its --quick version) < --config YAML < overrides: keel's one merge."""
+    from keel.experiments import EXPERIMENTS  # every experiment, and torch: after the command line's checks
+
+    cls, _ = EXPERIMENTS[name]
+    try:
+        cfg = merge(cls.quick() if quick else cls(), config_file, overrides)
+        cfg.check_fields()
+        return cfg
+    except ConfigError as err:
+        raise ConfigError(f"{name}: {err}") from None
+
+
+def default_out(name: str, quick: bool) -> str:
+    """Where a run goes without --out: never results/<name>, whose committed points belong to the configuration
+    that produced them (a new run with other settings would be refused there)."""
+    return f"runs/quick/{name}" if quick else f"runs/experiments/{name}"
+
+
+def cmd_experiment(args) -> int:
+    from keel import runtime
+    from keel.experiments import EXPERIMENTS
+    from keel.experiments.common import smoke_test
+
+    cfg = build(args.name, args.quick, args.overrides, args.config)
+    runtime.set_threads(cfg.run.threads)  # once, from the merged config (a YAML file's run.threads too)
+    out = Path(args.out or default_out(args.name, args.quick))
+    out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["keel experiment", args.name] + (["--quick"] if args.quick else [])
+                       + ([f"--out {shlex.quote(args.out)}"] if args.out else [])
+                       + [shlex.quote(o) for o in args.overrides])
+    with smoke_test(args.quick):
+        EXPERIMENTS[args.name][1](cfg, out, command)
+    print(f"wrote {out}/results.json, {out}/report.md and plots")
+    print((out / "report.md").read_text())
+    return 0

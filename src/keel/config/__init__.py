@@ -1,0 +1,40 @@
+"""Configuration: dataclasses for model / data / optimiser / guard / run, and the one merge every command uses.
+
+Precedence: preset (or an experiment's defaults) < YAML file < dotted `key=value` overrides. OmegaConf checks
+every key and type against the dataclasses; `ModelConfig` and `validate` then check values. A bare model
+field (`scheme=pre_ln`) is short for `model.scheme=pre_ln`; any other section-less key is refused with the
+section it probably belongs to (`steps=10`: did you mean run.steps?).
+
+Each command declares the fields it reads (`keel.config.reads.Reads`: TRAIN, RESUME, SUMMARY, TOKENIZER there;
+bench's and each experiment's beside them); the merge refuses any other field a YAML file or an override sets,
+the same way from either, in one line naming the field and why.
+"""
+
+from keel.config.presets import DEFAULT_PRESET, PRESETS, load_config, train_preset
+from keel.config.reads import Reads
+from keel.config.schema import (
+    GUARD_POLICIES,
+    INT_LIMITS,
+    SCHEDULES,
+    TRACKERS,
+    WEIGHTS,
+    GuardConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+    add_config_arguments,
+    load_run_config,
+    merge,
+    optimizer_implementation,
+    to_config,
+    to_yaml,
+    validate,
+    validate_runtime,
+)
+from keel.data.corpus import DataConfig
+from keel.errors import ConfigError
+
+__all__ = ["DEFAULT_PRESET", "GUARD_POLICIES", "INT_LIMITS", "PRESETS", "SCHEDULES", "TRACKERS", "WEIGHTS",
+           "ConfigError", "DataConfig", "GuardConfig", "OptimConfig", "Reads", "RunConfig", "TrainConfig",
+           "add_config_arguments", "load_config", "load_run_config", "merge", "optimizer_implementation", "to_config",
+           "to_yaml", "train_preset", "validate", "validate_runtime"]

@@ -1,0 +1,151 @@
+"""Which run configs keel obeys: the trust model for run directories from elsewhere.
+
+A run directory travels (downloaded, shared, copied from a colleague), and its config.yaml names files:
+data.source (read), data.cache_dir (written: the token cache), data.tokenizer (read) and, in run.eval_tasks,
+lm-evaluation-harness task files (`lm_eval:<path>.yaml`). Obeying a stranger's config as if the user had typed
+it would let it read any file the user can (data.source=~/.ssh/id_rsa), write its bytes, as token ids, wherever
+it likes (data.cache_dir=/a/shared/dir), and run its own Python: a task file is code (`!function evil.f` imports
+evil.py beside it; `include` and Python metrics likewise). As `trust_remote_code` does for transformers, keel
+therefore follows those names only when one of these holds:
+- the run's config was written by keel for this user: keel signs each config.yaml it writes with a key only
+  this user can read (HMAC-SHA256, key in $KEEL_CONFIG_DIR or ~/.config/keel), so a run trained or imported
+  here is trusted and a downloaded, copied-in or hand-edited one, whose signature no key here matches, is not;
+- for data paths only: the path lies inside the run directory itself, or is the built-in corpus ("stdlib"),
+  a built-in tokenizer ("bytes", "bpe", "bpe:N"), or empty (the user's own default cache). A task file gets no
+  such exception: inside the run directory it is the sender's code all the same;
+- the user names it: a task given on the command line (`run.eval_tasks=lm_eval:my.yaml`) runs as asked. On a
+  resume a `--config` file does not name tasks (it may be the run's own config.yaml); a new run's config, from
+  a file or not, is the user's own;
+- the user trusts the config explicitly: KEEL_TRUST_CONFIG=1, `--trust-config` on `keel eval` or on
+  `keel train resume=RUN` (`trusting()`), or `trust=True` to `evaluate_run`.
+Anything else is refused in one line naming the field, before a byte is read or written and before any task
+is loaded. The other fields that name a module are closed lists checked whatever the trust (run.log_to:
+tensorboard, wandb; model.scheme; run.pp_schedule), and a task registered with the harness by name
+(`lm_eval:hellaswag`) is the installed harness's own code. The model's sizes are checked whatever the trust
+(keel.runs.untrusted.check_model_fits): a checkpoint is data, not a config.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import errno
+import hashlib
+import hmac
+import os
+import secrets
+from contextlib import contextmanager
+from pathlib import Path
+
+from keel import safe_io
+from keel.errors import ConfigError, DataError
+
+SIGNATURE = ".config.sig"  # beside config.yaml in a run directory
+TRUST_HINT = "--trust-config (or KEEL_TRUST_CONFIG=1)"
+
+
+def _key_path() -> Path:
+    base = os.environ.get("KEEL_CONFIG_DIR") or Path(os.environ.get("XDG_CONFIG_HOME") or "~/.config") / "keel"
+    return Path(base).expanduser() / "trust.key"
+
+
+def _key(create: bool) -> bytes | None:
+    """This user's signing key (created, readable by the user only, when `create`); None when there is none."""
+    path = _key_path()
+    if create and not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+        except OSError as err:
+            if err.errno != errno.EEXIST:  # another process made it first: read theirs
+                return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            key = f.read(64)
+    except OSError:
+        return None
+    return key if len(key) == 32 else None
+
+
+def _signature(key: bytes, config: bytes) -> str:
+    return hmac.new(key, b"keel-config-1\0" + config, hashlib.sha256).hexdigest()
+
+
+def sign(run_path: Path) -> None:
+    """Mark `run_path`'s config.yaml (just written by keel) as this user's; silently nothing without a key
+    (a read-only home): the run is then treated as from elsewhere."""
+    key = _key(create=True)
+    config = safe_io.read_bytes(run_path, run_path / "config.yaml", safe_io.CAP_SMALL)
+    if key is not None and config is not None:
+        safe_io.write_text(run_path, run_path / SIGNATURE, _signature(key, config) + "\n")
+
+
+_TRUST_ALL = contextvars.ContextVar("keel_trust_config", default=False)
+
+
+@contextmanager
+def trusting(trust: bool = True):
+    """Within this block every run's config is trusted when `trust` (a command's --trust-config), as with
+    KEEL_TRUST_CONFIG=1 but for this call only."""
+    token = _TRUST_ALL.set(trust or _TRUST_ALL.get())
+    try:
+        yield
+    finally:
+        _TRUST_ALL.reset(token)
+
+
+def trusted(run_path: Path) -> bool:
+    """Whether keel wrote `run_path`'s config.yaml, as it is now, for this user (or KEEL_TRUST_CONFIG=1, or
+    inside `trusting()`)."""
+    if os.environ.get("KEEL_TRUST_CONFIG") == "1" or _TRUST_ALL.get():
+        return True
+    key = _key(create=False)
+    try:
+        config = safe_io.read_bytes(run_path, run_path / "config.yaml", safe_io.CAP_SMALL)
+        signature = safe_io.read_bytes(run_path, run_path / SIGNATURE, 128)
+    except DataError:
+        return False
+    if key is None or config is None or signature is None:
+        return False
+    return hmac.compare_digest(signature.decode("ascii", "replace").strip(), _signature(key, config))
+
+
+def builtin_tokenizer(spec: str) -> bool:
+    """Whether data.tokenizer names a built-in tokenizer, not a file: exactly what
+    keel.data.tokenizer.load_tokenizer reads as one ("bytes", "bpe", "bpe:<vocab_size>"). Any other value is a
+    path, "bytes.json" and "bpe/tokenizer.json" included."""
+    return spec in ("bytes", "bpe") or spec.startswith("bpe:")
+
+
+def check_data_paths(run_path: Path, data, trust: bool = False, tokenizer: bool = True) -> None:
+    """Refuse (DataError, one line naming the field) a path in `data` (the run's DataConfig) that lies outside
+    the run directory, unless the run is trusted. `tokenizer=False` leaves data.tokenizer out, for commands
+    that use the run's own saved tokenizer instead."""
+    if trust or trusted(run_path):
+        return
+    fields = {"data.source": "" if data.source == "stdlib" else data.source, "data.cache_dir": data.cache_dir}
+    if tokenizer and not builtin_tokenizer(data.tokenizer):
+        fields["data.tokenizer"] = data.tokenizer
+    root = Path(run_path).resolve()
+    for field, value in fields.items():
+        if value and (value.startswith("hf:") or not Path(value).expanduser().resolve().is_relative_to(root)):
+            raise DataError(f"{run_path / 'config.yaml'}: {field}={value} lies outside the run directory, and "
+                            "this config was not written by keel for you (a downloaded or copied run); keel does "
+                            f"not follow its paths unless you trust it: {TRUST_HINT}")
+
+
+def check_task_files(run_path: Path, tasks, trust: bool = False) -> None:
+    """Refuse (ConfigError, one line naming run.eval_tasks) a task file (`lm_eval:<path>.yaml`, which can run
+    code) among `tasks`, the entries of run.eval_tasks that came from the run's config.yaml rather than from
+    the user, unless the run is trusted; wherever the file lies, the run directory included."""
+    from keel.evals.tasks import is_task_file
+
+    files = [name for name in tasks if is_task_file(name)]
+    if not files or trust or trusted(run_path):
+        return
+    raise ConfigError(f"{run_path / 'config.yaml'}: run.eval_tasks names the task file {files[0]!r}, and this "
+                      "config was not written by keel for you (a downloaded or copied run); a task file can run "
+                      "code, so keel loads it only when you name it (run.eval_tasks=... on the command line) or "
+                      f"trust the config: {TRUST_HINT}")
