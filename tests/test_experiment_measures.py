@@ -13,9 +13,9 @@ from keel import TransformerLM, tiny
 from keel.data import DataConfig
 from keel.experiments.common import fixed_batches, mean_sd, splits, unigram_loss
 from keel.experiments.detect import FailureRules
+from keel.experiments.surgery import branches_off, removed, residual_sizes
 from keel_studies.gradflow import measure
 from keel_studies.maxlr import MaxLRConfig, judge, ratio_verdict, verdict
-from keel_studies.probes import branches_off, removed, residual_sizes
 from keel_studies.regime import compare
 
 

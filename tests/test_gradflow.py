@@ -10,9 +10,9 @@ import torch
 
 from keel import TransformerLM, tiny
 from keel.errors import ConfigError
+from keel.experiments.surgery import branches_off
 from keel.model import lm_loss
 from keel_studies.gradflow import _refuse_points_without_backward_factors, measure, predicted_factor, summary
-from keel_studies.probes import branches_off
 
 D = 32
 

@@ -156,6 +156,14 @@ def test_no_module_imports_itself_through_others():
     assert circles == []
 
 
+def test_the_library_imports_no_study():
+    """The studies (research/keel_studies) run on the library, never the other way round: no module of the package
+    imports them (keel.experiments finds them by name, at run time, for `keel experiment` and `keel sweep`)."""
+    offenders = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+                       if any(n.split(".")[0] == "keel_studies" for n in imports(p)))
+    assert offenders == []
+
+
 def test_no_two_modules_share_a_name():
     """A module's name says which one it is: no two files in the package have the same stem (`__init__` and
     `__main__` aside)."""

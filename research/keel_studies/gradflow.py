@@ -53,11 +53,11 @@ from keel.experiments.common import (
     train_curve,
     write_outputs,
 )
+from keel.experiments.surgery import residual_sizes
 from keel.experiments.sweep import Sweep
 from keel.model import ModelConfig
 from keel.model.transformer import TransformerLM
 from keel.scale.fused_junction import apply_fused_junction
-from keel_studies.probes import residual_sizes
 
 INITS = ("default", "matched")
 STYLES = ("-", "--", "-.", ":")  # schemes that coincide (DeepNorm and Keel near 1) stay visible

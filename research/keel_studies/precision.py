@@ -42,9 +42,9 @@ from keel.experiments.common import (
     tiny_quick,
     write_outputs,
 )
+from keel.experiments.surgery import residual_terms
 from keel.experiments.sweep import Sweep
 from keel.model import Residual, TransformerLM
-from keel_studies.probes import residual_terms
 
 STREAMS = ("float32", "bfloat16")
 

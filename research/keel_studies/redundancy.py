@@ -1,6 +1,6 @@
 """redundancy (paper Appendix A): how much the held-out loss rises when one sub-layer is taken out.
 
-For a trained model, each sub-layer i in turn is taken out in two ways (keel_studies.probes):
+For a trained model, each sub-layer i in turn is taken out in two ways (keel.experiments.surgery):
   - "sublayer": the whole sub-layer is the identity, x' = x (its norm_out goes too);
   - "branch": only its branch F is zero, x' = norm_out(alpha * x) (norms and alpha kept).
 For Keel the two differ by LN_out (for the last sub-layer that is the whole effect); for Pre-LN, which has
@@ -39,11 +39,11 @@ from keel.experiments.common import (
     train_curve,
     write_outputs,
 )
+from keel.experiments.surgery import branches_off, removed
 from keel.experiments.sweep import Sweep
 from keel.model import lm_loss
 from keel.runtime import autocast_for
 from keel.scale.fused_junction import apply_fused_junction
-from keel_studies.probes import branches_off, removed
 
 MODES = ("sublayer", "branch")
 

@@ -10,7 +10,7 @@ Every point trains with the paper's recipe (AdamW, linear warm-up, cosine decay)
     mean and SD over `seeds` (all at the chosen LR);
   - each point logs its training loss every step and the report-half loss every `curve_every` steps, so a
     crossing of two schemes' curves is visible;
-  - with `probe`, each trained model is also probed (keel_studies.probes): the loss when every branch
+  - with `probe`, each trained model is also probed (keel.experiments.surgery): the loss when every branch
     above sub-layer k is switched off (the effective-depth probe), and per-sub-layer rms(F) / rms(alpha x).
 """
 
@@ -37,11 +37,11 @@ from keel.experiments.common import (
     unigram_loss,
 )
 from keel.experiments.partial import Partial, partial_dir
+from keel.experiments.surgery import branches_off, plain, residual_sizes
 from keel.experiments.sweep import Sweep
 from keel.model import TransformerLM
 from keel.model.counting import count_params
 from keel.runtime import autocast_for
-from keel_studies.probes import branches_off, plain, residual_sizes
 
 
 @dataclass
