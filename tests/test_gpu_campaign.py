@@ -274,7 +274,7 @@ def test_gpu_campaign_prediction_column():
     suite = GpuSuite.toy()  # predicts with the H100 spec so CI exercises the column
     p = predicted(suite, torch.device("cpu"), 4, "compiled", 0)
     expected = pm.predict_pair(suite.model(4), suite.batch_size, suite.seq_len, pm.DEVICES["H100"], "compiled",
-                               bf16=False)
+                               False, 0, pm.Code(sum_handoff=False))
     assert p["device"] == "H100" and p["keel"]["step_time_s"] == expected["keel"]["step_time_s"]
     assert p["keel_over_pre_ln_step_time"] == expected["keel_over_pre_ln_step_time"]
     assert predicted(GpuSuite(), torch.device("cpu"), 4, "eager", 0) is None  # no spec for a CPU by name

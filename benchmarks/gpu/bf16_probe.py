@@ -1,4 +1,4 @@
-"""Where `paper-2048` with run.weights=bfloat16 runs out of memory under an 80 GB H100's 79.6 GiB (the GPU window of
+"""Where `paper-2048` with run.weights=bfloat16 runs out of memory on an 80 GB H100 (the GPU window of
 2026-11-26 found that it does, against a plan of 72.6 GiB): device memory after each stage of two training steps
 (build, each step's forward, backward and optimizer step), and the allocator's message where it fails.
 
@@ -17,6 +17,7 @@ import torch
 from keel.bench.core import Bench
 from keel.config.presets import train_preset
 from keel.reporting.plan import memory_plan
+from keel.runtime import GPU_MEMORY
 
 GiB = 2**30
 
@@ -25,7 +26,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--toy", action="store_true")
     p.add_argument("--preset", default="paper-2048")
-    p.add_argument("--cap", type=float, default=79.6)
+    p.add_argument("--cap", type=float, default=GPU_MEMORY["H100 80GB"] / 2**30)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = train_preset(args.preset)

@@ -7,7 +7,7 @@ runs, most-needed first, each time-boxed and saved as it ends:
    every block, compiled (the default, then the junction left inside each block): step time ratio and MFU at the
    tokens per step users train with;
 2. `compare64`: the same at batch 1 x 4096 in every variant (eager, compiled, compiled+composed, compiled+fused);
-3. `presets`: two training steps of `paper-1024` under a cap of 79.6 GiB of device memory (an 80 GB H100's usable
+3. `presets`: two training steps of `paper-1024` under a cap of 78.4 GiB of device memory (an 80 GB H100's usable
    memory, `torch.cuda.set_per_process_memory_fraction`) and of `paper-2048` on the whole card, each with its
    measured peak beside the memory plan's (do the presets fit the card they are sized for?), one
    gradient-accumulation micro-batch a step;
@@ -16,7 +16,7 @@ runs, most-needed first, each time-boxed and saved as it ends:
    category (matmul, attention, Inductor's reductions and pointwise kernels, optimizer, copies) and Keel - Pre-LN
    per category (kernel_profile.py), then each scheme's wall time per step split into forward, backward and the
    rest (clip, optimizer): where Keel's remaining ~4% goes;
-6. `bf16`: two steps of `paper-2048` with `run.weights=bfloat16` under the 79.6 GiB cap (what `keel train --preset
+6. `bf16`: two steps of `paper-2048` with `run.weights=bfloat16` under the 78.4 GiB cap (what `keel train --preset
    paper-2048 --dry-run` plans for an 80 GB H100: 72.6 GiB), its peak beside the plan's;
 7. `compare512`: Keel against Pre-LN at 512 sub-layers, batch 1 x 4096, checkpointing every block, compiled
    default, then compiled with the junction in each block, then eager, while the box lasts;
@@ -46,9 +46,10 @@ from keel.config.presets import train_preset
 from keel.launch import expandable_segments
 from keel.model import count_params
 from keel.reporting.plan import memory_plan
+from keel.runtime import GPU_MEMORY
 
 GiB = 2**30
-H100_USABLE_GIB = 79.6  # what the memory plan takes as an 80 GB H100's (keel.reporting.plan)
+H100_USABLE_GIB = GPU_MEMORY["H100 80GB"] / 2**30  # what the memory plan takes as an 80 GB H100's
 
 
 def preset_trial(name: str, device: torch.device, cap_gib: float | None, steps: int, toy: bool,

@@ -3,9 +3,10 @@
 from measured rates. Every figure it gives is a PREDICTION; `benchmarks/gpu/predicted.md` is its output with the
 formulas (`keel bench --model-gpu paper --out benchmarks/gpu`), `keel bench --validate-model` checks it here.
 
-Time of an op group = max(FLOPs / effective peak, bytes / effective bandwidth), and on a GPU at least its kernel
-launches' host time (launches overlap device work; on a CPU they add). Sums over the step: forward, backward,
-activation-checkpoint recompute, clipping and AdamW. Bytes are what the code does (keel.model.layers/schemes,
+Time of an op group = max(FLOPs / effective peak, bytes / effective bandwidth). Sums over the step: forward,
+backward, activation-checkpoint recompute, clipping and AdamW (fused on CUDA). The host (Python, dispatch, kernel
+launches: a time per kernel and per sub-layer pass) runs ahead of a GPU, so a GPU step is the larger of the device's
+sum and the host's; on a CPU the two add. Bytes are what the code does (keel.model.layers/schemes,
 numerics): the residual stream and every norm are float32, matmuls run in the compute dtype (bf16 autocast: each
 fp32 input of a linear is cast, weights cast once per step); elementwise FLOPs are not counted (a few per byte,
 far below every ridge point). MFU is keel's own: `flops_per_token` (6N + attention) x tokens/s / bf16 peak.
@@ -13,6 +14,7 @@ far below every ridge point). MFU is keel's own: `flops_per_token` (6N + attenti
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -32,9 +34,11 @@ S = 4  # bytes of a residual-stream element: always float32 (keel.model.numerics
 # backward by autograd's formulas: gain (mul + column sum), rstd (mul, mul + row sum), mean, pow (pow(x,1) copy,
 # *2, *grad), and the add of the two paths into x
 EAGER_NORM = {"rmsnorm": (28, 6, 92, 15), "layernorm": (8, 1, 16, 2)}  # fwd bytes, launches, bwd bytes, launches
-ADAMW_BYTES = 84  # per parameter, torch's foreach AdamW: decay, lerp m, v*b2 + g*g, sqrt, /bc, +eps, addcdiv
+# per parameter, float32: torch's foreach AdamW (decay, lerp m, v*b2 + g*g, sqrt, /bc, +eps, addcdiv, each a pass),
+# or its fused AdamW (what keel runs on CUDA: p, g, m, v read and p, m, v written once)
+ADAMW_BYTES = {"foreach": 84, "fused": 28}
 CLIP_BYTES = 12  # per parameter: the grad norm reads every gradient, clipping multiplies them in place
-OPTIM_LAUNCHES = 12  # foreach ops per step (clip + AdamW), each over the tensor list
+OPTIM_LAUNCHES = {"foreach": 12, "fused": 3}  # multi-tensor ops per step (clip + AdamW), each over the tensor list
 
 
 @dataclass(frozen=True)
@@ -51,10 +55,13 @@ class DeviceSpec:
     attention_eff: float = 0.40  # FlashAttention-2 (what SDPA runs) forward+backward on Hopper/Ampere
     memory_eff: float = 0.85  # a streaming copy reaches ~85-90% of the datasheet bandwidth
     launch_s: dict = field(default_factory=lambda: {"eager": 5e-6, "compiled": 3e-6})  # host time per kernel
-    overlap: bool = True  # GPU: host launch time hides under longer kernels; CPU: it adds
+    # host time per sub-layer and pass (forward, checkpointed recompute, backward): module calls, autograd's and
+    # checkpointing's bookkeeping, a compiled graph's guards and call, beyond its kernels' launches
+    sublayer_s: dict = field(default_factory=lambda: {"eager": 0.0, "compiled": 0.0})
+    overlap: bool = True  # GPU: the host runs ahead, the step is the longer of host and device; CPU: they add
     # measured effective bandwidth (bytes/s) of keel's fused junction kernel forward+backward; None: the roofline
     fused_junction_bw: float | None = None
-    calibrated: str = ""  # the measured run the efficiencies were fitted to (`calibrated`); "" = assumed
+    calibrated: str = ""  # the measured run the host and memory terms were fitted to (`calibrated`); "" = assumed
     foreach_batch: int = 48  # tensors per launch of a foreach op (CUDA's multi_tensor_apply; a CPU loops in C++)
 
 
@@ -73,6 +80,28 @@ DEVICES = {  # vendor datasheets, SXM parts; bf16 peaks are keel.runtime.PEAK_BF
                        "NVIDIA A100 datasheet (80GB SXM)"),
 }
 assert tuple(DEVICES) == MODELLED_GPUS  # one list of names: the one `keel bench --model-gpu` offers
+# The other parts of those families, by the same datasheets (dense peaks): the PCIe and NVL cards share the name
+# "H100" with the SXM part but not its clocks, power or memory, so a CUDA name is matched part by part (`gpu_spec`)
+VARIANTS = {
+    # H100 PCIe: BF16 756 TFLOPS dense, FP32 51 TFLOPS, HBM2e 2.0 TB/s, 80 GB
+    "H100 PCIe": replace(DEVICES["H100"], name="H100 PCIe", bf16_flops=756 * TB, fp32_flops=51 * TB,
+                         bandwidth=2.0 * TB, source="NVIDIA H100 datasheet (PCIe)"),
+    # H100 NVL: BF16 835 TFLOPS dense, FP32 60 TFLOPS, HBM3 3.9 TB/s, 94 GB (memory: no usable figure measured,
+    # so `fits` does not answer for it)
+    "H100 NVL": replace(DEVICES["H100"], name="H100 NVL", bf16_flops=835 * TB, fp32_flops=60 * TB,
+                        bandwidth=3.9 * TB, memory=float("nan"), source="NVIDIA H100 datasheet (NVL)"),
+    # H200 NVL: BF16 835 TFLOPS dense, FP32 60 TFLOPS, HBM3e 4.8 TB/s, 141 GB
+    "H200 NVL": replace(DEVICES["H200"], name="H200 NVL", bf16_flops=835 * TB, fp32_flops=60 * TB,
+                        source="NVIDIA H200 datasheet (NVL)"),
+    # A100 80GB PCIe: the SXM part's compute, HBM2e 1,935 GB/s
+    "A100 PCIe": replace(DEVICES["A100"], name="A100 PCIe", bandwidth=1.935 * TB,
+                         source="NVIDIA A100 datasheet (80GB PCIe)"),
+}
+# CUDA's device name (torch.cuda.get_device_name) of each part, matched whole: "NVIDIA H100 PCIe" contains "H100"
+# but is not the SXM part
+CUDA_NAMES = {"NVIDIA H100 80GB HBM3": "H100", "NVIDIA H100 PCIe": "H100 PCIe", "NVIDIA H100 NVL": "H100 NVL",
+              "NVIDIA H200": "H200", "NVIDIA H200 NVL": "H200 NVL", "NVIDIA A100-SXM4-80GB": "A100",
+              "NVIDIA A100 80GB PCIe": "A100 PCIe"}
 # each measured GPU's efficiencies fitted to its newest measured run: the measurements and the fit are the project's
 # (benchmarks/gpu/measured_gpu.json, benchmarks/gpu/calibrate.py); only the fitted numbers ship with the package
 FITS = Path(__file__).with_name("calibrated_gpu.json")
@@ -88,8 +117,10 @@ def calibrated(device: str) -> DeviceSpec | None:
     spec = DEVICES[device]
     if fit.get("fused_junction_bw") is not None:  # the kernel's bandwidth as it was measured, not fitted
         spec = replace(spec, fused_junction_bw=fit["fused_junction_bw"])
-    return replace(spec, matmul_eff=fit["matmul_eff"], memory_eff=fit["memory_eff"],
+    return replace(spec, matmul_eff=fit["matmul_eff"], attention_eff=fit.get("attention_eff", spec.attention_eff),
+                   memory_eff=fit["memory_eff"],
                    launch_s={"eager": fit["launch_eager"], "compiled": fit["launch_compiled"]},
+                   sublayer_s={"eager": fit.get("sublayer_eager", 0.0), "compiled": fit.get("sublayer_compiled", 0.0)},
                    calibrated=fit["calibrated"])
 
 
@@ -156,6 +187,10 @@ class Code:
     sum_handoff: bool = True  # compiled under AC, a Keel block hands on alpha*x + h
     # (keel.scale.fused_junction.SumHandoff) and its recomputation skips the block's last matmul, as Pre-LN's does;
     # it ended with LN_out, whose input its backward needs, and ran that matmul again (before 2026-11-26)
+    one_pass_norms: bool = True  # a compiled junction's two RMSNorms are one op whose backward reads two independent
+    # row sums (keel.kernels.norm_pair): one backward kernel (PREDICTED, not measured); chained, as every measured
+    # run had them, two (Inductor does not fuse a norm's backward after the one whose output it reads)
+    fused_adamw: bool = True  # AdamW on CUDA is torch's fused kernel (keel.train.optim); foreach in the oldest run
 
 
 def modelled(variant: str, code: Code = Code()) -> tuple[str, Code]:
@@ -170,10 +205,18 @@ def _boundary(config, prev, nxt, cons, c, bf16, mode, code: Code = Code()):
     """Bytes per token and launches between sub-layers: `y = norm_out(alpha*x + h)` of `prev` (None: the
     embedding) and `u = norm_in(y)` cast for the `cons` linears of `nxt` (None: the final norm and head).
 
-    mode: "eager" (one pass per op), "graph" (both in one compiled graph: one kernel each way, plus one pass
-    re-reading the rows for the norm gains' column sums), "split" (a compiled-graph boundary between them: the
-    stream is written, then read back), "fused" (keel.kernels.junction: one kernel each way, gains summed in
-    registers; u written in the compute dtype the matmuls read, its gradient read back in it)."""
+    mode: "eager" (one pass per op), "graph" (both in one compiled graph), "split" (a compiled-graph boundary
+    between the sum with norm_out and norm_in: the stream is written, then read back), "handoff" (the sum ends one
+    graph, both norms start the next: keel.scale.fused_junction.SumHandoff), "fused" (keel.kernels.junction: one
+    kernel each way, gains summed in registers; u written in the compute dtype the matmuls read, its gradient read
+    back in it).
+
+    Compiled, a graph's forward is one kernel; its backward is a chain of kernels, one per RMSNorm (Inductor's
+    mix-order reduction computes a norm's input gradient and its gain's column sums in one pass, and does not fuse
+    a norm's backward after the one whose output it reads) or one for a graph without a norm, and one for a norm
+    pair whose backward reads two independent row sums (`code.one_pass_norms`, keel.kernels.norm_pair). The
+    backward reads u's gradients and the stream's, each norm's float32 input (the pair: z alone, y recomputed),
+    writes dx and dh, and each kernel after the first reads what the one before it wrote (2S)."""
     d = config.d_model
     n_out, n_in = bool(prev and prev.norm_out), bool(nxt and nxt.norm_in)
     has_u = nxt is not None and (n_in or bf16)  # a float32 branch without norm_in reads the stream itself
@@ -198,19 +241,20 @@ def _boundary(config, prev, nxt, cons, c, bf16, mode, code: Code = Code()):
     if mode == "fused":  # u written float32 and cast by one more kernel for the matmuls
         pre = bf16 or cons > 1
         return (3 * S + c + (S + c) * bf16) * d, 1 + bf16, ((du + S) * pre + 4 * S + 2 * c) * d, 1 + pre + 4
-    if mode == "graph":  # x, h in, y, u out; backward dy, du, x, h in (z, y recomputed), dx, dh out
-        row = 2 * S + c + du
-        bwd = row + S + c + row * (n_out or n_in)  # the gains' column sums read the rows again
-        return (3 * S + c + c * has_u) * d, 1, bwd * d, 1 + (n_out or n_in)
-    fwd = bwd = lf = lb = 0
-    if prev:  # graph A ends with the sum (+ norm_out): x, h in, y out; backward dy (+ x, h) in, dx, dh out
-        row = S + (S + c) * n_out
-        fwd, lf = 2 * S + c, 1
-        bwd, lb = row + S * (n_out or prev.alpha != 1) + c + row * n_out, 1 + n_out
-    if has_u:  # graph B starts with norm_in or the cast: y in, u out; backward dy, du (+ y) in, d(stream) out
-        row = S + du + S * n_in
-        fwd, lf, bwd, lb = fwd + S + c, lf + 1, bwd + row + S + row * n_in, lb + 1 + n_in
-    return fwd * d, lf, bwd * d, lb
+    pair = n_out and n_in and code.one_pass_norms  # one op, one backward kernel, reading z alone
+
+    def chain(norms: int, both: bool) -> int:  # backward kernels of one graph's part of the junction
+        return 1 if both and code.one_pass_norms else max(1, norms)
+    if mode == "graph":  # x, h in, y, u out
+        fwd, lf, kernels = (3 * S + c + c * has_u), 1, chain(n_out + n_in, n_out and n_in)
+    elif mode == "handoff":  # graph A: x, h in, z out; graph B: z in, y, u out
+        fwd, lf, kernels = 2 * S + c + 2 * S + c, 2, 1 + chain(n_out + n_in, n_out and n_in)
+    else:  # graph A: x, h in, y out (its norm_out); graph B: y in, u out (its norm_in or the cast)
+        fwd, lf = (2 * S + c) * bool(prev) + (S + c) * has_u, bool(prev) + has_u
+        kernels = (max(1, n_out) if prev else 0) + (max(1, n_in) if has_u else 0)
+    inputs = 1 if pair else n_out + n_in
+    bwd = du * has_u + S + S + c * bool(prev) + S * inputs + 2 * S * (kernels - 1)
+    return fwd * d, lf, bwd * d, kernels
 
 
 def _reads_last_output(config: ModelConfig, scheme, specs: list, j: int, impl: str, code: Code) -> bool:
@@ -238,6 +282,7 @@ def step_ops(config: ModelConfig, batch: int, seq: int, bf16: bool, impl: str, a
     kinds = ["attn", "ffn"] * config.n_blocks
     specs = [scheme.spec(i, k) for i, k in enumerate(kinds)]
     fusable = impl == "compiled+fused" and config.norm == "rmsnorm" and d <= MAX_FUSED_WIDTH
+    handoff = impl == "compiled" and code.sum_handoff and config.loop_blocks is None
     checkpointed = {b for b in range(config.n_blocks) if ac_every and b % ac_every == 0}
     ops = []
     for j in range(config.n_sublayers + 1):  # boundary j sits before sub-layer j
@@ -246,8 +291,12 @@ def step_ops(config: ModelConfig, batch: int, seq: int, bf16: bool, impl: str, a
             mode = "eager"
         elif fusable and prev and nxt and prev.norm_out and nxt.norm_in:
             mode = "fused"
-        else:  # per-block compile: the attention -> FFN boundary is inside a block's graph
-            mode = "graph" if j % 2 and prev and nxt else "split"
+        elif j % 2 and prev and nxt:  # per-block compile: the attention -> FFN boundary is inside a block's graph
+            mode = "graph"
+        elif handoff and prev and nxt and prev.norm_out and nxt.norm_in:
+            mode = "handoff"
+        else:
+            mode = "split"
         fwd, lf, bwd, lb = _boundary(config, prev, nxt, _consumers(config, kinds[j]) if nxt else 0, c, bf16, mode,
                                      code)
         kind = "fused" if mode == "fused" else "memory"
@@ -278,40 +327,58 @@ def step_ops(config: ModelConfig, batch: int, seq: int, bf16: bool, impl: str, a
     ops += [Op("embed/head/loss", "fwd", 0, (8 + 6 * bf16) * M * V, 3),  # .float(), log_softmax, nll
             Op("embed/head/loss", "bwd", 0, (16 + 6 * bf16) * M * V, 4)]  # nll scatter, log_softmax, cast
     n, tensors = count_params(config), count_param_tensors(config)
-    ops.append(Op("optimizer", "step", 0, (ADAMW_BYTES + CLIP_BYTES) * n, OPTIM_LAUNCHES * tensors))
+    adamw = "fused" if code.fused_adamw else "foreach"
+    ops.append(Op("optimizer", "step", 0, (ADAMW_BYTES[adamw] + CLIP_BYTES) * n, OPTIM_LAUNCHES[adamw] * tensors))
     return ops
 
 
-def op_time(op: Op, device: DeviceSpec, impl: str, bf16: bool) -> float:
-    """Seconds of one op group: the roofline bound, and its kernel launches' host time."""
+def sublayer_passes(config: ModelConfig, ac_every: int = 0) -> int:
+    """Sub-layer calls the host makes in a step: each sub-layer forward and backward, checkpointed ones forward
+    again."""
+    checkpointed = sum(1 for b in range(config.n_blocks) if ac_every and b % ac_every == 0)
+    return 2 * config.n_sublayers + 2 * checkpointed
+
+
+_step_ops = functools.lru_cache(maxsize=512)(lambda *args: tuple(step_ops(*args)))  # a fit predicts each point often
+
+
+def op_time(op: Op, device: DeviceSpec, bf16: bool) -> float:
+    """Device seconds of one op group: the roofline bound."""
     peak = device.bf16_flops if bf16 else device.fp32_flops
     eff = device.matmul_eff if op.kind == "matmul" else device.attention_eff
     bandwidth = device.bandwidth * device.memory_eff
     if op.kind == "fused" and device.fused_junction_bw:  # the kernel as measured, not the roofline
         bandwidth = device.fused_junction_bw
-    work = max(op.flops / (peak * eff), op.bytes / bandwidth)
-    launches = op.launches
-    if op.group == "optimizer":
-        launches = math.ceil(launches / device.foreach_batch)
-    host = launches * device.launch_s["eager" if impl == "eager" else "compiled"]
-    return max(work, host) if device.overlap else work + host
+    return max(op.flops / (peak * eff), op.bytes / bandwidth)
+
+
+def host_time(op: Op, device: DeviceSpec, impl: str) -> float:
+    """Host seconds of one op group: its kernel launches (a multi-tensor op launches once per `foreach_batch`)."""
+    launches = math.ceil(op.launches / device.foreach_batch) if op.group == "optimizer" else op.launches
+    return launches * device.launch_s["eager" if impl == "eager" else "compiled"]
 
 
 def predict(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, impl: str, bf16: bool = True,
             ac_every: int = 0, code: Code = Code()) -> dict:
     """Predicted step time, tokens/s and MFU of one training step of `code` (today's unless a measured run's), and
     time, FLOPs and bytes per op group."""
-    ops = step_ops(config, batch, seq, bf16, impl, ac_every, code)
+    ops = _step_ops(config, batch, seq, bf16, impl, ac_every, code)
     groups: dict[str, dict] = {}
+    host = sublayer_passes(config, ac_every) * device.sublayer_s["eager" if impl == "eager" else "compiled"]
     for op in ops:
         g = groups.setdefault(op.group, {"time_s": 0.0, "flops": 0.0, "bytes": 0.0, "memory_bound_s": 0.0})
-        t = op_time(op, device, impl, bf16)
+        t = op_time(op, device, bf16)
+        host += host_time(op, device, impl)
         g["time_s"] += t
         g["flops"] += op.flops
         g["bytes"] += op.bytes
         if op.bytes / (device.bandwidth * device.memory_eff) >= op.flops / (device.bf16_flops * device.matmul_eff):
             g["memory_bound_s"] += t
-    step = sum(g["time_s"] for g in groups.values())
+    kernels = sum(g["time_s"] for g in groups.values())
+    # the host's time the device does not hide (a GPU's queue lets the host run ahead; a CPU does both in turn)
+    groups["host"] = {"time_s": max(0.0, host - kernels) if device.overlap else host, "flops": 0.0, "bytes": 0.0,
+                      "memory_bound_s": 0.0, "host_s": host}
+    step = kernels + groups["host"]["time_s"]
     tps = batch * seq / step
     return {"step_time_s": step, "tokens_per_s": tps, "mfu": tps * flops_per_token(config, seq) / device.bf16_flops,
             "flops": sum(o.flops for o in ops), "bytes": sum(o.bytes for o in ops), "groups": groups}
@@ -329,8 +396,10 @@ def predict_pair(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, 
 
 
 def gpu_spec(name: str) -> DeviceSpec | None:
-    """The spec whose name is in a CUDA device name (e.g. "NVIDIA H100 80GB HBM3"), or None."""
-    return next((spec for key, spec in DEVICES.items() if key in name), None)
+    """The spec of the part with this CUDA device name (e.g. "NVIDIA H100 80GB HBM3": the SXM part, "NVIDIA H100
+    PCIe": the PCIe card), matched whole; None for a name not in CUDA_NAMES (no guess from a part of the name)."""
+    key = CUDA_NAMES.get(name.strip())
+    return None if key is None else DEVICES.get(key) or VARIANTS[key]
 
 
 def paper_config(d_model: int, n_sublayers: int, scheme: str = "keel") -> ModelConfig:
