@@ -33,9 +33,11 @@ def register(subparsers) -> None:
 def register_sweep(subparsers) -> None:
     s = subparsers.add_parser("sweep", help="run a study file: its points (two processes may share them), then its "
                                             "report; with every point in, it only rebuilds the report",
-                              description="STUDY.yaml names the study kind (`study:`, one of keel experiment's "
-                                          "names) and its fields (`fields:`); results/<study>/study.yaml are the "
-                                          "paper's. Overrides as for keel experiment.")
+                              description="STUDY.yaml declares a study as data (`arms:`, `axes:`, `tune:`, `seeds:`, "
+                                          "`compare:`; docs/experiments.md#your-own-study) or names a study kind "
+                                          "(`study:`, one of keel experiment's names) and its fields (`fields:`); "
+                                          "results/<study>/study.yaml are the paper's. Overrides as for keel "
+                                          "experiment (a declared study takes none: its fields are in its file).")
     s.add_argument("study", help="the study file (YAML)")
     s.add_argument("--out", help="output directory (default: the study file's folder)")
     s.add_argument("--report-only", action="store_true",
@@ -48,8 +50,8 @@ STUDY_KEYS = {"study": "the study kind", "fields": "the kind's fields this study
               "question": "what it asks", "answer": "what it found"}
 
 
-def read_study(path: str) -> tuple[str, list[str]]:
-    """(kind, overrides) from a study file, checked whole: one ConfigError naming the file and the key."""
+def load_study(path: str) -> dict:
+    """A study file's mapping; one ConfigError naming the file when it is not one."""
     import yaml  # noqa: PLC0415
     from omegaconf import OmegaConf  # noqa: PLC0415 (its YAML reads 1e-3 as a number, as keel's configs do)
 
@@ -58,10 +60,18 @@ def read_study(path: str) -> tuple[str, list[str]]:
     except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as err:
         raise ConfigError(f"{path}: not a readable study file ({type(err).__name__})") from None
     if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: a study file is a mapping with `study:` and `fields:`")
+        raise ConfigError(f"{path}: a study file is a mapping: `arms:` (a declared study) or `study:` and `fields:`")
+    return doc
+
+
+def read_study(path: str) -> tuple[str, list[str]]:
+    """(kind, overrides) from a study file that names a study kind, checked whole: one ConfigError naming the file
+    and the key."""
+    doc = load_study(path)
     unknown = sorted(set(map(str, doc)) - set(STUDY_KEYS))
     if unknown:
-        raise ConfigError(f"{path}: unknown key {unknown[0]!r} (allowed: {', '.join(STUDY_KEYS)})")
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r} (allowed: {', '.join(STUDY_KEYS)}; a declared "
+                          "study has `arms:` instead of `study:`)")
     kind, fields = doc.get("study"), doc.get("fields") or {}
     names = studies(path).STUDIES
     if kind not in names:
@@ -84,16 +94,32 @@ def _dotted(fields: dict, prefix: str = "") -> dict:
 
 def cmd_sweep(args) -> int:
     from keel import runtime
-    from keel.experiments import EXPERIMENTS
     from keel.experiments.sweep import report_only
+
+    out = Path(args.out) if args.out else Path(args.study).parent
+    out_flag = [f"--out {shlex.quote(args.out)}"] if args.out else []
+    command = " ".join(["keel sweep", shlex.quote(args.study), *out_flag, *map(shlex.quote, args.overrides)])
+    doc = load_study(args.study)
+    if "arms" in doc and "study" not in doc:  # a study declared as data (keel.experiments.declared)
+        from keel.experiments import declared
+
+        if args.overrides:
+            raise ConfigError(f"{args.study}: a declared study takes no key=value overrides (got "
+                              f"{args.overrides[0]!r}); its fields are in its file")
+        study = declared.read(doc, args.study)
+        runtime.set_threads(study.run.threads)
+        out.mkdir(parents=True, exist_ok=True)
+        with report_only(args.report_only):
+            declared.run(study, out, command, name=out.resolve().name or Path(args.study).stem,
+                         question=str(doc.get("question") or ""))
+        print(f"wrote {out}/results.json, {out}/report.md and plots")
+        return 0
+    from keel.experiments import EXPERIMENTS
 
     kind, fields = read_study(args.study)
     cfg = build(kind, False, [*fields, *args.overrides])
     runtime.set_threads(cfg.run.threads)
-    out = Path(args.out) if args.out else Path(args.study).parent
     out.mkdir(parents=True, exist_ok=True)
-    out_flag = [f"--out {shlex.quote(args.out)}"] if args.out else []
-    command = " ".join(["keel sweep", shlex.quote(args.study), *out_flag, *map(shlex.quote, args.overrides)])
     with report_only(args.report_only):
         EXPERIMENTS[kind][1](cfg, out, command)
     print(f"wrote {out}/results.json, {out}/report.md and plots")

@@ -1,0 +1,373 @@
+"""A study declared as data: `keel sweep STUDY.yaml` where the file names `arms:` instead of a study kind.
+
+    question: Does Keel beat Pre-LN at 8 and 16 sub-layers at 300k tokens?
+    base: {model: {d_model: 64}, run: {steps: 300}, data: {source: stdlib}}   # keel train's sections
+    arms: {keel: {model.scheme: keel}, pre_ln: {model.scheme: pre_ln}}        # name -> the fields it sets
+    axes: {model.n_blocks: [4, 8]}                                            # every arm at every combination
+    tune:                                                                     # per arm and cell, in this order
+      - {field: optim.lr, grid: [1.0e-3, 3.0e-3, 1.0e-2], grow: 2}
+      - {field: optim.warmup_steps, grid: [10, 30, 100], grow: 1}
+    seeds: [0, 1, 2]
+    marginal_seeds: [3, 4]                                                    # optional
+    compare: [[keel, pre_ln]]                                                 # default: the first arm vs each other
+
+The method (the budget measurement, keel.experiments.budget): every point trains from scratch with the paper's
+recipe; each `tune` step chooses its field per arm and cell by the mean select-half loss over `seeds` (a diverged
+seed counts as +inf), the grid grown past an edge choice by the factor between the edge and its neighbour until
+the choice is interior or `grow` values were added on that side (a bound, reported); later steps see the values
+chosen before (a field may come back: coordinate search). The report-half losses at the chosen values are
+compared seed by seed: paired two-sided t-test per cell and pair, Holm over every test of the study. With
+`marginal_seeds`, a test that is marginal (raw p < 0.05 lifted by Holm, or Holm p in [0.05, 0.20)) gets them on
+both arms at their chosen values and every test is run again on all seeds.
+
+The whole study is checked before any point trains: every arm, axis value and grid value is merged into the base
+config by keel's one merge (one line naming the field). Points are kept by keel.experiments.sweep (resumable,
+shared by two processes, reused when the study is run again).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from keel.config import OptimConfig, RunConfig, TrainConfig, merge, validate
+from keel.config.reads import Reads
+from keel.data.corpus import DataConfig
+from keel.errors import ConfigError
+from keel.experiments import stats
+from keel.experiments.budget import BudgetConfig, budget_point
+from keel.experiments.common import (
+    experiment_guard,
+    experiment_model,
+    experiment_run,
+    markdown_table,
+    pm,
+    pyplot,
+    save,
+    write_outputs,
+)
+from keel.experiments.grid import Grid, _finite, grid_note, run_searches, search_grid
+from keel.experiments.sweep import Sweep
+
+KEYS = {"question": "what it asks", "answer": "what it found", "rule": "its decision rule", "base": "keel train's "
+        "sections every point starts from", "arms": "name -> the fields it sets", "axes": "field -> values",
+        "tune": "the fields chosen per arm and cell", "seeds": "the seeds", "marginal_seeds": "seeds added to a "
+        "marginal test", "compare": "pairs of arms", "measure": "what a point measures", "curve_every":
+        "report-half loss every this many steps (0: off)"}
+MEASURES = ("loss",)  # the budget measurement: final loss on the select and report halves
+PER_POINT = {"run.seed": "set per point from seeds", "run.out_dir": "a study point writes no run directory",
+             "run.name": "a study point writes no run directory"}
+MARGINAL_BELOW = 0.20
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.]*")
+
+
+@dataclass
+class DeclaredStudy:
+    """A declared study, as read and checked (`read`); recorded in points/config.json, so a study file changed in
+    anything but its seeds is refused on the points of the old one."""
+
+    base: dict = field(default_factory=dict)
+    arms: dict = field(default_factory=dict)
+    axes: dict = field(default_factory=dict)
+    tune: list = field(default_factory=list)
+    seeds: list = field(default_factory=lambda: [0])
+    marginal_seeds: list = field(default_factory=list)
+    compare: list = field(default_factory=list)
+    measure: str = "loss"
+    curve_every: int = 0
+
+    @property
+    def run(self) -> RunConfig:  # how points are computed (Sweep.execution records it)
+        return self.config({}).run
+
+    def config(self, fields: dict) -> TrainConfig:
+        """The base with `fields` ({dotted field: value}) set, through keel's one merge."""
+        base = TrainConfig(model=experiment_model(), data=DataConfig(), optim=OptimConfig(warmup_steps=40),
+                           guard=experiment_guard(), run=experiment_run())
+        overrides = [f"{k}={json.dumps(v)}" for k, v in {**dotted(self.base), **fields}.items()]
+        config = merge(base, None, overrides, Reads(refuse=PER_POINT))
+        config = replace(config, model=replace(config.model, max_seq_len=config.run.seq_len))
+        validate(config)
+        return config
+
+    def tuned(self) -> list[str]:
+        return list(dict.fromkeys(step["field"] for step in self.tune))
+
+    def cells(self) -> list[dict]:
+        return [dict(zip(self.axes, values)) for values in itertools.product(*self.axes.values())]
+
+
+def dotted(fields: dict, prefix: str = "") -> dict:
+    """{"run": {"steps": 2}} as {"run.steps": 2}."""
+    out = {}
+    for k, v in fields.items():
+        if isinstance(v, dict):
+            out |= dotted(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def read(doc: dict, where: str) -> DeclaredStudy:
+    """The study in `doc` (a study file's mapping), checked whole: every arm, axis value and grid value merged
+    into the base; one ConfigError naming `where` and the field."""
+    def bad(what: str):
+        return ConfigError(f"{where}: {what}")
+    unknown = sorted(set(map(str, doc)) - set(KEYS))
+    if unknown:
+        raise bad(f"unknown key {unknown[0]!r} (allowed: {', '.join(KEYS)})")
+    for key in ("base", "arms", "axes"):
+        if not isinstance(doc.get(key) or {}, dict):
+            raise bad(f"{key}: a mapping ({KEYS[key]})")
+    arms = {str(k): dotted(v or {}) if isinstance(v, dict) else v for k, v in (doc.get("arms") or {}).items()}
+    if len(arms) < 2:
+        raise bad("arms: at least two arms to compare (name -> the fields it sets)")
+    for name, fields in arms.items():
+        if not _NAME.fullmatch(name) or not isinstance(fields, dict):
+            raise bad(f"arms.{name}: an arm is a name (letters, digits, _ and .) -> a mapping of fields")
+    axes = {str(k): v for k, v in (doc.get("axes") or {}).items()}
+    for name, values in axes.items():
+        if not isinstance(values, list) or not values or len({json.dumps(v) for v in values}) < len(values):
+            raise bad(f"axes.{name}: a list of distinct values")
+    tune = doc.get("tune") or []
+    if not isinstance(tune, list):
+        raise bad("tune: a list of {field, grid, grow}")
+    for i, step in enumerate(tune):
+        if not isinstance(step, dict) or set(step) - {"field", "grid", "grow"} or "field" not in step:
+            raise bad(f"tune[{i}]: a mapping with field, grid and grow (got {step!r})")
+        grid, grow = step.get("grid"), step.get("grow", 2)
+        if not isinstance(grid, list) or len(grid) < 2 or not all(_positive(v) for v in grid) \
+                or len(set(grid)) < len(grid):
+            raise bad(f"tune[{i}].grid: at least two distinct positive numbers (got {grid!r})")
+        if not isinstance(grow, int) or isinstance(grow, bool) or not 0 <= grow <= 8:
+            raise bad(f"tune[{i}].grow: values added past an edge, an integer in [0, 8] (got {grow!r})")
+    seeds, marginal = doc.get("seeds", [0, 1, 2]), doc.get("marginal_seeds") or []
+    for key, value in (("seeds", seeds), ("marginal_seeds", marginal)):
+        if not isinstance(value, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                  for s in value) or len(set(value)) < len(value):
+            raise bad(f"{key}: distinct integers >= 0 (got {value!r})")
+    if not seeds:
+        raise bad("seeds: empty; give at least one seed (two for a test)")
+    if set(seeds) & set(marginal):
+        raise bad("marginal_seeds: must be new seeds, not in seeds")
+    names = list(arms)
+    compare = doc.get("compare") or [[names[0], other] for other in names[1:]]
+    if not isinstance(compare, list) or not all(isinstance(p, list) and len(p) == 2 and p[0] != p[1]
+                                                and set(p) <= set(names) for p in compare):
+        raise bad(f"compare: pairs of two different arms out of {', '.join(names)} (got {compare!r})")
+    measure = doc.get("measure", "loss")
+    if measure not in MEASURES:
+        raise bad(f"measure: {measure!r}; allowed: {', '.join(MEASURES)}")
+    curve_every = doc.get("curve_every", 0)
+    if not isinstance(curve_every, int) or isinstance(curve_every, bool) or curve_every < 0:
+        raise bad(f"curve_every: an integer >= 0 (got {curve_every!r})")
+    study = DeclaredStudy(base=doc.get("base") or {}, arms=arms, axes=axes,
+                          tune=[{"field": s["field"], "grid": sorted(s["grid"]), "grow": s.get("grow", 2)}
+                                for s in tune], seeds=seeds, marginal_seeds=marginal, compare=compare,
+                          measure=measure, curve_every=curve_every)
+    _check_configs(study, bad)
+    return study
+
+
+def _positive(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _check_configs(study: DeclaredStudy, bad) -> None:
+    """Every arm, axis value and grid value through the merge, alone and then together, before any point trains."""
+    def check(where: str, fields: dict) -> TrainConfig:
+        try:
+            return study.config(fields)
+        except ConfigError as err:
+            raise bad(f"{where}: {err}") from None
+    for name in study.tuned():
+        owners = [f"axes.{name}"] * (name in study.axes) + [f"arms.{a}" for a, f in study.arms.items() if name in f]
+        if owners:
+            raise bad(f"tune: {name} is chosen per arm and cell, so {owners[0]} may not set it")
+    check("base", {})
+    for arm, fields in study.arms.items():
+        check(f"arms.{arm}", fields)
+    for name, values in study.axes.items():
+        for value in values:
+            check(f"axes.{name}", {name: value})
+    for i, step in enumerate(study.tune):
+        for value in step["grid"]:
+            if isinstance(_get(check(f"tune[{i}]", {step["field"]: value}), step["field"]), bool | str):
+                raise bad(f"tune[{i}]: {step['field']} is not a number")
+    for arm, fields in study.arms.items():
+        for cell in study.cells():
+            for step in study.tune or [{"field": None, "grid": [None]}]:
+                for value in step["grid"]:
+                    check(f"arms.{arm} at {_cell_name(cell) or 'the base'}",
+                          {**fields, **cell, **({} if step["field"] is None else {step["field"]: value})})
+
+
+def _get(config, key: str):
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def _cell_name(cell: dict) -> str:
+    return "-".join(f"{k.rsplit('.', 1)[-1]}{v}" for k, v in cell.items())
+
+
+def key(arm: str, cell: dict, hp: dict, seed: int) -> str:
+    parts = [arm, _cell_name(cell), *(f"{k.rsplit('.', 1)[-1]}{v:g}" for k, v in hp.items()), f"seed{seed}"]
+    return re.sub(r"[^A-Za-z0-9._-]", "_", "-".join(p for p in parts if p))
+
+
+class _Grid(Grid):
+    """A grid of an integer field grows by whole numbers; a value the rounding repeats is a bound."""
+
+    def beyond(self, edge: str, grown: int) -> float | None:
+        value = super().beyond(edge, grown)
+        value = None if value is None else int(round(value))
+        return value if value and value not in self.values else None
+
+
+def point(study: DeclaredStudy, arm: str, cell: dict, hp: dict, seed: int) -> dict:
+    """One point: the budget measurement at this arm, cell and tuned values."""
+    c = study.config({**study.arms[arm], **cell, **hp})
+    cfg = BudgetConfig(model=c.model, data=c.data, optim=c.optim, guard=c.guard, run=c.run, lrs=[c.optim.lr],
+                       seeds=[seed], curve_every=study.curve_every)
+    return budget_point(cfg, c.model, c.optim.lr, seed) | {"arm": arm, "cell": cell, "tuned": hp}
+
+
+def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", question: str = "") -> dict:
+    """Every cell whole, one after the other (a partial sweep answers whole cells); then the tests and the report."""
+    sweep, points, choices = Sweep(out, study), {}, {}
+    base = study.config({})
+    for cell in study.cells():
+        desc = f"{name} {_cell_name(cell) or 'points'}"
+        choices[_cell_name(cell)] = _tune_cell(study, sweep, cell, points, base, desc)
+    tests = _tests(study, points, choices, study.seeds)
+    seeds = study.seeds
+    if study.marginal_seeds and any(_marginal(t) for t in tests):
+        seeds = [*study.seeds, *study.marginal_seeds]
+        jobs = {}
+        for t in tests:
+            if _marginal(t):
+                for arm in t["pair"]:
+                    hp = choices[t["cell"]][arm]["hp"]
+                    cell = study.cells()[[_cell_name(c) for c in study.cells()].index(t["cell"])]
+                    jobs |= {key(arm, cell, hp, s): _job(study, arm, cell, hp, s) for s in study.marginal_seeds}
+        points |= sweep.run(jobs, f"{name} (marginal seeds)")
+        tests = _tests(study, points, choices, seeds)
+    results = {"points": points, "choices": choices, "tests": tests, "seeds": seeds}
+    _report(study, out, command, name, results, question)
+    return results
+
+
+def _job(study, arm, cell, hp, seed):
+    return lambda: point(study, arm, cell, hp, seed)
+
+
+def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, base: TrainConfig, desc: str) -> dict:
+    fields = study.tuned()
+
+    def hp_of(values: tuple) -> dict:
+        return dict(zip(fields, values))
+
+    def score(arm: str, *values) -> float:
+        runs = [points[key(arm, cell, hp_of(values), s)] for s in study.seeds]
+        return float(np.mean([_finite(r.get("select_loss")) for r in runs]))
+
+    def search(arm: str):
+        start = study.config({**study.arms[arm], **cell})
+        now = {f: _get(start, f) for f in fields}
+        steps = []
+        for step in study.tune:
+            f = step["field"]
+            integer = isinstance(_get(base, f), int)
+            grid = (_Grid if integer else Grid)([int(v) if integer else float(v) for v in step["grid"]], step["grow"])
+            now[f] = yield from search_grid(grid, lambda v, f=f: tuple({**now, f: v}[g] for g in fields),
+                                            lambda *v, arm=arm: score(arm, *v))
+            steps.append({"field": f, **grid.describe()})
+        if not fields:
+            yield [()]
+        return {"hp": dict(now), "grids": steps}
+
+    def run_round(asked: dict) -> set:
+        jobs = {a: {key(a, cell, hp_of(v), s): _job(study, a, cell, hp_of(v), s) for v in hps for s in study.seeds}
+                for a, hps in asked.items()}
+
+        def complete(done: dict) -> set:
+            return {a for a, arm in jobs.items() if arm.keys() <= done.keys()}
+        got = sweep.run({k: j for arm in jobs.values() for k, j in arm.items()}, desc,
+                        enough=lambda done: bool(complete(done)))
+        points.update(got)
+        return complete(got)
+    chosen = run_searches({arm: search(arm) for arm in study.arms}, run_round)
+    return {arm: {"hp": c["hp"], "grids": c["grids"]} for arm, c in chosen.items()}
+
+
+def _losses(study, points, cell_name, choice, arm, seeds) -> list:
+    cell = study.cells()[[_cell_name(c) for c in study.cells()].index(cell_name)]
+    return [points[k]["report_loss"] if (k := key(arm, cell, choice[arm]["hp"], s)) in points else None
+            for s in seeds]
+
+
+def _tests(study: DeclaredStudy, points: dict, choices: dict, seeds: list) -> list[dict]:
+    tests = []
+    for cell_name, choice in choices.items():
+        for a, b in study.compare:
+            la, lb = _losses(study, points, cell_name, choice, a, seeds), _losses(study, points, cell_name, choice, b,
+                                                                                  seeds)
+            tests.append({"cell": cell_name, "pair": [a, b], "seeds": [s for s, x, y in zip(seeds, la, lb)
+                                                                       if x is not None and y is not None],
+                          **stats.paired(la, lb)})
+    for t, adjusted in zip(tests, stats.holm([t["p"] for t in tests])):
+        t["p_holm"] = adjusted
+        t["verdict"] = "inconclusive" if adjusted is None or adjusted >= stats.ALPHA else (
+            f"{t['pair'][0]} lower" if t["mean"] < 0 else f"{t['pair'][1]} lower")
+    return tests
+
+
+def _marginal(t: dict) -> bool:
+    p, ph = t["p"], t["p_holm"]
+    return p is not None and ph is not None and ph >= stats.ALPHA and (p < stats.ALPHA or ph < MARGINAL_BELOW)
+
+
+def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: dict, question: str) -> None:
+    points, choices, seeds = results["points"], results["choices"], results["seeds"]
+    rows = []
+    for cell_name, choice in choices.items():
+        for arm in study.arms:
+            losses = _losses(study, points, cell_name, choice, arm, seeds)
+            notes = "; ".join(f"{g['field']} from {', '.join(f'{v:g}' for v in g['values'])}{grid_note(g)}"
+                              for g in choice[arm]["grids"])
+            rows.append([cell_name or "-", arm, ", ".join(f"{k}={v:g}" for k, v in choice[arm]["hp"].items()) or "-",
+                         pm([x for x in losses if x is not None]), notes or "-"])
+    arms_table = markdown_table(["cell", "arm", "chosen on the select half", "report-half loss", "grids"], rows)
+    test_rows = [[t["cell"] or "-", f"{t['pair'][0]} - {t['pair'][1]}", stats.describe(t),
+                  "-" if t["p_holm"] is None else f"{t['p_holm']:.2g}", t["verdict"]] for t in results["tests"]]
+    tests_table = markdown_table(["cell", "difference", "mean [95% CI], p (n)", "Holm p", "verdict"], test_rows)
+    plots = [_plot(study, out, results)]
+    notes = (f"Each point: the budget measurement (keel.experiments.budget) at {study.config({}).run.steps} steps; "
+             f"choices by the mean select-half loss over seeds {study.seeds}; report-half losses on seeds {seeds}; "
+             f"paired two-sided t-tests, Holm over the study's {len(results['tests'])} tests.")
+    asks = f"**Question:** {question}\n\n" if question else ""
+    write_outputs(out, name, study, command, results, asks + arms_table + "\n\n" + tests_table, plots, notes)
+
+
+def _plot(study: DeclaredStudy, out: Path, results: dict) -> str:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    cells = list(results["choices"])
+    for arm in study.arms:
+        losses = [_losses(study, results["points"], c, results["choices"][c], arm, results["seeds"]) for c in cells]
+        means = [float(np.mean([x for x in ls if x is not None])) if any(x is not None for x in ls) else math.nan
+                 for ls in losses]
+        ax.plot(range(len(cells)), means, marker="o", label=arm)
+    ax.set_xticks(range(len(cells)), [c or "-" for c in cells], rotation=30, ha="right")
+    ax.set_ylabel("report-half loss (mean over seeds)")
+    ax.legend()
+    return save(fig, out, "study.png")
+

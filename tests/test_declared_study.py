@@ -1,0 +1,137 @@
+"""A study declared as data (`keel sweep STUDY.yaml` with `arms:`, keel.experiments.declared): its choices, tests and
+report recomputed from its point files by hand, its bad fields one line before any point trains."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+from scipy import stats as scipy_stats
+
+from keel.cli import main
+from keel.experiments import store
+
+TINY = {"model": {"d_model": 32, "n_heads": 2, "n_kv_heads": 1},
+        "run": {"steps": 6, "batch_size": 4, "seq_len": 32, "eval_batches": 1, "compile": False},
+        "optim": {"warmup_steps": 2}, "data": {"source": "stdlib"}}
+
+
+def study(**fields) -> dict:
+    return {"question": "which arm has the lower loss?", "base": TINY,
+            "arms": {"keel": {"model.scheme": "keel"}, "pre_ln": {"model": {"scheme": "pre_ln"}},
+                     "post_ln": {"model.scheme": "post_ln"}},
+            "axes": {"model.n_blocks": [1, 2]},
+            "tune": [{"field": "optim.lr", "grid": [1.0e-5, 2.0e-5], "grow": 1}],
+            "seeds": [0, 1, 2]} | fields
+
+
+def write(tmp_path, doc: dict):
+    path = tmp_path / "study" / "study.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def holm_by_hand(ps: list[float]) -> list[float]:
+    """Holm's step-down adjustment written out: the k-th smallest p times (m - k), kept from falling, capped at 1."""
+    order = np.argsort(ps)
+    adjusted, running = [0.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def report_losses(points: dict, lr: float, arm: str, depth: int) -> list[float]:
+    return [next(p["report_loss"] for p in points.values() if p["arm"] == arm and p["seed"] == s and p["lr"] == lr
+                 and p["cell"] == {"model.n_blocks": depth}) for s in (0, 1, 2)]
+
+
+@pytest.mark.slow
+def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
+    path = write(tmp_path, study())
+    assert main(["sweep", str(path)]) == 0
+    out = path.parent
+    results = json.loads((out / "results.json").read_text())["results"]
+    points = store.load_all(out / "points")
+    for cell, depth in (("n_blocks1", 1), ("n_blocks2", 2)):
+        for arm in ("keel", "pre_ln", "post_ln"):
+            run = {k: p for k, p in points.items() if p["arm"] == arm and p["cell"] == {"model.n_blocks": depth}}
+            lrs = sorted({p["lr"] for p in run.values()})
+            mean = {lr: np.mean([p["select_loss"] if p["select_loss"] is not None and math.isfinite(p["select_loss"])
+                                 else math.inf for p in run.values() if p["lr"] == lr]) for lr in lrs}
+            best = min(lrs, key=lambda lr: mean[lr])
+            assert results["choices"][cell][arm]["hp"] == {"optim.lr": best}
+            # a choice at an edge of the starting grid grew it by the edge's factor (one value: grow 1)
+            assert set(lrs) - {1e-5, 2e-5} <= {5e-6, 4e-5} and len(lrs) <= 3
+            if best in (1e-5, 2e-5) and best == (min(lrs) if best == 1e-5 else max(lrs)):
+                assert len(lrs) == 3  # grown past the edge it chose
+            assert all(len([p for p in run.values() if p["lr"] == lr]) == 3 for lr in lrs)  # every seed
+    tests = results["tests"]
+    assert [(t["cell"], t["pair"]) for t in tests] == [(c, p) for c in ("n_blocks1", "n_blocks2")
+                                                       for p in (["keel", "pre_ln"], ["keel", "post_ln"])]
+    for t in tests:
+        a, b = (report_losses(points, results["choices"][t["cell"]][arm]["hp"]["optim.lr"], arm, int(t["cell"][-1]))
+                for arm in t["pair"])
+        assert t["mean"] == pytest.approx(np.mean(np.subtract(a, b)), abs=1e-12)
+        if t["p"] is not None:
+            assert t["p"] == pytest.approx(scipy_stats.ttest_rel(a, b).pvalue, rel=1e-9)
+    with_p = [t for t in tests if t["p"] is not None]
+    for t, adjusted in zip(with_p, holm_by_hand([t["p"] for t in with_p])):
+        assert t["p_holm"] == pytest.approx(adjusted, rel=1e-12)
+        assert t["verdict"] == ("inconclusive" if adjusted >= 0.05 else
+                                f"{t['pair'][0] if t['mean'] < 0 else t['pair'][1]} lower")
+    report = (out / "report.md").read_text()
+    assert "which arm has the lower loss?" in report and (out / "study.png").stat().st_size > 0
+    before = (out / "results.json").read_text()
+    # run again: every point is on disk, nothing trains (--report-only would refuse a missing one), same numbers
+    assert main(["sweep", str(path), "--report-only"]) == 0
+    assert json.loads((out / "results.json").read_text())["results"] == json.loads(before)["results"]
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"arms": {"keel": {"model.scheme": "keeel"}, "pre_ln": {"model.scheme": "pre_ln"}}},
+     "arms.keel: ModelConfig.scheme: unknown scheme"),
+    ({"arms": {"keel": {"model.scheme": "keel"}}}, "arms: at least two arms"),
+    ({"arms": {"keel": {"model.nope": 1}, "pre_ln": {}}}, "arms.keel: model.nope"),
+    ({"axes": {"model.n_blocks": [0]}}, "axes.model.n_blocks: "),
+    ({"axes": {"model.n_blocks": []}}, "axes.model.n_blocks: a list of distinct values"),
+    ({"tune": [{"field": "optim.lr", "grid": [1e-3]}]}, "tune[0].grid: at least two"),
+    ({"tune": [{"field": "optim.lr", "grid": [1e-3, -1e-3]}]}, "tune[0].grid: at least two distinct positive"),
+    ({"tune": [{"field": "optim.lr", "grid": [1e-3, 2e-3], "grow": -1}]}, "tune[0].grow"),
+    ({"tune": [{"field": "model.n_blocks", "grid": [1, 2]}]}, "tune: model.n_blocks is chosen per arm and cell"),
+    ({"tune": [{"field": "optim.schedule", "grid": [1, 2]}]}, "tune[0]: optim.schedule"),
+    ({"seeds": []}, "seeds: empty"),
+    ({"seeds": [0, 0]}, "seeds: distinct integers"),
+    ({"marginal_seeds": [0]}, "marginal_seeds: must be new seeds"),
+    ({"compare": [["keel", "nope"]]}, "compare: pairs of two different arms"),
+    ({"measure": "accuracy"}, "measure: 'accuracy'; allowed: loss"),
+    ({"base": {"run": {"seed": 3}}}, "base: run.seed: not used here (set per point from seeds)"),
+    ({"nope": 1}, "unknown key 'nope'"),
+])
+def test_a_bad_declared_study_is_one_line_before_any_point(change, needle, tmp_path, capsys):
+    path = write(tmp_path, study(**change))
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (path.parent / "points").exists()
+
+
+def test_a_declared_study_takes_no_overrides(tmp_path, capsys):
+    path = write(tmp_path, study())
+    assert main(["sweep", str(path), "seeds=[0]"]) == 2
+    assert "a declared study takes no key=value overrides" in capsys.readouterr().err
+
+
+def test_the_documented_study_is_a_valid_one():
+    """docs/experiments.md's example study reads and checks whole (every arm, axis and grid value merged)."""
+    from pathlib import Path
+
+    from keel.experiments import declared
+
+    page = (Path(__file__).parent.parent / "docs" / "experiments.md").read_text()
+    block = page.split("## Your own study", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    study = declared.read(yaml.safe_load(block), "docs/experiments.md")
+    assert list(study.arms) == ["keel", "pre_ln"] and study.axes == {"model.n_blocks": [4, 8]}
+    assert [c.model.n_blocks for c in (study.config({"model.n_blocks": n}) for n in (4, 8))] == [4, 8]
