@@ -21,10 +21,10 @@ LAYERS = {
     "safe_io": {"errors"},
     "runtime": {"_version", "errors"},
     "model": {"_lazy"},  # torch only: `export-hf` ships its modules (not its __init__, which names them lazily)
-    "kernels": set(),  # torch and triton only: scale applies them, bench times them
+    "kernels": {"_lazy"},  # torch and triton only (and the package's lazy names): scale applies them, bench times them
     "data": {"_lazy", "errors", "safe_io"},
     "scale": {"errors", "runtime", "model", "kernels"},
-    "evals": {"errors", "safe_io", "runtime", "model", "data"},
+    "evals": {"_lazy", "errors", "safe_io", "runtime", "model", "data", "scale"},
     # the config of the whole program: every command's merge, field reads and presets
     "config": {"errors", "runtime", "model", "data", "scale", "evals"},
     # run directories: the run dir, checkpoints, resume and the trust layer over what a run holds
@@ -38,7 +38,7 @@ LAYERS = {
     "bench": _BELOW_TRAIN | {"train", "evals", "config", "reporting"},
     "cli": _BELOW_TRAIN | {"config", "runs", "reporting", "train", "generate", "hf", "experiments", "bench", "evals",
             "launch"},
-    "__init__": {"_version", "model"},
+    "__init__": {"_version", "_lazy", "model"},
 }
 
 

@@ -8,23 +8,12 @@ nothing of Hugging Face loads until `keel.hf.register()` registers `KeelConfig` 
 commands set their process's OpenMP wait policy and CUDA allocator, each only where you set none (keel.launch).
 """
 
+from keel._lazy import lazy_names
 from keel._version import __version__
 
-__all__ = [
-    "ModelConfig", "TransformerLM", "SublayerInfo", "SCHEMES", "PRESETS", "preset", "tiny", "cpu_demo",
-    "paper_64", "paper_128", "paper_512", "paper_1024", "paper_2048", "count_params", "flops_per_token", "__version__",
-]
-
-
-def __getattr__(name: str):
-    # keel.model (and torch with it) loads on first use, not on `import keel`: the `keel` command imports
-    # this package before it can catch Ctrl-C, and torch takes seconds to import
-    if name in __all__:
-        from keel import model
-
-        return getattr(model, name)
-    raise AttributeError(f"module 'keel' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+# keel.model (and torch with it) loads on first use, not on `import keel`: the `keel` command imports this package
+# before it can catch Ctrl-C, and torch takes seconds to import
+__getattr__, __dir__, _MODEL = lazy_names(__name__, {"model": (
+    "ModelConfig", "TransformerLM", "SublayerInfo", "SCHEMES", "PRESETS", "preset", "tiny", "cpu_demo", "paper_64",
+    "paper_128", "paper_512", "paper_1024", "paper_2048", "count_params", "flops_per_token")})
+__all__ = [*_MODEL, "__version__"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -95,7 +94,9 @@ def cmd_train(args) -> int:
         print(plan(config, time_lines(config)))
         return 0
     trainer = Trainer(config)
-    if os.environ.get("RANK", "0") == "0":  # after the trainer's checks: a refused config gets one line
+    from keel.scale.distributed import current
+
+    if current().main:  # after the trainer's checks: a refused config gets one line
         for line in recipe_warnings(config):
             print(line, file=sys.stderr)
     summary = trainer.run(resume_from)
@@ -105,7 +106,7 @@ def cmd_train(args) -> int:
         return DIVERGED_EXIT
     if summary["interrupted"]:
         return INTERRUPTED_EXIT
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+    if current().main:  # under torchrun, rank 0 speaks for the run
         from keel.reporting.tables import SUMMARY_KEYS, key_values
 
         print(json.dumps(summary, indent=1) if args.json else key_values(summary, SUMMARY_KEYS))
@@ -149,7 +150,9 @@ def cmd_eval(args) -> int:
     from keel.train.evaluate import evaluate_run
 
     result = evaluate_run(args.run_dir, args.checkpoint, args.split, args.batches, args.device)
-    if os.environ.get("RANK", "0") != "0":  # under torchrun every rank evaluated its share; rank 0 reports
+    from keel.scale.distributed import current
+
+    if not current().main:  # under torchrun every rank evaluated its share; rank 0 reports
         return 0
     print(json.dumps(result, indent=1) if args.json else key_values(result, EVAL_KEYS))
     from keel import safe_io

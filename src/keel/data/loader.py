@@ -246,7 +246,7 @@ class WindowSampler:
         starts = torch.randint(n_starts, (self.batch_size * self.world_size,), generator=self.generator)
         mine = starts[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
         self.step += 1
-        return _windows(self.tokens, mine.numpy(), self.seq_len, self.vocab_size, self.source)
+        return shards.batch_of_windows(self.tokens, mine.numpy(), self.seq_len, self.vocab_size, self.source)
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state(), "step": self.step}
@@ -271,20 +271,4 @@ def eval_batches(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches:
     else:  # spacing (len - seq_len - 1) / (count - 1) > seq_len, because n_windows > count
         starts = np.linspace(0, len(tokens) - seq_len - 1, count).astype(np.int64)
     for i in range(0, count, batch_size):
-        yield _windows(tokens, starts[i:i + batch_size], seq_len, vocab_size, source or "a batch")
-
-
-def _windows(tokens, starts: np.ndarray, seq_len: int, vocab_size: int | None = None,
-             source=None) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(tokens, shards.TokenShards):  # only these rows are read, from whichever shards hold them
-        rows = tokens.windows(starts, seq_len + 1)
-    else:
-        rows = tokens[starts[:, None] + np.arange(seq_len + 1)]
-    rows = torch.from_numpy(rows.astype(np.int64))  # (B, T + 1)
-    # one reduction over a batch already in memory: an id past the embedding (a cache damaged where `prepare`'s
-    # sample did not look) would otherwise be an IndexError, or on a GPU a device-side assert, inside the model
-    if vocab_size is not None and len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < vocab_size:
-        bad = int(rows.max()) if int(rows.max()) >= vocab_size else int(rows.min())
-        raise DataError(f"{source}: token id {bad} is outside the model's vocabulary of {vocab_size} "
-                        "(model.vocab_size); the token cache is damaged: delete it to rebuild it")
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        yield shards.batch_of_windows(tokens, starts[i:i + batch_size], seq_len, vocab_size, source or "a batch")

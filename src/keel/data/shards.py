@@ -282,3 +282,22 @@ class _Tail(TokenShards):
         if len(starts) and not (0 <= starts.min() and starts.max() <= len(self) - length):
             raise IndexError(f"a window outside the {len(self)} tokens of {self.filename}'s tail")
         return self.whole.windows(starts + self.start, length)
+
+
+def batch_of_windows(tokens, starts: np.ndarray, seq_len: int, vocab_size: int | None = None, source=None) -> tuple:
+    """The (inputs, targets) batch of the windows of `seq_len + 1` ids at `starts`, each id checked against the
+    model's vocabulary."""
+    import torch  # noqa: PLC0415 (reading shards and their manifest needs no torch; batches do)
+
+    if isinstance(tokens, TokenShards):  # only these rows are read, from whichever shards hold them
+        rows = tokens.windows(starts, seq_len + 1)
+    else:
+        rows = tokens[starts[:, None] + np.arange(seq_len + 1)]
+    rows = torch.from_numpy(rows.astype(np.int64))  # (B, T + 1)
+    # one reduction over a batch already in memory: an id past the embedding (a cache damaged where `prepare`'s
+    # sample did not look) would otherwise be an IndexError, or on a GPU a device-side assert, inside the model
+    if vocab_size is not None and len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < vocab_size:
+        bad = int(rows.max()) if int(rows.max()) >= vocab_size else int(rows.min())
+        raise DataError(f"{source}: token id {bad} is outside the model's vocabulary of {vocab_size} "
+                        "(model.vocab_size); the token cache is damaged: delete it to rebuild it")
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

@@ -33,8 +33,7 @@ import numpy as np
 import torch
 
 from keel.data.corpus import JSONL_SUFFIXES, DataConfig, _as_text, _first_line, _has_text, _optional, cache_root
-from keel.data.loader import _windows
-from keel.data.shards import shard_dtype
+from keel.data.shards import batch_of_windows, shard_dtype
 from keel.data.tokenizer import load_tokenizer
 from keel.errors import DataError
 
@@ -274,7 +273,8 @@ class StreamSampler:
             self._read()
         rows, self.ids = self.ids[:need], self.ids[need - 1:]  # the last id begins the next batch
         self.step, self.version = self.step + 1, self.version + 1
-        return _windows(rows, np.arange(self.batch_size) * self.seq_len, self.seq_len, self.vocab_size, self.source)
+        return batch_of_windows(rows, np.arange(self.batch_size) * self.seq_len, self.seq_len, self.vocab_size,
+                                self.source)
 
     def state_dict(self) -> dict:
         # the ids left are the end of the last batch read (a batch is read only when fewer than a row's are left)

@@ -7,21 +7,13 @@
 
 Built-in probes (`PROBES`: brackets, indent, identifiers, next_line) are multiple choice with 4 choices (chance
 0.25), cut from the validation split only and cached per corpus (`tasks`, `probes`); `lm_eval:<task>` runs an
-lm-evaluation-harness task on the same model object (`harness`); `scoring` holds the log-likelihood scorer.
+lm-evaluation-harness task on the same model object (`in_memory_lm`); `scorer` holds the log-likelihood scorer.
 The task names need no torch (`tasks`), so a config naming an unknown task is refused without its import;
 `prepare` and `score` load `scoring` (and torch) on first use.
 """
 
-import importlib
-
+from keel._lazy import lazy_names
 from keel.evals.tasks import PROBES, HarnessTask, Probe, Task, resolve
 
-__all__ = ["PROBES", "HarnessTask", "Probe", "Task", "prepare", "resolve", "score"]
-
-
-def __getattr__(name: str):
-    if name in ("prepare", "score"):
-        value = getattr(importlib.import_module("keel.evals.scoring"), name)
-        globals()[name] = value  # looked up once
-        return value
-    raise AttributeError(f"module 'keel.evals' has no attribute {name!r}")
+__getattr__, __dir__, _LAZY = lazy_names(__name__, {"scoring": ("prepare", "score")})
+__all__ = ["PROBES", "HarnessTask", "Probe", "Task", "resolve", *_LAZY]

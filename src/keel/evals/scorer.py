@@ -14,12 +14,13 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from keel.scale.distributed import current
+
 
 def world() -> tuple[int, int]:
-    """(rank, world size): (0, 1) outside torch.distributed."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    """(rank, world size): keel.scale.distributed.current()'s, (0, 1) outside torch.distributed."""
+    place = current()
+    return place.rank, place.size
 
 
 def all_sum(values: list[float], device) -> list[float]:

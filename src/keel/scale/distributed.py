@@ -33,6 +33,16 @@ class World:
         return self.rank == 0
 
 
+def current() -> World:
+    """This process's place now, the one answer to "which rank am I": the process group's where one is running,
+    else torchrun's environment (a rank before its group starts, or after it closed), else the single process."""
+    if dist.is_available() and dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+    if launched_by_torchrun():
+        return World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    return World()
+
+
 def launched_by_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
@@ -40,7 +50,7 @@ def launched_by_torchrun() -> bool:
 def init(device_type: str) -> World:
     """Join (or start) the process group torchrun describes; a plain `World()` outside torchrun."""
     if dist.is_initialized():
-        return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+        return current()
     if not launched_by_torchrun():
         return World()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
