@@ -27,7 +27,7 @@ def one_line_error(capsys, needle: str) -> str:
     (["model.alpha=-3"], "ModelConfig.alpha"),
     # counts beyond any run: refused at once (they overflowed or ran for minutes)
     ([f"run.grad_accum={10**20}"], "run.grad_accum"),
-    (["run.grad_accum=1000000000"], "run.grad_accum: got 1000000000; allowed: at most 65,536"),
+    (["run.grad_accum=1000000000"], "run.grad_accum: got 1000000000; allowed: an integer in [1, 65,536]"),
     ([f"model.max_seq_len={10**20}"], "ModelConfig.max_seq_len"),
     ([f"guard.spike_window={10**20}"], "guard.spike_window"),
     ([f"model.n_blocks={10**20}"], "ModelConfig.n_blocks"),

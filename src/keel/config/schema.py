@@ -245,6 +245,7 @@ def to_config(layers, schema=None):
     if isinstance(config, TrainConfig):
         validate(config)
     elif isinstance(getattr(config, "run", None), RunConfig):  # an experiment: its points validate the rest
+        check_limits(config)
         validate_runtime(config.run)
     return config
 
@@ -281,10 +282,8 @@ def validate_runtime(run) -> None:
             "True", "False") else ""
         raise ConfigError(f"run.fused_junction: got {run.fused_junction!r}; allowed: {', '.join(FUSED_JUNCTION)}"
                           + yaml)
-    if run.grad_accum < 1:
-        raise ConfigError(f"run.grad_accum: got {run.grad_accum!r}; allowed: an integer >= 1")
-    if run.ac_every < 0:
-        raise ConfigError(f"run.ac_every: got {run.ac_every!r}; allowed: an integer >= 0 (0 disables)")
+    for name in ("grad_accum", "ac_every", "threads"):
+        LIMITS[f"run.{name}"].check(f"run.{name}", getattr(run, name))
     if run.weights not in WEIGHTS:
         raise ConfigError(f"run.weights: got {run.weights!r}; allowed: {', '.join(WEIGHTS)}")
     if run.weights == "bfloat16" and run.dtype == "float32":
@@ -293,35 +292,19 @@ def validate_runtime(run) -> None:
     if run.weights == "bfloat16" and getattr(run, "pp", 1) > 1:
         raise ConfigError("run.weights=bfloat16 is for one process; a pipeline (run.pp > 1) keeps float32 weights "
                           "(set run.weights=float32)")
-    if not 0 <= run.threads <= 4096:
-        raise ConfigError(f"run.threads: got {run.threads!r}; allowed: an integer >= 1, or 0 for one per physical core")
 
 
 def validate(c: TrainConfig) -> None:
     def fail(name, got, allowed):
         raise ConfigError(f"{name}: got {got!r}; allowed: {allowed}")
 
-    if c.run.steps > 2**40:  # beyond any run; past 2**63 the step counters and checkpoint names overflow
-        fail("run.steps", c.run.steps, "an integer in [1, 2**40]")
-    for name in ("steps", "batch_size", "grad_accum", "seq_len", "log_every", "eval_batches", "keep_checkpoints"):
-        if getattr(c.run, name) < 1:
-            fail(f"run.{name}", getattr(c.run, name), "an integer >= 1")
-    if c.run.fsdp_group < 1:
-        fail("run.fsdp_group", c.run.fsdp_group, "an integer >= 1")
-    for name in ("pp", "pp_microbatches"):
-        if getattr(c.run, name) < 1:
-            fail(f"run.{name}", getattr(c.run, name), "an integer >= 1")
+    check_limits(c)  # every number in its range first: the checks below compare in-range values
     if c.run.pp_schedule not in PP_SCHEDULES:
         fail("run.pp_schedule", c.run.pp_schedule, ", ".join(PP_SCHEDULES))
     check_pipeline(c.model, c.run)  # whether this PyTorch has the schedule: checked when the pipeline is built
     for tracker in c.run.log_to:
         if tracker not in TRACKERS:
             fail("run.log_to", tracker, ", ".join(TRACKERS))
-    for name in ("eval_every", "eval_tasks_every", "ckpt_every", "ac_every", "telemetry_every"):
-        if getattr(c.run, name) < 0:
-            fail(f"run.{name}", getattr(c.run, name), "an integer >= 0 (0 disables)")
-    if c.run.eval_tasks_items < 1:
-        fail("run.eval_tasks_items", c.run.eval_tasks_items, "an integer >= 1")
     if c.run.eval_tasks:  # names only: a bad one fails here, before any data or model work
         from keel.evals import resolve  # noqa: PLC0415
 
@@ -330,8 +313,6 @@ def validate(c: TrainConfig) -> None:
             fail("run.eval_tasks", c.run.eval_tasks, "[] under run.pp > 1 (a pipeline stage holds no whole model)")
     if c.run.seq_len > c.model.max_seq_len:
         fail("run.seq_len", c.run.seq_len, f"<= model.max_seq_len ({c.model.max_seq_len})")
-    if not 0 <= c.run.seed < 2**63:
-        fail("run.seed", c.run.seed, "an integer in [0, 2**63)")
     if c.run.name and (c.run.name in (".", "..") or any(ch in c.run.name for ch in "/\\")
                        or not c.run.name.isprintable() or len(c.run.name.encode()) > 255):
         fail("run.name", c.run.name[:60] + ("..." if len(c.run.name) > 60 else ""),
@@ -345,50 +326,107 @@ def validate(c: TrainConfig) -> None:
         fail("optim.state", c.optim.state, "float32, 8bit")
     if c.guard.policy not in GUARD_POLICIES:
         fail("guard.policy", c.guard.policy, ", ".join(GUARD_POLICIES))
-    for name, ok, allowed in _RANGES:
-        section, field_name = name.split(".")
-        value = getattr(getattr(c, section), field_name)
-        if not ok(value, c):
-            fail(name, value, allowed)
-    for name, most in INT_LIMITS.items():
-        section, field_name = name.split(".")
-        value = getattr(getattr(c, section), field_name)
-        if value > most:
-            fail(name, value, f"at most {most:,}")
+    if c.optim.min_lr > c.optim.lr:
+        fail("optim.min_lr", c.optim.min_lr, f"a number in [0, optim.lr] (optim.lr is {c.optim.lr:g})")
+    if c.guard.spike_min_history > c.guard.spike_window:
+        fail("guard.spike_min_history", c.guard.spike_min_history,
+             f"an integer in [0, guard.spike_window] (guard.spike_window is {c.guard.spike_window}; 0 disables)")
 
 
-# The largest value of each count a run reads: beyond any real run, small enough that no loop it drives (gradient
-# accumulation, a spike window, evaluation batches) runs for ever and no counter overflows. One place for all.
-INT_LIMITS = {
-    "run.batch_size": 2**20, "run.grad_accum": 2**16, "run.seq_len": 2**24, "run.log_every": 2**40,
-    "run.eval_every": 2**40, "run.eval_batches": 2**24, "run.ckpt_every": 2**40, "run.keep_checkpoints": 2**20,
-    "run.telemetry_every": 2**40, "run.eval_tasks_every": 2**40, "run.eval_tasks_items": 2**24,
-    "run.fsdp_group": 2**20, "run.pp": 2**12, "run.pp_microbatches": 2**16, "run.ac_every": 2**16,
-    "optim.warmup_steps": 2**40, "guard.spike_window": 2**20, "guard.max_rollbacks": 2**20,
+@dataclass(frozen=True)
+class Limit:
+    """The values a number may take: from `low` to `high`, each end included unless `open_low`/`open_high`;
+    NaN and infinities never. `note` says what a special value means (0 disables)."""
+
+    low: float
+    high: float
+    integer: bool = False
+    open_low: bool = False
+    open_high: bool = False
+    note: str = ""
+
+    def holds(self, value) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        above = value > self.low if self.open_low else value >= self.low  # NaN compares False both ways
+        below = value < self.high if self.open_high else value <= self.high
+        return above and below
+
+    def allowed(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        text = (f"{kind} in {'(' if self.open_low else '['}{_number(self.low)}, {_number(self.high)}"
+                f"{')' if self.open_high else ']'}")
+        return f"{text} ({self.note})" if self.note else text
+
+    def check(self, name: str, value) -> None:
+        """One ConfigError naming `name` unless `value` is allowed."""
+        if not self.holds(value):
+            raise ConfigError(f"{name}: got {value!r}; allowed: {self.allowed()}")
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int) and value >= 2**20 and value & (value - 1) == 0:
+        return f"2**{value.bit_length() - 1}"  # 2**40, not 1,099,511,627,776
+    if isinstance(value, int) and value > 2**20 and (value + 1) & value == 0:
+        return f"2**{value.bit_length()} - 1"
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}".replace("e+0", "e").replace("e+", "e")
+
+
+def count(low: int, high: int, note: str = "") -> Limit:
+    return Limit(low, high, integer=True, note=note)
+
+
+# Every number a run reads, in its range; checked after the merge, before any data, model or torch work. Counts stop
+# far past any real run but short of overflow, and of loops (gradient accumulation, a spike window, evaluation
+# batches) that would not end; floats stop where a value means nothing (a learning rate of 100, a clip of 1e9).
+# ModelConfig's own sizes and floats are model.SIZE_LIMITS and FLOAT_LIMITS (listed by `limits()`).
+# docs/training.md#allowed-values lists them all.
+LIMITS = {
+    "run.steps": count(1, 2**40), "run.batch_size": count(1, 2**20), "run.grad_accum": count(1, 2**16),
+    "run.seq_len": count(1, 2**24, "and at most model.max_seq_len"), "run.seed": count(0, 2**63 - 1),
+    "run.ac_every": count(0, 2**16, "0: none, k: every k-th block"), "run.fsdp_group": count(1, 2**20),
+    "run.pp": count(1, 2**12), "run.pp_microbatches": count(1, 2**16), "run.log_every": count(1, 2**40),
+    "run.telemetry_every": count(0, 2**40, "0 disables"), "run.eval_every": count(0, 2**40, "0 disables"),
+    "run.eval_batches": count(1, 2**24), "run.eval_tasks_every": count(0, 2**40, "0: only at the end"),
+    "run.eval_tasks_items": count(1, 2**24), "run.ckpt_every": count(0, 2**40, "0: only at the end"),
+    "run.keep_checkpoints": count(1, 2**20), "run.threads": count(0, 4096, "0: one per physical core"),
+    "optim.lr": Limit(0, 10, open_low=True), "optim.beta1": Limit(0, 1, open_high=True),
+    "optim.beta2": Limit(0, 1, open_high=True), "optim.eps": Limit(0, 1, open_low=True),
+    "optim.weight_decay": Limit(0, 100), "optim.min_lr": Limit(0, 10, note="and at most optim.lr"),
+    "optim.warmup_steps": count(0, 2**40), "optim.decay_fraction": Limit(0, 1),
+    "optim.grad_clip": Limit(0, 1e6, note="0 disables"),
+    "guard.spike_factor": Limit(1, 1e6, open_low=True), "guard.spike_window": count(1, 2**20),
+    "guard.spike_min_history": count(0, 2**20, "and at most guard.spike_window; 0 disables spike checks"),
+    "guard.spike_min_rise": Limit(0, 1e6, note="nats"), "guard.loss_ceiling": Limit(0, 1e6, note="0 disables"),
+    "guard.max_rollbacks": count(0, 2**20), "guard.rollback_lr_factor": Limit(0, 1, open_low=True),
+    "data.val_fraction": Limit(0, 1, open_high=True),
 }
+# The largest value of each count a run reads (LIMITS' integer rows), for those who only need the bound
+INT_LIMITS = {name: limit.high for name, limit in LIMITS.items() if limit.integer}
 
 
-_INF = float("inf")
-# (field, holds(value, config), the allowed values as the error states them)
-_RANGES = [
-    ("optim.lr", lambda v, c: 0 < v < _INF, "a finite number > 0"),
-    ("optim.beta1", lambda v, c: 0 <= v < 1, "a number in [0, 1)"),
-    ("optim.beta2", lambda v, c: 0 <= v < 1, "a number in [0, 1)"),
-    ("optim.eps", lambda v, c: 0 < v < _INF, "a finite number > 0"),
-    ("optim.weight_decay", lambda v, c: 0 <= v < _INF, "a finite number >= 0"),
-    ("optim.min_lr", lambda v, c: 0 <= v <= c.optim.lr, "between 0 and optim.lr"),
-    ("optim.warmup_steps", lambda v, c: v >= 0, "an integer >= 0"),
-    ("optim.decay_fraction", lambda v, c: 0 <= v <= 1, "a number in [0, 1]"),
-    ("optim.grad_clip", lambda v, c: 0 <= v < _INF, "a finite number >= 0 (0 disables)"),
-    ("guard.spike_factor", lambda v, c: 1 < v < _INF, "a finite number > 1"),
-    ("guard.spike_window", lambda v, c: v >= 1, "an integer >= 1 (guard.spike_min_history=0 disables spikes)"),
-    ("guard.spike_min_rise", lambda v, c: 0 <= v < _INF, "a finite number >= 0 (nats)"),
-    ("guard.spike_min_history", lambda v, c: 0 <= v <= c.guard.spike_window,
-     "an integer in [0, guard.spike_window] (0 disables)"),
-    ("guard.max_rollbacks", lambda v, c: v >= 0, "an integer >= 0"),
-    ("guard.loss_ceiling", lambda v, c: 0 <= v < _INF, "a finite number >= 0 (0 disables)"),
-    ("guard.rollback_lr_factor", lambda v, c: 0 < v <= 1, "a number in (0, 1]"),
-]
+def check_limits(c) -> None:
+    """Every field of LIMITS that `c` (a TrainConfig, or an experiment's config with some of its sections) has, in
+    its range: one ConfigError naming the first that is not."""
+    for name, limit in LIMITS.items():
+        section, field_name = name.split(".")
+        part = getattr(c, section, None)
+        if part is not None and hasattr(part, field_name):
+            limit.check(name, getattr(part, field_name))
+
+
+def limits() -> dict[str, str]:
+    """{field: its allowed values, as an error states them} for every number a config holds: ModelConfig's sizes
+    and floats, then LIMITS. What docs/training.md#allowed-values lists."""
+    from keel.model.architecture import FLOAT_LIMITS, SIZE_LIMITS  # noqa: PLC0415
+    from keel.model.schemes import SCHEMES  # noqa: PLC0415
+
+    model = {f"model.{k}": count(1, v).allowed() for k, v in SIZE_LIMITS.items()}
+    model |= {f"model.{k}": Limit(0, v, open_low=True).allowed() for k, v in FLOAT_LIMITS.items()}
+    model |= {"model.dropout": Limit(0, 1, open_high=True).allowed(), "model.loop_blocks": "a divisor of n_blocks",
+              "model.alpha": f'"L", "sqrtL", or {Limit(0, SCHEMES["keel"].max_alpha, open_low=True).allowed()}',
+              "model.mix_ln_fraction": Limit(0, 1).allowed()}
+    return model | {name: limit.allowed() for name, limit in LIMITS.items()}
 
 
 def to_yaml(config: TrainConfig) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 
 from keel.model.schemes import SCHEME_OPTIONS, SCHEMES
@@ -101,6 +100,9 @@ def _fail(field: str, problem: str, allowed: str) -> None:
 # first), small enough that no count, shape or loop built from it overflows or runs for ever.
 SIZE_LIMITS = {"vocab_size": 2**24, "d_model": 2**17, "n_blocks": 2**16, "n_heads": 2**12, "max_seq_len": 2**24,
                "n_kv_heads": 2**12, "d_ffn": 2**20}
+# The largest value of each float field (each must also be > 0): past these no model trains (an init_std of 100, a
+# norm_eps of 2), and far past them a product overflows float32. RoPE bases in use reach about 1e7.
+FLOAT_LIMITS = {"rope_theta": 1e12, "norm_eps": 1.0, "init_std": 10.0}
 
 
 def _validate(c: ModelConfig) -> None:
@@ -121,10 +123,10 @@ def _validate(c: ModelConfig) -> None:
     if c.head_dim % 2:
         _fail("d_model", f"head dimension d_model/n_heads={c.head_dim} is odd (RoPE rotates pairs)",
               "d_model/n_heads even")
-    for name in ("rope_theta", "norm_eps", "init_std"):
+    for name, most in FLOAT_LIMITS.items():
         value = getattr(c, name)
-        if not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
-            _fail(name, f"got {value!r}", "a finite number > 0")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= most:
+            _fail(name, f"got {value!r}", f"a number in (0, {most:g}]".replace("e+0", "e").replace("e+", "e"))
     if not isinstance(c.dropout, (int, float)) or not 0 <= c.dropout < 1:
         _fail("dropout", f"got {c.dropout!r}", "a number in [0, 1)")
     if c.ffn not in FFN_TYPES:

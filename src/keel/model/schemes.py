@@ -218,17 +218,18 @@ class Keel(Scheme):
     defaults = {"alpha": "L", "first_layer": "v2"}
     final_norm = False
     alpha_modes = ("L", "sqrtL")
+    max_alpha = 1e6  # past any depth's L (at most 131,072 sub-layers); alpha * x must stay far from float32's max
     first_layer_rules = ("v2", "v1", "none")
 
     @classmethod
     def check_options(cls, alpha=None, first_layer=None):
         if alpha is not None and alpha not in cls.alpha_modes:
-            allowed = '"L", "sqrtL", or a number > 0'
+            allowed = f'"L", "sqrtL", or a number in (0, {cls.max_alpha:g}]'.replace("e+0", "e").replace("e+", "e")
             try:
                 value = float(alpha) if not isinstance(alpha, bool) else float("nan")
             except (TypeError, ValueError):
                 value = float("nan")
-            if not (value > 0 and math.isfinite(value)):
+            if not 0 < value <= cls.max_alpha:
                 raise option_error("alpha", f"got {alpha!r}", allowed)
         if first_layer is not None and first_layer not in cls.first_layer_rules:
             raise option_error("first_layer", f"got {first_layer!r}", ", ".join(cls.first_layer_rules))
