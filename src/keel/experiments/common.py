@@ -40,12 +40,12 @@ from keel.data import DataConfig, WindowSampler, prepare
 from keel.data import eval_batches as spaced_batches
 from keel.errors import ConfigError
 from keel.experiments.partial import Discarded, Partial
-from keel.model import ModelConfig, TransformerLM, lm_loss
+from keel.model import ModelConfig, TransformerLM
 from keel.model.architecture import with_scheme
 from keel.model.schemes import SCHEME_OPTIONS, SCHEMES
 from keel.model.sizes import science
 from keel.runtime import autocast_for, machine, resolve_device
-from keel.train.evaluate import evaluate
+from keel.train.evaluate import evaluate, nll_sum
 from keel.train.guard import DivergenceGuard
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.step import TrainStep, build_model, on_device
@@ -301,10 +301,8 @@ def loss_on(model, batches: list, autocast=contextlib.nullcontext) -> float:
     model.eval()
     nll, n = 0.0, 0
     for x, y in batches:
-        with autocast():
-            logits, _ = model(x.to(device))
-        nll += lm_loss(logits, y.to(device), reduction="sum").item()
-        n += y.numel()
+        batch_nll, batch_tokens, _ = nll_sum(model, x.to(device), y.to(device), autocast)
+        nll, n = nll + batch_nll, n + batch_tokens
     model.train(was_training)
     return nll / max(1, n)
 

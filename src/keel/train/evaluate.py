@@ -24,6 +24,17 @@ def bytes_per_token(tokenizer) -> np.ndarray:
 
 
 @torch.no_grad()
+def nll_sum(model, x: torch.Tensor, y: torch.Tensor, autocast=contextlib.nullcontext,
+            token_bytes: np.ndarray | None = None) -> tuple[float, int, int]:
+    """One batch's summed next-token loss, its token count and (with `token_bytes`) its UTF-8 byte count: the one
+    evaluation step, for `evaluate` and for every measurement that scores fixed batches (loss_on)."""
+    with autocast():
+        logits, _ = model(x)
+    n_bytes = int(token_bytes[y.cpu().numpy()].sum()) if token_bytes is not None else 0
+    return lm_loss(logits, y, reduction="sum").item(), y.numel(), n_bytes
+
+
+@torch.no_grad()
 def evaluate(model, tokens, seq_len: int, batch_size: int, max_batches: int, device,
              autocast=contextlib.nullcontext, token_bytes: np.ndarray | None = None, world=None, replica: int = 0,
              replicas: int = 1) -> dict:
@@ -53,14 +64,9 @@ def evaluate(model, tokens, seq_len: int, batch_size: int, max_batches: int, dev
         counted = len(rows) > 0
         if not counted:
             rows = torch.zeros(1, dtype=torch.long)
-        x, y = xs[rows].to(device), ys[rows].to(device)
-        with autocast():
-            logits, _ = model(x)
+        batch = nll_sum(model, xs[rows].to(device), ys[rows].to(device), autocast, token_bytes)
         if counted:
-            nll += lm_loss(logits, y, reduction="sum").item()
-            n_tokens += y.numel()
-            if token_bytes is not None:
-                n_bytes += int(token_bytes[y.cpu().numpy()].sum())
+            nll, n_tokens, n_bytes = nll + batch[0], n_tokens + batch[1], n_bytes + batch[2]
     model.train(was_training)
     if world is not None and world.distributed:
         # every rank of a replica (its pipeline stages) counted the replica's windows: divide that out
