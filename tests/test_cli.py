@@ -11,8 +11,24 @@ from keel.cli import main
 def test_summary_reports_blocks_and_sublayers(capsys):
     assert main(["summary", "--preset", "tiny", "n_blocks=3", "scheme=keel", "alpha=sqrtL"]) == 0
     out = capsys.readouterr().out
-    assert "blocks: 3   sub-layers (the paper's L): 6" in out
+    assert "depth: 6 sub-layers (the paper's L; model.n_blocks = 3 blocks)" in out
     assert "alpha=2.44949" in out
+
+
+@pytest.mark.parametrize("depth", ["model.n_sublayers=6", "n_sublayers=6"])
+def test_depth_in_sublayers_is_the_named_block_count_halved(depth, capsys):
+    """Every command counts depth in sub-layers (presets, bench --depths, studies' depths); model.n_sublayers=6 is
+    model.n_blocks=3, alpha = L = 6 with it."""
+    assert main(["summary", "--preset", "tiny", depth]) == 0
+    out = capsys.readouterr().out
+    assert "depth: 6 sub-layers (the paper's L; model.n_blocks = 3 blocks)" in out and "alpha = L = 6" in out
+
+
+@pytest.mark.parametrize("value", ["7", "0", "-2", "x", "1e9x"])
+def test_an_odd_or_bad_sublayer_count_is_one_line(value, capsys):
+    assert main(["summary", "--preset", "tiny", f"model.n_sublayers={value}"]) == 2
+    err = capsys.readouterr().err
+    assert "model.n_sublayers: got" in err and "an even number >= 2" in err and err.count("\n") == 1
 
 
 def test_bad_override_names_the_field(capsys):

@@ -150,7 +150,7 @@ def merge(base, config_file: str | None = None, overrides=(), reads: Reads | Non
     if is_dataclass(short):
         bare = {f.name for f in fields(short)} - {f.name for f in fields(base)}
         overrides = [f"{declared.shorthand}.{o}" if o.split("=", 1)[0] in bare else o for o in overrides]
-    overrides = [_as_list(base, o) for o in overrides]
+    overrides = [_as_list(base, _sublayers(base, o)) for o in overrides]
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
     except Exception as err:  # OmegaConf's own errors, and YAML's for values it cannot read
@@ -163,6 +163,22 @@ def merge(base, config_file: str | None = None, overrides=(), reads: Reads | Non
         if refused:
             raise ConfigError(refused)
     return config
+
+
+def _sublayers(base, item: str) -> str:
+    """`model.n_sublayers=32` (or bare `n_sublayers=32`), depth in the unit every command counts it in, is
+    `model.n_blocks=16`: the named field that holds it."""
+    key, value = item.split("=", 1)
+    if key not in ("n_sublayers", "model.n_sublayers") or not is_dataclass(getattr(base, "model", None)):
+        return item
+    try:
+        n = int(value.strip())
+    except ValueError:
+        n = None
+    if n is None or n < 2 or n % 2:
+        raise ConfigError(f"model.n_sublayers: got {value!r}; allowed: an even number >= 2 (one attention and one "
+                          "FFN sub-layer a block; model.n_blocks = n_sublayers / 2)")
+    return f"model.n_blocks={n // 2}"
 
 
 def _leaves(node, prefix: str):
@@ -344,10 +360,13 @@ class Limit:
     open_low: bool = False
     open_high: bool = False
     note: str = ""
+    or_zero: str = ""  # 0 is allowed too, and means this (a temperature of 0: greedy)
 
     def holds(self, value) -> bool:
         if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
             return False
+        if self.or_zero and value == 0:
+            return True
         above = value > self.low if self.open_low else value >= self.low  # NaN compares False both ways
         below = value < self.high if self.open_high else value <= self.high
         return above and below
@@ -356,6 +375,7 @@ class Limit:
         kind = "an integer" if self.integer else "a number"
         text = (f"{kind} in {'(' if self.open_low else '['}{_number(self.low)}, {_number(self.high)}"
                 f"{')' if self.open_high else ']'}")
+        text = f"0 ({self.or_zero}) or {text}" if self.or_zero else text
         return f"{text} ({self.note})" if self.note else text
 
     def check(self, name: str, value) -> None:
@@ -369,7 +389,7 @@ def _number(value: float) -> str:
         return f"2**{value.bit_length() - 1}"  # 2**40, not 1,099,511,627,776
     if isinstance(value, int) and value > 2**20 and (value + 1) & value == 0:
         return f"2**{value.bit_length()} - 1"
-    return f"{value:,}" if isinstance(value, int) else f"{value:g}".replace("e+0", "e").replace("e+", "e")
+    return f"{value:,}" if isinstance(value, int) else re.sub(r"e\+?(-?)0*", r"e\1", f"{value:g}")  # 1e6, 1e-6
 
 
 def count(low: int, high: int, note: str = "") -> Limit:

@@ -31,7 +31,7 @@ def describe(config: ModelConfig) -> str:
     n_total, n_body = count_params(config), count_params(config, embedding=False)
     lines += [
         "",
-        f"blocks: {config.n_blocks}   sub-layers (the paper's L): {config.n_sublayers}",
+        f"depth: {config.n_sublayers} sub-layers (the paper's L; model.n_blocks = {config.n_blocks} blocks)",
         f"parameters: {n_total:,} ({n_body:,} without the input embedding)",
         f"training FLOPs per token at T={config.max_seq_len}: {flops_per_token(config):.4g}",
         f"final norm before the head: {'yes' if scheme.final_norm else 'no (the stack ends in a norm)'}",
