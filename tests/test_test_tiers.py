@@ -9,3 +9,21 @@ def test_the_test_session_lets_torchs_idle_openmp_threads_sleep():
     this process and the tests' subprocesses. Without it (an import reordered), the fast tier took 497 s instead
     of 133 s on 2 cores at load 3 to 4."""
     assert "OMP_WAIT_POLICY" in os.environ
+
+
+def test_every_test_file_is_collected_under_a_name_of_its_own():
+    """pytest finds tests under testpaths recursively (tests/hostile/ included) and imports each file as a
+    top-level module named after the file, so two files of one name in different folders would clash; each file
+    here also has a row in docs/development.md's file map (tests/test_layout.py)."""
+    import tomllib
+    from collections import Counter
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    options = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert options["testpaths"] == ["tests"]
+    files = sorted((root / "tests").rglob("test_*.py"))
+    assert any(p.parent.name == "hostile" for p in files)
+    assert not list((root / "tests").rglob("__init__.py"))  # rootdir-relative packages would rename modules
+    twice = [name for name, n in Counter(p.name for p in files).items() if n > 1]
+    assert not twice, twice

@@ -1,6 +1,6 @@
-"""A user's first hour, continued: one line on Ctrl-C, the
-step `keel runs` shows for an interrupted run, short runs' plots, lm-eval offline. Each test failed before the
-change it covers."""
+"""lm-eval offline: a Hub that does not answer makes the process offline at once (one line, not a minute of
+retries), one that answers leaves it online, a chosen HF_HUB_OFFLINE is left alone; a task that cannot be
+fetched offline is one line naming it."""
 
 import os
 import subprocess
@@ -8,76 +8,7 @@ import sys
 
 import pytest
 
-
-# ---- Ctrl-C: one line on stderr, exit 130, and the step it reached -------------------------------------
-def test_ctrl_c_is_one_line_on_stderr_and_the_run_shows_the_step_it_reached(tmp_path, monkeypatch, capsys):
-    """Interrupted at step 16 with a metrics record every 10 steps: one stderr line naming step 16 and the resume
-    command, nothing else said, exit 130; summary, checkpoint and `steps_done` all say 16 (the last record: 10).
-    Before: four lines on stdout, and `keel runs` showed 10/300."""
-    import json
-    import signal
-
-    from keel.cli import main
-    from keel.runs.run_dir import RunDir, steps_done
-    from keel.train.trainer import Trainer
-
-    def ctrl_c_at_16(trainer, step):  # called before step `step` + 1, which then completes
-        if step == 15:
-            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: the trainer's handler only sets its flag
-    real_init = Trainer.__init__
-    monkeypatch.setattr(Trainer, "__init__", lambda self, config, run_dir=None, callbacks=(): real_init(
-        self, config, run_dir, [*callbacks, ctrl_c_at_16]))
-    rc = main(["train", "--preset", "tiny", "run.steps=300", "run.log_every=10", "run.eval_every=0",
-               "run.progress=false", f"run.out_dir={tmp_path}", "run.name=r"])
-    out, err = capsys.readouterr()
-    run = tmp_path / "r"
-    assert rc == 130
-    assert err == f"keel: interrupted at step 16; saving its checkpoint; continue with: keel train resume={run}\n"
-    assert "interrupted" not in out and "checkpoint" not in out and "curves" not in out, out
-    assert json.loads((run / "summary.json").read_text())["steps"] == 16
-    assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "step_00000016"
-    assert (run / "curves.png").is_file()  # still drawn, without a line
-    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["step"] == 10 and steps_done(RunDir.open(run)) == 16
-    (run / "summary.json").write_text(json.dumps({"steps": "16"}))  # not a step count: the metrics alone
-    assert steps_done(RunDir.open(run)) == 10
-
-
-# ---- short runs' plots ----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def telemetry_run(tmp_path_factory):
-    """A 6-step tiny run with telemetry at steps 2, 4 and 6."""
-    from keel.cli import main
-
-    root = tmp_path_factory.mktemp("plot")
-    assert main(["train", "--preset", "tiny", "run.steps=6", "run.telemetry_every=2", "run.eval_every=0",
-                 "run.progress=false", f"run.out_dir={root}", "run.name=r"]) == 0
-    return root / "r"
-
-
-def test_heatmap_columns_are_centred_on_their_steps(telemetry_run):
-    from keel.reporting.plot import build_figure
-
-    images = [im for ax in build_figure([telemetry_run]).axes for im in ax.images]
-    assert len(images) == 3  # gradient norm, stream RMS, |F| / |alpha x|
-    # three columns at steps 2, 4, 6, each 2 steps wide (before: (2, 6), steps 2 and 6 at the columns' edges)
-    assert {tuple(im.get_extent()[:2]) for im in images} == {(1.0, 7.0)}
-
-
-def test_a_run_with_one_telemetry_record_gets_a_line_not_a_sliver_at_step_0(telemetry_run, tmp_path):
-    import shutil
-
-    from keel.reporting.plot import build_figure
-
-    short = tmp_path / "short"
-    shutil.copytree(telemetry_run, short)
-    first = (short / "telemetry.jsonl").read_text().splitlines()[0]
-    (short / "telemetry.jsonl").write_text(first + "\n")
-    fig = build_figure([short])
-    assert [ax for ax in fig.axes if ax.images] == []
-    assert ("short: one telemetry record (step 2), no heatmaps: they need two or more (run.telemetry_every at "
-            "most half of run.steps)") in fig._suptitle.get_text().replace("\n", " ")
-    assert all(ax.get_xlim()[0] > 0 for ax in fig.axes)  # the curves keep their own range: nothing drawn at 0
+from keel.cli import main
 
 
 # ---- lm-eval offline: one line at once, not a minute of retries ------------------------------------------------
@@ -176,8 +107,6 @@ def test_lm_eval_offline_without_the_variable_is_one_line_and_no_retries(tmp_pat
     """keel lm-eval with the probe first (as cmd_lm_eval calls it), HF_HUB_OFFLINE unset and a Hub that refuses
     connections: exit 2, one error line, no "Retrying" lines (before: ten of them and 35 s to 55 s)."""
     pytest.importorskip("lm_eval")
-    from keel.cli import main
-
     assert main(["train", "--preset", "tiny", "run.steps=1", "run.eval_every=0", "run.progress=false",
                  f"run.out_dir={tmp_path}", "run.name=r"]) == 0
     endpoint, stop = _server(200)
@@ -192,3 +121,34 @@ def test_lm_eval_offline_without_the_variable_is_one_line_and_no_retries(tmp_pat
     errors = [line for line in proc.stderr.splitlines() if line.startswith("keel: error:")]
     assert len(errors) == 1 and "'hellaswag'" in errors[0], proc.stderr[-3000:]
     assert "Retrying" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_lm_eval_task_that_cannot_be_fetched_offline_is_one_line(tmp_path):
+    pytest.importorskip("lm_eval")
+    assert main(["train", "--preset", "tiny", "run.steps=1", "run.eval_every=0", "run.progress=false",
+                 f"run.out_dir={tmp_path}", "run.name=r"]) == 0
+    env = os.environ | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "keel.cli", "lm-eval", str(tmp_path / "r"), "--tasks", "hellaswag",
+                           "--limit", "1", "--device", "cpu"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("keel: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "'hellaswag'" in errors[0] and "--include-path" in errors[0]
+    assert "Writing model shards" not in proc.stderr + proc.stdout  # transformers' own bars stay quiet
+
+
+def test_fetch_failure_is_found_through_the_exception_chain():
+    from keel.evals.in_memory_lm import fetch_failure
+
+    class OfflineModeIsEnabled(Exception):
+        pass
+
+    try:
+        try:
+            raise OfflineModeIsEnabled("offline")
+        except OfflineModeIsEnabled:
+            raise RuntimeError("while loading the dataset")  # noqa: B904 (the implicit chain is the point)
+    except RuntimeError as err:
+        assert fetch_failure(err) == "offline"
+    assert fetch_failure(ValueError("a bug")) is None

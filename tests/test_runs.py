@@ -1,48 +1,15 @@
-"""The user's day around runs: list, compare, plot, watch per-sub-layer telemetry, track, read summaries."""
+"""Runs as a user handles them: listed, compared and plotted, their status (running, new, imported), the printed
+config round-tripped and `resume=latest`; `keel eval`'s table or JSON (rank 0 only), the exported model card."""
 
 import json
 import math
 import os
 
 import pytest
-import torch
 
 from keel.cli import main
 from keel.config import load_config
-from keel.model import ModelConfig, TransformerLM
 from keel.runs.run_dir import RunDir
-from keel.scale.distributed import World
-from keel.train.telemetry import Telemetry
-
-
-def test_telemetry_equals_an_independent_measurement():
-    """Per-sub-layer gradient norms and stream RMS as gradflow's own hooks measure them; |F| / |alpha x| by hand."""
-    from keel_studies.gradflow import measure
-
-    torch.manual_seed(0)
-    model = TransformerLM(ModelConfig(d_model=32, n_blocks=3, n_heads=2, max_seq_len=16))
-    x = torch.randint(0, 256, (2, 16))
-    expected = measure(model, x, x)
-    telemetry = Telemetry(model, World())
-    telemetry.start()
-    model.zero_grad()
-    _, loss = model(x, x)
-    loss.backward()
-    telemetry.after_backward(model)
-    record = telemetry.finish(step=1)
-    assert record["grad_norm"] == pytest.approx(expected["grad_params"], rel=1e-5)
-    assert record["stream_rms"] == pytest.approx(expected["rms"], rel=1e-5)
-    # sub-layer 3 (block 1, ffn) by hand: rms of the FFN's output over alpha * rms of its residual input
-    seen = {}
-    block = model.blocks[1]
-    hooks = [block.ffn_res.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0])),
-             block.ffn.register_forward_hook(lambda m, a, o: seen.__setitem__("f", o))]
-    model(x)
-    for h in hooks:
-        h.remove()
-    by_hand = seen["f"].pow(2).mean().sqrt() / (block.ffn_res.alpha * seen["x"].pow(2).mean().sqrt())
-    assert record["update_ratio"][3] == pytest.approx(by_hand.item(), rel=1e-5)
-    assert not model.blocks[0].attn._forward_hooks  # hooks removed after the step
 
 
 @pytest.mark.slow
@@ -98,35 +65,6 @@ def test_print_config_round_trips_and_resume_latest(args, tmp_path, capsys):
     assert RunDir(tmp_path / "runs" / "a").summary()["steps"] == 5
 
 
-def test_tensorboard_gets_the_same_scalars(args, tmp_path):
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    assert main(["train", "--preset", "tiny", *args("run.steps=4", "run.eval_every=0", "run.log_to=[tensorboard]",
-                                                    name="tb")]) == 0
-    events = EventAccumulator(str(tmp_path / "runs" / "tb" / "tensorboard"))
-    events.Reload()
-    logged = [r for r in RunDir(tmp_path / "runs" / "tb").metrics() if "loss" in r]
-    scalars = events.Scalars("loss")
-    assert [s.step for s in scalars] == [r["step"] for r in logged]
-    assert [s.value for s in scalars] == pytest.approx([r["loss"] for r in logged], rel=1e-6)
-
-
-def test_a_tracker_that_is_not_installed_is_named_before_any_work(args, tmp_path, capsys, monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_wandb(name, *a, **k):
-        if name == "wandb":
-            raise ImportError("no wandb here")
-        return real_import(name, *a, **k)
-    monkeypatch.setattr(builtins, "__import__", no_wandb)
-    assert main(["train", "--preset", "tiny", *args("run.log_to=[wandb]", name="w")]) == 2
-    assert "run.log_to: wandb is not installed" in capsys.readouterr().err
-    assert not (tmp_path / "runs" / "w").exists()
-
-
 def test_a_bpe_vocabulary_larger_than_the_model_is_refused_before_training_it(args, capsys, monkeypatch):
     import keel.data.tokenizer
 
@@ -175,9 +113,42 @@ def test_a_quick_experiment_does_not_write_into_results(tmp_path, monkeypatch, c
     assert not (tmp_path / "results").exists()
 
 
-def test_telemetry_reads_the_stream_through_a_fused_junction():
-    """With the fused junction a Residual passes (stream, next branch input) on; telemetry measures the stream."""
-    from keel.train import telemetry
+def test_an_imported_run_is_listed_as_imported_and_never_resumed_as_latest(trained_run, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from keel.data.tokenizer import train_bpe
 
-    y = torch.full((2, 3), 2.0)
-    assert telemetry._rms((y, torch.zeros(2, 3))) == telemetry._rms(y) == 2.0
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    train_bpe(["def f(x):\n    return x + 1\n" * 50], 300, tmp_path / "llama" / "tokenizer.json")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    import shutil
+
+    shutil.copytree(trained_run, runs / "trained")
+    assert main(["import-hf", str(tmp_path / "llama"), str(runs / "imported")]) == 0
+    capsys.readouterr()
+    assert main(["runs", str(runs), "--json"]) == 0
+    status = {row["run"]: row["status"] for row in json.loads(capsys.readouterr().out)}
+    assert status == {"trained": "finished", "imported": "imported"}
+
+    from keel.runs.run_dir import latest_run
+
+    assert latest_run(runs).name == "trained"  # the imported run is the newest, yet not a run to continue
+
+
+def test_eval_json_is_printed_by_rank_0_only(trained_run, tmp_path, capsys, monkeypatch):
+    """Under torchrun every rank runs `keel eval`; only rank 0 prints (one JSON document in the output). The rank
+    is keel.scale.distributed.current()'s answer (torchrun's RANK and WORLD_SIZE would start a process group)."""
+    import shutil
+
+    from keel.scale import distributed
+
+    run = shutil.copytree(trained_run, tmp_path / "run")  # eval writes its eval-*.json into the run
+    for rank, printed in ((1, False), (0, True)):
+        monkeypatch.setattr(distributed, "current", lambda rank=rank: distributed.World(rank, 2))
+        assert main(["eval", str(run), "--json", "--batches", "1"]) == 0
+        out = capsys.readouterr().out
+        assert bool(out.strip()) == printed, (rank, out)
+        if printed:
+            assert json.loads(out)["val_loss"] > 0

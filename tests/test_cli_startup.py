@@ -1,0 +1,114 @@
+"""Start-up: commands that need no torch answer without importing it (version, help, usage and config errors,
+`keel runs`), in one line where the input is wrong; generated text reaches the terminal without control bytes."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from keel.cli import COMMANDS, printable
+from keel.config import load_config
+
+
+# ---- start-up: commands that need no torch do not import it -------------------------------------------
+def _without_torch(argv: list[str]) -> tuple[int, str]:
+    """Run keel.cli.main(argv) in a fresh interpreter; returns (exit code, output) and fails if torch loaded."""
+    code = (f"import sys\nfrom keel.cli import main\ntry:\n    rc = main({argv!r})\nexcept SystemExit as e:\n"
+            "    rc = e.code\nassert 'torch' not in sys.modules, 'torch was imported'\nsys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "torch was imported" not in proc.stderr, (argv, proc.stderr[-1500:])
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], [], ["trian"], ["eval"], ["generate", "--help"],
+                                  ["eval", "--help"], ["runs", "--help"]])
+def test_commands_that_need_no_torch_answer_without_it(argv):
+    rc, out = _without_torch(argv)
+    assert rc in (0, 2), out
+    assert "Traceback" not in out
+
+
+def test_version_and_help_say_what_they_should():
+    rc, out = _without_torch(["--version"])
+    assert rc == 0 and re.fullmatch(r"keel \S+\n", out)
+    rc, out = _without_torch(["--help"])
+    assert rc == 0 and all(name in out for name in ("train", "eval", "generate", "experiment", "bench", "lm-eval"))
+    rc, out = _without_torch(["trian"])
+    assert rc == 2 and len(out.strip().splitlines()) == 1 and "invalid choice: 'trian'" in out
+
+
+def test_generate_help_shows_defaults():
+    rc, out = _without_torch(["generate", "--help"])
+    assert rc == 0
+    for default in ("(default: 200)", "(default: 0.8)", "(default: 'def ')"):
+        assert default in out, out
+    assert "(default: None)" not in out and "(default: False)" not in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["train", "--bogus"], "unrecognized arguments: --bogus"),
+    (["train", "model.nope=1"], "ModelConfig has no field 'nope'"),
+    (["train", "run.steps=abc"], "run.steps: Value 'abc'"),
+    (["train", "steps=5"], "did you mean run.steps?"),
+    (["train", "--preset", "tiny", "run.threads=-2"], "run.threads: got -2"),
+    (["train", "model.scheme=pre_ln", "model.alpha=4"], "ModelConfig.alpha"),  # a scheme's own option check
+    (["train", "run.eval_tasks=[bogus]"], "unknown task 'bogus'"),
+    (["train", "--preset", "tiny", "run.pp=3"], "run.pp: 3 stages"),  # a pipeline check, before pipelining loads
+    (["train", "run.pp=2", "run.pp_microbatches=3"], "run.pp_microbatches: 3 does not divide"),
+    (["summary", "model.d_model=7"], "ModelConfig.d_model"),
+    (["eval", "run", "--batches", "-1"], "--batches: got -1"),
+    (["generate", "run", "--top-p", "2"], "--top-p: got 2.0"),
+    (["experiment", "depth", "--bogus"], "unrecognized arguments: --bogus"),
+    (["experiment", "nope"], "invalid choice: 'nope'"),
+    (["bench", "--model-gpu", "X100"], "invalid choice: 'X100'"),
+    (["bench", "--preset", "tiny", "model.nope=1"], "ModelConfig has no field 'nope'"),
+])
+def test_argument_and_config_errors_answer_in_one_line_without_torch(argv, says):
+    """Before: keel.config imported the model, the data loader and keel.scale.parallel (all torch), and
+    eval/generate/experiment imported their work before checking their arguments."""
+    rc, out = _without_torch(argv)
+    assert rc == 2 and out.startswith("keel: error:") and len(out.strip().splitlines()) == 1, out
+    assert says in out, out
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_commands_usage_error_answers_without_torch(command):
+    rc, out = _without_torch([command, "--bogus"])
+    assert rc == 2 and out.startswith("keel: error:") and len(out.strip().splitlines()) == 1, out
+
+
+def test_runs_lists_runs_without_torch(tmp_path):
+    """`keel runs` reads config.yaml, metrics.jsonl and summary.json: no torch (before: run_dir imported the
+    model and checkpoints, and the config the model, the data loader and keel.scale.parallel)."""
+    from keel.config import to_yaml
+
+    run = tmp_path / "pre-ln-4L"
+    run.mkdir()
+    (run / "config.yaml").write_text(to_yaml(load_config(["model.scheme=pre_ln", "run.steps=7"], None, "tiny")))
+    (run / "metrics.jsonl").write_text('{"step": 7, "loss": 5.5}\n{"step": 7, "val_loss": 5.25}\n')
+    (run / "summary.json").write_text(json.dumps({"steps": 7, "diverged": False, "interrupted": False}))
+    rc, out = _without_torch(["runs", str(tmp_path)])
+    assert rc == 0, out
+    row = out.splitlines()[2].split()
+    assert row == ["pre-ln-4L", "pre_ln", "4", "64", "7/7", "5.25", "-", "finished"], out
+    rc, out = _without_torch(["runs", str(tmp_path), "--json"])
+    assert rc == 0 and json.loads(out)[0]["val_loss"] == 5.25, out
+    # a run that stopped without a summary: its status comes from its checkpoints (listed without torch too)
+    (run / "summary.json").unlink()
+    (run / "checkpoints" / "step_00000007").mkdir(parents=True)
+    rc, out = _without_torch(["runs", str(tmp_path)])
+    assert rc == 0 and out.splitlines()[2].split()[-1] == "interrupted", out
+
+
+# ---- config reads and terminal output ----------------------------------------------------------------------
+def test_log_to_as_a_bare_word_is_a_one_item_list():
+    assert load_config(["run.log_to=tensorboard"], None, "tiny").run.log_to == ["tensorboard"]
+    assert load_config(["run.eval_tasks=brackets,indent"], None, "tiny").run.eval_tasks == ["brackets", "indent"]
+    assert load_config(["run.log_to=[tensorboard]"], None, "tiny").run.log_to == ["tensorboard"]
+
+
+def test_generated_text_reaches_the_terminal_without_control_bytes():
+    assert printable("a\rb\x1b[2Jc\nd\te") == "a\\rb\\x1b[2Jc\nd\te"
+    assert printable("é ü 中") == "é ü 中"

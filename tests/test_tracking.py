@@ -1,0 +1,36 @@
+"""Tracking: TensorBoard gets the same scalars as metrics.jsonl; a tracker that is not installed is named before
+any work."""
+
+import pytest
+
+from keel.cli import main
+from keel.runs.run_dir import RunDir
+
+
+def test_tensorboard_gets_the_same_scalars(args, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert main(["train", "--preset", "tiny", *args("run.steps=4", "run.eval_every=0", "run.log_to=[tensorboard]",
+                                                    name="tb")]) == 0
+    events = EventAccumulator(str(tmp_path / "runs" / "tb" / "tensorboard"))
+    events.Reload()
+    logged = [r for r in RunDir(tmp_path / "runs" / "tb").metrics() if "loss" in r]
+    scalars = events.Scalars("loss")
+    assert [s.step for s in scalars] == [r["step"] for r in logged]
+    assert [s.value for s in scalars] == pytest.approx([r["loss"] for r in logged], rel=1e-6)
+
+
+def test_a_tracker_that_is_not_installed_is_named_before_any_work(args, tmp_path, capsys, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *a, **k):
+        if name == "wandb":
+            raise ImportError("no wandb here")
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    assert main(["train", "--preset", "tiny", *args("run.log_to=[wandb]", name="w")]) == 2
+    assert "run.log_to: wandb is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "w").exists()
