@@ -268,3 +268,19 @@ def test_validation_reports_predicted_against_measured(monkeypatch):
         assert row[s]["error"] == pytest.approx(row[s]["predicted_s"] / measured[s] - 1)
     assert result["max_abs_error"] == max(abs(row[s]["error"]) for s in ("keel", "pre_ln"))
     assert row["device"]["bandwidth_GBps"] > 0 and "Largest |error|" in pr.validation_markdown(result)
+
+
+def test_the_mfu_peak_is_the_exact_devices_not_a_name_fragments():
+    """MFU divides by keel.runtime.peak_of(CUDA name), matched whole: an H100 PCIe card is 756 TFLOP/s dense bf16
+    (its datasheet), not the SXM part's 989 that the fragment "H100" matched; an unknown name has no peak; every
+    part the performance model knows has the same peak there."""
+    from keel.runtime import CUDA_NAMES, peak_of
+
+    datasheet = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+                 "NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA A100-SXM4-80GB": 312e12,
+                 "NVIDIA A100 80GB PCIe": 312e12}
+    assert {name: peak_of(name) for name in datasheet} == datasheet
+    assert peak_of("NVIDIA H100 SOMETHING NEW") is None and peak_of("Tesla T4") is None
+    for name in CUDA_NAMES:
+        spec = pm.gpu_spec(name)
+        assert spec is None or spec.bf16_flops == peak_of(name), name

@@ -42,8 +42,15 @@ def stop_if_signalled() -> None:
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
 
-# dense bf16 peak FLOP/s by GPU name fragment, for MFU
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "4090": 165e12}
+# dense bf16 peak FLOP/s by GPU part (vendor datasheets), for MFU and the performance model
+PEAK_BF16 = {"H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "H200 NVL": 835e12,
+             "A100": 312e12, "A100 PCIe": 312e12, "L40S": 362e12, "A10G": 70e12, "RTX 4090": 165e12}
+# the part of each CUDA device name, matched whole: a name not here has no known peak (no guess from a fragment,
+# which gave an H100 PCIe the SXM part's peak)
+CUDA_NAMES = {"NVIDIA H100 80GB HBM3": "H100", "NVIDIA H100 PCIe": "H100 PCIe", "NVIDIA H100 NVL": "H100 NVL",
+              "NVIDIA H200": "H200", "NVIDIA H200 NVL": "H200 NVL", "NVIDIA A100-SXM4-80GB": "A100",
+              "NVIDIA A100-SXM4-40GB": "A100", "NVIDIA A100 80GB PCIe": "A100 PCIe", "NVIDIA A100-PCIE-40GB":
+              "A100 PCIe", "NVIDIA L40S": "L40S", "NVIDIA A10G": "A10G", "NVIDIA GeForce RTX 4090": "RTX 4090"}
 # bytes one process's tensors can use on the GPUs keel plans for, one figure per GPU: the driver's total (nvidia-smi,
 # MiB) less the 1,247 MiB an 80 GB H100 kept back from PyTorch (79.18 GiB CUDA capacity, 0.74 GiB of it the CUDA
 # context and libraries: 78.43 GiB reserved or free at an out-of-memory error), assumed the same on the others
@@ -150,8 +157,12 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     import torch
 
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+    return peak_of(torch.cuda.get_device_name(device))
+
+
+def peak_of(cuda_name: str) -> float | None:
+    """The dense bf16 peak of the GPU with this CUDA device name, matched whole (CUDA_NAMES); None if unknown."""
+    return PEAK_BF16.get(CUDA_NAMES.get(cuda_name.strip(), ""))
 
 
 def device_memory(device: torch.device) -> int | None:

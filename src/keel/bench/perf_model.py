@@ -26,7 +26,7 @@ from keel.kernels.junction import MAX_FUSED_WIDTH
 from keel.model import ModelConfig, count_params, flops_per_token
 from keel.model.counting import count_param_tensors
 from keel.model.transformer import build_scheme
-from keel.runtime import GPU_MEMORY, PEAK_BF16
+from keel.runtime import CUDA_NAMES, GPU_MEMORY, PEAK_BF16
 
 IMPLS = ("eager", "compiled", "compiled+fused")
 S = 4  # bytes of a residual-stream element: always float32 (keel.model.numerics)
@@ -99,9 +99,6 @@ VARIANTS = {
 }
 # CUDA's device name (torch.cuda.get_device_name) of each part, matched whole: "NVIDIA H100 PCIe" contains "H100"
 # but is not the SXM part
-CUDA_NAMES = {"NVIDIA H100 80GB HBM3": "H100", "NVIDIA H100 PCIe": "H100 PCIe", "NVIDIA H100 NVL": "H100 NVL",
-              "NVIDIA H200": "H200", "NVIDIA H200 NVL": "H200 NVL", "NVIDIA A100-SXM4-80GB": "A100",
-              "NVIDIA A100 80GB PCIe": "A100 PCIe"}
 # each measured GPU's efficiencies fitted to its newest measured run: the measurements and the fit are the project's
 # (benchmarks/gpu/measured_gpu.json, benchmarks/gpu/calibrate.py); only the fitted numbers ship with the package
 FITS = Path(__file__).with_name("calibrated_gpu.json")
@@ -399,7 +396,7 @@ def gpu_spec(name: str) -> DeviceSpec | None:
     """The spec of the part with this CUDA device name (e.g. "NVIDIA H100 80GB HBM3": the SXM part, "NVIDIA H100
     PCIe": the PCIe card), matched whole; None for a name not in CUDA_NAMES (no guess from a part of the name)."""
     key = CUDA_NAMES.get(name.strip())
-    return None if key is None else DEVICES.get(key) or VARIANTS[key]
+    return None if key is None else DEVICES.get(key) or VARIANTS.get(key)
 
 
 def paper_config(d_model: int, n_sublayers: int, scheme: str = "keel") -> ModelConfig:
