@@ -81,15 +81,20 @@ FORMULA_ROWS = (  # op group, FLOPs, bytes forward; backward, where
     ("one RMSNorm", "-", "28 d; 92 d per token (pow, mean, x*rstd, gain*x, autograd's formulas)", "eager"),
     ("junction extras", "-", "h cast 6d (bf16), alpha*x 8d, + h 12d; alpha*g 8d, h cast 6d, 6d per u cast "
      "(bf16), 12d per gradient sum", "eager"),
-    ("junction inside one graph", "-", "(3S + 2c) d: x, h in, y, u out; (2S + c + du) d read twice (dx, then the "
-     "gains' column sums) + (S + c) d written", "compiled: attention -> FFN"),
+    ("junction inside one graph", "-", "(3S + 2c) d: x, h in, y, u out; backward one kernel per RMSNorm, chained "
+     "(each after the first reads the one before's output, 2S d), or one for the one-pass norm pair "
+     "(keel.kernels.norm_pair, PREDICTED)", "compiled: attention -> FFN"),
+    ("sum handed across graphs", "-", "graph A: x, h in, z out; graph B: z in, y, u out; backward as one graph's",
+     "compiled under AC: each Keel block's end"),
     ("junction across graphs", "-", "graph A: x, h in, y out; graph B: y in, u out; each half's backward reads its "
      "rows (twice with a norm)", "compiled: FFN -> next attention"),
     ("fused junction (Triton)", "-", "(3S + c) d, + (S + c) d to cast the float32 u; (du + S) d to sum u's "
      "gradients, (4S + 2c) d", "compiled+fused: each Keel junction"),
     ("embedding, head, loss", "head: a linear", "2S d; 3S d per token + S V d (dense grad); float32 cross-entropy "
      "(8 + 6 bf16) V; (16 + 6 bf16) V per token", "eager in every variant"),
-    ("clip + AdamW (foreach)", "-", "96 n", "all"),
+    ("clip + AdamW", "-", "fused on CUDA: (28 + 12) n in 3 launches; foreach: (84 + 12) n in 12", "all"),
+    ("host", "-", "per kernel launch and per sub-layer pass (forward, recompute, backward); a GPU step is the "
+     "longer of host and device, a CPU step their sum", "all"),
 )
 
 

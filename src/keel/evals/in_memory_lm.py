@@ -52,7 +52,8 @@ def fetch_failure(err: BaseException) -> str | None:
 def fetch_message(field: str, tasks, reason: str) -> str:
     return (f"{field}: cannot fetch the data of {', '.join(map(repr, tasks))} from the Hugging Face Hub: "
             f"{reason}; run once with a network connection to cache it, or write a task YAML over local "
-            "files and pass its directory with --include-path DIR (see the README's lm-eval section)")
+            "files and pass its directory with --include-path DIR "
+            "(docs/ecosystem.md#hugging-face-transformers-and-lm-evaluation-harness)")
 
 
 def _lm_base():
