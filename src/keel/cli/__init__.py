@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from keel.cli.support import (
     Parser,
     check_config_file,
     check_device,
+    check_flags,
     error_line,
     output_path,
     printable,
@@ -33,10 +33,6 @@ from keel.cli.support import (
 from keel.errors import ConfigError, KeelError
 from keel.launch import launcher_environment
 from keel.runs.trust import trusting
-
-MAX_NEW_TOKENS = 1_000_000  # keel generate: a long text; 10**20 would run for ever
-SMALLEST = 1e-6  # keel generate's smallest --temperature and --top-p (see cmd_generate)
-MAX_VOCAB = 1 << 24  # keel tokenizer: past the largest vocabularies in use (~256k)
 
 
 def _no_preset(args, why: str) -> None:
@@ -143,8 +139,6 @@ def cmd_plot(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    if args.batches < 0:
-        raise ConfigError(f"--batches: got {args.batches}; allowed: an integer >= 1, or 0 for run.eval_batches")
     check_device(args.device, "--device")
     from keel.reporting.tables import EVAL_KEYS, key_values
     from keel.train.evaluate import evaluate_run
@@ -164,20 +158,6 @@ def cmd_eval(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    if not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:
-        raise ConfigError(f"--max-new-tokens: got {args.max_new_tokens}; "
-                          f"allowed: an integer in [0, {MAX_NEW_TOKENS:,}]")
-    # sampling runs in float32: a temperature below SMALLEST makes the logits inf, a top-p below it rounds to 0
-    # and drops every token; either way the probabilities are NaN. Both are greedy long before that.
-    if not (args.temperature == 0 or SMALLEST <= args.temperature and math.isfinite(args.temperature)):
-        raise ConfigError(f"--temperature: got {args.temperature}; allowed: 0 (greedy) or a finite number >= "
-                          f"{SMALLEST:g}")
-    if not SMALLEST <= args.top_p <= 1:
-        raise ConfigError(f"--top-p: got {args.top_p}; allowed: a number in [{SMALLEST:g}, 1] (1 = off)")
-    if args.top_k < 0:
-        raise ConfigError(f"--top-k: got {args.top_k}; allowed: an integer >= 0 (0 = off)")
-    if not 0 <= args.seed < 2**63:
-        raise ConfigError(f"--seed: got {args.seed}; allowed: an integer in [0, 2**63)")
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError:
@@ -200,8 +180,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_tokenizer(args) -> int:
-    if not 0 < args.vocab_size <= MAX_VOCAB:
-        raise ConfigError(f"--vocab-size: got {args.vocab_size}; allowed: an integer in [1, {MAX_VOCAB:,}]")
     from keel.config import TrainConfig, merge
     from keel.config.reads import TOKENIZER
     from keel.data import build_corpus
@@ -369,6 +347,7 @@ def _main(argv: list[str] | None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     try:
+        check_flags(args)  # every numeric flag in its range (support.flag_limits), before any file is read
         if getattr(args, "config", None):
             check_config_file(args.config)
         if not getattr(args, "sets_threads", False):  # train, bench and experiments: from their merged config

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
 from keel import runtime, safe_io
 from keel.bench import MODELLED_GPUS
+from keel.cli.support import output_dir
 from keel.config import add_config_arguments, load_config
 from keel.config.presets import DEFAULT_PRESET
 from keel.config.reads import Reads
@@ -136,18 +136,6 @@ def writer(out: Path | None, markdown):
     return write
 
 
-STEP_LIMITS = {"steps": (1, 100_000), "warmup": (0, 100_000), "depth_steps": (1, 100_000)}  # flag: [low, high]
-
-
-def check_counts(args) -> None:
-    """--steps, --warmup and --depth-steps in their range: a negative count has no median to report, and a huge
-    one would time for ever."""
-    for name, (low, high) in STEP_LIMITS.items():
-        value = getattr(args, name)
-        if not low <= value <= high:
-            raise ConfigError(f"--{name.replace('_', '-')}: got {value}; allowed: an integer in [{low}, {high:,}]")
-
-
 # The project's own suites were `keel bench` flags; they are scripts beside their data in the repository now, and a
 # user who gives one of their flags is told where it went (argparse would only say "unrecognized arguments")
 SUITES = "python benchmarks/cpu/suite.py (was --suite cpu) or python benchmarks/gpu/campaign.py (was --suite gpu)"
@@ -181,25 +169,6 @@ def parse_depths(text: str) -> list[int]:
     return out
 
 
-def out_dir(text: str | None) -> Path | None:
-    """--out: a directory (made if missing), never a file, a link or a device: refused in one line before any work;
-    every file bench writes goes inside it through keel.safe_io (whole, atomic, never through a link)."""
-    if not text:
-        return None
-    out = Path(text)
-    if out.is_symlink():
-        raise ConfigError(f"--out: {out} is a symbolic link; give the directory itself")
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out: {out} exists and is not a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"--out: cannot make {out} ({err.strerror or err})") from None
-    if not os.access(out, os.W_OK):
-        raise ConfigError(f"--out: {out} is not writable")
-    return out
-
-
 def write_out(out: Path, name: str, text: str) -> Path:
     try:
         return safe_io.write_text(out, out / name, text)
@@ -209,9 +178,8 @@ def write_out(out: Path, name: str, text: str) -> Path:
 
 def cmd_bench(args) -> int:
     check_moved(args)
-    check_counts(args)
     args.depths = parse_depths(args.depths) if isinstance(args.depths, str) else args.depths
-    args.out = out_dir(args.out)
+    args.out = output_dir(args.out, "--out")
     run(args)
     return 0
 

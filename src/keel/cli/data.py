@@ -3,7 +3,7 @@ The corpus and tokenizer are named with the `data.*` fields `keel train` takes."
 
 from __future__ import annotations
 
-from keel.cli.support import DefaultsShown
+from keel.cli.support import DefaultsShown, output_dir
 from keel.config.reads import Reads
 
 COMMANDS = {"data": "tokenise a corpus into token shards for training (keel data prepare)"}
@@ -19,6 +19,7 @@ def cmd_prepare(args) -> int:
     from keel.data.shard_writer import prepare_shards
 
     data = merge(TrainConfig(), args.config, args.overrides, PREPARE).data
+    output_dir(args.out, "--out", make=False)  # a link, a file, a device, read-only: one line before any reading
     done = prepare_shards(data, args.out, args.workers, args.shard_tokens, args.bpe_sample)
     if done["up_to_date"]:
         print(f"{done['directory']}: up to date, nothing written")

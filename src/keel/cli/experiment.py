@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import stat
 from pathlib import Path
 
+from keel.cli.support import output_dir
 from keel.config import merge
 from keel.errors import ConfigError
 from keel.experiments import WHERE, studies
@@ -55,6 +58,12 @@ def load_study(path: str) -> dict:
     import yaml  # noqa: PLC0415
     from omegaconf import OmegaConf  # noqa: PLC0415 (its YAML reads 1e-3 as a number, as keel's configs do)
 
+    try:  # a FIFO or a device would block the read, or never end
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+    except OSError as err:
+        raise ConfigError(f"{path}: {(err.strerror or str(err)).lower()}") from None
+    if not regular:
+        raise ConfigError(f"{path}: not a regular file; a study file is a YAML file")
     try:
         doc = OmegaConf.to_container(OmegaConf.load(path))
     except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as err:
@@ -97,6 +106,7 @@ def cmd_sweep(args) -> int:
     from keel.experiments.sweep import report_only
 
     out = Path(args.out) if args.out else Path(args.study).parent
+    where = "--out" if args.out else "the study file's folder"
     out_flag = [f"--out {shlex.quote(args.out)}"] if args.out else []
     command = " ".join(["keel sweep", shlex.quote(args.study), *out_flag, *map(shlex.quote, args.overrides)])
     doc = load_study(args.study)
@@ -108,7 +118,7 @@ def cmd_sweep(args) -> int:
                               f"{args.overrides[0]!r}); its fields are in its file")
         study = declared.read(doc, args.study)
         runtime.set_threads(study.run.threads)
-        out.mkdir(parents=True, exist_ok=True)
+        output_dir(str(out), where)  # a link, a file, read-only: one line before any point trains
         with report_only(args.report_only):
             declared.run(study, out, command, name=out.resolve().name or Path(args.study).stem,
                          question=str(doc.get("question") or ""))
@@ -119,7 +129,7 @@ def cmd_sweep(args) -> int:
     kind, fields = read_study(args.study)
     cfg = build(kind, False, [*fields, *args.overrides])
     runtime.set_threads(cfg.run.threads)
-    out.mkdir(parents=True, exist_ok=True)
+    output_dir(str(out), where)
     with report_only(args.report_only):
         EXPERIMENTS[kind][1](cfg, out, command)
     print(f"wrote {out}/results.json, {out}/report.md and plots")
@@ -153,7 +163,7 @@ def cmd_experiment(args) -> int:
     cfg = build(args.name, args.quick, args.overrides, args.config)
     runtime.set_threads(cfg.run.threads)  # once, from the merged config (a YAML file's run.threads too)
     out = Path(args.out or default_out(args.name, args.quick))
-    out.mkdir(parents=True, exist_ok=True)
+    output_dir(str(out), "--out")
     command = " ".join(["keel experiment", args.name] + (["--quick"] if args.quick else [])
                        + ([f"--out {shlex.quote(args.out)}"] if args.out else [])
                        + [shlex.quote(o) for o in args.overrides])

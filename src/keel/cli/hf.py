@@ -4,13 +4,9 @@ extras). Their arguments are built only when one of them runs."""
 from __future__ import annotations
 
 import json
-import math
 
-from keel.cli.support import check_device, needs
+from keel.cli.support import check_device, needs, output_dir
 from keel.errors import ConfigError
-
-MAX_BATCH = 1 << 16  # keel lm-eval's --batch-size
-MAX_FEWSHOT = 10_000  # keel lm-eval's --num-fewshot
 
 COMMANDS = {
     "export-hf": "write a run's checkpoint as a Hugging Face transformers model directory",
@@ -25,6 +21,7 @@ def cmd_export_hf(args) -> int:
     from keel.hf.export import export_run
 
     quiet_progress()
+    output_dir(args.out_dir, "export-hf: the output directory", empty=True, make=False)  # before the checkpoint is read
     out = export_run(args.run_dir, args.out_dir, args.checkpoint)
     print(f"exported {args.run_dir} to {out} (load with AutoModelForCausalLM.from_pretrained)")
     return 0
@@ -42,12 +39,6 @@ def cmd_lm_eval(args) -> int:
     tasks = [t for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ConfigError(f"--tasks: got {args.tasks!r}; allowed: comma-separated task names, e.g. hellaswag,arc_easy")
-    if args.limit is not None and not (args.limit > 0 and math.isfinite(args.limit)):
-        raise ConfigError(f"--limit: got {args.limit}; allowed: a number > 0 (examples per task, a fraction if < 1)")
-    if not 1 <= args.batch_size <= MAX_BATCH:
-        raise ConfigError(f"--batch-size: got {args.batch_size}; allowed: an integer in [1, {MAX_BATCH:,}]")
-    if args.num_fewshot is not None and not 0 <= args.num_fewshot <= MAX_FEWSHOT:
-        raise ConfigError(f"--num-fewshot: got {args.num_fewshot}; allowed: an integer in [0, {MAX_FEWSHOT:,}]")
     if args.device != "auto":
         check_device(args.device, "--device")
     needs("eval", "transformers")

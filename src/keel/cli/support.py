@@ -125,16 +125,88 @@ def writable(out: Path, flag: str) -> Path:
     """`out` (an output file, checked by `output_path`), once a file can be made beside it: a read-only file
     system, /proc or a directory without write permission is one line before any work, not an OSError after
     it; a link at `out` is refused (keel.safe_io writes the file and never follows one)."""
-    import secrets
-
     if out.is_symlink():
         raise ConfigError(f"{flag} {out}: is a symbolic link; give the file itself")
-    probe = out.parent / f".{out.name}.probe-{os.getpid()}-{secrets.token_hex(4)}"
+    _can_write(out.parent, flag, out)
+    return out
+
+
+def _can_write(directory: Path, flag: str, shown: Path) -> None:
+    import secrets
+
+    probe = directory / f".keel-probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
         os.unlink(probe)
     except OSError as err:
-        raise ConfigError(f"{flag} {out}: cannot write in {out.parent} ({err.strerror or err})") from None
+        raise ConfigError(f"{flag} {shown}: cannot write in {directory} ({err.strerror or err})") from None
+
+
+# Every number a `keel` command takes as a flag, in its range: checked (check_flags) right after the command line is
+# parsed, before any file is read or torch loads. docs/training.md#allowed-values lists them with the config's.
+def flag_limits() -> dict:
+    """{"<command> --flag": Limit} for every numeric flag of every `keel` command."""
+    from keel.config.schema import Limit, count  # noqa: PLC0415
+
+    return {
+        "eval --batches": count(0, 2**24, "0: the run's run.eval_batches"),
+        "generate --max-new-tokens": count(0, 1_000_000),
+        # sampling runs in float32: a temperature below 1e-6 makes the logits inf, a top-p below it rounds to 0 and
+        # drops every token; either way the probabilities are NaN. Both are greedy long before that
+        "generate --temperature": Limit(1e-6, 1e4, or_zero="greedy"),
+        "generate --top-k": count(0, 2**24, "0: off"),
+        "generate --top-p": Limit(1e-6, 1, note="1: off"),
+        "generate --seed": count(0, 2**63 - 1),
+        "tokenizer --vocab-size": count(257, 2**24, "256 bytes and the end-of-text token at least"),
+        "data prepare --workers": count(1, 256),
+        "data prepare --shard-tokens": count(1, 2**32 - 1),  # a shard's token count is a uint32 in its manifest
+        "data prepare --bpe-sample": count(1, 2**40, "documents"),
+        "lm-eval --num-fewshot": count(0, 10_000),
+        "lm-eval --limit": Limit(0, 2**31, open_low=True, note="examples per task; a fraction of them if < 1"),
+        "lm-eval --batch-size": count(1, 2**16),
+        "bench --steps": count(1, 100_000),
+        "bench --warmup": count(0, 100_000),
+        "bench --depth-steps": count(1, 100_000),
+    }
+
+
+def check_flags(args) -> None:
+    """The parsed command line's numeric flags, each in its range (`flag_limits`): one ConfigError naming the first
+    that is not. A flag left out (None) is the command's own default."""
+    command = " ".join(filter(None, (getattr(args, "command", None), getattr(args, "data_command", None))))
+    for key, limit in flag_limits().items():
+        name, flag = key.rsplit(" ", 1)
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if name == command and value is not None:
+            limit.check(flag, value)
+
+
+def output_dir(value: str | None, flag: str, empty: bool = False, make: bool = True) -> Path | None:
+    """An output directory named on the command line (made if missing), checked before any work: never a link, a
+    file, a device or a directory this user cannot write (/proc, read-only), and, with `empty`, new or empty.
+    Every file a command writes outside a run directory goes inside the directory (or beside the file,
+    `output_path`) the user named, through keel.safe_io: whole, atomic, never through a link planted there.
+    `make=False`: checked, not made (the command makes it once its work is done, as export-hf does)."""
+    if not value:
+        return None
+    out = Path(value)
+    if out.is_symlink():
+        raise ConfigError(f"{flag} {out}: is a symbolic link; give the directory itself")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{flag} {out}: exists and is not a directory")
+    if empty and out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"{flag} {out}: already exists and is not empty; choose a new output directory")
+    if not make and not out.exists():
+        above = next((p for p in out.absolute().parents if p.exists()), Path("/"))
+        if not above.is_dir():
+            raise ConfigError(f"{flag} {out}: {above} is not a directory")
+        _can_write(above, flag, out)
+        return out
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"{flag} {out}: cannot make it ({err.strerror or err})") from None
+    _can_write(out, flag, out)
     return out
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import io
 import json
 import math
 import statistics
@@ -33,7 +34,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from keel import runtime
+from keel import runtime, safe_io
 from keel.config import GuardConfig, OptimConfig, RunConfig, TrainConfig, validate
 from keel.config.reads import Reads
 from keel.data import DataConfig, WindowSampler, prepare
@@ -361,14 +362,15 @@ def write_outputs(out: Path, name: str, config, command: str, results: dict, tab
                "machine": machine(resolve_device(getattr(getattr(config, "run", None), "device", "cpu"))),
                "results": results,
                "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")} | ({"smoke_test": True} if _SMOKE_TEST.get() else {})
-    (out / "results.json").write_text(json.dumps(payload, indent=1, default=float))
+    # whole and atomic, never through a link planted in the output directory (keel.safe_io)
+    safe_io.write_text(out, out / "results.json", json.dumps(payload, indent=1, default=float))
     lines = [f"> **{SMOKE_TEST_BANNER}**: `--quick` trains a tiny model for a few steps to check that the "
              "experiment runs end to end; its numbers say nothing about the schemes.", ""] if _SMOKE_TEST.get() else []
     lines += [f"# {name}", "", "Produced by:", "", "```bash", command, "```", "", table, ""]
     lines += [f"![{p}]({p})" for p in plots]
     if notes:
         lines += ["", notes]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    safe_io.write_text(out, out / "report.md", "\n".join(lines) + "\n")
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
@@ -388,8 +390,10 @@ def save(fig, out: Path, name: str) -> str:
         title = fig._suptitle.get_text() if fig._suptitle is not None else ""
         fig.suptitle(f"{SMOKE_TEST_BANNER}" + (f"\n{title}" if title else ""), fontsize=10, color="firebrick")
     fig.tight_layout()
-    fig.savefig(out / name, dpi=110)
+    image = io.BytesIO()  # drawn in memory, then written as results.json is
+    fig.savefig(image, dpi=110, format=Path(name).suffix.lstrip(".") or "png")
     pyplot().close(fig)
+    safe_io.write_bytes(out, Path(out) / name, image.getvalue())
     return name
 
 

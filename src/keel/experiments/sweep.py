@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from keel import runtime
+from keel import runtime, safe_io
 from keel.errors import ConfigError
 from keel.experiments import store
 from keel.experiments.partial import discard, keeping_progress_in
@@ -93,7 +93,8 @@ may keep its progress (keel.experiments.partial), so that the process that next 
         given. With `enough`, returns as soon as `enough(done so far)` holds instead: the points not yet done
         are left to a later call (or to the process that claimed them), so a caller whose arms advance
         independently does not wait for the slowest one (`keel.experiments.grid.run_searches`)."""
-        (self.out / "points").mkdir(parents=True, exist_ok=True)
+        # a `points` link (or file) planted in the output directory is refused, never written through
+        safe_io.check_dir(self.out, self.out / "points").mkdir(parents=True, exist_ok=True)
         recorded, mine = self.out / "points" / "config.json", json.loads(json.dumps(asdict(self.config)))
         theirs = upgrade_recorded(json.loads(recorded.read_text())) if recorded.exists() else None
         if theirs is not None:

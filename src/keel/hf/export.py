@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
+import secrets
+import shutil
 from pathlib import Path
 
 import keel.model
@@ -201,6 +204,8 @@ def export_run(run_dir, out_dir, checkpoint: str | None = None) -> Path:
     from keel.runs.run_dir import load_model
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
+    if out_dir.is_symlink():
+        raise ExportError(f"{out_dir}: is a symbolic link; give the output directory itself")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"{out_dir}: already exists and is not an empty directory; choose a new output directory")
     config, model, tokenizer, path = load_model(run_dir, checkpoint)
@@ -213,19 +218,26 @@ def export_run(run_dir, out_dir, checkpoint: str | None = None) -> Path:
     hf_model = KeelForCausalLM(hf_config)
     hf_model.model.load_state_dict(model.state_dict())
     hf_model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos)
+    # written whole into a fresh directory beside out_dir, then renamed into place: an export cut short (a full
+    # disk, Ctrl-C) leaves no half model under the name given, and nothing is written through a planted link
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".keel-write-test"
-        probe.touch()
-        probe.unlink()
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
     except OSError as err:
         raise ExportError(f"{out_dir}: cannot write there ({err.strerror or err})") from None
-    hf_model.save_pretrained(out_dir)  # config.json, generation_config.json, model.safetensors
-    for written in out_dir.iterdir():  # shareable like any exported model (safetensors writes 0600)
-        written.chmod(0o644)
-    write_tokenizer(tokenizer, out_dir, config.model.max_seq_len)
-    (out_dir / "keel_model.py").write_text(self_contained_model_source())
-    for module in ("configuration_keel", "modeling_keel"):
-        (out_dir / f"{module}.py").write_text(relative_source(module))
-    (out_dir / "README.md").write_text(model_card(config, model, run_dir, path))
+    try:
+        hf_model.save_pretrained(tmp)  # config.json, generation_config.json, model.safetensors
+        for written in tmp.iterdir():  # shareable like any exported model (safetensors writes 0600)
+            written.chmod(0o644)
+        write_tokenizer(tokenizer, tmp, config.model.max_seq_len)
+        (tmp / "keel_model.py").write_text(self_contained_model_source())
+        for module in ("configuration_keel", "modeling_keel"):
+            (tmp / f"{module}.py").write_text(relative_source(module))
+        (tmp / "README.md").write_text(model_card(config, model, run_dir, path))
+        os.rename(tmp, out_dir)  # over an empty directory, or a new name; never follows a link
+    except OSError as err:
+        raise ExportError(f"{out_dir}: cannot write there ({err.strerror or err})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
