@@ -113,7 +113,7 @@ def test_every_model_preset_is_a_training_preset():
 def test_dry_run_prints_the_model_and_memory_plan_and_writes_nothing(tmp_path, capsys):
     assert main(["train", "--preset", "paper-512", "--dry-run", f"run.out_dir={tmp_path / 'runs'}"]) == 0
     out = capsys.readouterr().out
-    assert "blocks: 256   sub-layers (the paper's L): 512" in out and "parameters: 3,287,809,024" in out
+    assert "depth: 512 sub-layers (the paper's L; model.n_blocks = 256 blocks)" in out and "parameters: 3,287,809,024" in out
     assert "memory per process" in out and "GiB" in out
     assert not (tmp_path / "runs").exists()
 
@@ -122,7 +122,7 @@ def test_summary_of_a_run_directory_describes_its_model(tmp_path, capsys, make_r
     make_run(tmp_path / "run", "pre_ln")
     assert main(["summary", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    assert "blocks: 3   sub-layers (the paper's L): 6" in out and "scheme = 'pre_ln'" in out
+    assert "depth: 6 sub-layers (the paper's L; model.n_blocks = 3 blocks)" in out and "scheme = 'pre_ln'" in out
     assert main(["summary", str(tmp_path / "nothing")]) == 2
     assert "not a Keel run directory" in capsys.readouterr().err
 
