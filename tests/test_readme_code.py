@@ -1,6 +1,7 @@
-"""The documentation's code, run as written: every ```python and ```bash block of README.md and docs/*.md, each
-alone in a fresh subprocess and an empty directory (or skipped with the reason its `<!-- not run: ... -->` line
-gives); the README's Python API checked against independent numbers; the lm-eval task YAML of docs/ecosystem.md."""
+"""The documentation's code, run as written: every ```python and ```bash block of README.md and docs/*.md, a page's
+blocks in order in one fresh directory, as a reader follows the page (a block is skipped with the reason its
+`<!-- not run: ... -->` line gives); the README's Python API checked against independent numbers; the lm-eval
+task YAML of docs/ecosystem.md."""
 
 import json
 import math
@@ -54,10 +55,6 @@ def fenced_blocks(path: Path) -> list[Block]:
     return blocks
 
 
-def doc_blocks() -> list[Block]:
-    return [b for path in DOCS for b in fenced_blocks(path) if b.lang in RUNNERS]
-
-
 def run_block(block: Block, cwd: Path) -> subprocess.CompletedProcess:
     """The block as a script in `cwd`, with this interpreter's `keel`/`torchrun` first on PATH, offline."""
     script = cwd / ("block.py" if block.lang == "python" else "block.sh")
@@ -71,20 +68,25 @@ def run_block(block: Block, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
-def _param(block: Block):
-    marks = [pytest.mark.slow] + ([pytest.mark.distributed] if "torchrun" in block.code else [])
-    return pytest.param(block, marks=marks, id=block.where)
+def _page(path: Path):
+    blocks = [b for b in fenced_blocks(path) if b.lang in RUNNERS]
+    marks = [pytest.mark.slow] + ([pytest.mark.distributed] if any("torchrun" in b.code for b in blocks) else [])
+    return pytest.param(path, marks=marks, id=str(path.relative_to(ROOT)))
 
 
-@pytest.mark.parametrize("block", [_param(b) for b in doc_blocks()])
-def test_every_documented_block_runs_as_written(block, tmp_path):
-    """Each block alone, as a reader would paste it into an empty directory; a block with a `not run` line is
-    reported as skipped with its reason."""
-    if block.not_run:
-        pytest.skip(f"{block.where}: not run: {block.not_run}")
-    proc = run_block(block, tmp_path)
-    assert proc.returncode == 0, (f"{block.where} ({block.lang}) exited {proc.returncode}:\n{block.code}\n"
-                                  f"--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}")
+@pytest.mark.parametrize("page", [_page(p) for p in DOCS if any(b.lang in RUNNERS for b in fenced_blocks(p))])
+def test_every_page_runs_in_order_as_written(page, tmp_path):
+    """A page's blocks one after the other in one empty directory, as a reader pastes them going down the page
+    (a later block may use what an earlier one made; none may trip over it); a block with a `not run` line is
+    passed over, its reason printed."""
+    for block in (b for b in fenced_blocks(page) if b.lang in RUNNERS):
+        if block.not_run:
+            print(f"{block.where}: not run: {block.not_run}")
+            continue
+        proc = run_block(block, tmp_path)
+        assert proc.returncode == 0, (f"{block.where} ({block.lang}) exited {proc.returncode}, after the page's "
+                                      f"blocks above it:\n{block.code}\n--- stdout ---\n{proc.stdout[-3000:]}\n"
+                                      f"--- stderr ---\n{proc.stderr[-3000:]}")
 
 
 def test_every_block_is_run_or_says_why_not():
@@ -225,6 +227,22 @@ def test_every_relative_link_of_the_docs_resolves():
                 if anchor not in {_anchor(h) for h in headings}:
                     dead.append(f"{path.name}: {target}")
     assert not dead, dead
+
+
+def test_every_page_an_error_message_names_holds_that_section():
+    """Messages point to the page that holds the answer: every `docs/<page>.md[#heading]` in the package's
+    strings names a page and heading that exist, and none sends the reader to a README section."""
+    source = "\n".join(p.read_text() for p in (ROOT / "src" / "keel").rglob("*.py"))
+    named = set(re.findall(r"docs/([\w-]+\.md)(?:#([\w-]+))?", source))
+    assert named, "no docs/ page named in the package"
+    dead = []
+    for page, anchor in sorted(named):
+        path = ROOT / "docs" / page
+        text = path.read_text() if path.exists() else ""
+        if not path.exists() or (anchor and anchor not in {_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}):
+            dead.append(f"docs/{page}#{anchor}")
+    assert dead == []
+    assert not re.search(r"README's [\w -]+ section", source)
 
 
 def test_the_front_page_decides_in_one_screen():
