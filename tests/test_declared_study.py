@@ -135,3 +135,31 @@ def test_the_documented_study_is_a_valid_one():
     study = declared.read(yaml.safe_load(block), "docs/experiments.md")
     assert list(study.arms) == ["keel", "pre_ln"] and study.axes == {"model.n_blocks": [4, 8]}
     assert [c.model.n_blocks for c in (study.config({"model.n_blocks": n}) for n in (4, 8))] == [4, 8]
+
+
+def test_a_marginal_test_gets_the_marginal_seeds_on_both_arms_and_all_tests_run_again(tmp_path, monkeypatch):
+    """Points with written-out losses (no training): keel - pre_ln on seeds 0-2 is marginal (raw p 0.037 < 0.05,
+    lifted by Holm over two tests to 0.075); seeds 3 and 4 are added to both arms at their chosen LR (the other
+    pair's arms only where they are in the marginal test), and every test is judged again on all seeds."""
+    from keel.experiments import declared
+
+    report = {"keel": [1.00, 1.10, 1.20, 1.00, 1.10], "pre_ln": [1.02, 1.1269, 1.2131, 1.05, 1.12],
+              "post_ln": [1.50, 1.10, 1.00, 1.30, 1.20]}
+    ran = []
+
+    def fake_point(study, arm, cell, hp, seed):
+        ran.append((arm, seed))
+        lr = hp["optim.lr"]  # 2e-5 is every arm's best on the select half: an interior choice
+        return {"arm": arm, "cell": cell, "tuned": hp, "lr": lr, "seed": seed,
+                "select_loss": 1.0 + abs(math.log(lr / 2e-5)), "report_loss": report[arm][seed]}
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = study(axes={}, tune=[{"field": "optim.lr", "grid": [1e-5, 2e-5, 4e-5], "grow": 1}], marginal_seeds=[3, 4])
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    first = [scipy_stats.ttest_rel(report["keel"][:3], report[b][:3]).pvalue for b in ("pre_ln", "post_ln")]
+    assert first[0] < 0.05 and 0.05 <= holm_by_hand(first)[0] < 0.20  # marginal, as the rule says
+    assert sorted(s for a, s in ran if s >= 3) == [3, 3, 4, 4] and {a for a, s in ran if s >= 3} == {"keel", "pre_ln"}
+    tests = results["tests"]
+    assert tests[0]["seeds"] == [0, 1, 2, 3, 4] and tests[1]["seeds"] == [0, 1, 2]  # post_ln ran no added seed
+    assert tests[0]["p"] == pytest.approx(scipy_stats.ttest_rel(report["keel"], report["pre_ln"]).pvalue, rel=1e-9)
+    final = [t["p"] for t in tests]
+    assert [t["p_holm"] for t in tests] == pytest.approx(holm_by_hand(final), rel=1e-12)
