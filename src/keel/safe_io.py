@@ -88,8 +88,9 @@ def _regular(fd: int, path: Path) -> None:
         raise DataError(f"{path}: is {kind}; keel reads and writes only regular files in a run directory")
 
 
-def write_bytes(root, path, data: bytes) -> Path:
-    """Write `path` (under `root`) whole and atomically, never through a link."""
+def write_bytes(root, path, data: bytes, fsync: bool = False) -> Path:
+    """Write `path` (under `root`) whole and atomically, never through a link; with `fsync`, on disk before its
+    name is (a machine that stops hard leaves no empty file)."""
     path = inside(root, path)
     if path.is_symlink():
         raise DataError(f"{path}: is a symbolic link; refused to write through it")
@@ -98,6 +99,9 @@ def write_bytes(root, path, data: bytes) -> Path:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as err:
         try:
@@ -108,8 +112,8 @@ def write_bytes(root, path, data: bytes) -> Path:
     return path
 
 
-def write_text(root, path, text: str) -> Path:
-    return write_bytes(root, path, text.encode("utf-8"))
+def write_text(root, path, text: str, fsync: bool = False) -> Path:
+    return write_bytes(root, path, text.encode("utf-8"), fsync)
 
 
 def append_text(root, path, text: str) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import threading
 from pathlib import Path
+
+from keel import safe_io
 
 SUFFIX, LEGACY = ".json.gz", ".json"
 STEP_SERIES = ("losses", "train_losses")  # per-step training losses: kept to SERIES_DIGITS
@@ -93,13 +93,7 @@ def encode(point: dict) -> bytes:
 def write(points: Path, key: str, point: dict) -> Path:
     """Writes point `key` whole (a reader never sees half a point) and returns its path; a legacy file of the
     same point is replaced by it."""
-    path = points / f"{key}{SUFFIX}"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "wb") as f:
-        f.write(encode(point))
-        f.flush()
-        os.fsync(f.fileno())  # on disk before the name is: a machine that stops hard leaves no empty point
-    os.replace(tmp, path)
+    path = safe_io.write_bytes(points, points / f"{key}{SUFFIX}", encode(point), fsync=True)  # never through a link
     legacy = points / f"{key}{LEGACY}"
     if legacy.is_file():
         legacy.unlink()

@@ -153,13 +153,8 @@ may keep its progress (keel.experiments.partial), so that the process that next 
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    # one name per writer: two threads of one process (or two processes) may write the same file at once
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())  # on disk before the name is: a machine that stops hard leaves no empty point
-    os.replace(tmp, path)
+    # a fresh temporary name per write (two writers may write the same file at once), never through a link
+    safe_io.write_text(path.parent, path, text, fsync=True)
 
 
 def _claim(path: Path) -> bool:

@@ -1,0 +1,34 @@
+"""A sweep's own files (its points, its recorded config) are written never through a planted link: the outside file
+keeps its bytes and the write is one DataError naming the path."""
+
+import pytest
+
+from keel.errors import DataError
+from keel.experiments import store
+from keel.experiments.sweep import _write_atomic
+
+
+def test_a_point_planted_as_a_link_is_not_written_through(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"keep me")
+    points = tmp_path / "points"
+    points.mkdir()
+    (points / f"k{store.SUFFIX}").symlink_to(outside)
+    with pytest.raises(DataError, match="symbolic link"):
+        store.write(points, "k", {"select_loss": 1.0})
+    assert outside.read_bytes() == b"keep me" and not [p for p in points.iterdir() if ".tmp-" in p.name]
+
+
+def test_the_recorded_config_planted_as_a_link_is_not_written_through(tmp_path):
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    (tmp_path / "config.json").symlink_to(outside)
+    with pytest.raises(DataError, match="symbolic link"):
+        _write_atomic(tmp_path / "config.json", '{"seeds": [0]}')
+    assert outside.read_text() == "{}"
+
+
+def test_a_point_is_written_whole_and_reads_back(tmp_path):
+    point = {"select_loss": 1.25, "losses": [1.0, 0.5]}
+    path = store.write(tmp_path, "k", point)
+    assert store.read(path) == point and [p.name for p in tmp_path.iterdir()] == [path.name]
