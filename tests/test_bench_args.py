@@ -41,3 +41,23 @@ def test_bench_never_writes_through_a_planted_link(tmp_path, capsys):
     assert main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--depths", "",
                  "--out", str(out)]) == 0
     assert {p.name for p in out.iterdir()} == {"bench.json", "bench.md"}
+
+
+def test_a_depth_or_shape_the_device_cannot_hold_is_refused_by_the_memory_plan(monkeypatch, capsys):
+    """Before anything is built: a first depth whose weights, gradients and AdamW state alone exceed the device is
+    one line naming it (was: built until the allocator failed); so is a comparison shape whose batch does not fit.
+    The device here is made 1 GiB so the sizes stay small; the plan's own figure is checked against
+    count_params x 16 bytes (float32 weights, gradients, two moments)."""
+    from keel import runtime
+    from keel.model import count_params
+    from keel.model.sizes import tiny
+    from keel.reporting import plan
+
+    monkeypatch.setattr(plan, "device_memory", lambda device: 2**30)
+    deep = tiny(n_blocks=4096)
+    assert 16 * count_params(deep) > 2**30  # its model states alone do not fit 1 GiB
+    assert main(["bench", "--preset", "tiny", "--depths", "8192", "--steps", "1"]) == 2
+    one_line(capsys, "--depths 8192, model.d_model: the model's weights, gradients and optimizer state alone")
+    assert main(["bench", "--preset", "tiny", "run.batch_size=100000", "--depths", "4", "--steps", "1"]) == 2
+    one_line(capsys, "run.batch_size: one training step needs about")
+    assert runtime.device_memory is not plan.device_memory  # the real one is untouched

@@ -79,3 +79,15 @@ def test_a_signal_that_surfaces_as_another_exception_is_still_one_line_and_exit_
 
     with pytest.raises(RuntimeError, match="a real error"):
         run_interruptible(broken)
+
+
+@pytest.mark.slow
+def test_a_model_no_device_holds_is_refused_naming_the_model_not_the_batch(tmp_path, capsys, monkeypatch):
+    """keel train: weights, gradients and AdamW state alone of ~2.7T parameters exceed any machine, so the
+    memory plan names the model's size (was: "lower run.batch_size"), before anything is built or written."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--preset", "tiny", "model.n_blocks=65536", "model.d_model=4096", "model.n_heads=32",
+                 "model.n_kv_heads=8"]) == 2
+    err = capsys.readouterr().err
+    assert "model.n_blocks, model.d_model: the model's weights, gradients and optimizer state alone" in err
+    assert err.count("\n") == 1 and not any((tmp_path / "runs").glob("*"))  # no run directory made

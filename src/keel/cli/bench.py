@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from keel import runtime, safe_io
@@ -114,10 +114,13 @@ def run(args) -> dict:
         "dtype": "bfloat16 autocast" if use_bf16(device, run_cfg.dtype) else "float32", "model": asdict(model),
         "run": {k: getattr(run_cfg, k) for k in RUN_FIELDS},
         "optim": {k: getattr(config.optim, k) for k in OPTIM_FIELDS}}}
-    result["compare"] = compare(model, run_cfg, schemes, args.steps, args.warmup, config.optim, device)
     depths = parse_depths(args.depths) if isinstance(args.depths, str) else args.depths
-    result["depth"] = depth_series(with_scheme(model, schemes[0]), run_cfg, depths, args.depth_steps,
+    fitting = fitting_depths(config, schemes, depths, device)  # by the memory plan, before anything is built
+    result["compare"] = compare(model, run_cfg, schemes, args.steps, args.warmup, config.optim, device)
+    result["depth"] = depth_series(with_scheme(model, schemes[0]), run_cfg, fitting, args.depth_steps,
                                    config.optim, device)
+    result["depth"] += [{"n_sublayers": n, "skipped": "does not fit this device by the memory plan"}
+                        for n in depths[len(fitting):]]
     table = to_markdown(result)
     print(table)
     if args.out:
@@ -126,6 +129,26 @@ def run(args) -> dict:
     else:
         print(json.dumps(result, indent=1))
     return result
+
+
+def fitting_depths(config, schemes: list[str], depths: list[int], device) -> list[int]:
+    """The comparison's shape must fit the device by the memory plan (else one ConfigError, before anything is
+    built); so must the first of `depths`. Returns the depths up to the first that does not fit."""
+    from keel.reporting.plan import check_memory  # noqa: PLC0415
+
+    for scheme in schemes:
+        check_memory(replace(config, model=with_scheme(config.model, scheme)), 1, device)
+    fitting = []
+    for n in depths:
+        deep = replace(config, model=replace(with_scheme(config.model, schemes[0]), n_blocks=n // 2))
+        try:
+            check_memory(deep, 1, device, depth_field=f"--depths {n}")
+        except ConfigError:
+            if not fitting:
+                raise
+            break
+        fitting.append(n)
+    return fitting
 
 
 def writer(out: Path | None, markdown):

@@ -93,11 +93,25 @@ def check_fits(config, data, world_size: int, device: torch.device) -> None:
     if tok.vocab_size > c.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {c.model.vocab_size} is smaller than tokenizer {tok.name!r}'s "
                           f"vocabulary ({tok.vocab_size}); set model.vocab_size>={tok.vocab_size}")
-    need, have = memory_plan(c, world_size, device)["total"], device_memory(device)
-    if have and need > have:
-        raise ConfigError(f"run.batch_size: one training step needs about {format_bytes(need)} per process "
-                          f"({memory_line(c, world_size, device)}), more than the {format_bytes(have)} of {device}; "
-                          "lower run.batch_size or run.seq_len, or set run.ac_every=1")
+    check_memory(c, world_size, device)
+
+
+def check_memory(config, world_size: int, device: torch.device, depth_field: str = "model.n_blocks") -> None:
+    """ConfigError unless one training step of `config` fits the device's memory by the memory plan, naming what
+    to change: the model (`depth_field`, model.d_model) where its weights, gradients and optimizer state alone do
+    not fit, else the batch. Nothing is built or allocated to find out."""
+    plan, have = memory_plan(config, world_size, device), device_memory(device)
+    need = plan["total"]
+    if not have or need <= have:
+        return
+    states = sum(v for k, v in plan.items() if k in ("params", "grads", "optimizer") and isinstance(v, int))
+    line = f"({memory_line(config, world_size, device)}), more than the {format_bytes(have)} of {device}"
+    if states > have:
+        raise ConfigError(f"{depth_field}, model.d_model: the model's weights, gradients and optimizer state alone "
+                          f"need about {format_bytes(states)} per process {line}; a smaller model, optim.state=8bit, "
+                          "or more processes (FSDP2)")
+    raise ConfigError(f"run.batch_size: one training step needs about {format_bytes(need)} per process {line}; "
+                      "lower run.batch_size or run.seq_len, or set run.ac_every=1")
 
 
 def memory_plan(config, world_size: int = 1, device: torch.device | None = None) -> dict[str, int]:
