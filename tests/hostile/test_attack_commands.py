@@ -378,3 +378,59 @@ def test_a_run_directory_that_is_not_one_is_one_line(command, kind, tmp_path, ca
         assert set(snapshot(tmp_path)) - set(before) == {"p.png"} and "Traceback" not in capsys.readouterr().err
         return
     within(SECONDS, lambda: refused(argv, capsys, str(run), tmp_path))
+
+
+# ---- the commands that read a directory someone else made: runs, import-hf, lm-eval ------------------------
+def hostile_source(tmp: Path, kind: str) -> str:
+    """A path that is not the directory the command expects."""
+    path = tmp / "source"
+    if kind == "a file":
+        path.write_text("hi\n")
+    elif kind == "a FIFO":
+        os.mkfifo(path)
+    elif kind == "an empty directory":
+        path.mkdir()
+    elif kind == "config.json not UTF-8":
+        path.mkdir()
+        (path / "config.json").write_bytes(b"\xff\xfe\x00")
+    elif kind == "config.json a list":
+        path.mkdir()
+        (path / "config.json").write_text("[1, 2]")
+    elif kind == "config.json a directory":
+        (path / "config.json").mkdir(parents=True)
+    return str(path)  # "missing": nothing there
+
+
+SOURCE_KINDS = ["missing", "a file", "a FIFO", "an empty directory", "config.json not UTF-8", "config.json a list",
+                "config.json a directory"]
+
+
+@pytest.mark.parametrize("kind", ["missing", "a file", "a FIFO"])  # an empty directory holds no runs: a fine answer
+def test_a_runs_directory_that_is_not_one_is_one_line(kind, tmp_path, capsys):
+    refused(["runs", hostile_source(tmp_path, kind)], capsys, "source", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", SOURCE_KINDS)
+def test_an_import_source_that_is_not_a_transformers_directory_is_one_line(kind, tmp_path, capsys):
+    refused(["import-hf", hostile_source(tmp_path, kind), str(tmp_path / "out")], capsys, "config.json", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["under a file", "a link"])
+def test_an_import_output_that_is_no_place_for_a_run_is_one_line(kind, tmp_path, capsys):
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "config.json").write_text("{}")  # refused later than the output: the output is checked first
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "run" if kind == "under a file" else tmp_path / "link"
+    if kind == "a link":
+        (tmp_path / "elsewhere").mkdir()
+        out.symlink_to(tmp_path / "elsewhere")
+    refused(["import-hf", str(source), str(out)], capsys, "file" if kind == "under a file" else "link", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["missing", "a file", "a FIFO", "an empty directory"])
+def test_an_lm_eval_target_that_is_no_model_is_one_line(kind, tmp_path, capsys):
+    refused(["lm-eval", hostile_source(tmp_path, kind), "--tasks", "hellaswag"], capsys, "source", tmp_path)
