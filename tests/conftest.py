@@ -36,12 +36,20 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 # script puts its folder on the path): their tests import them the same way
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path[:0] = [str(BENCHMARKS / "gpu"), str(BENCHMARKS / "cpu")]
+# each collected test's tier markers (tests/test_test_tiers.py reads them against the committed durations)
+COLLECTED = pytest.StashKey[dict]()
 # keel signs the run configs it writes with a per-user key (keel.runs.trust): one key for the test session,
 # shared with its subprocesses, never the user's ~/.config/keel
 os.environ.setdefault("KEEL_CONFIG_DIR", tempfile.mkdtemp(prefix="keel-config-"))
 
 
+TIERS = ("slow", "distributed", "gpu")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: every collected test's tier markers
 def pytest_collection_modifyitems(config, items):
+    config.stash[COLLECTED] = {item.nodeid: {m.name for m in item.iter_markers() if m.name in TIERS}
+                               for item in items}
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
