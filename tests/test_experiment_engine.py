@@ -38,6 +38,7 @@ def test_an_experiment_point_and_keel_train_log_the_same_losses(corpus, tmp_path
     assert len(curve.losses) == 12 and logged == curve.losses  # bit for bit
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_every_path_trains_through_the_one_step(corpus, tmp_path, args, monkeypatch):
     calls = []
     real = step_module.TrainStep.__call__
@@ -113,7 +114,8 @@ def test_every_model_preset_is_a_training_preset():
 def test_dry_run_prints_the_model_and_memory_plan_and_writes_nothing(tmp_path, capsys):
     assert main(["train", "--preset", "paper-512", "--dry-run", f"run.out_dir={tmp_path / 'runs'}"]) == 0
     out = capsys.readouterr().out
-    assert "depth: 512 sub-layers (the paper's L; model.n_blocks = 256 blocks)" in out and "parameters: 3,287,809,024" in out
+    assert "depth: 512 sub-layers (the paper's L; model.n_blocks = 256 blocks)" in out
+    assert "parameters: 3,287,809,024" in out
     assert "memory per process" in out and "GiB" in out
     assert not (tmp_path / "runs").exists()
 
@@ -243,6 +245,7 @@ def test_a_committed_point_reruns_to_its_recorded_losses():
     assert curve.losses == pytest.approx(recorded["losses"][:5], rel=1e-5)
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_trainer_metrics_land_in_its_run_dir(args, tmp_path):
     trainer = Trainer(load_config(args("run.steps=2", "run.eval_every=0"), preset="tiny"))
     trainer.run()
