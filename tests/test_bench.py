@@ -66,6 +66,7 @@ def test_a_looped_model_is_timed_per_unrolled_sub_layer_and_counted_once(fake_cl
     assert rows[0]["n_params"] == sum(p.numel() for p in model.parameters())  # what the optimiser holds
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_the_table_matches_the_golden_file(fake_clock, monkeypatch, tmp_path):
     machine = {"device": "cpu", "gpu": None, "cpu": "x86_64", "cpu_count": 2}
     monkeypatch.setattr(bench_cli, "machine", lambda device: machine)

@@ -253,6 +253,7 @@ def test_a_listed_file_that_is_a_symlink_or_a_fifo_is_refused(tmp_path):
 
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_a_rollback_falls_back_past_non_finite_weights_as_a_resume_does(args, capsys):
     """guard.policy=rollback: the newest checkpoint (step 6) verifies but holds NaN weights, so the rollback
     after the blow-up at step 8 goes on to step 3 instead of stopping the run."""

@@ -56,6 +56,7 @@ def graphs_after_warmup(scheme: str, backend: str, device: str = "cpu", fused: s
     return warm, counters["stats"]["unique_graphs"] - warm
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 @pytest.mark.parametrize("ac_every", [0, 1])
 @pytest.mark.parametrize("scheme", ["keel", "pre_ln"])
 def test_no_recompiles_after_warmup_dynamo_only(scheme, ac_every):
@@ -96,6 +97,7 @@ def test_no_recompiles_after_warmup_on_cuda_with_the_fused_junction():
     assert warm == 4 and later == 0  # block 0 and the rest (the last one too), in train and in eval mode
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 @pytest.mark.parametrize("n_blocks", [4, pytest.param(16, marks=pytest.mark.slow)])  # flat in depth: with 16, in CI
 def test_compiled_keel_fuses_every_junction_across_blocks_with_graphs_flat_in_depth(n_blocks):
     """On CPU, `run.compile=true` (fused_junction auto): each block hands on its sum (`SumHandoff`) and the next
@@ -125,6 +127,7 @@ def test_compiled_keel_fuses_every_junction_across_blocks_with_graphs_flat_in_de
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_the_final_norm_of_the_handed_on_sum_moves_and_casts_with_the_model():
     # the stack's last sub-layer hands on its sum so that the last block compiles to the middle blocks' graph, and
     # the final norm normalises it with that sub-layer's norm_out, which it holds unregistered: .to() must reach it
@@ -151,6 +154,7 @@ def test_fused_junction_on_without_compile_on_cpu_says_how():
     assert fused_junctions(model) == 2 * CONFIG.n_blocks - 2
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 @pytest.mark.parametrize("fused", ["off", "composed"])
 def test_compiled_blocks_keep_alpha_a_constant(fused):
     """Block 1 recompiles block 0's code with another alpha (1, then L). Left to Dynamo's automatic dynamic, that
@@ -178,6 +182,7 @@ def test_compiled_blocks_keep_alpha_a_constant(fused):
     assert [n.name for n in placeholders if unspecialized(n.meta["example_value"])] == []
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_scoring_a_compiled_model_at_new_shapes_compiles_nothing():
     """Blocks compile static, and task scoring (keel.evals) feeds every batch at a shape of its own: those run eager
     instead of compiling (and spending the recompile limit training's graphs share)."""

@@ -158,6 +158,7 @@ def test_an_extended_test_is_run_on_all_five_seeds():
     assert res["arms"][16]["keel"]["core_seconds"] == 50.0 and res["arms"][16]["deepnorm"]["core_seconds"] == 30.0
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_a_lead_that_shrinks_with_depth_is_named_and_the_report_reads_in_depth_order(tmp_path):
     cfg = DepthSweepConfig()
     points, tuned = synthetic([16, 64, 32])  # run in the rule's order
@@ -206,6 +207,7 @@ def fake_point(cfg, model_cfg, lr, seed):
     return {"select_loss": select, "report_loss": report, "seconds": 1.0, "diverged": False}
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_the_sweep_tunes_each_arm_by_the_rule_and_adds_seeds_to_marginal_tests(tmp_path, monkeypatch):
     fake_point.calls = []
     monkeypatch.setattr(ds, "budget_point", fake_point)
@@ -283,6 +285,7 @@ def test_the_sweep_tunes_each_arm_by_the_rule_and_adds_seeds_to_marginal_tests(t
     assert fake_point.calls == []
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_a_depth_of_lrs_from_previous_starts_each_grid_at_the_choice_before_it(tmp_path, monkeypatch):
     """Rule 21's amendment: at a depth of lrs_from_previous an arm's LR grid starts at its choice at the depth run
     before and that choice's neighbours there (past a bound: by the same factor), then grows by the rule."""
@@ -341,6 +344,7 @@ def test_a_start_from_the_depth_before_takes_post_lns_last_grid_and_grows_throug
     assert [down.extend(lambda v: v) for _ in range(3)] == [0.000333333, 0.000111111, None]
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_an_arm_whose_round_is_done_goes_on_while_another_arms_last_point_still_trains(tmp_path, monkeypatch):
     """Two processes (here threads) share a depth's points: while one trains DeepNorm's last first-round point, the
     other must go on to Keel's next LR (its first round done, at the grid's top) rather than wait for it; each arm's

@@ -201,6 +201,7 @@ def behind(rng: random.Random) -> tuple[list[float], list[list[float]], int, str
     return curve, refs, onset, kind
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_stagnation_rates_on_noisy_synthetic_curves(capsys):
     rng = random.Random(2)
     flagged = Counter()

@@ -36,6 +36,7 @@ def test_one_scheme_after_another_frees_the_first_model_before_the_second_is_bui
     assert alive_at_build == [[], [False], [False, False]]
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_together_builds_every_scheme_before_stepping_them_and_frees_them_all_after(monkeypatch):
     built = []
     real = Bench.__init__
@@ -119,7 +120,7 @@ def test_the_step_times_of_cold_warmup_come_from_the_clock(monkeypatch):
     assert got["pre_ln"]["graphs"] == 0  # eager: nothing compiled
 
 
-@pytest.mark.parametrize("variant", ["eager", "compiled"])
+@pytest.mark.parametrize("variant", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])  # compiles: 1 s+
 def test_compare_reports_graph_counts_only_when_compiled(variant):
     run = RunConfig(batch_size=2, seq_len=16, compile=variant == "compiled")
     out = compare(TINY, run, ["pre_ln"], steps=1, warmup=1, compile_backend="aot_eager")

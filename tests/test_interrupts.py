@@ -21,6 +21,7 @@ KEEL = Path(sys.executable).parent / "keel"
 ENV = os.environ | {"OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_ctrl_c_is_one_line_on_stderr_and_the_run_shows_the_step_it_reached(tmp_path, monkeypatch, capsys):
     """Interrupted at step 16 with a metrics record every 10 steps: one stderr line naming step 16 and the resume
     command, nothing else said, exit 130; summary, checkpoint and `steps_done` all say 16 (the last record: 10).
@@ -94,6 +95,7 @@ def test_a_signal_inside_an_import_ends_the_process_there_with_one_line(tmp_path
     assert (run.returncode, run.stdout, run.stderr) == (130, "", "keel: interrupted\n")
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_a_swallowed_signal_still_stops_a_run_at_its_first_step_with_a_checkpoint(tmp_path, monkeypatch, capsys):
     _swallowed_signal(monkeypatch)
     code = main(["train", "--preset", "tiny", "run.steps=50", "run.progress=false", f"run.out_dir={tmp_path}",

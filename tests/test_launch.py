@@ -21,6 +21,7 @@ def _python(code: str, **env: str) -> str:
     return run.stdout
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_import_keel_sets_no_environment_variable():
     code = ("import os, keel\nprint(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'), os.environ.get('OMP_WAIT_POLICY'))\n"
             "keel.TransformerLM  # the model (and torch) loaded on first use: still nothing set\n"

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import keel
 
 SRC = Path(keel.__file__).parent
@@ -156,6 +158,7 @@ def test_no_module_imports_itself_through_others():
     assert circles == []
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_the_library_imports_no_study():
     """The studies (research/keel_studies) run on the library, never the other way round: no module of the package
     imports them (keel.experiments finds them by name, at run time, for `keel experiment` and `keel sweep`)."""

@@ -1,10 +1,12 @@
 """Under bf16 autocast the residual stream and Keel's shortcut sum stay float32 and keep every update."""
 
+import pytest
 import torch
 
 from keel import ModelConfig, TransformerLM
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_bf16_autocast_keeps_the_stream_and_the_sum_in_float32():
     config = ModelConfig(vocab_size=64, d_model=32, n_blocks=256, n_heads=2, d_ffn=64, max_seq_len=16)
     torch.manual_seed(0)

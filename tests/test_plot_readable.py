@@ -148,29 +148,20 @@ def test_a_full_report_carries_no_banner(corpus, depth_points, tmp_path, monkeyp
 
 
 # ---- heatmaps of short runs ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def telemetry_run(tmp_path_factory):
-    """A 6-step tiny run with telemetry at steps 2, 4 and 6."""
-    root = tmp_path_factory.mktemp("plot")
-    assert main(["train", "--preset", "tiny", "run.steps=6", "run.telemetry_every=2", "run.eval_every=0",
-                 "run.progress=false", f"run.out_dir={root}", "run.name=r"]) == 0
-    return root / "r"
-
-
-def test_heatmap_columns_are_centred_on_their_steps(telemetry_run):
-    images = [im for ax in build_figure([telemetry_run]).axes for im in ax.images]
+def test_heatmap_columns_are_centred_on_their_steps(runs):
+    images = [im for ax in build_figure([runs[0]]).axes for im in ax.images]
     assert len(images) == 3  # gradient norm, stream RMS, |F| / |alpha x|
-    # three columns at steps 2, 4, 6, each 2 steps wide (before: (2, 6), steps 2 and 6 at the columns' edges)
-    assert {tuple(im.get_extent()[:2]) for im in images} == {(1.0, 7.0)}
+    # three columns at steps 4, 8, 12, each 4 steps wide (before: (4, 12), steps 4 and 12 at the columns' edges)
+    assert {tuple(im.get_extent()[:2]) for im in images} == {(2.0, 14.0)}
 
 
-def test_a_run_with_one_telemetry_record_gets_a_line_not_a_sliver_at_step_0(telemetry_run, tmp_path):
+def test_a_run_with_one_telemetry_record_gets_a_line_not_a_sliver_at_step_0(runs, tmp_path):
     short = tmp_path / "short"
-    shutil.copytree(telemetry_run, short)
+    shutil.copytree(runs[0], short)
     first = (short / "telemetry.jsonl").read_text().splitlines()[0]
     (short / "telemetry.jsonl").write_text(first + "\n")
     fig = build_figure([short])
     assert [ax for ax in fig.axes if ax.images] == []
-    assert ("short: one telemetry record (step 2), no heatmaps: they need two or more (run.telemetry_every at "
+    assert ("short: one telemetry record (step 4), no heatmaps: they need two or more (run.telemetry_every at "
             "most half of run.steps)") in fig._suptitle.get_text().replace("\n", " ")
     assert all(ax.get_xlim()[0] > 0 for ax in fig.axes)  # the curves keep their own range: nothing drawn at 0

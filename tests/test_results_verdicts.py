@@ -274,6 +274,7 @@ def arm_inputs(fam: str, what: str) -> tuple[list, list]:
                  for d in ("64", "16"))
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_every_rejudge_input_is_rebuilt_from_the_point_files():
     """Every test's two per-seed lists are built again from the point files by the row's own words: the LRs the
     experiments chose (checked against their rules above) or the selection rebuilt here, then each seed's point."""

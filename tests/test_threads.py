@@ -5,6 +5,7 @@ benchmarks/cpu/threads, never here)."""
 import json
 import os
 
+import pytest
 import torch
 
 from keel import runtime
@@ -45,6 +46,7 @@ def test_physical_cores_count_hyper_threads_of_one_core_once(tmp_path, monkeypat
     assert runtime.physical_cores() == 3
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_run_threads_is_applied_printed_and_recorded(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # restored after the test
     before = torch.get_num_threads()

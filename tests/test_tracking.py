@@ -7,6 +7,7 @@ from keel.cli import main
 from keel.runs.run_dir import RunDir
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_tensorboard_gets_the_same_scalars(args, tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

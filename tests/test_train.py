@@ -290,6 +290,7 @@ def test_a_signal_inside_the_optimizer_step_waits_for_the_step_boundary(trainer_
     assert losses(trainer.run_dir) == losses(trainer.run_dir.parent / "straight")
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_one_trainer_per_run_directory(args, capsys, trainer_for):
     first = trainer_for(name="busy")  # holds the run's lock from construction to the end of run()
     assert main(["train", "--preset", "tiny", *args(name="busy")]) == 2

@@ -24,6 +24,7 @@ def nan_at(step_to_break, times=1):
     return inject
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_injected_nan_stops_the_run_with_a_diagnostic(trainer_for):
     trainer = trainer_for("run.ckpt_every=5", callbacks=[nan_at(8)])
     summary = trainer.run()
@@ -35,6 +36,7 @@ def test_injected_nan_stops_the_run_with_a_diagnostic(trainer_for):
     assert json.loads((trainer.run_dir / "summary.json").read_text())["diverged"] is True
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_diverged_run_exits_with_its_own_code(args, monkeypatch, capsys):
     original = Trainer.__init__
 
@@ -46,6 +48,7 @@ def test_diverged_run_exits_with_its_own_code(args, monkeypatch, capsys):
     assert len(err) == 1 and "diverged at step 4: non-finite loss" in err[0]
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_rollback_reloads_the_last_good_checkpoint_and_skips_the_batch(trainer_for):
     trainer = trainer_for("guard.policy=rollback", "guard.rollback_lr_factor=0.5", "run.ckpt_every=5",
                           callbacks=[nan_at(8)])
@@ -57,6 +60,7 @@ def test_rollback_reloads_the_last_good_checkpoint_and_skips_the_batch(trainer_f
     assert math.isfinite(summary["final_train_loss"])
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_a_rollback_trains_on_at_the_cut_lr_past_the_bad_batch(trainer_for):
     """Against an undisturbed run of the same config: after the rollback to step 5 every step's LR is the schedule's
     times rollback_lr_factor, and the batches are the straight run's from draw 5 on, draw 8 (the NaN step's) left
@@ -89,6 +93,7 @@ def test_a_rollback_trains_on_at_the_cut_lr_past_the_bad_batch(trainer_for):
     assert [lrs["rolled"][k] for k in range(6, 21)] == pytest.approx([0.5 * lrs["straight"][k] for k in range(6, 21)])
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_rollback_gives_up_after_max_rollbacks(trainer_for):
     trainer = trainer_for("guard.policy=rollback", "guard.max_rollbacks=2", "run.ckpt_every=5",
                           callbacks=[nan_at(8, times=99)])
@@ -105,6 +110,7 @@ def test_a_run_that_blows_up_in_its_first_steps_is_stopped(args, capsys):
     assert code == DIVERGED_EXIT and "loss blow-up" in err
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_rollback_does_not_repeat_steps_in_the_log(trainer_for):
     trainer = trainer_for("guard.policy=rollback", "run.ckpt_every=5", callbacks=[nan_at(8)])
     trainer.run()

@@ -56,6 +56,7 @@ def plant(run: Path, name: str, target: Path) -> None:
 
 
 # ---- writes never follow a planted symlink --------------------------------------------------------------
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_a_symlinked_lock_is_refused_on_resume(run, outside, capsys):
     plant(run, ".lock", outside)
     refused(capsys, ".lock", "train", f"resume={run}", "run.steps=3", "run.progress=false")

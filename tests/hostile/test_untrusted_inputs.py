@@ -41,6 +41,7 @@ EVAL = ("eval", "--batches", "1", "--device", "cpu")
 
 
 # ---- 1. a downloaded run's config is not obeyed as if the user typed it ---------------------------------------
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_a_config_naming_a_private_file_and_a_shared_cache_is_refused(run, tmp_path, capsys):
     private = tmp_path / "private" / "id_rsa"
     private.parent.mkdir()
@@ -70,6 +71,7 @@ def test_a_downloaded_run_cannot_resume_from_paths_outside_it(run, tmp_path, mon
     refused(capsys, "data.source", "train", f"resume={run}", "run.steps=3", "run.progress=false")
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_trust_config_flag_trusts_for_that_command_only(run, tmp_path, monkeypatch, capsys):
     """--trust-config is KEEL_TRUST_CONFIG=1 for one invocation: eval and a resume follow the downloaded run's
     paths with it, and a command without it is refused again. A resume rewrites config.yaml, signed for this
@@ -306,6 +308,7 @@ def test_a_token_cache_with_ids_beyond_the_vocabulary_is_one_line(trained, run, 
         shard.write_bytes(saved)  # the module's other tests share this cache
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_ids_beyond_the_model_where_the_cache_sample_did_not_look_are_one_line(trained, corpus, tmp_path, capsys):
     """`prepare` checks every k-th id of a large shard; the sampler checks each batch it cuts, so a bad id between
     the sampled ones is one line naming the shard, not an IndexError inside the embedding."""
