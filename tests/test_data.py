@@ -150,6 +150,7 @@ def text_or_none(path: Path) -> str | None:
         return None
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_stdlib_corpus_is_found_and_split_deterministically_and_disjointly(stdlib_files, stdlib_data):
     assert "os.py" in stdlib_files and "json/__init__.py" in stdlib_files and len(stdlib_files) > 500
     texts = {rel: text_or_none(p) for rel, p in stdlib_files.items()}

@@ -276,6 +276,7 @@ def test_a_missing_local_path_is_not_looked_up_on_the_hub(tmp_path, monkeypatch,
     one_line(capsys, "no such directory")
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_a_saved_dataset_streams_its_rows_in_order(tmp_path):
     import datasets
 

@@ -129,7 +129,8 @@ PHASE_CASES = [
     ({"d_model": 384, "n_blocks": 4}, 1, 16, 0, "foreach", False),  # the optimizer step peaks: 20 bytes a parameter
     ({"d_model": 384, "n_blocks": 4}, 1, 16, 1, "fused", False),  # 16
     ({"d_model": 384, "n_blocks": 4}, 2, 64, 0, "fused", True),  # bf16 copies of the weights kept for the backward
-    ({"d_model": 384, "n_blocks": 4}, 2, 64, 1, "fused", True),  # ... and with checkpointing only in the forward
+    pytest.param({"d_model": 384, "n_blocks": 4}, 2, 64, 1, "fused", True, marks=SLOW),  # ... and with checkpointing
+    # only in the forward (over a second: tests/durations.json)
 ]
 
 
@@ -158,7 +159,8 @@ def test_the_phase_plan_is_within_10_percent_of_torchs_storage_tracker(fields, b
 # run.weights=bfloat16 (bf16 weights and gradients, torchao's AdamW with stochastic rounding), with float32 or
 # 8-bit moments: (model fields, batch, seq, ac_every, optim.state)
 BF16_WEIGHT_CASES = [
-    ({"d_model": 384, "n_blocks": 4}, 1, 16, 0, "float32"),  # parameter-heavy: the optimizer step or backward peaks
+    # parameter-heavy: the optimizer step or backward peaks (over a second: tests/durations.json)
+    pytest.param({"d_model": 384, "n_blocks": 4}, 1, 16, 0, "float32", marks=SLOW),
     pytest.param({"d_model": 384, "n_blocks": 4}, 1, 16, 0, "8bit", marks=SLOW),
     pytest.param({"d_model": 128, "n_blocks": 6}, 8, 128, 1, "float32", marks=SLOW),  # activation-heavy, checkpointed
 ]

@@ -45,6 +45,7 @@ def has_data(ax) -> bool:
     return any(len(line.get_xdata()) for line in ax.lines) or bool(ax.images) or bool(ax.collections)
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_a_run_without_validation_has_no_empty_panel_and_says_why(runs):
     fig = build_figure([runs[1]])
     assert [ax.get_title() for ax in data_axes(fig) if not has_data(ax)] == []
@@ -118,6 +119,7 @@ def _run_depth(corpus, points, out, quick: bool, monkeypatch):
     return figures
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_a_quick_report_and_its_figures_say_smoke_test(corpus, depth_points, tmp_path, monkeypatch):
     figures = _run_depth(corpus, depth_points, tmp_path / "quick", True, monkeypatch)
     report = (tmp_path / "quick" / "report.md").read_text()
@@ -148,6 +150,7 @@ def test_a_full_report_carries_no_banner(corpus, depth_points, tmp_path, monkeyp
 
 
 # ---- heatmaps of short runs ----------------------------------------------------------------------------------
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_heatmap_columns_are_centred_on_their_steps(runs):
     images = [im for ax in build_figure([runs[0]]).axes for im in ax.images]
     assert len(images) == 3  # gradient norm, stream RMS, |F| / |alpha x|

@@ -81,7 +81,7 @@ def test_bad_eval_and_export_targets(tmp_path, capsys, make_run):
     assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "file.txt")]) == 2
     one_line_error(capsys, "file.txt")
     assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "file.txt" / "sub")]) == 2
-    one_line_error(capsys, "cannot write there")
+    one_line_error(capsys, "file.txt is not a directory")
     assert (tmp_path / "file.txt").read_text() == "mine"
 
 
@@ -146,7 +146,8 @@ def test_an_argument_with_control_characters_is_echoed_escaped_on_one_line(argv,
 
 
 @pytest.mark.parametrize("case,needle", [("short validation", "run.eval_every"),
-                                         ("large tokenizer", "model.vocab_size"), ("no memory", "run.batch_size")])
+                                         ("large tokenizer", "model.vocab_size"), ("no memory", "run.batch_size"),
+                                         ("no memory for the model", "model.n_blocks, model.d_model")])
 def test_a_run_that_does_not_fit_its_data_or_device_is_refused_naming_the_field(case, needle, monkeypatch):
     """keel.reporting.plan.check_fits, which the trainer calls before building the model: each refusal names the
     field to change, and a run that fits passes."""
@@ -166,8 +167,10 @@ def test_a_run_that_does_not_fit_its_data_or_device_is_refused_naming_the_field(
         data.val = [0] * 32  # one window needs seq_len + 1 tokens
     elif case == "large tokenizer":
         data.tokenizer.vocab_size = 257
-    else:
-        monkeypatch.setattr(plan, "device_memory", lambda device: 1024)
+    else:  # room for the model's weights, gradients and AdamW state but not the step's activations, or not even those
+        states = sum(plan.memory_plan(config, 1, torch.device("cpu"))[k] for k in ("params", "grads", "optimizer"))
+        room = states + 1024 if case == "no memory" else states - 1024
+        monkeypatch.setattr(plan, "device_memory", lambda device: room)
     with pytest.raises(ConfigError, match=needle):
         plan.check_fits(config, data, 1, torch.device("cpu"))
 
