@@ -89,7 +89,7 @@ def test_fused_junction_values_and_default_are_written_once_and_importing_them_i
     import subprocess
     import sys
 
-    from keel import config
+    from keel.config import schema as config
     from keel.scale import fused_junction as junction
     from keel.scale import parallel
 
