@@ -4,18 +4,81 @@ import contextlib
 
 import pytest
 import torch
+from torch import nn
 
 from keel.config import OptimConfig
 from keel.model import lm_loss
 from keel.model.architecture import ModelConfig
 from keel.model.transformer import TransformerLM
-from keel.scale.memory import activation_bytes, estimate_memory, measured_bytes, pipeline_memory, saved_activation_bytes
+from keel.scale.memory import activation_bytes, estimate_memory, measured_bytes, pipeline_memory
 from keel.scale.parallel import apply_ac
 from keel.train.optim import build_optimizer
 from keel.train.step import TrainStep
 
 SCHEMES = [{}, {"scheme": "pre_ln"}, {"scheme": "hybrid_norm"}, {"scheme": "peri_ln", "ffn": "gelu"},
            {"scheme": "deepnorm", "n_kv_heads": 2}, {"scheme": "mix_ln", "tie_embeddings": True}]
+
+
+def saved_activation_bytes(model: nn.Module, *inputs) -> int:
+    """Bytes of the tensors autograd saves for the backward pass of `model(*inputs)` (parameters and
+    buffers excluded, each storage counted once). Runs one forward pass."""
+    skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*inputs)
+    return sum(seen.values())
+
+
+def measure_phases(train_step, next_batch, lr: float = 1e-3, steps: int = 2) -> dict[str, int]:
+    """Bytes of tensor storages live at each phase of `steps` steps of a keel.train.step.TrainStep, by torch's
+    MemTracker (which also runs on a CPU): the peak of each phase over the steps. The phases are told apart by
+    hooks: the model's forward returning ends "forward" ("backward" then runs to the optimiser step, clipping
+    included), the optimiser's step pre- and post-hooks bound "optimizer"."""
+    from torch.distributed._tools.mem_tracker import MemTracker  # noqa: PLC0415
+
+    model, optimizer = train_step.model, train_step.optimizer
+    device = next(model.parameters()).device
+
+    class PhaseTracker(MemTracker):
+        """MemTracker updates its own peak only at module boundaries; this one reads the live total after every
+        operator, so a phase's peak includes its temporaries (the optimizer's foreach buffers)."""
+
+        peak, phase = 0, None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.peak = max(self.peak, self._curr_mem_snap.get(device, {}).get("Total", 0))
+            return out
+
+    tracker = PhaseTracker()
+    tracker.track_external(model, optimizer)
+    peaks = dict.fromkeys(("forward", "backward", "optimizer"), 0)
+
+    def switch(phase):
+        if tracker.phase in peaks:
+            peaks[tracker.phase] = max(peaks[tracker.phase], tracker.peak)
+        tracker.phase, tracker.peak = phase, tracker.get_tracker_snapshot("current")[device]["Total"]
+
+    hooks = [model.register_forward_hook(lambda *_: switch("backward")),
+             optimizer.register_step_pre_hook(lambda *_: switch("optimizer")),
+             optimizer.register_step_post_hook(lambda *_: switch(None))]
+    try:
+        with tracker:
+            for _ in range(steps):
+                tracker.reset_mod_stats()
+                switch("forward")
+                train_step(next_batch, lr)
+    finally:
+        for h in hooks:
+            h.remove()
+    return peaks
 
 
 def one_step(cfg: ModelConfig) -> tuple[TransformerLM, torch.optim.Optimizer]:
@@ -138,8 +201,6 @@ PHASE_CASES = [
 def test_the_phase_plan_is_within_10_percent_of_torchs_storage_tracker(fields, batch, seq, ac_every, impl, bf16):
     """Each phase's bytes and the peak against MemTracker (torch's tracker of tensor storages, not RSS), over two
     training steps of the real model with AdamW; the plan also names the phase that peaks."""
-    from keel.scale.memory import measure_phases
-
     cfg = ModelConfig(vocab_size=256, n_heads=4, n_kv_heads=2, max_seq_len=seq, **fields)
     torch.manual_seed(0)
     model = TransformerLM(cfg)
@@ -171,7 +232,6 @@ def test_the_phase_plan_for_bf16_weights_is_within_10_percent_of_torchs_storage_
                                                                                        state, monkeypatch):
     pytest.importorskip("torchao")
     from keel.config import RunConfig
-    from keel.scale.memory import measure_phases
     from keel.train.step import hold_bf16_weights
 
     cfg = ModelConfig(vocab_size=256, n_heads=4, n_kv_heads=2, max_seq_len=seq, **fields)

@@ -17,8 +17,8 @@ over ranks under FSDP2, plus the unsharded copies
 FSDP2 all-gathers for the units in use: the root and about two block groups) and AdamW's moments (after the
 first step); gradients have the weights' layout. The parts (params, grads, optimizer, activations,
 autocast_cache, optimizer_temp) and each phase's total are returned with the peak phase.
-`measure_phases` measures the same phases on a real model with torch's own tracker of tensor storages
-(torch.distributed._tools.mem_tracker.MemTracker), on a CPU too; tests/test_memory.py holds the plan to it.
+tests/test_memory.py measures the same phases on a real model with torch's own tracker of tensor storages
+(torch.distributed._tools.mem_tracker.MemTracker), on a CPU too, and holds the plan to it.
 Blocks are counted by keel.model.counting.block_params, the one layer counter: a looped model holds its
 distinct blocks' states once and keeps activations for every pass. Under a pipeline (`pp` > 1) each rank holds
 its stages' states (sharded over the dp replicas, and then all gathered from a stage's first forward to its
@@ -202,68 +202,6 @@ def measured_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
         for s in optimizer.state.values():
             state += sum(local(t).numel() * t.element_size() for t in s.values() if torch.is_tensor(t))
     return {"params": params, "optimizer": state}
-
-
-def saved_activation_bytes(model: nn.Module, *inputs) -> int:
-    """Bytes of the tensors autograd saves for the backward pass of `model(*inputs)` (parameters and
-    buffers excluded, each storage counted once). Runs one forward pass."""
-    skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(*inputs)
-    return sum(seen.values())
-
-
-def measure_phases(train_step, next_batch, lr: float = 1e-3, steps: int = 2) -> dict[str, int]:
-    """Bytes of tensor storages live at each phase of `steps` steps of a keel.train.step.TrainStep, by torch's
-    MemTracker (which also runs on a CPU): the peak of each phase over the steps. The phases are told apart by
-    hooks: the model's forward returning ends "forward" ("backward" then runs to the optimiser step, clipping
-    included), the optimiser's step pre- and post-hooks bound "optimizer"."""
-    from torch.distributed._tools.mem_tracker import MemTracker  # noqa: PLC0415
-
-    model, optimizer = train_step.model, train_step.optimizer
-    device = next(model.parameters()).device
-
-    class PhaseTracker(MemTracker):
-        """MemTracker updates its own peak only at module boundaries; this one reads the live total after every
-        operator, so a phase's peak includes its temporaries (the optimizer's foreach buffers)."""
-
-        peak, phase = 0, None
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            self.peak = max(self.peak, self._curr_mem_snap.get(device, {}).get("Total", 0))
-            return out
-
-    tracker = PhaseTracker()
-    tracker.track_external(model, optimizer)
-    peaks = dict.fromkeys(("forward", "backward", "optimizer"), 0)
-
-    def switch(phase):
-        if tracker.phase in peaks:
-            peaks[tracker.phase] = max(peaks[tracker.phase], tracker.peak)
-        tracker.phase, tracker.peak = phase, tracker.get_tracker_snapshot("current")[device]["Total"]
-
-    hooks = [model.register_forward_hook(lambda *_: switch("backward")),
-             optimizer.register_step_pre_hook(lambda *_: switch("optimizer")),
-             optimizer.register_step_post_hook(lambda *_: switch(None))]
-    try:
-        with tracker:
-            for _ in range(steps):
-                tracker.reset_mod_stats()
-                switch("forward")
-                train_step(next_batch, lr)
-    finally:
-        for h in hooks:
-            h.remove()
-    return peaks
 
 
 def format_bytes(n: float) -> str:
