@@ -42,8 +42,10 @@ def results(name: str) -> dict:
     return store.read_results(ROOT / name)["results"]
 
 
-def arm(name: str, label: str) -> list[float]:
-    return results(name)["arms"][label]["report_losses"]
+def arm(name: str, label: str, cell: str = "") -> list[float]:
+    """An arm's report losses at its choices; a study declared as data keeps them per cell and arm."""
+    r = results(name)
+    return r["report_losses"][cell][label] if "report_losses" in r else r["arms"][label]["report_losses"]
 
 
 def lr_sweep(scheme: str, lr: float) -> list[float]:
@@ -308,14 +310,14 @@ def tests() -> list[Test]:
         Test("stream-precision-256", "bf16 stream", "Keel bf16 - float32 stream, 256",
              arm("stream-precision-256", "keel-bfloat16"),
              arm("stream-precision-256", "keel-float32"), "rule 13"),
-        Test("ablations", "ablations", "alpha = sqrtL - alpha = L", arm("ablations", "alphasqrtL"),
-             arm("ablations", "keelalphaL-v2"), "rule 3", "alpha = L is the configuration of depth's Keel at 32"),
-        Test("ablations", "ablations", "alpha = 2 - alpha = L", arm("ablations", "alpha2"),
-             arm("ablations", "keelalphaL-v2"), "rule 3", "as above"),
-        Test("ablations", "ablations", "first_layer = v1 - v2", arm("ablations", "first_layerv1"),
-             arm("ablations", "keelalphaL-v2"), "rule 3", "as above"),
-        Test("ablations", "ablations", "first_layer = none - v2", arm("ablations", "first_layernone"),
-             arm("ablations", "keelalphaL-v2"), "rule 3", "as above"),
+        Test("ablations", "ablations", "alpha = sqrtL - alpha = L", arm("ablations", "alpha_sqrtL"),
+             arm("ablations", "keel"), "rule 3", "alpha = L is the configuration of depth's Keel at 32"),
+        Test("ablations", "ablations", "alpha = 2 - alpha = L", arm("ablations", "alpha_2"),
+             arm("ablations", "keel"), "rule 3", "as above"),
+        Test("ablations", "ablations", "first_layer = v1 - v2", arm("ablations", "first_layer_v1"),
+             arm("ablations", "keel"), "rule 3", "as above"),
+        Test("ablations", "ablations", "first_layer = none - v2", arm("ablations", "first_layer_none"),
+             arm("ablations", "keel"), "rule 3", "as above"),
     ] + frontier_tests() + [paper_ratio(x, d) for d in (16, 64) for x in ("pre_ln", "post_ln")] \
       + downstream_tests() + tuned_tests() + tuned_alpha_tests() + pilot_tests() + sweep_tests() \
       + downstream_end_tests() \

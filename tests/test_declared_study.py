@@ -106,6 +106,9 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     ({"seeds": [0, 0]}, "seeds: distinct integers"),
     ({"marginal_seeds": [0]}, "marginal_seeds: must be new seeds"),
     ({"compare": [["keel", "nope"]]}, "compare: pairs of two different arms"),
+    ({"select_seeds": [5]}, "select_seeds: some of seeds [0, 1, 2]"),
+    ({"select_seeds": []}, "select_seeds: some of seeds"),
+    ({"curve_batches": 0}, "curve_batches: an integer >= 1"),
     ({"measure": "accuracy"}, "measure: 'accuracy'; allowed: loss"),
     ({"base": {"run": {"seed": 3}}}, "base: run.seed: not used here (set per point from seeds)"),
     ({"nope": 1}, "unknown key 'nope'"),
@@ -163,3 +166,29 @@ def test_a_marginal_test_gets_the_marginal_seeds_on_both_arms_and_all_tests_run_
     assert tests[0]["p"] == pytest.approx(scipy_stats.ttest_rel(report["keel"], report["pre_ln"]).pvalue, rel=1e-9)
     final = [t["p"] for t in tests]
     assert [t["p_holm"] for t in tests] == pytest.approx(holm_by_hand(final), rel=1e-12)
+
+
+def test_select_seeds_choose_alone_and_the_other_seeds_run_at_the_choice(tmp_path, monkeypatch):
+    """With select_seeds [0]: seed 0 runs every LR the search tries (the grid grown past its edge), the choice is
+    seed 0's lowest select-half loss, and seeds 1 and 2 run at that LR only; the tests use all three seeds."""
+    from keel.experiments import declared
+
+    ran = []
+
+    def fake_point(study, arm, cell, hp, seed):
+        ran.append((arm, hp["optim.lr"], seed))
+        best = {"keel": 4e-5, "pre_ln": 2e-5}[arm]  # keel's best lies past the grid's high edge
+        return {"lr": hp["optim.lr"], "seed": seed, "diverged": False,
+                "select_loss": 1.0 + abs(math.log(hp["optim.lr"] / best)) + 0.01 * seed,
+                "report_loss": {"keel": 1.0, "pre_ln": 1.1}[arm] + 0.01 * seed * (arm == "keel")}
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = study(axes={}, arms={"keel": {"model.scheme": "keel"}, "pre_ln": {"model.scheme": "pre_ln"}},
+                tune=[{"field": "optim.lr", "grid": [1e-5, 2e-5], "grow": 2}], select_seeds=[0])
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    assert results["choices"][""]["keel"]["hp"] == {"optim.lr": 4e-5}
+    assert results["choices"][""]["pre_ln"]["hp"] == {"optim.lr": 2e-5}
+    assert sorted(lr for a, lr, s in ran if a == "keel" and s == 0) == [1e-5, 2e-5, 4e-5, 8e-5]
+    assert sorted((a, lr, s) for a, lr, s in ran if s > 0) == [("keel", 4e-5, 1), ("keel", 4e-5, 2),
+                                                               ("pre_ln", 2e-5, 1), ("pre_ln", 2e-5, 2)]
+    assert results["report_losses"][""] == {"keel": [1.0, 1.01, 1.02], "pre_ln": [1.1, 1.1, 1.1]}
+    assert results["tests"][0]["n"] == 3 and results["tests"][0]["mean"] == pytest.approx(-0.09)

@@ -1,5 +1,5 @@
-"""The experiments end to end: each --quick path writes its results, plots and report; sweeps refuse
-points of another configuration, add seeds, resume compiled after eager, and never write into the
+"""The experiments end to end: each --quick path (a study file's by name too) writes its results, plots and report;
+sweeps refuse points of another configuration, add seeds, resume compiled after eager, and never write into the
 committed results by default. (Measurements and verdicts: test_experiment_measures.py.)"""
 
 import json
@@ -14,7 +14,7 @@ from keel import TransformerLM, tiny
 from keel.cli.experiment import build
 from keel.data import DataConfig
 from keel.errors import ConfigError
-from keel.experiments import EXPERIMENTS, store
+from keel.experiments import EXPERIMENTS, store, study_files
 from keel.experiments.budget import budget_point
 from keel_studies import precision
 
@@ -25,7 +25,6 @@ QUICK = {
     "depth": ["depths=[2,4]", "run.steps=3"],
     "lr-sweep": ["depth=4", "run.steps=3"],
     "deep-vs-wide": ["deep_sublayers=4", "wide_sublayers=2", "wide_d_model=32", "run.steps=3"],
-    "ablations": ["depth=4", "run.steps=3"],
     "redundancy": ["depth=4", "run.steps=3"],
     "regime": ["depth=4", "run.steps=4"],
     "stream-precision": ["depth=4", "run.steps=3", "init_depths=[4,8]"],
@@ -59,8 +58,6 @@ QUICK_POINTS = {
     "depth": [f"{s}-{d}-lr{lr}-seed0" for s in _S3 for d in (2, 4) for lr in (0.003, 0.01)],  # seed 1: chosen LR
     "lr-sweep": [f"{s}-lr{lr}-seed{k}" for s in ("pre_ln", "keel") for lr in (0.001, 0.01) for k in _K],
     "deep-vs-wide": [f"{arm}-lr0.003-seed{k}" for arm in ("deep-pre_ln", "wide-pre_ln", "deep-keel") for k in _K],
-    "ablations": [f"{arm}-lr0.003-seed{k}" for k in _K for arm in (
-        "keelalphaL-v2", "alphasqrtL", "alpha2", "first_layerv1", "first_layernone", "pre_ln")],
     "redundancy": [f"{s}-seed{k}" for s in ("pre_ln", "keel") for k in _K],
     "regime": [f"{s}-lr0.003-seed{k}" for s in _S3 for k in _K],
     "stream-precision": [f"init-{s}-{d}-seed{k}" for s in ("keel", "pre_ln") for d in (4, 8) for k in _K]
@@ -132,6 +129,34 @@ def test_quick_experiment_writes_results_plots_and_report(name, corpus_cfg, tmp_
     points = {p.name: p.stat().st_mtime_ns for p in (out / "points").glob("*.json.gz")}
     EXPERIMENTS[name][1](cfg, out, f"keel experiment {name} --quick")
     assert {p.name: p.stat().st_mtime_ns for p in (out / "points").glob("*.json.gz")} == points
+
+
+STUDY_FILES = sorted(study_files())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", STUDY_FILES)
+def test_a_study_file_runs_by_name_at_its_smoke_test_size(name, tmp_path, monkeypatch, capsys):
+    """`keel experiment NAME --quick` for a study written as a study file: its arms, cells and grids at the smoke-test
+    size (every point 2 blocks at d=32 for 6 steps, the first two seeds), into --out, headed as a smoke test; the
+    committed folder is left alone."""
+    import yaml
+
+    from keel.cli import main
+    from keel.experiments import declared
+
+    committed = sorted(p.name for p in study_files()[name].parent.rglob("*"))
+    out = tmp_path / name
+    assert main(["experiment", name, "--quick", "--out", str(out)]) == 0, capsys.readouterr().err
+    report = (out / "report.md").read_text()
+    assert report.startswith("> **SMOKE TEST, NOT A RESULT**") and (out / "study.png").stat().st_size > 0
+    study = declared.smoke(declared.read(yaml.safe_load(study_files()[name].read_text()), name))
+    points = store.load_all(out / "points")
+    assert {p["seed"] for p in points.values()} == set(study.seeds[:2])
+    assert all(p["n_sublayers"] == 4 and p["d_model"] == 32 and len(p["losses"]) == 6 for p in points.values())
+    results = store.read_results(out)["results"]
+    assert [t["pair"] for t in results["tests"]] == [t for c in study.cells() for t in study.compare]
+    assert sorted(p.name for p in study_files()[name].parent.rglob("*")) == committed
 
 
 def test_bad_experiment_override_names_the_key():

@@ -119,8 +119,9 @@ CASES = [
     ("experiment-pilot", {"model.alpha": 2}, "depth-pilot: model.alpha: not used here (an option of keel; the arms "
                                              "here are pre_ln)"),
     ("experiment-pilot", {"run.steps": 5}, "depth-pilot: run.steps: not used here (set per point from budgets)"),
-    ("experiment-ablations", {"model.alpha": 2}, "ablations: model.alpha: not used here (set per point from the "
-                                                 "arms)"),
+    ("experiment-ablations", {"model.alpha": 2}, "ablations: model.alpha: not used here (the study's fields are in "
+                                                 "its file, results/ablations/study.yaml: copy it and run keel sweep "
+                                                 "on the copy)"),
 ]
 
 

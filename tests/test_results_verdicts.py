@@ -38,7 +38,7 @@ def point(folder: str, name: str) -> dict:
 
 # experiment -> how its LR was chosen: "seed0" (rounds 1-2: seed 0 at every grid LR), "mean" (over every seed),
 # "fixed" (one LR given, no choice)
-LOSS_EXPERIMENTS = {"depth": "seed0", "ablations": "seed0", "deep-vs-wide": "seed0", "depth-long": "fixed",
+LOSS_EXPERIMENTS = {"depth": "seed0", "deep-vs-wide": "seed0", "depth-long": "fixed",
                     "depth-long-32": "fixed", "regime": "fixed", "frontier": "mean"}
 
 
@@ -231,6 +231,27 @@ def arm(folder: str, label: str) -> list[float]:
     return losses(folder, [f"{label}-lr{a['lr']:g}{wu}-seed{s}" for s in range(len(a["report_losses"]))])
 
 
+def declared_arm(folder: str, label: str, cell: str = "") -> list[float]:
+    """An arm's report losses in a study declared as data (its points named arm-cell-lrX-seedS), at the LR chosen
+    again here from its point files: the lowest mean select-half loss over the study's choosing seeds (a diverged
+    seed: +inf)."""
+    import yaml
+
+    doc = yaml.safe_load((RESULTS / folder / "study.yaml").read_text())
+    seeds = doc.get("seeds", [0, 1, 2])
+    choosers = doc.get("select_seeds") or seeds
+    prefix = f"{label}-{cell}-lr" if cell else f"{label}-lr"
+    keys = store.keys(RESULTS / folder / "points")
+    named = (re.fullmatch(re.escape(prefix) + r"([0-9.e+-]+)-seed\d+", k) for k in keys)
+    grid = sorted({float(m[1]) for m in named if m})
+
+    def mean(lr):
+        pts = [point(folder, f"{prefix}{lr:g}-seed{s}") for s in choosers]
+        return math.inf if any(p["diverged"] for p in pts) else statistics.fmean(p["select_loss"] for p in pts)
+    lr = min(grid, key=mean)
+    return losses(folder, [f"{prefix}{lr:g}-seed{s}" for s in seeds])
+
+
 def minus(a: list[float], b: list[float]) -> list[float]:
     return [x - y for x, y in zip(a, b)]
 
@@ -249,9 +270,9 @@ def arm_inputs(fam: str, what: str) -> tuple[list, list]:
     if fam == "deep-vs-wide":
         return arm(fam, "deep-keel"), arm(fam, f"{re.match(r'deep Keel - (deep|wide) Pre-LN', what)[1]}-pre_ln")
     if fam == "ablations":
-        labels = {"alpha = sqrtL": "alphasqrtL", "alpha = 2": "alpha2", "first_layer = v1": "first_layerv1",
-                  "first_layer = none": "first_layernone"}
-        return arm(fam, labels[what.split(" - ")[0]]), arm(fam, "keelalphaL-v2")
+        labels = {"alpha = sqrtL": "alpha_sqrtL", "alpha = 2": "alpha_2", "first_layer = v1": "first_layer_v1",
+                  "first_layer = none": "first_layer_none"}
+        return declared_arm(fam, labels[what.split(" - ")[0]]), declared_arm(fam, "keel")
     if fam == "frontier":
         if m := re.match(r"\(Keel - (\S+) at 1024\) - \(at 64\)", what):
             return tuple(minus(arm(fam, f"keel-{d}"), arm(fam, f"{SCHEME[m[1]]}-{d}")) for d in (1024, 64))

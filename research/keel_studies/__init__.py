@@ -12,7 +12,6 @@ STUDIES = {
     "depth": ("scaling", "DepthConfig", "run_depth"),
     "lr-sweep": ("scaling", "LRSweepConfig", "run_lr_sweep"),
     "deep-vs-wide": ("scaling", "DeepWideConfig", "run_deep_vs_wide"),
-    "ablations": ("ablations", "AblationConfig", "run"),
     "redundancy": ("redundancy", "RedundancyConfig", "run"),
     "regime": ("regime", "RegimeConfig", "run"),
     "stream-precision": ("precision", "PrecisionConfig", "run"),

@@ -11,7 +11,7 @@ from pathlib import Path
 from keel.cli.support import output_dir
 from keel.config import merge
 from keel.errors import ConfigError
-from keel.experiments import WHERE, studies
+from keel.experiments import WHERE, studies, study_files
 
 
 def register(subparsers) -> None:
@@ -21,14 +21,15 @@ def register(subparsers) -> None:
                                           "model.d_model=64 data.source=stdlib; a field the experiment sets per "
                                           "point (model.n_blocks, optim.lr, ...) is refused.")
     try:
-        names = list(studies().STUDIES)
+        names = sorted({*studies().STUDIES, *study_files()})
     except ConfigError:  # not in a checkout: the command says where the studies are when it runs
         names = None
     p.add_argument("name", choices=names, help=None if names else WHERE)
     p.add_argument("--quick", action="store_true", help="a CPU-sized version that runs in seconds to minutes")
     p.add_argument("--out", help="output directory (default runs/experiments/<name>; with --quick "
                                  "runs/quick/<name>; --out results/<name> adds to the committed results)")
-    p.add_argument("--config", help="a YAML file with any of the experiment's fields")
+    p.add_argument("--config", help="a YAML file with any of the experiment's fields (a study written as a study "
+                                    "file, results/<name>/study.yaml, takes none: its fields are in its file)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.set_defaults(func=cmd_experiment, sets_threads=True)
 
@@ -111,17 +112,9 @@ def cmd_sweep(args) -> int:
     command = " ".join(["keel sweep", shlex.quote(args.study), *out_flag, *map(shlex.quote, args.overrides)])
     doc = load_study(args.study)
     if "arms" in doc and "study" not in doc:  # a study declared as data (keel.experiments.declared)
-        from keel.experiments import declared
-
-        if args.overrides:
-            raise ConfigError(f"{args.study}: a declared study takes no key=value overrides (got "
-                              f"{args.overrides[0]!r}); its fields are in its file")
-        study = declared.read(doc, args.study)
-        runtime.set_threads(study.run.threads)
-        output_dir(str(out), where)  # a link, a file, read-only: one line before any point trains
         with report_only(args.report_only):
-            declared.run(study, out, command, name=out.resolve().name or Path(args.study).stem,
-                         question=str(doc.get("question") or ""))
+            run_declared(args.study, doc, args.overrides, out, where, command,
+                         out.resolve().name or Path(args.study).stem)
         print(f"wrote {out}/results.json, {out}/report.md and plots")
         return 0
     from keel.experiments import EXPERIMENTS
@@ -134,6 +127,24 @@ def cmd_sweep(args) -> int:
         EXPERIMENTS[kind][1](cfg, out, command)
     print(f"wrote {out}/results.json, {out}/report.md and plots")
     return 0
+
+
+def run_declared(path: str, doc: dict, overrides: list[str], out: Path, where: str, command: str, name: str,
+                 quick: bool = False) -> None:
+    """A study declared as data, read and checked whole (one line naming the field), then run; with `quick` at its
+    smoke-test size (keel.experiments.declared.smoke)."""
+    from keel import runtime
+    from keel.experiments import declared
+
+    if overrides:
+        raise ConfigError(f"{path}: a declared study takes no key=value overrides (got {overrides[0]!r}); its fields "
+                          "are in its file")
+    study = declared.read(doc, path)
+    study = declared.smoke(study) if quick else study
+    runtime.set_threads(study.run.threads)
+    output_dir(str(out), where)  # a link, a file, read-only: one line before any point trains
+    declared.run(study, out, command, name=name, question=str(doc.get("question") or ""),
+                 rule=str(doc.get("rule") or ""))
 
 
 def build(name: str, quick: bool, overrides: list[str], config_file: str | None = None):
@@ -157,16 +168,32 @@ def default_out(name: str, quick: bool) -> str:
 
 def cmd_experiment(args) -> int:
     from keel import runtime
-    from keel.experiments import EXPERIMENTS
     from keel.experiments.common import smoke_test
 
-    cfg = build(args.name, args.quick, args.overrides, args.config)
-    runtime.set_threads(cfg.run.threads)  # once, from the merged config (a YAML file's run.threads too)
     out = Path(args.out or default_out(args.name, args.quick))
-    output_dir(str(out), "--out")
     command = " ".join(["keel experiment", args.name] + (["--quick"] if args.quick else [])
                        + ([f"--out {shlex.quote(args.out)}"] if args.out else [])
                        + [shlex.quote(o) for o in args.overrides])
+    files = study_files()
+    if args.name in files:  # a study written as a study file: run that file, as it is
+        given = [o.split("=", 1)[0] for o in args.overrides] + (list(_dotted(load_study(args.config)))
+                                                                 if args.config else [])
+        if given:
+            path = files[args.name].resolve()
+            shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+            raise ConfigError(f"{args.name}: {given[0]}: not used here (the study's fields are in its file, "
+                              f"{shown}: copy it and run keel sweep on the copy)")
+        with smoke_test(args.quick):
+            run_declared(str(files[args.name]), load_study(str(files[args.name])), [], out, "--out", command,
+                         args.name, quick=args.quick)
+        print(f"wrote {out}/results.json, {out}/report.md and plots")
+        print((out / "report.md").read_text())
+        return 0
+    from keel.experiments import EXPERIMENTS
+
+    cfg = build(args.name, args.quick, args.overrides, args.config)
+    runtime.set_threads(cfg.run.threads)  # once, from the merged config (a YAML file's run.threads too)
+    output_dir(str(out), "--out")
     with smoke_test(args.quick):
         EXPERIMENTS[args.name][1](cfg, out, command)
     print(f"wrote {out}/results.json, {out}/report.md and plots")

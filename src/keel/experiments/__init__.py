@@ -4,10 +4,12 @@ choice (`grid`), the paper's measurements (`budget`: loss at a token budget on t
 `detect`: failure under a rising LR) and the statistics (`stats`).
 
 The studies themselves, the paper's and this project's, are research: the `keel_studies` package in a Keel
-checkout's `research/` folder, beside the library. `keel experiment NAME` and `keel sweep STUDY.yaml` find it
-there (`studies()`); `NAMES` and `EXPERIMENTS` name them."""
+checkout's `research/` folder, beside the library, and the study files in its `results/` folder. `keel experiment
+NAME` and `keel sweep STUDY.yaml` find them there (`studies()`, `study_files()`); `NAMES` and `EXPERIMENTS` name
+the studies still written as code."""
 
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -15,6 +17,17 @@ from keel.errors import ConfigError
 
 WHERE = ("the studies live beside the library in a Keel checkout's research/ folder (research/keel_studies): run "
          "keel experiment / keel sweep from inside a clone of the Keel repository")
+
+
+def _checkout(near: str | Path | None = None) -> Path | None:
+    """The Keel checkout (the folder holding research/keel_studies) at or above `near`, the working directory or
+    this package, or None."""
+    starts = [Path(near).resolve() if near else None, Path.cwd(), Path(__file__).resolve()]
+    for start in filter(None, starts):
+        for folder in (start, *start.parents):
+            if (folder / "research" / "keel_studies" / "__init__.py").is_file():
+                return folder
+    return None
 
 
 def studies(near: str | Path | None = None):
@@ -25,13 +38,19 @@ def studies(near: str | Path | None = None):
     except ModuleNotFoundError as err:
         if err.name != "keel_studies":
             raise
-    starts = [Path(near).resolve() if near else None, Path.cwd(), Path(__file__).resolve()]
-    for start in filter(None, starts):
-        for folder in (start, *start.parents):
-            if (folder / "research" / "keel_studies" / "__init__.py").is_file():
-                sys.path.insert(0, str(folder / "research"))
-                return importlib.import_module("keel_studies")
-    raise ConfigError(WHERE)
+    folder = _checkout(near)
+    if folder is None:
+        raise ConfigError(WHERE)
+    sys.path.insert(0, str(folder / "research"))
+    return importlib.import_module("keel_studies")
+
+
+def study_files() -> dict[str, Path]:
+    """The checkout's studies declared as data: {name: results/<name>/study.yaml} for each study file that names
+    `arms:` (`keel experiment NAME` runs it); empty outside a checkout."""
+    folder = _checkout()
+    files = sorted(folder.glob("results/*/study.yaml")) if folder else []
+    return {f.parent.name: f for f in files if re.search(r"^arms:", f.read_text(), re.M)}
 
 
 def __getattr__(name: str):

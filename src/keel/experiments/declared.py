@@ -8,17 +8,24 @@
       - {field: optim.lr, grid: [1.0e-3, 3.0e-3, 1.0e-2], grow: 2}
       - {field: optim.warmup_steps, grid: [10, 30, 100], grow: 1}
     seeds: [0, 1, 2]
+    select_seeds: [0]                                                         # optional: the ones that choose
     marginal_seeds: [3, 4]                                                    # optional
     compare: [[keel, pre_ln]]                                                 # default: the first arm vs each other
+    curve_every: 50                                                           # optional: a loss curve (0: off)
 
 The method (the budget measurement, keel.experiments.budget): every point trains from scratch with the paper's
 recipe; each `tune` step chooses its field per arm and cell by the mean select-half loss over `seeds` (a diverged
 seed counts as +inf), the grid grown past an edge choice by the factor between the edge and its neighbour until
 the choice is interior or `grow` values were added on that side (a bound, reported); later steps see the values
-chosen before (a field may come back: coordinate search). The report-half losses at the chosen values are
-compared seed by seed: paired two-sided t-test per cell and pair, Holm over every test of the study. With
-`marginal_seeds`, a test that is marginal (raw p < 0.05 lifted by Holm, or Holm p in [0.05, 0.20)) gets them on
-both arms at their chosen values and every test is run again on all seeds.
+chosen before (a field may come back: coordinate search). With `select_seeds`, only those seeds run every value a
+search tries and choose by their mean; the other seeds run at the chosen values only. The report-half losses at
+the chosen values are compared seed by seed: paired two-sided t-test per cell and pair, Holm over every test of the
+study. With `marginal_seeds`, a test that is marginal (raw p < 0.05 lifted by Holm, or Holm p in [0.05, 0.20)) gets
+them on both arms at their chosen values and every test is run again on all seeds.
+
+`rule` links the decision rule the study is judged by (comma-separated links; the report links them).
+`keel experiment NAME --quick` runs a study file at a smoke-test size (`smoke`): every point a 2-block d=32 model
+for 6 steps, the first two seeds, no marginal seeds.
 
 The whole study is checked before any point trains: every arm, axis value and grid value is merged into the base
 config by keel's one merge (one line naming the field). Points are kept by keel.experiments.sweep (resumable,
@@ -59,7 +66,8 @@ KEYS = {"question": "what it asks", "answer": "what it found", "rule": "its deci
         "sections every point starts from", "arms": "name -> the fields it sets", "axes": "field -> values",
         "tune": "the fields chosen per arm and cell", "seeds": "the seeds", "marginal_seeds": "seeds added to a "
         "marginal test", "compare": "pairs of arms", "measure": "what a point measures", "curve_every":
-        "report-half loss every this many steps (0: off)"}
+        "report-half loss every this many steps (0: off)", "curve_batches": "batches of each curve evaluation",
+        "select_seeds": "the seeds that choose (default: all seeds)"}
 MEASURES = ("loss",)  # the budget measurement: final loss on the select and report halves
 PER_POINT = {"run.seed": "set per point from seeds", "run.out_dir": "a study point writes no run directory",
              "run.name": "a study point writes no run directory"}
@@ -81,6 +89,9 @@ class DeclaredStudy:
     compare: list = field(default_factory=list)
     measure: str = "loss"
     curve_every: int = 0
+    curve_batches: int = 2
+    select_seeds: list = field(default_factory=list)  # empty: every seed chooses
+    smoke: dict = field(default_factory=dict)  # fields set on every point last (`smoke`); empty for a real study
 
     @property
     def run(self) -> RunConfig:  # how points are computed (Sweep.execution records it)
@@ -90,7 +101,8 @@ class DeclaredStudy:
         """The base with `fields` ({dotted field: value}) set, through keel's one merge."""
         base = TrainConfig(model=experiment_model(), data=DataConfig(), optim=OptimConfig(warmup_steps=40),
                            guard=experiment_guard(), run=experiment_run())
-        overrides = [f"{k}={json.dumps(v)}" for k, v in {**dotted(self.base), **fields}.items()]
+        smoke = {k: v for k, v in self.smoke.items() if k not in self.tuned()}
+        overrides = [f"{k}={json.dumps(v)}" for k, v in {**dotted(self.base), **fields, **smoke}.items()]
         config = merge(base, None, overrides, Reads(refuse=PER_POINT))
         config = replace(config, model=replace(config.model, max_seq_len=config.run.seq_len))
         validate(config)
@@ -101,6 +113,21 @@ class DeclaredStudy:
 
     def cells(self) -> list[dict]:
         return [dict(zip(self.axes, values)) for values in itertools.product(*self.axes.values())]
+
+    def choosers(self) -> list[int]:
+        return self.select_seeds or self.seeds
+
+
+SMOKE = {"model.d_model": 32, "model.n_heads": 2, "model.n_kv_heads": 1, "model.n_blocks": 2, "run.steps": 6,
+         "run.batch_size": 4, "run.seq_len": 32, "run.eval_batches": 1, "run.compile": False, "optim.warmup_steps": 2}
+
+
+def smoke(study: DeclaredStudy) -> DeclaredStudy:
+    """The study at a smoke-test size (`keel experiment NAME --quick`): every point `SMOKE` (a field it tunes
+    excepted), its first two seeds, no marginal seeds; seconds on a CPU."""
+    seeds = study.seeds[:2]
+    return replace(study, smoke=SMOKE, seeds=seeds, select_seeds=[s for s in study.select_seeds if s in seeds],
+                   marginal_seeds=[], curve_every=min(study.curve_every, 2), curve_batches=1)
 
 
 def dotted(fields: dict, prefix: str = "") -> dict:
@@ -147,8 +174,8 @@ def read(doc: dict, where: str) -> DeclaredStudy:
             raise bad(f"tune[{i}].grid: at least two distinct positive numbers (got {grid!r})")
         if not isinstance(grow, int) or isinstance(grow, bool) or not 0 <= grow <= 8:
             raise bad(f"tune[{i}].grow: values added past an edge, an integer in [0, 8] (got {grow!r})")
-    seeds, marginal = doc.get("seeds", [0, 1, 2]), doc.get("marginal_seeds") or []
-    for key, value in (("seeds", seeds), ("marginal_seeds", marginal)):
+    seeds, marginal, select = doc.get("seeds", [0, 1, 2]), doc.get("marginal_seeds") or [], doc.get("select_seeds")
+    for key, value in (("seeds", seeds), ("marginal_seeds", marginal), ("select_seeds", select or [])):
         if not isinstance(value, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                                   for s in value) or len(set(value)) < len(value):
             raise bad(f"{key}: distinct integers >= 0 (got {value!r})")
@@ -156,6 +183,8 @@ def read(doc: dict, where: str) -> DeclaredStudy:
         raise bad("seeds: empty; give at least one seed (two for a test)")
     if set(seeds) & set(marginal):
         raise bad("marginal_seeds: must be new seeds, not in seeds")
+    if select is not None and (not select or not set(select) <= set(seeds)):
+        raise bad(f"select_seeds: some of seeds {seeds}, the ones that choose (got {select!r})")
     names = list(arms)
     compare = doc.get("compare") or [[names[0], other] for other in names[1:]]
     if not isinstance(compare, list) or not all(isinstance(p, list) and len(p) == 2 and p[0] != p[1]
@@ -164,13 +193,15 @@ def read(doc: dict, where: str) -> DeclaredStudy:
     measure = doc.get("measure", "loss")
     if measure not in MEASURES:
         raise bad(f"measure: {measure!r}; allowed: {', '.join(MEASURES)}")
-    curve_every = doc.get("curve_every", 0)
-    if not isinstance(curve_every, int) or isinstance(curve_every, bool) or curve_every < 0:
-        raise bad(f"curve_every: an integer >= 0 (got {curve_every!r})")
+    curve_every, curve_batches = doc.get("curve_every", 0), doc.get("curve_batches", 2)
+    for key, value, least in (("curve_every", curve_every, 0), ("curve_batches", curve_batches, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise bad(f"{key}: an integer >= {least} (got {value!r})")
     study = DeclaredStudy(base=doc.get("base") or {}, arms=arms, axes=axes,
                           tune=[{"field": s["field"], "grid": sorted(s["grid"]), "grow": s.get("grow", 2)}
                                 for s in tune], seeds=seeds, marginal_seeds=marginal, compare=compare,
-                          measure=measure, curve_every=curve_every)
+                          measure=measure, curve_every=curve_every, curve_batches=curve_batches,
+                          select_seeds=select or [])
     _check_configs(study, bad)
     return study
 
@@ -236,11 +267,11 @@ def point(study: DeclaredStudy, arm: str, cell: dict, hp: dict, seed: int) -> di
     """One point: the budget measurement at this arm, cell and tuned values."""
     c = study.config({**study.arms[arm], **cell, **hp})
     cfg = BudgetConfig(model=c.model, data=c.data, optim=c.optim, guard=c.guard, run=c.run, lrs=[c.optim.lr],
-                       seeds=[seed], curve_every=study.curve_every)
+                       seeds=[seed], curve_every=study.curve_every, curve_batches=study.curve_batches)
     return budget_point(cfg, c.model, c.optim.lr, seed) | {"arm": arm, "cell": cell, "tuned": hp}
 
 
-def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", question: str = "") -> dict:
+def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", question: str = "", rule: str = "") -> dict:
     """Every cell whole, one after the other (a partial sweep answers whole cells); then the tests and the report."""
     sweep, points, choices = Sweep(out, study), {}, {}
     base = study.config({})
@@ -260,8 +291,10 @@ def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", ques
                     jobs |= {key(arm, cell, hp, s): _job(study, arm, cell, hp, s) for s in study.marginal_seeds}
         points |= sweep.run(jobs, f"{name} (marginal seeds)")
         tests = _tests(study, points, choices, seeds)
-    results = {"points": points, "choices": choices, "tests": tests, "seeds": seeds}
-    _report(study, out, command, name, results, question)
+    losses = {c: {arm: _losses(study, points, c, choice, arm, seeds) for arm in study.arms} for c, choice in
+              choices.items()}  # per cell and arm, over `seeds`: what the tests compare
+    results = {"points": points, "choices": choices, "tests": tests, "seeds": seeds, "report_losses": losses}
+    _report(study, out, command, name, results, question, rule)
     return results
 
 
@@ -276,7 +309,7 @@ def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, bas
         return dict(zip(fields, values))
 
     def score(arm: str, *values) -> float:
-        runs = [points[key(arm, cell, hp_of(values), s)] for s in study.seeds]
+        runs = [points[key(arm, cell, hp_of(values), s)] for s in study.choosers()]
         return float(np.mean([_finite(r.get("select_loss")) for r in runs]))
 
     def search(arm: str):
@@ -295,8 +328,8 @@ def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, bas
         return {"hp": dict(now), "grids": steps}
 
     def run_round(asked: dict) -> set:
-        jobs = {a: {key(a, cell, hp_of(v), s): _job(study, a, cell, hp_of(v), s) for v in hps for s in study.seeds}
-                for a, hps in asked.items()}
+        jobs = {a: {key(a, cell, hp_of(v), s): _job(study, a, cell, hp_of(v), s) for v in hps
+                    for s in study.choosers()} for a, hps in asked.items()}
 
         def complete(done: dict) -> set:
             return {a for a, arm in jobs.items() if arm.keys() <= done.keys()}
@@ -305,6 +338,9 @@ def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, bas
         points.update(got)
         return complete(got)
     chosen = run_searches({arm: search(arm) for arm in study.arms}, run_round)
+    rest = [s for s in study.seeds if s not in study.choosers()]
+    points |= sweep.run({key(a, cell, c["hp"], s): _job(study, a, cell, c["hp"], s) for a, c in chosen.items()
+                         for s in rest}, f"{desc} (seeds at the choices)") if rest else {}
     return {arm: {"hp": c["hp"], "grids": c["grids"]} for arm, c in chosen.items()}
 
 
@@ -335,25 +371,40 @@ def _marginal(t: dict) -> bool:
     return p is not None and ph is not None and ph >= stats.ALPHA and (p < stats.ALPHA or ph < MARGINAL_BELOW)
 
 
-def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: dict, question: str) -> None:
+def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: dict, question: str,
+            rule: str = "") -> None:
     points, choices, seeds = results["points"], results["choices"], results["seeds"]
     rows = []
     for cell_name, choice in choices.items():
         for arm in study.arms:
             losses = _losses(study, points, cell_name, choice, arm, seeds)
+            cell = study.cells()[[_cell_name(c) for c in study.cells()].index(cell_name)]
+            diverged = sum(bool(points.get(key(arm, cell, choice[arm]["hp"], s), {}).get("diverged")) for s in seeds)
             notes = "; ".join(f"{g['field']} from {', '.join(f'{v:g}' for v in g['values'])}{grid_note(g)}"
                               for g in choice[arm]["grids"])
             rows.append([cell_name or "-", arm, ", ".join(f"{k}={v:g}" for k, v in choice[arm]["hp"].items()) or "-",
-                         pm([x for x in losses if x is not None]), notes or "-"])
+                         pm([x for x in losses if x is not None]) + (f", {diverged} diverged" if diverged else ""),
+                         notes or "-"])
     arms_table = markdown_table(["cell", "arm", "chosen on the select half", "report-half loss", "grids"], rows)
-    test_rows = [[t["cell"] or "-", f"{t['pair'][0]} - {t['pair'][1]}", stats.describe(t),
-                  "-" if t["p_holm"] is None else f"{t['p_holm']:.2g}", t["verdict"]] for t in results["tests"]]
-    tests_table = markdown_table(["cell", "difference", "mean [95% CI], p (n)", "Holm p", "verdict"], test_rows)
+    test_rows = [[t["cell"] or "-", f"{t['pair'][0]} - {t['pair'][1]}",
+                  f"{t['mean']:+.3f} ± {t['sd']:.3f} (n={t['n']})" if t["sd"] is not None else stats.describe(t),
+                  "-" if t["ci95"] is None else "[{:+.3f}, {:+.3f}]".format(*t["ci95"]),
+                  "n/a" if t["p"] is None else f"{t['p']:.2g}", "-" if t["p_holm"] is None else f"{t['p_holm']:.2g}",
+                  t["verdict"]] for t in results["tests"]]
+    tests_table = markdown_table(["cell", "difference", "mean ± SD of the paired differences", "95% CI", "p",
+                                  "Holm p", "verdict"], test_rows)
     plots = [_plot(study, out, results)]
-    notes = (f"Each point: the budget measurement (keel.experiments.budget) at {study.config({}).run.steps} steps; "
-             f"choices by the mean select-half loss over seeds {study.seeds}; report-half losses on seeds {seeds}; "
-             f"paired two-sided t-tests, Holm over the study's {len(results['tests'])} tests.")
-    asks = f"**Question:** {question}\n\n" if question else ""
+    run = study.config({}).run
+    rest = [s for s in study.seeds if s not in study.choosers()]
+    notes = (f"Each point: the budget measurement (keel.experiments.budget) at {run.steps} steps of "
+             f"{run.batch_size}x{run.seq_len} tokens ({run.steps * run.batch_size * run.seq_len:,} tokens); choices "
+             f"by the mean select-half loss over seeds {study.choosers()}"
+             + (f", seeds {rest} run at the choices" if rest else "")
+             + f"; report-half losses on seeds {seeds}; paired two-sided t-tests, Holm over the study's "
+             f"{len(results['tests'])} tests.")
+    links = ", ".join(f"[{r.rsplit('#', 1)[-1]}]({r})" if "#" in r or r.endswith(".md") else r
+                      for r in (x.strip() for x in rule.split(",")) if r)
+    asks = (f"**Question:** {question}\n\n" if question else "") + (f"**Rule:** {links}\n\n" if links else "")
     write_outputs(out, name, study, command, results, asks + arms_table + "\n\n" + tests_table, plots, notes)
 
 
