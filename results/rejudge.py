@@ -288,11 +288,11 @@ def tests() -> list[Test]:
     ] + [
         Test("lr-sweep", "lr-sweep, Table 2", "Keel at 6e-3 - Keel at 1.5e-3", lr_sweep("keel", 6e-3),
              lr_sweep("keel", 1.5e-3), "rule 8", "the lr-sweep rows above"),
-        Test("deep-vs-wide", "deep-vs-wide, Table 5", "deep Keel - deep Pre-LN", arm("deep-vs-wide", "deep-keel"),
-             arm("deep-vs-wide", "deep-pre_ln"), "rule 9", "both arms are the configuration of depth's 32-sub-layer "
+        Test("deep-vs-wide", "deep-vs-wide, Table 5", "deep Keel - deep Pre-LN", arm("deep-vs-wide", "deep_keel"),
+             arm("deep-vs-wide", "deep_pre_ln"), "rule 9", "both arms are the configuration of depth's 32-sub-layer "
              "runs"),
-        Test("deep-vs-wide", "deep-vs-wide, Table 5", "deep Keel - wide Pre-LN", arm("deep-vs-wide", "deep-keel"),
-             arm("deep-vs-wide", "wide-pre_ln"), "rule 9", "deep Keel (row above)"),
+        Test("deep-vs-wide", "deep-vs-wide, Table 5", "deep Keel - wide Pre-LN", arm("deep-vs-wide", "deep_keel"),
+             arm("deep-vs-wide", "wide_pre_ln"), "rule 9", "deep Keel (row above)"),
         Test("redundancy", "redundancy, Appendix A", "Pre-LN upper-half - lower-half delta (whole sub-layer)",
              redundancy("pre_ln", "sublayer", "upper"), redundancy("pre_ln", "sublayer", "lower"), "rule 4 (b)"),
         Test("redundancy", "redundancy, Appendix A", "Keel upper-half - lower-half delta (whole sub-layer)",

@@ -24,7 +24,6 @@ QUICK = {
     "max-lr": ["schemes=[pre_ln,keel]", "depths=[4]", "run.steps=12"],
     "depth": ["depths=[2,4]", "run.steps=3"],
     "lr-sweep": ["depth=4", "run.steps=3"],
-    "deep-vs-wide": ["deep_sublayers=4", "wide_sublayers=2", "wide_d_model=32", "run.steps=3"],
     "redundancy": ["depth=4", "run.steps=3"],
     "regime": ["depth=4", "run.steps=4"],
     "stream-precision": ["depth=4", "run.steps=3", "init_depths=[4,8]"],
@@ -57,7 +56,6 @@ QUICK_POINTS = {
     "max-lr": ["pre_ln-4-seed0", "keel-4-seed0", "keel-noclip-4-seed0"],
     "depth": [f"{s}-{d}-lr{lr}-seed0" for s in _S3 for d in (2, 4) for lr in (0.003, 0.01)],  # seed 1: chosen LR
     "lr-sweep": [f"{s}-lr{lr}-seed{k}" for s in ("pre_ln", "keel") for lr in (0.001, 0.01) for k in _K],
-    "deep-vs-wide": [f"{arm}-lr0.003-seed{k}" for arm in ("deep-pre_ln", "wide-pre_ln", "deep-keel") for k in _K],
     "redundancy": [f"{s}-seed{k}" for s in ("pre_ln", "keel") for k in _K],
     "regime": [f"{s}-lr0.003-seed{k}" for s in _S3 for k in _K],
     "stream-precision": [f"init-{s}-{d}-seed{k}" for s in ("keel", "pre_ln") for d in (4, 8) for k in _K]

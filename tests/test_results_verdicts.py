@@ -38,7 +38,7 @@ def point(folder: str, name: str) -> dict:
 
 # experiment -> how its LR was chosen: "seed0" (rounds 1-2: seed 0 at every grid LR), "mean" (over every seed),
 # "fixed" (one LR given, no choice)
-LOSS_EXPERIMENTS = {"depth": "seed0", "deep-vs-wide": "seed0", "depth-long": "fixed",
+LOSS_EXPERIMENTS = {"depth": "seed0", "depth-long": "fixed",
                     "depth-long-32": "fixed", "regime": "fixed", "frontier": "mean"}
 
 
@@ -268,7 +268,8 @@ def arm_inputs(fam: str, what: str) -> tuple[list, list]:
     if fam == "regime":
         return arm(fam, "keel"), arm(fam, SCHEME[re.match(r"Keel - (\S+),", what)[1]])
     if fam == "deep-vs-wide":
-        return arm(fam, "deep-keel"), arm(fam, f"{re.match(r'deep Keel - (deep|wide) Pre-LN', what)[1]}-pre_ln")
+        other = re.match(r"deep Keel - (deep|wide) Pre-LN", what)[1]
+        return declared_arm(fam, "deep_keel"), declared_arm(fam, f"{other}_pre_ln")
     if fam == "ablations":
         labels = {"alpha = sqrtL": "alpha_sqrtL", "alpha = 2": "alpha_2", "first_layer = v1": "first_layer_v1",
                   "first_layer = none": "first_layer_none"}

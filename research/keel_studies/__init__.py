@@ -11,7 +11,6 @@ STUDIES = {
     "max-lr": ("maxlr", "MaxLRConfig", "run"),
     "depth": ("scaling", "DepthConfig", "run_depth"),
     "lr-sweep": ("scaling", "LRSweepConfig", "run_lr_sweep"),
-    "deep-vs-wide": ("scaling", "DeepWideConfig", "run_deep_vs_wide"),
     "redundancy": ("redundancy", "RedundancyConfig", "run"),
     "regime": ("regime", "RegimeConfig", "run"),
     "stream-precision": ("precision", "PrecisionConfig", "run"),

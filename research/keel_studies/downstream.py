@@ -11,8 +11,8 @@ runs; results/PROTOCOL.md):
     curve where the loss first reaches l* (`score_at`: linear in the loss between the two evaluations around
     it). Per seed, d = score_A(l*) - score_B(l*); paired two-sided t-test (keel.experiments.stats).
   - (b) deep vs wide at equal parameters (as Table 5): deep Keel and deep Pre-LN at `deep_sublayers` (the same
-    runs as (a) at that depth) and a wide Pre-LN built as `keel experiment deep-vs-wide` builds it. For each pair
-    of arms, the paired test of the final report loss and of the final score: the loss ranking and the probe
+    runs as (a) at that depth) and a wide Pre-LN shaped as deep-vs-wide's (results/deep-vs-wide/study.yaml). For
+    each pair of arms, the paired test of the final report loss and of the final score: the loss ranking and the probe
     ranking "differ" when a pair is ordered one way by loss and the other way by score, both at p < 0.05.
 """
 
@@ -52,7 +52,7 @@ from keel.experiments.sweep import Sweep
 from keel.model import TransformerLM
 from keel.model.counting import count_params
 from keel.runtime import autocast_for
-from keel_studies.scaling import DeepWideConfig, wide_model
+from keel_studies.scaling import wide_model
 
 WIDE = "wide-pre_ln"
 
@@ -76,11 +76,11 @@ class DownstreamConfig(ExperimentConfig):
     lrs: dict[str, float] = field(default_factory=_lrs)  # arm ("<scheme>-<sub-layers>" or "wide-pre_ln") -> LR
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
     # (b): the deep arms are (a)'s Keel and Pre-LN at deep_sublayers; the wide arm's shape is deep-vs-wide's
-    deep_sublayers: int = DeepWideConfig.deep_sublayers
-    wide_sublayers: int = DeepWideConfig.wide_sublayers
-    wide_d_model: int = DeepWideConfig.wide_d_model
-    wide_heads: int = DeepWideConfig.wide_heads
-    wide_kv_heads: int = DeepWideConfig.wide_kv_heads
+    deep_sublayers: int = 32  # results/deep-vs-wide/study.yaml's arms
+    wide_sublayers: int = 8
+    wide_d_model: int = 128
+    wide_heads: int = 8
+    wide_kv_heads: int = 4
     chance_margin: float = 0.05  # a comparison where neither arm's mean score at l* exceeds chance by this is moot
 
     PER_POINT: ClassVar[dict[str, str]] = ExperimentConfig.PER_POINT | {

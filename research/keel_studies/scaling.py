@@ -32,7 +32,6 @@ from keel.experiments.common import (
     write_outputs,
 )
 from keel.experiments.sweep import Sweep
-from keel.model.counting import count_params
 
 
 @dataclass
@@ -60,25 +59,6 @@ class LRSweepConfig(BudgetConfig):
     @classmethod
     def quick(cls) -> LRSweepConfig:
         return tiny_quick(cls, 8, depth=8, lrs=[1e-3, 1e-2], seeds=[0, 1], curve_every=0)
-
-
-@dataclass
-class DeepWideConfig(BudgetConfig):
-    """Equal parameters: `deep_sublayers` at model.d_model vs `wide_sublayers` at `wide_d_model`."""
-
-    deep_sublayers: int = 32
-    wide_sublayers: int = 8
-    wide_d_model: int = 128
-    wide_heads: int = 8
-    wide_kv_heads: int = 4
-
-    PER_POINT: ClassVar[dict[str, str]] = ExperimentConfig.PER_POINT | {
-        "model.n_blocks": "deep_sublayers / wide_sublayers", "model.scheme": "the arms (pre_ln, keel)"}
-
-    @classmethod
-    def quick(cls) -> DeepWideConfig:
-        return tiny_quick(cls, 8, deep_sublayers=8, wide_sublayers=2, wide_d_model=64, wide_heads=4, wide_kv_heads=2,
-                          lrs=[3e-3], seeds=[0, 1], curve_every=0)
 
 
 def chosen_lrs(path: str, arms) -> dict[str, list[float]]:
@@ -258,29 +238,7 @@ def run_lr_sweep(cfg: LRSweepConfig, out: Path, command: str) -> dict:
 
 
 def wide_model(cfg):
-    """The wide Pre-LN of Table 5 (`wide_sublayers` at `wide_d_model`), for any config with the wide fields
-    (deep-vs-wide, downstream)."""
+    """The wide Pre-LN of Table 5 (`wide_sublayers` at `wide_d_model`), for a config with the wide fields
+    (downstream; results/deep-vs-wide/study.yaml declares the same arm)."""
     return cfg.point_model("pre_ln", cfg.wide_sublayers, d_model=cfg.wide_d_model, n_heads=cfg.wide_heads,
                            n_kv_heads=cfg.wide_kv_heads)
-
-
-def run_deep_vs_wide(cfg: DeepWideConfig, out: Path, command: str) -> dict:
-    arms = {"deep-pre_ln": cfg.point_model("pre_ln", cfg.deep_sublayers),
-            "wide-pre_ln": wide_model(cfg),
-            "deep-keel": cfg.point_model("keel", cfg.deep_sublayers)}
-    res = select_then_seeds(cfg, out, arms, "deep-vs-wide")
-    rows = [[label, m.n_sublayers, m.d_model, f"{count_params(m):,}", f"{res['chosen'][label]:g}",
-             pm(res["arms"][label]["report_losses"])] for label, m in arms.items()]
-    table = markdown_table(["arm", "sub-layers", "d_model", "parameters", "chosen LR", "report loss"], rows)
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for i, label in enumerate(arms):
-        a = res["arms"][label]
-        ax.errorbar([i], [a["mean"]], yerr=[a["sd"]], marker="o", capsize=4, color=f"C{i}")
-        ax.scatter([i] * len(a["report_losses"]), a["report_losses"], s=10, color=f"C{i}", alpha=0.5)
-    ax.set_xticks(range(len(arms)), list(arms))
-    ax.set_ylabel("report-half loss (mean ± SD, dots = seeds)")
-    ax.set_title(f"equal parameters, {tokens(cfg):,} tokens", fontsize=10)
-    save(fig, out, "deep-vs-wide.png")
-    write_outputs(out, "deep-vs-wide", cfg, command, res, table, ["deep-vs-wide.png"], method_note(cfg))
-    return res

@@ -379,13 +379,17 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
         for arm in study.arms:
             losses = _losses(study, points, cell_name, choice, arm, seeds)
             cell = study.cells()[[_cell_name(c) for c in study.cells()].index(cell_name)]
-            diverged = sum(bool(points.get(key(arm, cell, choice[arm]["hp"], s), {}).get("diverged")) for s in seeds)
+            runs = [points.get(key(arm, cell, choice[arm]["hp"], s), {}) for s in seeds]
+            diverged, size = sum(bool(r.get("diverged")) for r in runs), next((r["n_params"] for r in runs
+                                                                               if r.get("n_params")), None)
             notes = "; ".join(f"{g['field']} from {', '.join(f'{v:g}' for v in g['values'])}{grid_note(g)}"
                               for g in choice[arm]["grids"])
-            rows.append([cell_name or "-", arm, ", ".join(f"{k}={v:g}" for k, v in choice[arm]["hp"].items()) or "-",
+            rows.append([cell_name or "-", arm, "-" if size is None else f"{size:,}",
+                         ", ".join(f"{k}={v:g}" for k, v in choice[arm]["hp"].items()) or "-",
                          pm([x for x in losses if x is not None]) + (f", {diverged} diverged" if diverged else ""),
                          notes or "-"])
-    arms_table = markdown_table(["cell", "arm", "chosen on the select half", "report-half loss", "grids"], rows)
+    arms_table = markdown_table(["cell", "arm", "parameters", "chosen on the select half", "report-half loss", "grids"],
+                                rows)
     test_rows = [[t["cell"] or "-", f"{t['pair'][0]} - {t['pair'][1]}",
                   f"{t['mean']:+.3f} ± {t['sd']:.3f} (n={t['n']})" if t["sd"] is not None else stats.describe(t),
                   "-" if t["ci95"] is None else "[{:+.3f}, {:+.3f}]".format(*t["ci95"]),
