@@ -1,6 +1,7 @@
 """The GPU path checked on a CPU: each bench variant starts from nothing (the model of the previous one
 is freed before the next is built, proved by a weak reference), compile warm-up is measured per scheme from an
-empty cache with its graph count, and the fused-junction default under compile is the measured-faster path."""
+empty cache with its graph count (benchmarks/gpu/cold_compile.py), and the fused-junction default under compile
+is the measured-faster path."""
 
 import gc
 import os
@@ -9,11 +10,13 @@ import time
 import weakref
 from dataclasses import replace
 
+import cold_compile
 import pytest
 import torch
+from cold_compile import cold_warmup
 
 from keel.bench import core
-from keel.bench.core import Bench, cold_warmup, compare
+from keel.bench.core import Bench, compare
 from keel.config import RunConfig
 from keel.model import ModelConfig
 
@@ -88,7 +91,7 @@ def test_a_time_boxed_cold_warmup_records_a_failed_measurement_and_saves_as_it_g
             raise RuntimeError("cold warm-up of pre_ln in a fresh process failed:\nout of memory")
         return {"first_step_s": 2.0, "second_step_s": 0.5, "graphs": 2, "recompiles": 1, "pid": 1}
 
-    monkeypatch.setattr(core, "_first_steps_in_process", first_steps)
+    monkeypatch.setattr(cold_compile, "_first_steps_in_process", first_steps)
     seen = []
     got = cold_warmup(TINY, RUN, ["keel", "pre_ln"], repeats=2, processes=True, deadline=time.monotonic() + 600,
                       progress=lambda summary: seen.append(summary))
@@ -96,7 +99,7 @@ def test_a_time_boxed_cold_warmup_records_a_failed_measurement_and_saves_as_it_g
     assert got["pre_ln"] == {"n": 0, "failed": ["cold warm-up of pre_ln in a fresh process failed:"] * 2}
     assert len(seen) == 4 and seen[0] == {"keel": got["keel"] | {"n": 1, "each_first_step_s": [2.0],
                                                                "processes": [1]}}
-    assert all(t > core.DEADLINE_GRACE_S for t in timeouts)  # a child outliving the box is stopped
+    assert all(t > cold_compile.DEADLINE_GRACE_S for t in timeouts)  # a child outliving the box is stopped
     with pytest.raises(RuntimeError, match="out of memory"):  # without a time box a failure is an error
         cold_warmup(TINY, RUN, ["pre_ln"], processes=True)
 
@@ -107,7 +110,7 @@ def test_cold_warmup_reports_the_median_of_its_fresh_processes(monkeypatch):
     def first_steps(config, run, optim, device, options, cache, timeout):
         return {"first_step_s": next(times), "second_step_s": 0.5, "graphs": 1, "recompiles": 0, "pid": 1}
 
-    monkeypatch.setattr(core, "_first_steps_in_process", first_steps)
+    monkeypatch.setattr(cold_compile, "_first_steps_in_process", first_steps)
     got = cold_warmup(TINY, RUN, ["pre_ln"], repeats=3, processes=True)
     assert got["pre_ln"]["each_first_step_s"] == [1.0, 2.0, 9.0] and got["pre_ln"]["first_step_s"] == 2.0
 

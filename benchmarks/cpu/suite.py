@@ -24,13 +24,14 @@ from keel.launch import launcher_environment
 
 if __name__ == "__main__":  # as keel's own commands do, before torch loads (keel.launch)
     launcher_environment()
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))  # flatness.py, shared with the GPU campaign
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))  # flatness.py, cold_compile.py: shared
 
 import torch  # noqa: E402
+from cold_compile import cold_warmup  # noqa: E402
 from flatness import FLAT_SUBLAYERS, FLAT_TARGET, flatness_markdown, flatness_series  # noqa: E402
 
 from keel import runtime  # noqa: E402
-from keel.bench.core import Bench, alternate, cold_warmup, scheme_config, summarize  # noqa: E402
+from keel.bench.core import Bench, alternate, scheme_config, summarize  # noqa: E402
 from keel.cli.bench import writer  # noqa: E402
 from keel.config import RunConfig, add_config_arguments, load_config  # noqa: E402
 from keel.config.reads import Reads  # noqa: E402
@@ -122,7 +123,7 @@ def cpu_suite(steps: int, warmup: int, write, max_load: float = 0.5, wait_s: flo
         shape = next(iter(shapes.values()))
         config = cpu_demo(**(shape[0] | {"n_blocks": warmup_sublayers // 2}))
         run = RunConfig(batch_size=shape[1], seq_len=shape[2], dtype="float32", compile=True)
-        # each measurement in a fresh process, the order alternating (keel.bench.core.cold_warmup); Keel with its
+        # each measurement in a fresh process, the order alternating (benchmarks/gpu/cold_compile.py); Keel with its
         # junction inside blocks too (one graph fewer than the compiled CPU default's junction across blocks)
         cold = cold_warmup(config, run, ["keel", "pre_ln"], device=device, compile_backend=compile_backend,
                            repeats=cold_repeats, processes=cold_processes)

@@ -29,17 +29,18 @@ if __name__ == "__main__":  # as keel's own commands do, before torch loads (kee
     launcher_environment()
 
 import torch  # noqa: E402
+from cold_compile import cold_warmup  # noqa: E402
 from flatness import flatness_markdown, flatness_series  # noqa: E402
+from junction_timing import copy_bandwidth, junction_bandwidth  # noqa: E402
 
 from keel import runtime  # noqa: E402
-from keel.bench.core import Bench, attempt, cold_warmup, compare  # noqa: E402
+from keel.bench.core import Bench, attempt, compare  # noqa: E402
 from keel.bench.perf_model import DEVICES, gpu_spec, modelled, predict_pair  # noqa: E402
 from keel.cli.bench import writer  # noqa: E402
 from keel.config import RunConfig, add_config_arguments, load_config  # noqa: E402
 from keel.config.reads import Reads  # noqa: E402
 from keel.errors import ConfigError, KeelError  # noqa: E402
 from keel.kernels.junction import can_fuse  # noqa: E402
-from keel.kernels.timing import copy_bandwidth, junction_bandwidth  # noqa: E402
 from keel.model import ModelConfig, count_params  # noqa: E402
 from keel.runtime import machine, resolve_device, use_bf16  # noqa: E402
 
@@ -193,7 +194,7 @@ def _section_kernel(suite, device, out, deadline, save):
 def _section_warmup(suite, device, out, deadline, save):
     """Compile warm-up from nothing, Keel against Pre-LN, at `warmup_sublayers` with the compiled default: each
     first training step in a fresh Python process with an empty Inductor (and Triton) cache of its own, the order
-    alternating (keel.bench.core.cold_warmup). The 2026-11-24 run compiled Keel first in one process (43 s) and
+    alternating (cold_compile.py). The 2026-11-24 run compiled Keel first in one process (43 s) and
     Pre-LN second, reusing Keel's cached kernels (3.7 s): this is the fair comparison, with each scheme's graph and
     recompile counts."""
     out["warmup"] = {"n_sublayers": suite.warmup_sublayers, "repeats": suite.warmup_repeats, "schemes": {}}

@@ -4,6 +4,8 @@ with the formulas, and its CPU twin (rates measured on this machine, predicted b
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import replace
 
 from keel.bench.perf_model import (
@@ -157,6 +159,26 @@ def paper_markdown(gpus=("H100", "H200", "A100"), shapes=((1024, 64), (1024, 512
 
 # ---- the CPU twin: this machine's rates, measured with torch, fed to the same model ----
 
+def time_call(fn, device, calls: int = 10, repeats: int = 5) -> float:
+    """Median over `repeats` of the mean seconds per call over `calls` back-to-back calls, after one warm-up."""
+    import torch  # noqa: PLC0415
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    means = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        means.append((time.perf_counter() - start) / calls)
+    return statistics.median(means)
+
+
 def measure_cpu(config: ModelConfig, batch: int, seq: int, repeats: int = 5) -> DeviceSpec:
     """A DeviceSpec of this CPU at `config`'s shape: bandwidth of an add over stream-sized float32 tensors (the
     size the step's elementwise ops touch), float32 GEMM FLOP/s over the step's own matmuls (each in its forward,
@@ -166,7 +188,6 @@ def measure_cpu(config: ModelConfig, batch: int, seq: int, repeats: int = 5) -> 
     import torch  # noqa: PLC0415
     import torch.nn.functional as F  # noqa: PLC0415
 
-    from keel.kernels.timing import time_call  # noqa: PLC0415
     from keel.model.layers import RMSNorm  # noqa: PLC0415
 
     cpu, M, d = torch.device("cpu"), batch * seq, config.d_model

@@ -1,5 +1,6 @@
-"""The junction alone, timed: effective memory bandwidth of the fused kernel, of the plain PyTorch composition and of
-torch.compile's version of that composition, against the device's own copy bandwidth.
+"""The junction alone, timed (the GPU campaign's `kernel` section): effective memory bandwidth of the fused
+kernel, of the plain PyTorch composition and of torch.compile's version of that composition, against the device's
+own copy bandwidth.
 
 Effective bandwidth counts the bytes the op cannot avoid moving (each input read once, each output written once)
 over the measured time, the same count for every implementation, so the numbers compare how close each gets to
@@ -8,33 +9,12 @@ one pass over memory. The junction is memory-bound (a few FLOPs per byte), so th
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
 
+from keel.bench.perf_report import time_call
 from keel.kernels.junction import can_fuse, junction_reference, keel_junction
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_call(fn: Callable[[], object], device: torch.device, calls: int = 10, repeats: int = 5) -> float:
-    """Median over `repeats` of the mean seconds per call over `calls` back-to-back calls, after one warm-up."""
-    fn()
-    _sync(device)
-    means = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        _sync(device)
-        means.append((time.perf_counter() - start) / calls)
-    return statistics.median(means)
 
 
 def copy_bandwidth(device: torch.device, n_bytes: int = 1 << 30) -> float:
