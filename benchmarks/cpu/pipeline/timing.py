@@ -1,7 +1,8 @@
 """The pipeline benchmark: the step time of a model pipelined over the ranks (keel.scale.pipeline), for each
 schedule, against one process on the same cores.
 
-`torchrun --nproc_per_node=2 --standalone -m keel.bench.pipeline_timing --out DIR` writes bench.json and bench.md.
+`torchrun --nproc_per_node=2 --standalone -m benchmarks.cpu.pipeline.timing --out DIR`, from the repository root,
+writes bench.json and bench.md (this folder's are its committed run).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def write_bench(out: Path, records: list[dict], config: ModelConfig, load: tuple
 
 
 def main(argv=None) -> None:
-    """`torchrun --nproc_per_node=2 -m keel.bench.pipeline_timing --out DIR`: the step time of the cpu-demo model
+    """`torchrun --nproc_per_node=2 -m benchmarks.cpu.pipeline.timing --out DIR`: the step time of the cpu-demo model
     (or `--n-blocks`/`--d-model`) pipelined over the ranks, for each schedule, against one process."""
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--out", default="benchmarks/cpu/pipeline")
@@ -126,9 +127,6 @@ def main(argv=None) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-__all__ = ["bench_one_process", "bench_pipeline", "main", "write_bench"]
 
 
 if __name__ == "__main__":
