@@ -393,16 +393,8 @@ def junction_impl(mode: str, device_type: str, compiled: bool, problem: str | No
 
     "auto" under compile fuses the junction across blocks inside the compiled code ("composed": a block hands on
     its sum and the next block's graph normalises it, the last block too, so two graphs to compile;
-    `apply_fused_junction`), on CUDA as on CPU. Measured on one H200 (d=1024, 64 sub-layers, batch 1 x 4096, bf16;
-    benchmarks/gpu/h200-2026-11-26.md), when composed still handed a pair (stream, u) across: Keel/Pre-LN step time
-    1.064 composed, against 1.300 with Inductor's junction inside each block and 1.469 with the Triton kernel in
-    the graph (Keel 53.6, 69.8 and 78.8 ms); on CPU 1.013 and 1.009 against 1.036 and 1.057. Those GPU figures
-    were taken before keel.scale.parallel.apply_compile kept alpha a constant (it was a CPU scalar input to every
-    compiled block).
-    After it, handing on the sum (`SumHandoff`), on one H100 (benchmarks/gpu/h100-2026-11-26.md): 1.043 composed,
-    1.084 inside each block, 1.481 with the kernel; at 32k tokens with AC 1.041 against 1.079 inside each block.
-    The kernel stays the eager default on CUDA (forward at 88-95% of copy bandwidth against 14-15% unfused) and is
-    what "on" asks for.
+    `apply_fused_junction`), on CUDA as on CPU; an eager model on CUDA gets the kernel, which is also what "on"
+    asks for. Both were measured faster there (the figures: docs/scale.md#performance, "Fused Keel junction").
     """
     if mode == "off":
         return None
