@@ -142,15 +142,8 @@ def bounded_pieces(chunks: Iterable[str]) -> Iterator[str]:
     place the pre-tokenizer splits anyway (before a space or after a line end, with text on both sides), so
     the pieces train the same BPE as the whole text did, unless the text has runs cut by the bounds.
     Pieces of spaces only are left out, as documents of spaces only are."""
-    text, start = "", 0
-    for chunk in chunks:
-        text = text[start:] + chunk
-        start = 0
-        while len(text) - start > PIECE_CHARS:
-            end = _split_point(text, start + PIECE_CHARS // 2, start + PIECE_CHARS)
-            yield from _short_runs(text[start:end])
-            start = end
-    yield from _short_runs(text[start:])
+    for piece in text_pieces(chunks):
+        yield from _short_runs(piece)
 
 
 def text_pieces(chunks: Iterable[str]) -> Iterator[str]:
