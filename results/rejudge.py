@@ -187,10 +187,9 @@ def tuned_alpha_tests() -> list[Test]:
 
 
 def pilot_tests() -> list[Test]:
-    r = results("depth-pilot")["budgets"]
-    return [Test("depth-pilot", "depth pilot, rule 20", f"Pre-LN 64 - 16 sub-layers, {b['tokens']:,} tokens",
-                 b["arms"]["64"]["report_losses"], b["arms"]["16"]["report_losses"], "rule 20")
-            for b in r.values()]
+    cells = results("depth-pilot")["report_losses"]  # per budget: steps of 8 x 64 tokens
+    return [Test("depth-pilot", "depth pilot, rule 20", f"Pre-LN 64 - 16 sub-layers, {int(c[5:]) * 512:,} tokens",
+                 arms["pre_ln_64"], arms["pre_ln_16"], "rule 20") for c, arms in cells.items()]
 
 
 def sweep_tests(folder: str = "depth-sweep", rule: str = "rule 21", row: str = "depth sweep") -> list[Test]:

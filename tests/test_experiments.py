@@ -33,7 +33,6 @@ QUICK = {
     "downstream": ["run.steps=3", "run.eval_tasks=[brackets,indent]"],
     # one search value (a bound): the points are known before the run
     "downstream-end": ["run.steps=3", "run.eval_tasks=[brackets,indent]", "search_start=2", "search_max=1"],
-    "depth-pilot": ["budgets=[3,4]"],
     "depth-sweep": [],
     "equal-tuning": [],
 }
@@ -69,7 +68,6 @@ QUICK_POINTS = {
     "downstream-end": [f"pre_ln-4-lr0.003-seed{k}" for k in _K]  # the reference, trained here
     + [f"keel-4-steps2-lr0.003-seed{k}" for k in (90, *_K)],  # the search's one value, then the final runs
     # every LR of the starting grid with every seed at each budget (an edge choice adds more)
-    "depth-pilot": [f"{b}-{d}-lr{lr}-seed{k}" for b in (3, 4) for d in (2, 4) for lr in (0.003, 0.01) for k in _K],
     "depth-sweep": [f"{s}-{d}-lr{lr}-wu2-seed{k}" for s in ("keel", "pre_ln", "post_ln", "deepnorm") for d in (2, 4)
                     for lr in (0.003, 0.01) for k in _K],
     # every arm's starting LR grid at the base warm-up with every choosing seed, and Keel tuned's alpha 2 somewhere

@@ -60,7 +60,6 @@ COMMANDS = {
     "tokenizer": ["tokenizer", "--out", "TMP/tok.json"],
     "bench": ["bench", "--preset", "tiny", "--depths", ""],
     "bench-model-gpu": ["bench", "--preset", "tiny", "--model-gpu", "H100"],
-    "bench-paper": ["bench", "--model-gpu", "paper"],
     "bench-validate": ["bench", "--validate-model"],
     "experiment": ["experiment", "depth"],
     "experiment-pilot": ["experiment", "depth-pilot"],
@@ -103,8 +102,6 @@ CASES = [
                                                     "keel and pre_ln)"),
     ("bench-model-gpu", {"optim.lr": 0.1}, "optim.lr: not used by keel bench (it reads model.* and "
                                            "run.{batch_size,seq_len,dtype,ac_every})"),
-    ("bench-paper", {"model.d_model": 64}, "model.d_model: not used by keel bench (--model-gpu paper runs fixed "
-                                           "shapes)"),
     ("bench-validate", {"run.threads": 1}, None),
     ("bench-validate", {"run.seq_len": 8}, "run.seq_len: not used by keel bench (--validate-model runs fixed shapes)"),
     ("experiment", {"run.steps": 5}, None),
@@ -116,9 +113,9 @@ CASES = [
     ("experiment", {"model.n_blocks": 4}, "depth: model.n_blocks: not used here (set per point from depths)"),
     ("experiment", {"run.name": "x"}, "depth: run.name: not used here (a sweep point writes no run directory of its "
                                       "own)"),
-    ("experiment-pilot", {"model.alpha": 2}, "depth-pilot: model.alpha: not used here (an option of keel; the arms "
-                                             "here are pre_ln)"),
-    ("experiment-pilot", {"run.steps": 5}, "depth-pilot: run.steps: not used here (set per point from budgets)"),
+    ("experiment-pilot", {"run.steps": 5}, "depth-pilot: run.steps: not used here (the study's fields are in its "
+                                           "file, results/depth-pilot/study.yaml: copy it and run keel sweep on the "
+                                           "copy)"),
     ("experiment-ablations", {"model.alpha": 2}, "ablations: model.alpha: not used here (the study's fields are in "
                                                  "its file, results/ablations/study.yaml: copy it and run keel sweep "
                                                  "on the copy)"),

@@ -78,16 +78,19 @@ def test_tuned_arms_are_their_point_files_at_the_lr_chosen_over_all_seeds():
     assert res["tuned_keel"] == keel == "keel-sqrtL"
 
 
-def test_depth_pilot_arms_are_their_point_files_at_the_lr_chosen_over_all_seeds():
-    res = store.read_results(RESULTS / "depth-pilot")["results"]
-    for steps, budget in res["budgets"].items():
-        for depth, arm in budget["arms"].items():
-            grid = [float(g) for g in arm["select_by_lr"]]
-            runs = {g: [point("depth-pilot", f"{steps}-{depth}-lr{g:g}-seed{s}") for s in range(3)] for g in grid}
-            means = {g: math.inf if any(p["diverged"] for p in pts) else
-                     statistics.fmean(p["select_loss"] for p in pts) for g, pts in runs.items()}
-            assert arm["lr"] == min(grid, key=means.get), (steps, depth)
-            assert arm["report_losses"] == [p["report_loss"] for p in runs[arm["lr"]]], (steps, depth)
+DECLARED = sorted(p.parent.name for p in RESULTS.glob("*/study.yaml") if re.search(r"^arms:", p.read_text(), re.M))
+
+
+@pytest.mark.parametrize("folder", DECLARED)
+def test_a_declared_studys_choices_and_losses_are_its_point_files_at_the_lr_its_rule_chooses(folder):
+    """Each arm and cell of a study declared as data: the LR chosen again here from the point files (declared_arm)
+    is the one results.json holds, and so are its report losses."""
+    r = res(folder)["results"]
+    for cell, arms in r["choices"].items():
+        for label, choice in arms.items():
+            lr, report = declared_arm(folder, label, cell, with_lr=True)
+            assert choice["hp"] == {"optim.lr": lr}, (cell, label)
+            assert r["report_losses"][cell][label] == report, (cell, label)
 
 
 SCHEME = {"Keel": "keel", "Pre-LN": "pre_ln", "Post-LN": "post_ln", "DeepNorm": "deepnorm"}
@@ -231,7 +234,7 @@ def arm(folder: str, label: str) -> list[float]:
     return losses(folder, [f"{label}-lr{a['lr']:g}{wu}-seed{s}" for s in range(len(a["report_losses"]))])
 
 
-def declared_arm(folder: str, label: str, cell: str = "") -> list[float]:
+def declared_arm(folder: str, label: str, cell: str = "", with_lr: bool = False):
     """An arm's report losses in a study declared as data (its points named arm-cell-lrX-seedS), at the LR chosen
     again here from its point files: the lowest mean select-half loss over the study's choosing seeds (a diverged
     seed: +inf)."""
@@ -249,7 +252,8 @@ def declared_arm(folder: str, label: str, cell: str = "") -> list[float]:
         pts = [point(folder, f"{prefix}{lr:g}-seed{s}") for s in choosers]
         return math.inf if any(p["diverged"] for p in pts) else statistics.fmean(p["select_loss"] for p in pts)
     lr = min(grid, key=mean)
-    return losses(folder, [f"{prefix}{lr:g}-seed{s}" for s in seeds])
+    report = losses(folder, [f"{prefix}{lr:g}-seed{s}" for s in seeds])
+    return (lr, report) if with_lr else report
 
 
 def minus(a: list[float], b: list[float]) -> list[float]:
@@ -290,10 +294,8 @@ def arm_inputs(fam: str, what: str) -> tuple[list, list]:
         return report["keel"], report["post_ln"]
     assert fam == "depth-pilot", fam
     m = re.match(r"Pre-LN 64 - 16 sub-layers, ([\d,]+) tokens", what)
-    [(steps, budget)] = [(k, b) for k, b in res(fam)["results"]["budgets"].items()
-                         if b["tokens"] == int(m[1].replace(",", ""))]
-    return tuple(losses(fam, [f"{steps}-{d}-lr{budget['arms'][d]['lr']:g}-seed{s}" for s in range(3)])
-                 for d in ("64", "16"))
+    steps = int(m[1].replace(",", "")) // (8 * 64)  # 8 x 64 tokens a step
+    return tuple(declared_arm(fam, f"pre_ln_{d}", f"steps{steps}") for d in (64, 16))
 
 
 @pytest.mark.slow  # over a second in tests/durations.json

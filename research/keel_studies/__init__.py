@@ -18,7 +18,6 @@ STUDIES = {
     "downstream": ("downstream", "DownstreamConfig", "run"),
     "downstream-end": ("downstream_end", "DownstreamEndConfig", "run"),
     "tuned": ("tuned", "TunedConfig", "run"),
-    "depth-pilot": ("pilot", "PilotConfig", "run"),
     "depth-sweep": ("depth_sweep", "DepthSweepConfig", "run"),
     "equal-tuning": ("equal_tuning", "EqualTuningConfig", "run"),
 }

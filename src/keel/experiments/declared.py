@@ -398,10 +398,12 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
     tests_table = markdown_table(["cell", "difference", "mean ± SD of the paired differences", "95% CI", "p",
                                   "Holm p", "verdict"], test_rows)
     plots = [_plot(study, out, results)]
-    run = study.config({}).run
+    runs = [study.config(cell).run for cell in study.cells()]  # an axis may set the steps
+    steps = ", ".join(dict.fromkeys(f"{r.steps:,}" for r in runs))
+    tokens = ", ".join(dict.fromkeys(f"{r.steps * r.batch_size * r.seq_len:,}" for r in runs))
     rest = [s for s in study.seeds if s not in study.choosers()]
-    notes = (f"Each point: the budget measurement (keel.experiments.budget) at {run.steps} steps of "
-             f"{run.batch_size}x{run.seq_len} tokens ({run.steps * run.batch_size * run.seq_len:,} tokens); choices "
+    notes = (f"Each point: the budget measurement (keel.experiments.budget) at {steps} steps of "
+             f"{runs[0].batch_size}x{runs[0].seq_len} tokens ({tokens} tokens); choices "
              f"by the mean select-half loss over seeds {study.choosers()}"
              + (f", seeds {rest} run at the choices" if rest else "")
              + f"; report-half losses on seeds {seeds}; paired two-sided t-tests, Holm over the study's "
