@@ -39,8 +39,6 @@ def reads(args) -> Reads:
 
     if args.validate_model:
         return fixed("--validate-model runs fixed shapes")
-    if args.model_gpu == "paper":
-        return fixed("--model-gpu paper runs fixed shapes")
     if args.model_gpu:
         return Reads("keel bench", ("model", "run.threads", *(f"run.{f}" for f in MODEL_RUN_FIELDS)),
                      f"it reads model.* and run.{{{','.join(MODEL_RUN_FIELDS)}}}",
@@ -63,19 +61,15 @@ def bench_config(args):
 
 
 def run_model(args) -> str:
-    """`--model-gpu`: the performance model's PREDICTED step at the merged config's shape (or, `paper`, the
-    paper's shapes on every GPU: benchmarks/gpu/predicted.md); `--validate-model`: its CPU twin against
-    measured eager steps at three fixed shapes."""
+    """`--model-gpu`: the performance model's PREDICTED step at the merged config's shape; `--validate-model`: its
+    CPU twin against measured eager steps at three fixed shapes."""
     from keel.bench.perf_model import DEVICES, calibrated
-    from keel.bench.perf_report import paper_markdown, prediction_markdown, validate, validation_markdown
+    from keel.bench.perf_report import prediction_markdown, validate, validation_markdown
 
     config = bench_config(args)
-    if args.validate_model or args.model_gpu == "paper":
-        if args.validate_model:
-            result = validate(args.steps, args.warmup)
-            text, name = validation_markdown(result), "validation"
-        else:
-            result, text, name = None, paper_markdown(), "predicted"
+    if args.validate_model:
+        result = validate(args.steps, args.warmup)
+        text, name = validation_markdown(result), "validation"
     else:
         run_cfg = config.run
         result, name = None, f"predicted-{args.model_gpu}"
@@ -224,11 +218,10 @@ def register(subparsers) -> None:
     p.add_argument("--out", help="directory for bench.json and bench.md")
     for name in MOVED:  # hidden: only to say where each went
         p.add_argument(f"--{name.replace('_', '-')}", nargs="?", const="", help=argparse.SUPPRESS)
-    p.add_argument("--model-gpu", choices=[*MODELLED_GPUS, "paper"],
+    p.add_argument("--model-gpu", choices=MODELLED_GPUS,
                    help="print the performance model's PREDICTED step (keel.bench.perf_model) of Keel and Pre-LN at "
                         "the merged config's shape on this GPU, eager / compiled / compiled+fused (run.dtype auto "
-                        "means bf16, as on a GPU); `paper`: the paper's shapes on every GPU, with the formulas "
-                        "(--out DIR writes DIR/predicted.md)")
+                        "means bf16, as on a GPU)")
     p.add_argument("--validate-model", action="store_true",
                    help="the model's CPU twin: measure this machine's bandwidth and GEMM FLOP/s, predict eager "
                         "float32 steps at three shapes, time them (--steps/--warmup) and print the error")
