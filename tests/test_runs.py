@@ -77,6 +77,19 @@ def test_a_bpe_vocabulary_larger_than_the_model_is_refused_before_training_it(ar
                    "set model.vocab_size=1024")
 
 
+@pytest.mark.parametrize("name", ["first", ""])
+def test_a_refused_start_leaves_no_folder_it_made_and_keeps_the_ones_it_found(name, tmp_path, capsys):
+    out = tmp_path / "a" / "b" / "runs"  # none of these exist: the refused start made them and removes them
+    argv = ["train", "--preset", "tiny", f"data.source={tmp_path / 'no-such-corpus.txt'}", f"run.out_dir={out}",
+            *([f"run.name={name}"] if name else [])]  # unnamed: a name from the clock
+    assert main(argv) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    (out / "earlier").mkdir(parents=True)  # a folder that holds another run stays, and so does the run
+    assert main(argv) == 2
+    assert [p.name for p in out.iterdir()] == ["earlier"]
+
+
 def test_eval_prints_a_table_or_json(tmp_path, capsys, make_run, corpus):
     make_run(tmp_path / "run")
     config = (tmp_path / "run" / "config.yaml").read_text()

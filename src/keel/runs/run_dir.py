@@ -40,9 +40,10 @@ LOCK = ".lock"
 
 
 class RunDir(os.PathLike):
-    def __init__(self, path):
+    def __init__(self, path, made: tuple = ()):
         self.path = Path(path)
         self._lock = None
+        self.made = made  # the folders above it that `create` made, innermost first: a failed start removes them
 
     # ---- finding or making one ------------------------------------------------------------------
     @staticmethod
@@ -64,17 +65,18 @@ class RunDir(os.PathLike):
         numeric suffix when runs start within the same second."""
         cls.check_new(config)
         out = Path(config.run.out_dir)
+        made = tuple(p for p in (out, *out.parents) if not p.exists())
         try:
             out.mkdir(parents=True, exist_ok=True)
             if config.run.name:
                 (out / config.run.name).mkdir(exist_ok=True)
-                return cls(out / config.run.name)
+                return cls(out / config.run.name, made)
             base = cls.default_name(config)
             for n in range(1, 1000):
                 path = out / (base if n == 1 else f"{base}-{n}")
                 try:
                     path.mkdir()  # atomic: two processes never get the same directory
-                    return cls(path)
+                    return cls(path, made)
                 except FileExistsError:
                     continue
         except OSError as err:
@@ -179,6 +181,7 @@ class RunDir(os.PathLike):
                     p.unlink()
             if not any(self.path.iterdir()):
                 self.path.rmdir()
+                self._discard_made()
 
     def discard_untrained(self) -> None:
         """Remove a run that has not trained a step (no checkpoints, no metrics): what a start that failed
@@ -187,6 +190,15 @@ class RunDir(os.PathLike):
         trained = (self.path / "checkpoints").exists() or (self.path / "metrics.jsonl").exists()
         if self.path.is_dir() and not trained:
             shutil.rmtree(self.path, ignore_errors=True)
+            self._discard_made()
+
+    def _discard_made(self) -> None:
+        """The folders `create` made for this run (run.out_dir and any above it), while nothing else is in them."""
+        for folder in self.made:
+            try:
+                folder.rmdir()  # only an empty folder; another run started there meanwhile keeps it
+            except OSError:
+                return
 
     # ---- what it holds --------------------------------------------------------------------------
     def config(self) -> TrainConfig:

@@ -128,7 +128,7 @@ class Trainer:
     def _run_dir(self, run_dir) -> RunDir:
         """Rank 0 makes or opens the directory; every rank then uses rank 0's path (an unnamed run is named
         by the clock, which may differ between ranks)."""
-        path = None
+        path, made = None, ()
         if self.world.main:
             if run_dir is not None:
                 try:  # before any work, so an unwritable place fails at once
@@ -139,8 +139,9 @@ class Trainer:
             elif self.config.resume:
                 path = RunDir.open(self.config.resume).path
             else:
-                path = RunDir.create(self.config).path
-        return RunDir(distributed.broadcast_object(str(path) if path else None, self.world))
+                created = RunDir.create(self.config)
+                path, made = created.path, created.made
+        return RunDir(distributed.broadcast_object(str(path) if path else None, self.world), made)
 
     # ---- state ------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
