@@ -148,20 +148,18 @@ def _sci(x: float) -> str:
 
 
 def tuned_tests() -> list[Test]:
-    r = results("tuned")["depths"]["64"]
-    arms_ = r["arms"]
-    alpha = {"keel": "L", "keel-sqrtL": "sqrtL"}
-    lr = {a: _sci(arm["lr"]) for a, arm in arms_.items()}
-    tuned = r["tuned_keel"]
+    study, r = store.read_results(ROOT / "tuned")["config"], results("tuned")
+    alpha = {a: fields.get("model.alpha", "L") for a, fields in study["arms"].items()}
+    lr = {a: _sci(c["hp"]["optim.lr"]) for a, c in r["choices"][""].items()}
+    tuned = r["picks"][""]["tuned_keel"]["arm"]
     return [
         Test("tuned", "tuned, rule 19", f"tuned Keel (alpha = {alpha[tuned]}, {lr[tuned]}) - Post-LN "
-             f"({lr['post_ln']}), 64 sub-layers, 5 seeds", arms_[tuned]["report_losses"],
-             arms_["post_ln"]["report_losses"], "rule 19 (primary)"),
-        Test("tuned", "tuned, rule 19", "Keel sqrtL - Keel L, each at its chosen LR", arms_["keel-sqrtL"]
-             ["report_losses"], arms_["keel"]["report_losses"], "rule 19 (secondary)", "both Keel arms"),
+             f"({lr['post_ln']}), 64 sub-layers, 5 seeds", arm("tuned", tuned), arm("tuned", "post_ln"),
+             "rule 19 (primary)"),
+        Test("tuned", "tuned, rule 19", "Keel sqrtL - Keel L, each at its chosen LR", arm("tuned", "keel_sqrtL"),
+             arm("tuned", "keel"), "rule 19 (secondary)", "both Keel arms"),
         Test("tuned", "tuned, rule 19", f"Keel alpha = L ({lr['keel']}) - Post-LN ({lr['post_ln']})",
-             arms_["keel"]["report_losses"], arms_["post_ln"]["report_losses"], "reported (no verdict by its rule)",
-             "Post-LN's runs"),
+             arm("tuned", "keel"), arm("tuned", "post_ln"), "reported (no verdict by its rule)", "Post-LN's runs"),
     ]
 
 

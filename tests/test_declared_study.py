@@ -112,6 +112,13 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     ({"measure": "accuracy"}, "measure: 'accuracy'; allowed: loss"),
     ({"base": {"run": {"seed": 3}}}, "base: run.seed: not used here (set per point from seeds)"),
     ({"nope": 1}, "unknown key 'nope'"),
+    ({"best_of": {"best": ["keel"]}}, "best_of: a mapping of new names -> lists of two or more distinct arms"),
+    ({"best_of": {"keel": ["keel", "pre_ln"]}}, "best_of: a mapping of new names"),
+    ({"best_of": {"best": ["keel", "nope"]}}, "best_of: a mapping of new names"),
+    ({"best_of": ["keel", "pre_ln"]}, "best_of: a mapping of new names"),
+    ({"best_of": {"best": ["keel", "pre_ln"]}, "compare": [["best", "nope"]]}, "compare: pairs of two different arms "
+                                                                               "out of keel, pre_ln, post_ln, best"),
+    ({"untested": [["keel", "keel"]]}, "untested: pairs of two different arms"),
 ])
 def test_a_bad_declared_study_is_one_line_before_any_point(change, needle, tmp_path, capsys):
     path = write(tmp_path, study(**change))
@@ -192,3 +199,61 @@ def test_select_seeds_choose_alone_and_the_other_seeds_run_at_the_choice(tmp_pat
                                                                ("pre_ln", 2e-5, 1), ("pre_ln", 2e-5, 2)]
     assert results["report_losses"][""] == {"keel": [1.0, 1.01, 1.02], "pre_ln": [1.1, 1.1, 1.1]}
     assert results["tests"][0]["n"] == 3 and results["tests"][0]["mean"] == pytest.approx(-0.09)
+
+
+def test_best_of_picks_the_arm_with_the_lowest_mean_select_loss_at_its_choices_and_untested_pairs_are_means(
+        tmp_path, monkeypatch):
+    """Points with written-out losses: each arm's LR is chosen by the mean select-half loss over every seed (seed 0
+    alone would choose otherwise); best_of then picks, among its arms, the one whose mean at its chosen LR is lowest
+    (alpha chosen like the LR), whatever the report half says; a test naming it compares the arm it picked. Holm runs
+    over the tests alone: an untested pair is a mean and SD of the paired differences, outside the family."""
+    from keel.experiments import declared
+
+    select = {("post_ln", 1e-5): [2.0, 2.5, 2.5], ("post_ln", 2e-5): [2.1, 2.1, 2.1],      # the mean picks 2e-5
+              ("keel", 1e-5): [1.9, 2.4, 2.4], ("keel", 2e-5): [2.2, 2.2, 2.2],            # the mean picks 2e-5
+              ("keel_sqrtL", 1e-5): [1.8, 3.0, 3.0], ("keel_sqrtL", 2e-5): [2.3, 2.3, 2.3]}  # the mean picks 2e-5
+    report = {"post_ln": [2.00, 2.10, 2.05], "keel": [2.30, 2.42, 2.33], "keel_sqrtL": [2.28, 2.39, 2.29]}
+
+    def fake_point(study, arm, cell, hp, seed):
+        lr = hp["optim.lr"]
+        return {"lr": lr, "seed": seed, "diverged": False, "select_loss": select[arm, lr][seed],
+                "report_loss": report[arm][seed] if lr == 2e-5 else 0.5}
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = study(axes={}, arms={"post_ln": {"model.scheme": "post_ln"}, "keel": {"model.scheme": "keel"},
+                               "keel_sqrtL": {"model.scheme": "keel", "model.alpha": "sqrtL"}},
+                tune=[{"field": "optim.lr", "grid": [1e-5, 2e-5], "grow": 0}],
+                best_of={"tuned_keel": ["keel", "keel_sqrtL"]},
+                compare=[["tuned_keel", "post_ln"], ["keel_sqrtL", "keel"]],
+                untested=[["keel", "post_ln"], ["keel_sqrtL", "post_ln"]])
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    assert {a: c["hp"]["optim.lr"] for a, c in results["choices"][""].items()} == {a: 2e-5 for a in report}
+    # alpha = L has the lower mean select loss at its chosen LR (2.2 < 2.3), though sqrtL reports lower
+    assert results["picks"][""]["tuned_keel"] == {"arm": "keel", "select": {"keel": pytest.approx(2.2),
+                                                                            "keel_sqrtL": pytest.approx(2.3)}}
+    primary, secondary = results["tests"]
+    assert primary["pair"] == ["tuned_keel", "post_ln"] and primary["arms"] == ["keel", "post_ln"]
+    ps = [scipy_stats.ttest_rel(report["keel"], report["post_ln"]).pvalue,
+          scipy_stats.ttest_rel(report["keel_sqrtL"], report["keel"]).pvalue]
+    assert [primary["p"], secondary["p"]] == pytest.approx(ps, rel=1e-9)
+    assert [primary["p_holm"], secondary["p_holm"]] == pytest.approx(holm_by_hand(ps), rel=1e-12)
+    untested = results["untested"]
+    assert [t["pair"] for t in untested] == [["keel", "post_ln"], ["keel_sqrtL", "post_ln"]]
+    assert untested[0]["mean"] == pytest.approx(np.mean([0.30, 0.32, 0.28])) and "p" not in untested[0]
+    report_md = (tmp_path / "report.md").read_text()
+    assert "**tuned_keel** at the base: keel (mean select-half loss at the choices: keel 2.200, keel_sqrtL 2.300)" \
+        in report_md
+    assert "| - | tuned_keel (keel) - post_ln |" in report_md and "| reported, not tested |" in report_md
+
+
+def test_best_of_ties_go_to_the_first_arm_listed(tmp_path, monkeypatch):
+    from keel.experiments import declared
+
+    def fake_point(study, arm, cell, hp, seed):
+        return {"seed": seed, "diverged": arm != "post_ln", "report_loss": 1.0 + 0.01 * seed,
+                "select_loss": None if arm != "post_ln" else 1.0}  # Keel and Pre-LN diverged: +inf each
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = study(axes={}, tune=[], best_of={"best": ["pre_ln", "keel"]}, compare=[["best", "post_ln"]],
+                arms={"keel": {"model.scheme": "keel"}, "pre_ln": {"model.scheme": "pre_ln"},
+                      "post_ln": {"model.scheme": "post_ln"}})
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    assert results["picks"][""]["best"]["arm"] == "pre_ln"

@@ -63,21 +63,6 @@ def test_committed_arms_are_their_point_files_at_the_lr_the_rule_chooses(folder)
             assert lr == min(grid, key=mean_select.get), label
 
 
-def test_tuned_arms_are_their_point_files_at_the_lr_chosen_over_all_seeds():
-    res = store.read_results(RESULTS / "tuned")["results"]["depths"]["64"]
-    chosen = {}
-    for label, arm in res["arms"].items():
-        grid = [float(g) for g in arm["select_by_lr"]]
-        means = {g: statistics.fmean(point("tuned", f"{label}-64-lr{g:g}-seed{s}")["select_loss"] for s in range(5))
-                 for g in grid}
-        chosen[label] = min(grid, key=means.get)
-        assert arm["lr"] == chosen[label]
-        assert arm["report_losses"] == [point("tuned", f"{label}-64-lr{arm['lr']:g}-seed{s}")["report_loss"]
-                                        for s in range(5)]
-    keel = min(("keel", "keel-sqrtL"), key=lambda a: res["arms"][a]["mean_select"])
-    assert res["tuned_keel"] == keel == "keel-sqrtL"
-
-
 DECLARED = sorted(p.parent.name for p in RESULTS.glob("*/study.yaml") if re.search(r"^arms:", p.read_text(), re.M))
 
 
@@ -91,6 +76,9 @@ def test_a_declared_studys_choices_and_losses_are_its_point_files_at_the_lr_its_
             lr, report = declared_arm(folder, label, cell, with_lr=True)
             assert choice["hp"] == {"optim.lr": lr}, (cell, label)
             assert r["report_losses"][cell][label] == report, (cell, label)
+    for cell, picks in r.get("picks", {}).items():
+        for name, pick in picks.items():
+            assert pick["arm"] == declared_pick(folder, pick["select"], cell), (cell, name)
 
 
 SCHEME = {"Keel": "keel", "Pre-LN": "pre_ln", "Post-LN": "post_ln", "DeepNorm": "deepnorm"}
@@ -256,6 +244,21 @@ def declared_arm(folder: str, label: str, cell: str = "", with_lr: bool = False)
     return (lr, report) if with_lr else report
 
 
+def declared_pick(folder: str, among, cell: str = "") -> str:
+    """A best_of's arm, picked again here: of `among`, the arm whose mean select-half loss over the choosing seeds at
+    its LR (chosen again by declared_arm) is the lowest; ties to the first listed."""
+    import yaml
+
+    doc = yaml.safe_load((RESULTS / folder / "study.yaml").read_text())
+    choosers = doc.get("select_seeds") or doc.get("seeds", [0, 1, 2])
+
+    def mean(label):
+        lr, _ = declared_arm(folder, label, cell, with_lr=True)
+        pts = [point(folder, f"{label}-{cell + '-' if cell else ''}lr{lr:g}-seed{s}") for s in choosers]
+        return math.inf if any(p["diverged"] for p in pts) else statistics.fmean(p["select_loss"] for p in pts)
+    return min(among, key=mean)
+
+
 def minus(a: list[float], b: list[float]) -> list[float]:
     return [x - y for x, y in zip(a, b)]
 
@@ -284,14 +287,13 @@ def arm_inputs(fam: str, what: str) -> tuple[list, list]:
         m = re.match(r"Keel - (\S+) at (\d+) sub-layers", what)
         return arm(fam, f"keel-{m[2]}"), arm(fam, f"{SCHEME[m[1]]}-{m[2]}")
     if fam == "tuned":
-        arms = res(fam)["results"]["depths"]["64"]["arms"]
-        report = {a: losses(fam, [f"{a}-64-lr{arms[a]['lr']:g}-seed{s}" for s in range(5)]) for a in arms}
         if m := re.match(r"tuned Keel \(alpha = (L|sqrtL),", what):
-            return report["keel" if m[1] == "L" else "keel-sqrtL"], report["post_ln"]
+            assert declared_pick(fam, ["keel", "keel_sqrtL"]) == {"L": "keel", "sqrtL": "keel_sqrtL"}[m[1]]
+            return declared_arm(fam, {"L": "keel", "sqrtL": "keel_sqrtL"}[m[1]]), declared_arm(fam, "post_ln")
         if what.startswith("Keel sqrtL - Keel L"):
-            return report["keel-sqrtL"], report["keel"]
+            return declared_arm(fam, "keel_sqrtL"), declared_arm(fam, "keel")
         assert what.startswith("Keel alpha = L (")
-        return report["keel"], report["post_ln"]
+        return declared_arm(fam, "keel"), declared_arm(fam, "post_ln")
     assert fam == "depth-pilot", fam
     m = re.match(r"Pre-LN 64 - 16 sub-layers, ([\d,]+) tokens", what)
     steps = int(m[1].replace(",", "")) // (8 * 64)  # 8 x 64 tokens a step

@@ -11,6 +11,8 @@
     select_seeds: [0]                                                         # optional: the ones that choose
     marginal_seeds: [3, 4]                                                    # optional
     compare: [[keel, pre_ln]]                                                 # default: the first arm vs each other
+    best_of: {best: [keel, pre_ln]}                                           # optional: an arm picked per cell
+    untested: [[pre_ln, keel]]                                                # optional: reported, not tested
     curve_every: 50                                                           # optional: a loss curve (0: off)
 
 The method (the budget measurement, keel.experiments.budget): every point trains from scratch with the paper's
@@ -22,6 +24,11 @@ search tries and choose by their mean; the other seeds run at the chosen values 
 the chosen values are compared seed by seed: paired two-sided t-test per cell and pair, Holm over every test of the
 study. With `marginal_seeds`, a test that is marginal (raw p < 0.05 lifted by Holm, or Holm p in [0.05, 0.20)) gets
 them on both arms at their chosen values and every test is run again on all seeds.
+
+`best_of` names a choice among arms made like a tuned value: per cell, the listed arm with the lowest mean select-half
+loss at its own choices (ties: the first listed), e.g. Keel's alpha as arms (`keel_sqrtL: {model.alpha: sqrtL}`)
+each with its LR tuned, then the best; `compare` and `untested` may name it. `untested` pairs are reported as the
+mean and SD of their paired differences only, outside the Holm family.
 
 `rule` links the decision rule the study is judged by (comma-separated links; the report links them).
 `keel experiment NAME --quick` runs a study file at a smoke-test size (`smoke`): every point a 2-block d=32 model
@@ -67,7 +74,8 @@ KEYS = {"question": "what it asks", "answer": "what it found", "rule": "its deci
         "tune": "the fields chosen per arm and cell", "seeds": "the seeds", "marginal_seeds": "seeds added to a "
         "marginal test", "compare": "pairs of arms", "measure": "what a point measures", "curve_every":
         "report-half loss every this many steps (0: off)", "curve_batches": "batches of each curve evaluation",
-        "select_seeds": "the seeds that choose (default: all seeds)"}
+        "select_seeds": "the seeds that choose (default: all seeds)", "best_of": "name -> arms: per cell the one "
+        "with the lowest mean select-half loss at its choices", "untested": "pairs of arms reported, not tested"}
 MEASURES = ("loss",)  # the budget measurement: final loss on the select and report halves
 PER_POINT = {"run.seed": "set per point from seeds", "run.out_dir": "a study point writes no run directory",
              "run.name": "a study point writes no run directory"}
@@ -91,6 +99,8 @@ class DeclaredStudy:
     curve_every: int = 0
     curve_batches: int = 2
     select_seeds: list = field(default_factory=list)  # empty: every seed chooses
+    best_of: dict = field(default_factory=dict)  # name -> arms (`read`)
+    untested: list = field(default_factory=list)
     smoke: dict = field(default_factory=dict)  # fields set on every point last (`smoke`); empty for a real study
 
     @property
@@ -185,11 +195,17 @@ def read(doc: dict, where: str) -> DeclaredStudy:
         raise bad("marginal_seeds: must be new seeds, not in seeds")
     if select is not None and (not select or not set(select) <= set(seeds)):
         raise bad(f"select_seeds: some of seeds {seeds}, the ones that choose (got {select!r})")
-    names = list(arms)
-    compare = doc.get("compare") or [[names[0], other] for other in names[1:]]
-    if not isinstance(compare, list) or not all(isinstance(p, list) and len(p) == 2 and p[0] != p[1]
-                                                and set(p) <= set(names) for p in compare):
-        raise bad(f"compare: pairs of two different arms out of {', '.join(names)} (got {compare!r})")
+    best_of = doc.get("best_of") or {}
+    for name, among in best_of.items() if isinstance(best_of, dict) else [("", None)]:
+        if not _NAME.fullmatch(str(name)) or name in arms or not isinstance(among, list) or len(among) < 2 \
+                or len(set(map(str, among))) < len(among) or not set(map(str, among)) <= set(arms):
+            raise bad(f"best_of: a mapping of new names -> lists of two or more distinct arms (got {best_of!r})")
+    names = [*arms, *best_of]
+    compare = doc.get("compare") or [[names[0], other] for other in list(arms)[1:]]
+    for key_, pairs in (("compare", compare), ("untested", doc.get("untested") or [])):
+        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and p[0] != p[1]
+                                                  and set(p) <= set(names) for p in pairs):
+            raise bad(f"{key_}: pairs of two different arms out of {', '.join(names)} (got {pairs!r})")
     measure = doc.get("measure", "loss")
     if measure not in MEASURES:
         raise bad(f"measure: {measure!r}; allowed: {', '.join(MEASURES)}")
@@ -201,7 +217,7 @@ def read(doc: dict, where: str) -> DeclaredStudy:
                           tune=[{"field": s["field"], "grid": sorted(s["grid"]), "grow": s.get("grow", 2)}
                                 for s in tune], seeds=seeds, marginal_seeds=marginal, compare=compare,
                           measure=measure, curve_every=curve_every, curve_batches=curve_batches,
-                          select_seeds=select or [])
+                          select_seeds=select or [], best_of=best_of, untested=doc.get("untested") or [])
     _check_configs(study, bad)
     return study
 
@@ -245,6 +261,10 @@ def _get(config, key: str):
     return config
 
 
+def _cell(study: DeclaredStudy, name: str) -> dict:
+    return next(c for c in study.cells() if _cell_name(c) == name)
+
+
 def _cell_name(cell: dict) -> str:
     return "-".join(f"{k.rsplit('.', 1)[-1]}{v}" for k, v in cell.items())
 
@@ -278,22 +298,25 @@ def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", ques
     for cell in study.cells():
         desc = f"{name} {_cell_name(cell) or 'points'}"
         choices[_cell_name(cell)] = _tune_cell(study, sweep, cell, points, base, desc)
-    tests = _tests(study, points, choices, study.seeds)
+    picks = {c: {pick: _best_of(study, points, c, choice, among) for pick, among in study.best_of.items()}
+             for c, choice in choices.items()}
+    tests = _tests(study, points, choices, picks, study.seeds, study.compare)
     seeds = study.seeds
     if study.marginal_seeds and any(_marginal(t) for t in tests):
         seeds = [*study.seeds, *study.marginal_seeds]
         jobs = {}
         for t in tests:
             if _marginal(t):
-                for arm in t["pair"]:
-                    hp = choices[t["cell"]][arm]["hp"]
-                    cell = study.cells()[[_cell_name(c) for c in study.cells()].index(t["cell"])]
+                for arm in t["arms"]:
+                    hp, cell = choices[t["cell"]][arm]["hp"], _cell(study, t["cell"])
                     jobs |= {key(arm, cell, hp, s): _job(study, arm, cell, hp, s) for s in study.marginal_seeds}
         points |= sweep.run(jobs, f"{name} (marginal seeds)")
-        tests = _tests(study, points, choices, seeds)
+        tests = _tests(study, points, choices, picks, seeds, study.compare)
     losses = {c: {arm: _losses(study, points, c, choice, arm, seeds) for arm in study.arms} for c, choice in
               choices.items()}  # per cell and arm, over `seeds`: what the tests compare
     results = {"points": points, "choices": choices, "tests": tests, "seeds": seeds, "report_losses": losses}
+    results |= ({"picks": picks} if study.best_of else {}) | ({"untested": _tests(
+        study, points, choices, picks, seeds, study.untested, tested=False)} if study.untested else {})
     _report(study, out, command, name, results, question, rule)
     return results
 
@@ -344,21 +367,36 @@ def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, bas
     return {arm: {"hp": c["hp"], "grids": c["grids"]} for arm, c in chosen.items()}
 
 
+def _best_of(study: DeclaredStudy, points: dict, cell_name: str, choice: dict, among: list) -> dict:
+    """The arm of `among` with the lowest mean select-half loss over the choosing seeds at its choices (ties: the
+    first listed), and each one's mean."""
+    cell = _cell(study, cell_name)
+    select = {a: float(np.mean([_finite(points[key(a, cell, choice[a]["hp"], s)].get("select_loss"))
+                                for s in study.choosers()])) for a in among}
+    return {"arm": min(among, key=select.get), "select": select}
+
+
 def _losses(study, points, cell_name, choice, arm, seeds) -> list:
-    cell = study.cells()[[_cell_name(c) for c in study.cells()].index(cell_name)]
+    cell = _cell(study, cell_name)
     return [points[k]["report_loss"] if (k := key(arm, cell, choice[arm]["hp"], s)) in points else None
             for s in seeds]
 
 
-def _tests(study: DeclaredStudy, points: dict, choices: dict, seeds: list) -> list[dict]:
+def _tests(study: DeclaredStudy, points: dict, choices: dict, picks: dict, seeds: list, pairs: list,
+           tested: bool = True) -> list[dict]:
+    """Each pair per cell, a best_of name as the arm it picked there: paired t-tests, Holm over them all (with
+    `tested`; otherwise the mean and SD of the paired differences only)."""
     tests = []
     for cell_name, choice in choices.items():
-        for a, b in study.compare:
-            la, lb = _losses(study, points, cell_name, choice, a, seeds), _losses(study, points, cell_name, choice, b,
-                                                                                  seeds)
-            tests.append({"cell": cell_name, "pair": [a, b], "seeds": [s for s, x, y in zip(seeds, la, lb)
-                                                                       if x is not None and y is not None],
-                          **stats.paired(la, lb)})
+        for pair in pairs:
+            arms = [picks[cell_name][a]["arm"] if a in picks[cell_name] else a for a in pair]
+            la, lb = (_losses(study, points, cell_name, choice, a, seeds) for a in arms)
+            t = stats.paired(la, lb)
+            tests.append({"cell": cell_name, "pair": pair, "arms": arms, "seeds": [s for s, x, y in zip(seeds, la, lb)
+                                                                                   if x is not None and y is not None],
+                          **(t if tested else {k: t[k] for k in ("n", "mean", "sd")})})
+    if not tested:
+        return tests
     for t, adjusted in zip(tests, stats.holm([t["p"] for t in tests])):
         t["p_holm"] = adjusted
         t["verdict"] = "inconclusive" if adjusted is None or adjusted >= stats.ALPHA else (
@@ -377,8 +415,7 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
     rows = []
     for cell_name, choice in choices.items():
         for arm in study.arms:
-            losses = _losses(study, points, cell_name, choice, arm, seeds)
-            cell = study.cells()[[_cell_name(c) for c in study.cells()].index(cell_name)]
+            losses, cell = _losses(study, points, cell_name, choice, arm, seeds), _cell(study, cell_name)
             runs = [points.get(key(arm, cell, choice[arm]["hp"], s), {}) for s in seeds]
             diverged, size = sum(bool(r.get("diverged")) for r in runs), next((r["n_params"] for r in runs
                                                                                if r.get("n_params")), None)
@@ -390,11 +427,16 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
                          notes or "-"])
     arms_table = markdown_table(["cell", "arm", "parameters", "chosen on the select half", "report-half loss", "grids"],
                                 rows)
-    test_rows = [[t["cell"] or "-", f"{t['pair'][0]} - {t['pair'][1]}",
-                  f"{t['mean']:+.3f} ± {t['sd']:.3f} (n={t['n']})" if t["sd"] is not None else stats.describe(t),
-                  "-" if t["ci95"] is None else "[{:+.3f}, {:+.3f}]".format(*t["ci95"]),
-                  "n/a" if t["p"] is None else f"{t['p']:.2g}", "-" if t["p_holm"] is None else f"{t['p_holm']:.2g}",
-                  t["verdict"]] for t in results["tests"]]
+    picked = [f"**{name}** at {c or 'the base'}: {p['arm']} (mean select-half loss at the choices: "
+              + ", ".join(f"{a} {v:.3f}" for a, v in p["select"].items()) + ")"
+              for c, cell_picks in results.get("picks", {}).items() for name, p in cell_picks.items()]
+    test_rows = [[t["cell"] or "-", " - ".join(a if a == r else f"{a} ({r})" for a, r in zip(t["pair"], t["arms"])),
+                  f"{t['mean']:+.3f} ± {t['sd']:.3f} (n={t['n']})" if t["sd"] is not None else
+                  stats.describe(t) if "p" in t else f"{t['mean']:+.3f} (n={t['n']})",
+                  "-" if t.get("ci95") is None else "[{:+.3f}, {:+.3f}]".format(*t["ci95"]),
+                  "n/a" if t.get("p") is None else f"{t['p']:.2g}",
+                  "-" if t.get("p_holm") is None else f"{t['p_holm']:.2g}", t.get("verdict", "reported, not tested")]
+                 for t in [*results["tests"], *results.get("untested", [])]]
     tests_table = markdown_table(["cell", "difference", "mean ± SD of the paired differences", "95% CI", "p",
                                   "Holm p", "verdict"], test_rows)
     plots = [_plot(study, out, results)]
@@ -407,11 +449,13 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
              f"by the mean select-half loss over seeds {study.choosers()}"
              + (f", seeds {rest} run at the choices" if rest else "")
              + f"; report-half losses on seeds {seeds}; paired two-sided t-tests, Holm over the study's "
-             f"{len(results['tests'])} tests.")
+             f"{len(results['tests'])} tests" + (f" ({len(results['untested'])} differences reported, not tested)"
+                                                  if results.get("untested") else "") + ".")
     links = ", ".join(f"[{r.rsplit('#', 1)[-1]}]({r})" if "#" in r or r.endswith(".md") else r
                       for r in (x.strip() for x in rule.split(",")) if r)
     asks = (f"**Question:** {question}\n\n" if question else "") + (f"**Rule:** {links}\n\n" if links else "")
-    write_outputs(out, name, study, command, results, asks + arms_table + "\n\n" + tests_table, plots, notes)
+    body = "\n\n".join([arms_table, *(["\n".join(f"- {p}" for p in picked)] if picked else []), tests_table])
+    write_outputs(out, name, study, command, results, asks + body, plots, notes)
 
 
 def _plot(study: DeclaredStudy, out: Path, results: dict) -> str:
