@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keel.experiments import stats, store
+from keel.model.schemes import resolve_alpha
 
 ROOT = Path(__file__).parent
 
@@ -169,17 +170,18 @@ def tuned_alpha_tests() -> list[Test]:
     untested, so it is no test here."""
     if not (ROOT / "tuned-alpha" / "results.json").exists():
         return []
-    r = results("tuned-alpha")["depths"]["64"]
-    arms_, tuned = r["arms"], r["tuned_keel"]
-    lr = {a: _sci(arm["lr"]) for a, arm in arms_.items()}
-    bound = f", {r['alpha_bound']}" if r.get("alpha_bound") else ""
+    study, r = store.read_results(ROOT / "tuned-alpha")["config"], results("tuned-alpha")
+    pick = r["picks"][""]["tuned_keel"]
+    alpha = {a: resolve_alpha(study["arms"][a].get("model.alpha", "L"), 64) for a in pick["select"]}
+    tuned, lr = pick["arm"], {a: _sci(c["hp"]["optim.lr"]) for a, c in r["choices"][""].items()}
+    ends = {min(alpha.values()): ", bound at the low end", max(alpha.values()): ", bound at the high end"}
     row = "tuned over an alpha grid, rule 26"
     return [
-        Test("tuned-alpha", row, f"tuned Keel (alpha = {r['alphas'][tuned]:g}{bound}, {lr[tuned]}) - Post-LN "
-             f"({lr['post_ln']}), 64 sub-layers, 5 seeds", arms_[tuned]["report_losses"],
-             arms_["post_ln"]["report_losses"], "rule 26 (primary)", "rule 19's Post-LN, L and sqrtL runs (copied)"),
+        Test("tuned-alpha", row, f"tuned Keel (alpha = {alpha[tuned]:g}{ends.get(alpha[tuned], '')}, {lr[tuned]}) - "
+             f"Post-LN ({lr['post_ln']}), 64 sub-layers, 5 seeds", arm("tuned-alpha", tuned),
+             arm("tuned-alpha", "post_ln"), "rule 26 (primary)", "rule 19's Post-LN, L and sqrtL runs (copied)"),
         Test("tuned-alpha", row, "Keel sqrtL - Keel L, each at its chosen LR (alpha grid grown)",
-             arms_["keel-sqrtL"]["report_losses"], arms_["keel"]["report_losses"], "rule 26 (secondary)",
+             arm("tuned-alpha", "keel_sqrtL"), arm("tuned-alpha", "keel"), "rule 26 (secondary)",
              "rule 19's runs (copied)"),
     ]
 

@@ -1,6 +1,6 @@
 """The experiments' measurements and verdicts against written-out equations: gradient flow, the probes,
-the held-out split, the unigram level, max-lr's and regime's rules, tuned's choice and Holm. (The max-lr
-detector's own tests, with false-positive and miss rates, are in test_detect.py.)"""
+the held-out split, the unigram level, max-lr's and regime's rules. (The max-lr detector's own tests, with
+false-positive and miss rates, are in test_detect.py; a study file's choices and Holm, test_declared_study.py.)"""
 
 import math
 from collections import Counter
@@ -198,63 +198,6 @@ def test_regime_rules():
     pre = np.array([[4.5, 3.8, 3.2, 2.9, 2.7, 2.5, 2.3, 2.2, 2.1, 2.05]] * 2)
     v = compare(keel, pre, steps, 0.1)
     assert v["starts_slower"] is True and v["cross_step"] == 4
-
-
-def test_tuned_chooses_lr_and_alpha_over_all_seeds_and_judges_on_the_report_half():
-    """Rule 19 on hand-made points: seed 0 alone would pick other LRs (and the other alpha) than the mean over the
-    seeds does; the verdict is the paired t-test of tuned Keel's report losses against Post-LN's."""
-    from keel_studies.tuned import TunedConfig, analyse
-
-    cfg = TunedConfig(seeds=[0, 1, 2], lrs={a: [1e-3, 1e-2] for a in ("post_ln", "keel", "keel-sqrtL")})
-    select = {("post_ln", 1e-3): [2.0, 2.5, 2.5], ("post_ln", 1e-2): [2.1, 2.1, 2.1],      # mean picks 1e-2
-              ("keel", 1e-3): [1.9, 2.4, 2.4], ("keel", 1e-2): [2.2, 2.2, 2.2],            # mean picks 1e-2
-              ("keel-sqrtL", 1e-3): [1.8, 3.0, 3.0], ("keel-sqrtL", 1e-2): [2.3, 2.3, 2.3]}  # mean picks 1e-2
-    report = {"post_ln": [2.00, 2.10, 2.05], "keel": [2.30, 2.42, 2.33], "keel-sqrtL": [1.0, 1.0, 1.0]}
-    points = {f"{a}-64-lr{lr:g}-seed{s}": {"select_loss": v[s], "diverged": False,
-                                           "report_loss": report[a][s] if lr == 1e-2 else 0.5}
-              for (a, lr), v in select.items() for s in range(3)}
-    res = analyse(cfg, points, unigram=3.3)["depths"][64]
-    assert {a: r["lr"] for a, r in res["arms"].items()} == {"post_ln": 1e-2, "keel": 1e-2, "keel-sqrtL": 1e-2}
-    # alpha = L has the lower mean select loss at its chosen LR (2.2 < 2.3), though sqrtL reports far lower
-    assert res["tuned_keel"] == "keel"
-    diffs = [0.30, 0.32, 0.28]  # keel - post_ln per seed: mean 0.30, SD 0.02, t = 0.30 / (0.02 / sqrt 3) = 26
-    assert res["tuned_vs_baseline"]["mean"] == pytest.approx(np.mean(diffs))
-    assert res["tuned_vs_baseline"]["t"] == pytest.approx(0.30 / (0.02 / math.sqrt(3)))
-    assert res["verdict"] == "post_ln still wins"
-    assert res["sqrtL_verdict"] == "agrees (sqrtL better)"  # reported beside the primary verdict
-
-
-def test_tuned_holm_over_the_rules_two_tests_and_an_alpha_at_the_grids_end_is_a_bound():
-    """Rules 19/23/26: the two verdicts are Holm-adjusted over the two; tuned alpha at an end of the alpha grid is
-    reported as a bound; each Keel arm's gap to Post-LN is a mean with no test. Checked against scipy and a Holm
-    written out: the secondary's raw p (0.035) would pass alone, its Holm p (2 x 0.035, the smaller p of the two)
-    does not."""
-    from scipy.stats import ttest_rel
-
-    from keel_studies.tuned import TunedConfig, analyse
-
-    arms = {"post_ln": "post_ln", "keel": "keel", "keel-sqrtL": "keel", "keel-a2": "keel"}
-    cfg = TunedConfig(seeds=[0, 1, 2], arms=arms, alphas={"keel-sqrtL": "sqrtL", "keel-a2": "2"},
-                      lrs={a: [1e-3, 1e-2] for a in arms})
-    select = {"post_ln": 2.0, "keel": 2.2, "keel-sqrtL": 2.1, "keel-a2": 1.9}  # alpha = 2 has the lowest mean
-    report = {"post_ln": [2.00, 2.10, 2.05], "keel": [2.30, 2.40, 2.35], "keel-a2": [2.01, 2.08, 2.065]}
-    report["keel-sqrtL"] = [x + d for x, d in zip(report["keel"], [-0.02, -0.03, -0.04])]
-    points = {f"{a}-64-lr{lr:g}-seed{s}": {"select_loss": select[a] + (0.5 if lr == 1e-3 else 0.0), "diverged": False,
-                                           "report_loss": report[a][s] if lr == 1e-2 else 9.0}
-              for a in arms for lr in (1e-3, 1e-2) for s in range(3)}
-    res = analyse(cfg, points, unigram=3.3)["depths"][64]
-    assert res["tuned_keel"] == "keel-a2" and res["alphas"]["keel-a2"] == 2.0
-    assert res["alpha_bound"] == "bound at the low end"  # 2 is the smallest of {2, 8, 64}
-    p_primary = ttest_rel(report["keel-a2"], report["post_ln"]).pvalue
-    p_secondary = ttest_rel(report["keel-sqrtL"], report["keel"]).pvalue
-    assert p_secondary == pytest.approx(0.035, abs=0.001) and p_primary > 2 * p_secondary
-    assert res["sqrtL_vs_L"]["p"] == pytest.approx(p_secondary)
-    assert res["sqrtL_vs_L"]["holm"] == pytest.approx(2 * p_secondary)  # the smaller p times the family's size
-    assert res["tuned_vs_baseline"]["holm"] == pytest.approx(p_primary)  # max(2 p_sec, p_primary) = p_primary
-    assert res["sqrtL_verdict"] == "inconclusive" and res["verdict"] == "inconclusive"
-    gaps = res["each_keel_vs_baseline"]
-    assert set(gaps) == {"keel", "keel-sqrtL", "keel-a2"} and all("p" not in g for g in gaps.values())
-    assert gaps["keel"]["mean"] == pytest.approx(0.30)
 
 
 def test_mean_sd():

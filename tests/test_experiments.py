@@ -28,7 +28,6 @@ QUICK = {
     "regime": ["depth=4", "run.steps=4"],
     "stream-precision": ["depth=4", "run.steps=3", "init_depths=[4,8]"],
     "frontier": ["depths=[2,4]", "run.steps=3"],
-    "tuned": ["run.steps=3"],
     # the one-file corpus has no second document for identifiers/next_line
     "downstream": ["run.steps=3", "run.eval_tasks=[brackets,indent]"],
     # one search value (a bound): the points are known before the run
@@ -61,8 +60,6 @@ QUICK_POINTS = {
     + [f"{s}-{p}-seed{k}" for s in ("keel", "pre_ln") for p in ("float32", "bfloat16") for k in _K],
     "frontier": [f"{s}-{d}-lr{lr}-seed{k}" for s, grid in (("post_ln", (0.001, 0.003)), ("keel", (0.003, 0.01)))
                  for d in (2, 4) for lr in grid for k in _K],  # every LR with every seed
-    "tuned": [f"{arm}-4-lr{lr}-seed{k}" for arm in ("post_ln", "keel", "keel-sqrtL") for lr in (0.003, 0.01)
-              for k in _K],  # every LR with every seed
     "downstream": [f"{arm}-lr0.003-seed{k}" for arm in [f"{s}-{d}" for s in _S3 for d in (4, 8)] + ["wide-pre_ln"]
                    for k in _K],
     "downstream-end": [f"pre_ln-4-lr0.003-seed{k}" for k in _K]  # the reference, trained here

@@ -194,16 +194,12 @@ def rebuilt(t) -> tuple[list, list]:
     if fam == "downstream":
         return downstream_inputs(what)
     if fam == "tuned-alpha":
-        arms = res("tuned-alpha")["results"]["depths"]["64"]["arms"]
-        lr = {a: chosen_lr("tuned-alpha", f"{a}-64", range(5)) for a in arms}
-        report = {a: losses("tuned-alpha", [f"{a}-64-lr{lr[a]:g}-seed{s}" for s in range(5)]) for a in arms}
-        if what.startswith("tuned Keel"):
-            def mean_select(a):
-                return statistics.fmean(point("tuned-alpha", f"{a}-64-lr{lr[a]:g}-seed{s}")["select_loss"]
-                                        for s in range(5))
-            tuned = min((a for a in arms if a.startswith("keel")), key=mean_select)
-            return report[tuned], report["post_ln"]
-        return report["keel-sqrtL"], report["keel"]
+        keels = ["keel", "keel_sqrtL", "keel_a1", "keel_a2", "keel_a4", "keel_a16"]
+        if m := re.match(r"tuned Keel \(alpha = (\d+)[,)]", what):  # the arm it names is the one picked again
+            assert declared_pick(fam, keels) == f"keel_a{m[1]}"
+            return declared_arm(fam, f"keel_a{m[1]}"), declared_arm(fam, "post_ln")
+        assert what.startswith("Keel sqrtL - Keel L")
+        return declared_arm(fam, "keel_sqrtL"), declared_arm(fam, "keel")
     if fam in ("depth-sweep", "depth-long-tuned"):
         [spec] = [x for x in res(fam)["results"]["tests"] if x["what"] == what]
         return sweep_inputs(fam, what, spec["seeds"])

@@ -17,7 +17,6 @@ STUDIES = {
     "frontier": ("frontier", "FrontierConfig", "run"),
     "downstream": ("downstream", "DownstreamConfig", "run"),
     "downstream-end": ("downstream_end", "DownstreamEndConfig", "run"),
-    "tuned": ("tuned", "TunedConfig", "run"),
     "depth-sweep": ("depth_sweep", "DepthSweepConfig", "run"),
     "equal-tuning": ("equal_tuning", "EqualTuningConfig", "run"),
 }

@@ -434,7 +434,7 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
                   f"{t['mean']:+.3f} ± {t['sd']:.3f} (n={t['n']})" if t["sd"] is not None else
                   stats.describe(t) if "p" in t else f"{t['mean']:+.3f} (n={t['n']})",
                   "-" if t.get("ci95") is None else "[{:+.3f}, {:+.3f}]".format(*t["ci95"]),
-                  "n/a" if t.get("p") is None else f"{t['p']:.2g}",
+                  "-" if "p" not in t else "n/a" if t["p"] is None else f"{t['p']:.2g}",
                   "-" if t.get("p_holm") is None else f"{t['p_holm']:.2g}", t.get("verdict", "reported, not tested")]
                  for t in [*results["tests"], *results.get("untested", [])]]
     tests_table = markdown_table(["cell", "difference", "mean ± SD of the paired differences", "95% CI", "p",
