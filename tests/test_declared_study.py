@@ -119,6 +119,10 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     ({"best_of": {"best": ["keel", "pre_ln"]}, "compare": [["best", "nope"]]}, "compare: pairs of two different arms "
                                                                                "out of keel, pre_ln, post_ln, best"),
     ({"untested": [["keel", "keel"]]}, "untested: pairs of two different arms"),
+    ({"compare": [["keel@n_blocks1", "pre_ln"]]}, "or of arm@cell on both sides (a cell of n_blocks1, n_blocks2)"),
+    ({"compare": [["keel@n_blocks3", "keel@n_blocks1"]]}, "compare: pairs of two different arms"),
+    ({"best_of": {"best": ["keel@n_blocks1", "pre_ln"]}}, "best_of: a mapping of new names -> lists of two or more "
+                                                          "distinct arms, or of arm@cell"),
 ])
 def test_a_bad_declared_study_is_one_line_before_any_point(change, needle, tmp_path, capsys):
     path = write(tmp_path, study(**change))
@@ -240,7 +244,7 @@ def test_best_of_picks_the_arm_with_the_lowest_mean_select_loss_at_its_choices_a
     assert [t["pair"] for t in untested] == [["keel", "post_ln"], ["keel_sqrtL", "post_ln"]]
     assert untested[0]["mean"] == pytest.approx(np.mean([0.30, 0.32, 0.28])) and "p" not in untested[0]
     report_md = (tmp_path / "report.md").read_text()
-    assert "**tuned_keel** at the base: keel (mean select-half loss at the choices: keel 2.200, keel_sqrtL 2.300)" \
+    assert "**tuned_keel**: keel (mean select-half loss at the choices: keel 2.200, keel_sqrtL 2.300)" \
         in report_md
     assert "| - | tuned_keel (keel) - post_ln |" in report_md and "| reported, not tested |" in report_md
 
@@ -257,3 +261,39 @@ def test_best_of_ties_go_to_the_first_arm_listed(tmp_path, monkeypatch):
                       "post_ln": {"model.scheme": "post_ln"}})
     results = declared.run(declared.read(doc, "test"), tmp_path, "test")
     assert results["picks"][""]["best"]["arm"] == "pre_ln"
+
+
+def test_a_pair_or_best_of_pinned_to_cells_is_one_test_across_them(tmp_path, monkeypatch):
+    """LR as an axis, nothing tuned (Table 2's design): keel - pre_ln is judged in every cell; keel@lr4e-05 -
+    keel@lr1e-05 once, across two cells; keel_best and pre_ln_best each pick the cell (LR) with the lowest mean
+    select-half loss over the seeds, and their test compares those points. Holm runs over all five tests."""
+    from keel.experiments import declared
+
+    best = {"keel": 2e-5, "pre_ln": 1e-5}
+
+    def fake_point(study, arm, cell, hp, seed):
+        lr = cell["optim.lr"]
+        return {"lr": lr, "seed": seed, "diverged": False, "select_loss": 1.0 + abs(math.log(lr / best[arm])),
+                "report_loss": {"keel": 1.0, "pre_ln": 1.2}[arm] + lr * 1e3 * (1 + 0.1 * seed)
+                + 0.01 * seed ** 2 * (arm == "keel")}
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = study(arms={"keel": {"model.scheme": "keel"}, "pre_ln": {"model.scheme": "pre_ln"}}, tune=[],
+                axes={"optim.lr": [1e-5, 2e-5, 4e-5]},
+                best_of={"keel_best": ["keel@lr1e-05", "keel@lr2e-05", "keel@lr4e-05"],
+                         "pre_ln_best": ["pre_ln@lr1e-05", "pre_ln@lr2e-05", "pre_ln@lr4e-05"]},
+                compare=[["keel", "pre_ln"], ["keel@lr4e-05", "keel@lr1e-05"], ["keel_best", "pre_ln_best"]])
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    tests = results["tests"]
+    assert [(t["cell"], t["arms"]) for t in tests] == [
+        ("lr1e-05", ["keel", "pre_ln"]), ("lr2e-05", ["keel", "pre_ln"]), ("lr4e-05", ["keel", "pre_ln"]),
+        ("", ["keel@lr4e-05", "keel@lr1e-05"]), ("", ["keel@lr2e-05", "pre_ln@lr1e-05"])]
+    report = {(a, lr): [fake_point(None, a, {"optim.lr": lr}, {}, s)["report_loss"] for s in (0, 1, 2)]
+              for a in best for lr in (1e-5, 2e-5, 4e-5)}
+    pairs = [(("keel", lr), ("pre_ln", lr)) for lr in (1e-5, 2e-5, 4e-5)]
+    pairs += [(("keel", 4e-5), ("keel", 1e-5)), (("keel", 2e-5), ("pre_ln", 1e-5))]
+    for t, (a, b) in zip(tests, pairs):
+        assert t["mean"] == pytest.approx(np.mean(np.subtract(report[a], report[b])), abs=1e-12)
+        assert t["p"] == pytest.approx(scipy_stats.ttest_rel(report[a], report[b]).pvalue, rel=1e-9)
+    assert [t["p_holm"] for t in tests] == pytest.approx(holm_by_hand([t["p"] for t in tests]), rel=1e-12)
+    assert results["picks"][""]["keel_best"]["arm"] == "keel@lr2e-05"
+    assert "| - | keel_best (keel@lr2e-05) - pre_ln_best (pre_ln@lr1e-05) |" in (tmp_path / "report.md").read_text()

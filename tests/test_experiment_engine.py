@@ -192,7 +192,6 @@ def test_experiments_spell_every_knob_as_keel_train_does():
     ("depth", "run.seed=3", "set per point from seeds"),
     ("depth", "run.name=x", "no run directory"),
     ("depth", "run.eval_every=5", "no run directory"),
-    ("lr-sweep", "model.n_blocks=4", "from depth"),
     ("regime", "model.n_blocks=4", "from depth"),
     ("max-lr", "optim.warmup_steps=10", "the ramp is the whole run"),
     ("max-lr", "optim.schedule=cosine", "the ramp"),

@@ -23,7 +23,6 @@ QUICK = {
     "gradflow": ["schemes=[post_ln,keel]", "depths=[4]", "run.steps=3"],
     "max-lr": ["schemes=[pre_ln,keel]", "depths=[4]", "run.steps=12"],
     "depth": ["depths=[2,4]", "run.steps=3"],
-    "lr-sweep": ["depth=4", "run.steps=3"],
     "redundancy": ["depth=4", "run.steps=3"],
     "regime": ["depth=4", "run.steps=4"],
     "stream-precision": ["depth=4", "run.steps=3", "init_depths=[4,8]"],
@@ -53,7 +52,6 @@ QUICK_POINTS = {
     "gradflow": [f"{s}-4-{init}-seed{k}" for s in ("post_ln", "keel") for init in ("default", "matched") for k in _K],
     "max-lr": ["pre_ln-4-seed0", "keel-4-seed0", "keel-noclip-4-seed0"],
     "depth": [f"{s}-{d}-lr{lr}-seed0" for s in _S3 for d in (2, 4) for lr in (0.003, 0.01)],  # seed 1: chosen LR
-    "lr-sweep": [f"{s}-lr{lr}-seed{k}" for s in ("pre_ln", "keel") for lr in (0.001, 0.01) for k in _K],
     "redundancy": [f"{s}-seed{k}" for s in ("pre_ln", "keel") for k in _K],
     "regime": [f"{s}-lr0.003-seed{k}" for s in _S3 for k in _K],
     "stream-precision": [f"init-{s}-{d}-seed{k}" for s in ("keel", "pre_ln") for d in (4, 8) for k in _K]
@@ -148,7 +146,9 @@ def test_a_study_file_runs_by_name_at_its_smoke_test_size(name, tmp_path, monkey
     assert {p["seed"] for p in points.values()} == set(study.seeds[:2])
     assert all(p["n_sublayers"] == 4 and p["d_model"] == 32 and len(p["losses"]) == 6 for p in points.values())
     results = store.read_results(out)["results"]
-    assert [t["pair"] for t in results["tests"]] == [t for c in study.cells() for t in study.compare]
+    across = [p for p in study.compare if declared._pinned(study.best_of, p[0])]  # arm@cell: once, last
+    assert [t["pair"] for t in results["tests"]] == [p for c in study.cells() for p in study.compare
+                                                     if p not in across] + across
     assert sorted(p.name for p in study_files()[name].parent.rglob("*")) == committed
 
 
@@ -158,28 +158,29 @@ def test_bad_experiment_override_names_the_key():
 
 
 def test_a_sweep_directory_refuses_points_of_another_configuration(corpus_cfg, tmp_path):
-    cfg = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]"])
-    EXPERIMENTS["lr-sweep"][1](cfg, tmp_path, "keel experiment lr-sweep --quick")
-    longer = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]", "run.steps=4"])
+    cfg = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0]"])
+    EXPERIMENTS["regime"][1](cfg, tmp_path, "keel experiment regime --quick")
+    longer = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0]", "run.steps=5"])
     with pytest.raises(ValueError, match="differs in run.steps"):
-        EXPERIMENTS["lr-sweep"][1](longer, tmp_path, "keel experiment lr-sweep --quick run.steps=4")
+        EXPERIMENTS["regime"][1](longer, tmp_path, "keel experiment regime --quick run.steps=5")
 
 
 def test_adding_seeds_to_a_sweep_runs_only_the_new_seeds(corpus_cfg, tmp_path, capsys):
-    one = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]"])
-    EXPERIMENTS["lr-sweep"][1](one, tmp_path, "keel experiment lr-sweep --quick seeds=[0]")
+    one = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0]"])
+    EXPERIMENTS["regime"][1](one, tmp_path, "keel experiment regime --quick seeds=[0]")
     assert "reused" not in capsys.readouterr().out  # nothing was saved before
     first = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "points").glob("*-seed0.json.gz")}
-    two = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0,1]"])
-    points = EXPERIMENTS["lr-sweep"][1](two, tmp_path, "keel experiment lr-sweep --quick seeds=[0,1]")
-    n = 2 * len(one.lrs)  # two schemes x the LR grid, per seed
-    assert f"reused {n} of {2 * n} saved points from {tmp_path / 'points'}" in capsys.readouterr().out
+    two = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0,1]"])
+    EXPERIMENTS["regime"][1](two, tmp_path, "keel experiment regime --quick seeds=[0,1]")
+    n = len(one.schemes)  # one LR: a point per scheme and seed
+    assert f"reused {n} of {n} saved points from {tmp_path / 'points'}" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "points").glob("*-seed0.json.gz")} == first
-    assert sorted(k.rsplit("-", 1)[1] for k in points) == ["seed0"] * 2 * len(one.lrs) + ["seed1"] * 2 * len(one.lrs)
+    points = store.keys(tmp_path / "points")
+    assert sorted(k.rsplit("-", 1)[1] for k in points) == ["seed0"] * n + ["seed1"] * n
     assert json.loads((tmp_path / "points" / "config.json").read_text())["seeds"] == [0, 1]
     # a seed-1-only rerun still reads its points and keeps the recorded union
-    EXPERIMENTS["lr-sweep"][1](build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[1]"]),
-                               tmp_path, "keel experiment lr-sweep --quick seeds=[1]")
+    EXPERIMENTS["regime"][1](build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[1]"]),
+                             tmp_path, "keel experiment regime --quick seeds=[1]")
     assert json.loads((tmp_path / "points" / "config.json").read_text())["seeds"] == [0, 1]
 
 
@@ -241,17 +242,17 @@ def test_depth_can_take_each_arms_lr_from_an_earlier_run(corpus_cfg, tmp_path):
 
 
 def test_a_field_added_later_with_its_default_does_not_invalidate_a_sweep(corpus_cfg, tmp_path):
-    cfg = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]"])
-    EXPERIMENTS["lr-sweep"][1](cfg, tmp_path, "keel experiment lr-sweep --quick")
+    cfg = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0]"])
+    EXPERIMENTS["regime"][1](cfg, tmp_path, "keel experiment regime --quick")
     recorded = tmp_path / "points" / "config.json"
     old = json.loads(recorded.read_text())
     del old["guard"]["spike_min_rise"]  # as recorded before that field existed
     recorded.write_text(json.dumps(old))
-    EXPERIMENTS["lr-sweep"][1](cfg, tmp_path, "keel experiment lr-sweep --quick")  # same default: reused
-    changed = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]", "guard.spike_min_rise=1"])
+    EXPERIMENTS["regime"][1](cfg, tmp_path, "keel experiment regime --quick")  # same default: reused
+    changed = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0]", "guard.spike_min_rise=1"])
     recorded.write_text(json.dumps(old))
     with pytest.raises(ValueError, match="differs in guard.spike_min_rise"):
-        EXPERIMENTS["lr-sweep"][1](changed, tmp_path, "keel experiment lr-sweep --quick")
+        EXPERIMENTS["regime"][1](changed, tmp_path, "keel experiment regime --quick")
 
 
 @pytest.mark.parametrize("quick", [False, True])
@@ -281,14 +282,14 @@ def test_a_bare_experiment_command_never_writes_into_the_committed_results(quick
 def test_a_sweep_recorded_eager_continues_compiled_and_each_point_says_how_it_ran(corpus_cfg, tmp_path):
     """run.compile is how a point is computed, not what (EXECUTION_FIELDS): adding seeds compiled to a sweep
     recorded eager is allowed, and each point records its own execution."""
-    eager = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0]"])
-    EXPERIMENTS["lr-sweep"][1](eager, tmp_path, "seeds=[0]")
-    compiled = build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg, "seeds=[0,1]", "run.compile=true"])
-    EXPERIMENTS["lr-sweep"][1](compiled, tmp_path, "seeds=[0,1] run.compile=true")
+    eager = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0]"])
+    EXPERIMENTS["regime"][1](eager, tmp_path, "seeds=[0]")
+    compiled = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0,1]", "run.compile=true"])
+    EXPERIMENTS["regime"][1](compiled, tmp_path, "seeds=[0,1] run.compile=true")
     ran = {k: store.load(tmp_path / "points", k)["execution"]["compile"] for k in store.keys(tmp_path / "points")}
     assert ran and all(ran[k] is k.endswith("seed1") for k in ran)
     with pytest.raises(ConfigError, match="differs in optim.warmup_steps"):  # what a point computes still counts
-        EXPERIMENTS["lr-sweep"][1](build("lr-sweep", True, [*TINY, *QUICK["lr-sweep"], *corpus_cfg,
+        EXPERIMENTS["regime"][1](build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg,
                                                             "optim.warmup_steps=1"]), tmp_path, "")
 
 

@@ -69,10 +69,16 @@ DECLARED = sorted(p.parent.name for p in RESULTS.glob("*/study.yaml") if re.sear
 @pytest.mark.parametrize("folder", DECLARED)
 def test_a_declared_studys_choices_and_losses_are_its_point_files_at_the_lr_its_rule_chooses(folder):
     """Each arm and cell of a study declared as data: the LR chosen again here from the point files (declared_arm)
-    is the one results.json holds, and so are its report losses."""
+    is the one results.json holds, and so are its report losses (a study that tunes nothing: the arm's points at the
+    cell); each best_of's pick is the one made again here."""
     r = res(folder)["results"]
     for cell, arms in r["choices"].items():
         for label, choice in arms.items():
+            if not choice["hp"]:
+                seeds = r["seeds"]
+                assert r["report_losses"][cell][label] == losses(folder, [f"{declared_name(label, cell)}seed{s}"
+                                                                          for s in seeds]), (cell, label)
+                continue
             lr, report = declared_arm(folder, label, cell, with_lr=True)
             assert choice["hp"] == {"optim.lr": lr}, (cell, label)
             assert r["report_losses"][cell][label] == report, (cell, label)
@@ -240,17 +246,26 @@ def declared_arm(folder: str, label: str, cell: str = "", with_lr: bool = False)
     return (lr, report) if with_lr else report
 
 
+def declared_name(label: str, cell: str) -> str:
+    """The start of a declared study's point names for an arm at a cell: "arm-cell-" ("arm-" without axes)."""
+    return f"{label}-{cell}-" if cell else f"{label}-"
+
+
 def declared_pick(folder: str, among, cell: str = "") -> str:
-    """A best_of's arm, picked again here: of `among`, the arm whose mean select-half loss over the choosing seeds at
-    its LR (chosen again by declared_arm) is the lowest; ties to the first listed."""
+    """A best_of's arm, picked again here: of `among` (arms, or arm@cell), the one whose mean select-half loss over
+    the choosing seeds at its LR (chosen again by declared_arm, where the study tunes it) is the lowest; ties to the
+    first listed."""
     import yaml
 
     doc = yaml.safe_load((RESULTS / folder / "study.yaml").read_text())
     choosers = doc.get("select_seeds") or doc.get("seeds", [0, 1, 2])
 
-    def mean(label):
-        lr, _ = declared_arm(folder, label, cell, with_lr=True)
-        pts = [point(folder, f"{label}-{cell + '-' if cell else ''}lr{lr:g}-seed{s}") for s in choosers]
+    def mean(side):
+        label, _, at = side.partition("@")
+        name = declared_name(label, at or cell)
+        if doc.get("tune"):
+            name += f"lr{declared_arm(folder, label, at or cell, with_lr=True)[0]:g}-"
+        pts = [point(folder, f"{name}seed{s}") for s in choosers]
         return math.inf if any(p["diverged"] for p in pts) else statistics.fmean(p["select_loss"] for p in pts)
     return min(among, key=mean)
 

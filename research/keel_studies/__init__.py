@@ -10,7 +10,6 @@ STUDIES = {
     "gradflow": ("gradflow", "GradflowConfig", "run"),
     "max-lr": ("maxlr", "MaxLRConfig", "run"),
     "depth": ("scaling", "DepthConfig", "run_depth"),
-    "lr-sweep": ("scaling", "LRSweepConfig", "run_lr_sweep"),
     "redundancy": ("redundancy", "RedundancyConfig", "run"),
     "regime": ("regime", "RegimeConfig", "run"),
     "stream-precision": ("precision", "PrecisionConfig", "run"),

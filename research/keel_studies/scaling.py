@@ -1,5 +1,5 @@
-"""Validation loss under a fixed token budget, across depth (Table 3), LR (Table 2) and shape (Table 5), by
-the budget method of keel.experiments.budget.
+"""Validation loss under a fixed token budget across depth (Table 3), by the budget method of
+keel.experiments.budget; the wide Pre-LN of Table 5 for downstream.
 """
 
 from __future__ import annotations
@@ -8,12 +8,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
 
 from keel.errors import ConfigError
 from keel.experiments.budget import (
     BudgetConfig,
-    budget_point,
     method_note,
     paired_gap,
     select_then_seeds,
@@ -21,17 +19,14 @@ from keel.experiments.budget import (
     unigram_level,
 )
 from keel.experiments.common import (
-    ExperimentConfig,
     loss_axis,
     markdown_table,
-    mean_sd,
     pm,
     pyplot,
     save,
     tiny_quick,
     write_outputs,
 )
-from keel.experiments.sweep import Sweep
 
 
 @dataclass
@@ -46,19 +41,6 @@ class DepthConfig(BudgetConfig):
     def quick(cls) -> DepthConfig:
         return tiny_quick(cls, 8, depths=[4, 8], lrs=[3e-3, 1e-2], seeds=[0, 1], curve_every=4, curve_batches=1,
                           probe_batches=1)
-
-
-@dataclass
-class LRSweepConfig(BudgetConfig):
-    depth: int = 32
-    schemes: list[str] = field(default_factory=lambda: ["pre_ln", "keel"])
-    lrs: list[float] = field(default_factory=lambda: [1.5e-3, 3e-3, 6e-3, 1.2e-2])
-
-    PER_POINT: ClassVar[dict[str, str]] = ExperimentConfig.PER_POINT | {"model.n_blocks": "depth"}
-
-    @classmethod
-    def quick(cls) -> LRSweepConfig:
-        return tiny_quick(cls, 8, depth=8, lrs=[1e-3, 1e-2], seeds=[0, 1], curve_every=0)
 
 
 def chosen_lrs(path: str, arms) -> dict[str, list[float]]:
@@ -205,36 +187,6 @@ def _plot_probe(cfg, res, out) -> str:
         ax.legend(fontsize=8)
     fig.suptitle(f"effective depth, {d} sub-layers, every seed", fontsize=10)
     return save(fig, out, "depth-probe.png")
-
-
-def run_lr_sweep(cfg: LRSweepConfig, out: Path, command: str) -> dict:
-    """Every LR of the grid with every seed (no choice here: the loss-vs-LR curve is the result)."""
-    sweep = Sweep(out, cfg)
-    jobs = {f"{s}-lr{lr:g}-seed{seed}": (lambda s=s, lr=lr, seed=seed: budget_point(
-        cfg, cfg.point_model(s, cfg.depth), lr, seed)) for s in cfg.schemes for lr in cfg.lrs for seed in cfg.seeds}
-    points = sweep.run(jobs, "lr-sweep")
-    def losses(s, lr):
-        return {"report_losses": [points[f"{s}-lr{lr:g}-seed{seed}"]["report_loss"] for seed in cfg.seeds]}
-    pair = [o for o in cfg.schemes if o != "keel"] if "keel" in cfg.schemes else []
-    rows = [[f"{lr:g}"] + [pm(losses(s, lr)["report_losses"]) for s in cfg.schemes]
-            + ["{:+.3f} ± {:.3f}".format(*paired_gap(losses("keel", lr), losses(o, lr))) for o in pair]
-            for lr in cfg.lrs]
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for i, s in enumerate(cfg.schemes):
-        stats = [mean_sd([points[f"{s}-lr{lr:g}-seed{seed}"]["report_loss"] for seed in cfg.seeds]) for lr in cfg.lrs]
-        ax.errorbar(cfg.lrs, [m for m, _ in stats], yerr=[sd for _, sd in stats], marker="o", capsize=3, label=s,
-                    color=f"C{i}")
-    ax.set_xlabel("peak learning rate")
-    ax.set_ylabel("report-half loss (mean ± SD over seeds)")
-    ax.set_title(f"{cfg.depth} sub-layers, d={cfg.model.d_model}, {tokens(cfg):,} tokens", fontsize=10)
-    ax.legend()
-    save(fig, out, "lr-sweep.png")
-    table = markdown_table(["peak LR"] + [f"{s} report loss" for s in cfg.schemes]
-                           + [f"keel - {o} (paired)" for o in pair], rows)
-    write_outputs(out, "lr-sweep", cfg, command, {"points": points}, table, ["lr-sweep.png"],
-                  method_note(cfg) + " Here every LR runs every seed.")
-    return points
 
 
 def wide_model(cfg):

@@ -28,7 +28,9 @@ them on both arms at their chosen values and every test is run again on all seed
 `best_of` names a choice among arms made like a tuned value: per cell, the listed arm with the lowest mean select-half
 loss at its own choices (ties: the first listed), e.g. Keel's alpha as arms (`keel_sqrtL: {model.alpha: sqrtL}`)
 each with its LR tuned, then the best; `compare` and `untested` may name it. `untested` pairs are reported as the
-mean and SD of their paired differences only, outside the Holm family.
+mean and SD of their paired differences only, outside the Holm family. A pair or a best_of may pin its arms to cells
+(`keel@lr0.006`, a cell as the report names it): such a pair is one test across cells (Keel at one LR against Keel at
+another), such a best_of one pick across cells (each arm at its best LR of an axis), named on both sides or neither.
 
 `rule` links the decision rule the study is judged by (comma-separated links; the report links them).
 `keel experiment NAME --quick` runs a study file at a smoke-test size (`smoke`): every point a 2-block d=32 model
@@ -195,17 +197,23 @@ def read(doc: dict, where: str) -> DeclaredStudy:
         raise bad("marginal_seeds: must be new seeds, not in seeds")
     if select is not None and (not select or not set(select) <= set(seeds)):
         raise bad(f"select_seeds: some of seeds {seeds}, the ones that choose (got {select!r})")
-    best_of = doc.get("best_of") or {}
+    best_of, cells = doc.get("best_of") or {}, [_cell_name(dict(zip(axes, v))) for v in itertools.product(
+        *axes.values())] if axes else []
+    pinned = {f"{a}@{c}" for a in arms for c in cells}  # an arm at one cell
     for name, among in best_of.items() if isinstance(best_of, dict) else [("", None)]:
         if not _NAME.fullmatch(str(name)) or name in arms or not isinstance(among, list) or len(among) < 2 \
-                or len(set(map(str, among))) < len(among) or not set(map(str, among)) <= set(arms):
-            raise bad(f"best_of: a mapping of new names -> lists of two or more distinct arms (got {best_of!r})")
+                or len(set(map(str, among))) < len(among) or not (set(map(str, among)) <= set(arms)
+                                                                  or set(map(str, among)) <= pinned):
+            raise bad(f"best_of: a mapping of new names -> lists of two or more distinct arms, or of arm@cell "
+                      f"(got {best_of!r})")
     names = [*arms, *best_of]
     compare = doc.get("compare") or [[names[0], other] for other in list(arms)[1:]]
     for key_, pairs in (("compare", compare), ("untested", doc.get("untested") or [])):
-        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 and p[0] != p[1]
-                                                  and set(p) <= set(names) for p in pairs):
-            raise bad(f"{key_}: pairs of two different arms out of {', '.join(names)} (got {pairs!r})")
+        if not isinstance(pairs, list) or not all(
+                isinstance(p, list) and len(p) == 2 and p[0] != p[1] and set(map(str, p)) <= {*names, *pinned}
+                and len({_pinned(best_of, a) for a in p}) == 1 for p in pairs):
+            raise bad(f"{key_}: pairs of two different arms out of {', '.join(names)}, or of arm@cell on both sides "
+                      f"(a cell of {', '.join(cells) or 'none: no axes'}) (got {pairs!r})")
     measure = doc.get("measure", "loss")
     if measure not in MEASURES:
         raise bad(f"measure: {measure!r}; allowed: {', '.join(MEASURES)}")
@@ -261,6 +269,17 @@ def _get(config, key: str):
     return config
 
 
+def _pinned(best_of: dict, name: str) -> bool:
+    """Whether `name` (an arm, arm@cell or a best_of) is at one cell whatever the cell a test is in."""
+    return "@" in name or "@" in best_of.get(name, [""])[0]
+
+
+def _at(side: str, cell_name: str) -> tuple[str, str]:
+    """(arm, cell name) of a side of a pair: "arm@cell" is at that cell, a plain arm at the test's."""
+    arm, at, cell = side.partition("@")
+    return arm, cell if at else cell_name
+
+
 def _cell(study: DeclaredStudy, name: str) -> dict:
     return next(c for c in study.cells() if _cell_name(c) == name)
 
@@ -298,8 +317,11 @@ def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", ques
     for cell in study.cells():
         desc = f"{name} {_cell_name(cell) or 'points'}"
         choices[_cell_name(cell)] = _tune_cell(study, sweep, cell, points, base, desc)
-    picks = {c: {pick: _best_of(study, points, c, choice, among) for pick, among in study.best_of.items()}
-             for c, choice in choices.items()}
+    picks = {c: {pick: _best_of(study, points, choices, c, among) for pick, among in study.best_of.items()
+                 if not _pinned(study.best_of, pick)} for c in choices}
+    if across := {pick: _best_of(study, points, choices, "", among) for pick, among in study.best_of.items()
+                  if _pinned(study.best_of, pick)}:
+        picks[""] = across  # a pick across cells (a study without axes has the one cell "", and no such pick)
     tests = _tests(study, points, choices, picks, study.seeds, study.compare)
     seeds = study.seeds
     if study.marginal_seeds and any(_marginal(t) for t in tests):
@@ -307,8 +329,8 @@ def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", ques
         jobs = {}
         for t in tests:
             if _marginal(t):
-                for arm in t["arms"]:
-                    hp, cell = choices[t["cell"]][arm]["hp"], _cell(study, t["cell"])
+                for arm, c in (_at(side, t["cell"]) for side in t["arms"]):
+                    hp, cell = choices[c][arm]["hp"], _cell(study, c)
                     jobs |= {key(arm, cell, hp, s): _job(study, arm, cell, hp, s) for s in study.marginal_seeds}
         points |= sweep.run(jobs, f"{name} (marginal seeds)")
         tests = _tests(study, points, choices, picks, seeds, study.compare)
@@ -367,12 +389,14 @@ def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, bas
     return {arm: {"hp": c["hp"], "grids": c["grids"]} for arm, c in chosen.items()}
 
 
-def _best_of(study: DeclaredStudy, points: dict, cell_name: str, choice: dict, among: list) -> dict:
+def _best_of(study: DeclaredStudy, points: dict, choices: dict, cell_name: str, among: list) -> dict:
     """The arm of `among` with the lowest mean select-half loss over the choosing seeds at its choices (ties: the
     first listed), and each one's mean."""
-    cell = _cell(study, cell_name)
-    select = {a: float(np.mean([_finite(points[key(a, cell, choice[a]["hp"], s)].get("select_loss"))
-                                for s in study.choosers()])) for a in among}
+    select = {}
+    for side in among:
+        arm, c = _at(side, cell_name)
+        select[side] = float(np.mean([_finite(points[key(arm, _cell(study, c), choices[c][arm]["hp"], s)].get(
+            "select_loss")) for s in study.choosers()]))
     return {"arm": min(among, key=select.get), "select": select}
 
 
@@ -384,13 +408,15 @@ def _losses(study, points, cell_name, choice, arm, seeds) -> list:
 
 def _tests(study: DeclaredStudy, points: dict, choices: dict, picks: dict, seeds: list, pairs: list,
            tested: bool = True) -> list[dict]:
-    """Each pair per cell, a best_of name as the arm it picked there: paired t-tests, Holm over them all (with
-    `tested`; otherwise the mean and SD of the paired differences only)."""
-    tests = []
-    for cell_name, choice in choices.items():
-        for pair in pairs:
-            arms = [picks[cell_name][a]["arm"] if a in picks[cell_name] else a for a in pair]
-            la, lb = (_losses(study, points, cell_name, choice, a, seeds) for a in arms)
+    """Each pair per cell (a pair pinned to cells once, last), a best_of name as the arm it picked: paired t-tests,
+    Holm over them all (with `tested`; otherwise the mean and SD of the paired differences only)."""
+    tests, across = [], [p for p in pairs if _pinned(study.best_of, p[0])]
+    for cell_name, group in [*((c, [p for p in pairs if p not in across]) for c in choices), ("", across)]:
+        for pair in group:
+            sides = [_at((picks.get(cell_name, {}).get(a) or picks.get("", {}).get(a) or {"arm": a})["arm"],
+                         cell_name) for a in pair]
+            arms = [arm if c == cell_name else f"{arm}@{c}" for arm, c in sides]
+            la, lb = (_losses(study, points, c, choices[c], arm, seeds) for arm, c in sides)
             t = stats.paired(la, lb)
             tests.append({"cell": cell_name, "pair": pair, "arms": arms, "seeds": [s for s, x, y in zip(seeds, la, lb)
                                                                                    if x is not None and y is not None],
@@ -427,7 +453,7 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
                          notes or "-"])
     arms_table = markdown_table(["cell", "arm", "parameters", "chosen on the select half", "report-half loss", "grids"],
                                 rows)
-    picked = [f"**{name}** at {c or 'the base'}: {p['arm']} (mean select-half loss at the choices: "
+    picked = [f"**{name}**{f' at {c}' if c else ''}: {p['arm']} (mean select-half loss at the choices: "
               + ", ".join(f"{a} {v:.3f}" for a, v in p["select"].items()) + ")"
               for c, cell_picks in results.get("picks", {}).items() for name, p in cell_picks.items()]
     test_rows = [[t["cell"] or "-", " - ".join(a if a == r else f"{a} ({r})" for a, r in zip(t["pair"], t["arms"])),
