@@ -11,7 +11,9 @@ runs everything that runs on a CPU, as CI does; `python -m pytest -q -m gpu` on 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import inspect
+import json
 import os
 import socket
 import subprocess
@@ -20,6 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# Under pytest-xdist (CI's `-n 2`) each worker is one of two processes on two cores: one torch thread each (before
+# torch loads, so OpenMP reads it too, and inherited by the tests' subprocesses), else each worker's thread pool
+# oversubscribes the cores the other worker is using.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 # before torch, as the `keel` command does: torch's idle OpenMP threads sleep (OMP_WAIT_POLICY=passive, inherited by
 # the tests' subprocesses). With them spinning, the fast tier took 497 s, not 133 s, on 2 cores at load 3 to 4.
 from keel.launch import launcher_environment
@@ -30,6 +37,9 @@ launcher_environment()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 # cuBLAS is deterministic only with a fixed workspace, read when its handle is made: set before any CUDA use
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 # The project's CPU suite and GPU campaign are scripts in benchmarks/ that import their siblings by name (running a
@@ -39,7 +49,10 @@ sys.path[:0] = [str(BENCHMARKS / "gpu"), str(BENCHMARKS / "cpu")]
 # each collected test's tier markers (tests/test_test_tiers.py reads them against the committed durations)
 COLLECTED = pytest.StashKey[dict]()
 # keel signs the run configs it writes with a per-user key (keel.runs.trust): one key for the test session,
-# shared with its subprocesses, never the user's ~/.config/keel
+# shared with its subprocesses, never the user's ~/.config/keel. Each xdist worker makes its own: two processes that
+# create one key at once can read it before it is written.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["KEEL_CONFIG_DIR"] = tempfile.mkdtemp(prefix="keel-config-")
 os.environ.setdefault("KEEL_CONFIG_DIR", tempfile.mkdtemp(prefix="keel-config-"))
 
 
@@ -50,12 +63,31 @@ TIERS = ("slow", "distributed", "gpu")
 def pytest_collection_modifyitems(config, items):
     config.stash[COLLECTED] = {item.nodeid: {m.name for m in item.iter_markers() if m.name in TIERS}
                                for item in items}
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `--dist loadfile` hands out files in this order: longest first
+        seconds = json.loads((Path(__file__).parent / "durations.json").read_text())["files"]
+        order = {path: i for i, path in enumerate(dict.fromkeys(item.nodeid.split("::")[0] for item in items))}
+        items.sort(key=lambda item: (-seconds.get(p := item.nodeid.split("::")[0], 0.0), order[p]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """Everything collection made (torch, transformers, every test module: about half a million objects) is frozen
+    out of Python's full collections, as a caller of keel.train.trainer may do: each Trainer.run and each bench
+    model's release collects in full, which walked all of it (about a quarter of tests/test_train.py's time). What
+    the tests make after this is collected as before; tests/test_train.py thaws it where it checks the run's own
+    freeze."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    gc.unfreeze()  # the interpreter's own clean-up at exit sees everything again (nanobind reports leaks if not)
 
 
 @pytest.fixture(autouse=True)

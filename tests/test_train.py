@@ -368,8 +368,13 @@ def test_the_model_is_frozen_out_of_full_collections_while_the_run_trains_and_th
             ids = {id(o) for o in gc.get_objects()}
             walked.extend(id(p) in ids for p in trainer.model.parameters())
     trainer = trainer_for("run.steps=3", name="frozen", callbacks=[look])
-    assert gc.get_freeze_count() == 0
-    trainer.run()
-    assert walked and not any(walked)  # no parameter of the model was walked while it trained
-    assert gc.get_freeze_count() == 0
-    assert any(id(p) in {id(o) for o in gc.get_objects()} for p in trainer.model.parameters())  # thawed
+    session = gc.get_freeze_count()  # what tests/conftest.py froze after collection: thawed for this test
+    gc.unfreeze()
+    try:
+        trainer.run()
+        assert walked and not any(walked)  # no parameter of the model was walked while it trained
+        assert gc.get_freeze_count() == 0
+        assert any(id(p) in {id(o) for o in gc.get_objects()} for p in trainer.model.parameters())  # thawed
+    finally:
+        if session:
+            gc.freeze()
