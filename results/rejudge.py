@@ -212,6 +212,16 @@ def sweep_tests(folder: str = "depth-sweep", rule: str = "rule 21", row: str = "
     return out
 
 
+def long_tuned_tests() -> list[Test]:
+    """Rule 25's Keel - X at 64 sub-layers (a study file), each over the seeds both arms ran (Post-LN's test marginal
+    on 3 seeds, so seeds 3 and 4 were added to Keel and Post-LN)."""
+    names = {"pre_ln": "Pre-LN", "post_ln": "Post-LN"}
+    r = results("depth-long-tuned")
+    return [Test("depth-long-tuned", "64 sub-layers at 1.02M tokens, tuned, rule 25", f"Keel - {names[b]} at 64",
+                 arm("depth-long-tuned", a), arm("depth-long-tuned", b), "rule 25") for a, b in
+            (t["arms"] for t in r["tests"])]
+
+
 def downstream_end_tests() -> list[Test]:
     """Rules 24 and 29's two tests each, once their report is written: Keel at the end of its searched schedule -
     Pre-LN at the end of its own (downstream's committed runs, read again), final probe score and final report loss,
@@ -320,7 +330,7 @@ def tests() -> list[Test]:
     ] + frontier_tests() + [paper_ratio(x, d) for d in (16, 64) for x in ("pre_ln", "post_ln")] \
       + downstream_tests() + tuned_tests() + tuned_alpha_tests() + pilot_tests() + sweep_tests() \
       + downstream_end_tests() \
-      + sweep_tests("depth-long-tuned", "rule 25", "64 sub-layers at 1.02M tokens, tuned") + [
+      + long_tuned_tests() + [
         Test("max-lr-64", "max LR, Table 1", "Keel - Pre-LN, 64 sub-layers, max LR", max_lr("max-lr-64", "keel", 64),
              max_lr("max-lr-64", "pre_ln", 64), "post-hoc: seeds 0 and 1 were committed and looked at before rule 11 "
              "(round 2) gave this row a third seed and a verdict"),

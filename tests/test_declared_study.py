@@ -119,6 +119,11 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     ({"best_of": {"best": ["keel", "pre_ln"]}, "compare": [["best", "nope"]]}, "compare: pairs of two different arms "
                                                                                "out of keel, pre_ln, post_ln, best"),
     ({"untested": [["keel", "keel"]]}, "untested: pairs of two different arms"),
+    ({"tune": [{"field": "optim.lr", "grid": [1e-3, 2e-3], "arms": ["nope"]}]}, "tune[0].arms: some of the arms"),
+    ({"tune": [{"field": "optim.lr", "grid": [1e-3, 2e-3], "below": [2e-3]}]}, "tune[0].below: values falling"),
+    ({"tune": [{"field": "optim.lr", "grid": [1e-3, 2e-3], "above": [3e-3, 3e-3]}]}, "tune[0].above: values rising"),
+    ({"tune": [{"field": "optim.lr", "grid": [1e-3, 2e-3], "ties": "middle"}]}, "tune[0].ties: low or high"),
+    ({"tune": [{"field": "optim.lr", "grid": [1e-3, 2e-3], "ladder": [1]}]}, "optionally arms, below, above, ties"),
     ({"compare": [["keel@n_blocks1", "pre_ln"]]}, "or of arm@cell on both sides (a cell of n_blocks1, n_blocks2)"),
     ({"compare": [["keel@n_blocks3", "keel@n_blocks1"]]}, "compare: pairs of two different arms"),
     ({"best_of": {"best": ["keel@n_blocks1", "pre_ln"]}}, "best_of: a mapping of new names -> lists of two or more "
@@ -297,3 +302,34 @@ def test_a_pair_or_best_of_pinned_to_cells_is_one_test_across_them(tmp_path, mon
     assert [t["p_holm"] for t in tests] == pytest.approx(holm_by_hand([t["p"] for t in tests]), rel=1e-12)
     assert results["picks"][""]["keel_best"]["arm"] == "keel@lr2e-05"
     assert "| - | keel_best (keel@lr2e-05) - pre_ln_best (pre_ln@lr1e-05) |" in (tmp_path / "report.md").read_text()
+
+
+def test_a_tune_step_of_some_arms_grows_through_written_out_values_and_may_give_ties_to_the_high_value(
+        tmp_path, monkeypatch):
+    """Rule 21's search on written-out losses: every arm's LR; then Post-LN's warm-up alone at its LR, every warm-up
+    scoring the same, so ties go to the longest: the grid's top edge, grown through the written-out value above it (5)
+    and a bound there; then Post-LN's LR again, at warm-up 5. Keel keeps the base warm-up and runs no other."""
+    from keel.experiments import declared
+
+    ran = []
+
+    def fake_point(study, arm, cell, hp, seed):
+        lr, wu = hp["optim.lr"], hp["optim.warmup_steps"]
+        ran.append((arm, lr, wu))
+        return {"lr": lr, "seed": seed, "diverged": False, "select_loss": 1.0 + abs(math.log(lr / 2e-5)),
+                "report_loss": 1.0 + 0.01 * seed + 0.1 * (arm == "keel")}
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = study(axes={}, arms={"keel": {"model.scheme": "keel"}, "post_ln": {"model.scheme": "post_ln"}},
+                tune=[{"field": "optim.lr", "grid": [1e-5, 2e-5, 4e-5], "grow": 1},
+                      {"field": "optim.warmup_steps", "grid": [2, 3, 4], "grow": 1, "arms": ["post_ln"],
+                       "below": [1], "above": [5], "ties": "high"},
+                      {"field": "optim.lr", "grid": [1e-5, 2e-5, 4e-5], "grow": 1, "arms": ["post_ln"]}])
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    choices = results["choices"][""]
+    assert choices["keel"]["hp"] == {"optim.lr": 2e-5, "optim.warmup_steps": 2}
+    assert {wu for a, lr, wu in ran if a == "keel"} == {2} and len(choices["keel"]["grids"]) == 1
+    assert choices["post_ln"]["hp"] == {"optim.lr": 2e-5, "optim.warmup_steps": 5}
+    first, warmup, again = choices["post_ln"]["grids"]
+    assert warmup == {"field": "optim.warmup_steps", "values": [2, 3, 4, 5], "added": [5], "bound": "high"}
+    assert sorted({wu for a, lr, wu in ran if a == "post_ln" and lr == 2e-5}) == [2, 3, 4, 5]
+    assert {lr for a, lr, wu in ran if a == "post_ln" and wu == 5} == {1e-5, 2e-5, 4e-5} == set(again["values"])

@@ -74,6 +74,11 @@ def test_a_declared_studys_choices_and_losses_are_its_point_files_at_the_lr_its_
     r = res(folder)["results"]
     for cell, arms in r["choices"].items():
         for label, choice in arms.items():
+            if "optim.warmup_steps" in choice["hp"]:  # rule 21's coordinate search, made again here
+                lr, wu, report = coordinate_arm(folder, label, cell, with_choice=True)
+                assert choice["hp"] == {"optim.lr": lr, "optim.warmup_steps": wu}, (cell, label)
+                assert r["report_losses"][cell][label] == report, (cell, label)
+                continue
             if not choice["hp"]:
                 seeds = r["seeds"]
                 assert r["report_losses"][cell][label] == losses(folder, [f"{declared_name(label, cell)}seed{s}"
@@ -206,7 +211,10 @@ def rebuilt(t) -> tuple[list, list]:
             return declared_arm(fam, f"keel_a{m[1]}"), declared_arm(fam, "post_ln")
         assert what.startswith("Keel sqrtL - Keel L")
         return declared_arm(fam, "keel_sqrtL"), declared_arm(fam, "keel")
-    if fam in ("depth-sweep", "depth-long-tuned"):
+    if fam == "depth-long-tuned":
+        m = re.match(r"Keel - (\S+) at 64$", what)
+        return tuple(coordinate_arm(fam, x) for x in ("keel", SCHEME[m[1]]))
+    if fam == "depth-sweep":
         [spec] = [x for x in res(fam)["results"]["tests"] if x["what"] == what]
         return sweep_inputs(fam, what, spec["seeds"])
     if fam in ("downstream-end", "downstream-end-bisect"):
@@ -244,6 +252,38 @@ def declared_arm(folder: str, label: str, cell: str = "", with_lr: bool = False)
     lr = min(grid, key=mean)
     report = losses(folder, [f"{prefix}{lr:g}-seed{s}" for s in seeds])
     return (lr, report) if with_lr else report
+
+
+def coordinate_arm(folder: str, label: str, cell: str = "", with_choice: bool = False):
+    """An arm's report losses over every seed of a study declared as data that tunes the LR and, for the arms its
+    warm-up step names, the warm-up (its points named arm-lrX-warmup_stepsW-seedS), at the choice made again here
+    from the point files by one round of coordinate search: the LR at the base warm-up, the warm-up at that LR (equal
+    scores to the longer one), the LR again at that warm-up; each by the mean select-half loss over the choosing seeds
+    (a diverged seed: +inf). Over the seeds its report used (a marginal test's added ones too); one the arm did not
+    run is None."""
+    import yaml
+
+    doc = yaml.safe_load((RESULTS / folder / "study.yaml").read_text())
+    seeds, choosers = res(folder)["results"]["seeds"], doc.get("select_seeds") or doc["seeds"]
+    base = doc["base"]["optim"]["warmup_steps"]
+    tuned = {a for step in doc["tune"] if step["field"] == "optim.warmup_steps" for a in step.get("arms", doc["arms"])}
+    prefix = declared_name(label, cell)
+    named = (re.fullmatch(re.escape(prefix) + r"lr([0-9.e+-]+)-warmup_steps(\d+)-seed\d+", k)
+             for k in store.keys(RESULTS / folder / "points"))
+    ran = {(float(m[1]), int(m[2])) for m in named if m}
+
+    def mean(lr, wu):
+        pts = [point(folder, f"{prefix}lr{lr:g}-warmup_steps{wu}-seed{s}") for s in choosers]
+        return math.inf if any(p["diverged"] for p in pts) else statistics.fmean(p["select_loss"] for p in pts)
+    lr = min(sorted(v for v, w in ran if w == base), key=lambda v: mean(v, base))
+    wu = base
+    if label in tuned:
+        wu = min(sorted((w for v, w in ran if v == lr), reverse=True), key=lambda w: mean(lr, w))
+        if wu != base:
+            lr = min(sorted(v for v, w in ran if w == wu), key=lambda v: mean(v, wu))
+    names = [f"{prefix}lr{lr:g}-warmup_steps{wu}-seed{s}" for s in seeds]
+    report = [point(folder, n)["report_loss"] if store.exists(RESULTS / folder / "points", n) else None for n in names]
+    return (lr, wu, report) if with_choice else report
 
 
 def declared_name(label: str, cell: str) -> str:

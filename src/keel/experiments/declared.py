@@ -6,7 +6,7 @@
     axes: {model.n_blocks: [4, 8]}                                            # every arm at every combination
     tune:                                                                     # per arm and cell, in this order
       - {field: optim.lr, grid: [1.0e-3, 3.0e-3, 1.0e-2], grow: 2}
-      - {field: optim.warmup_steps, grid: [10, 30, 100], grow: 1}
+      - {field: optim.warmup_steps, grid: [10, 30, 100], grow: 1, arms: [pre_ln], above: [200], ties: high}
     seeds: [0, 1, 2]
     select_seeds: [0]                                                         # optional: the ones that choose
     marginal_seeds: [3, 4]                                                    # optional
@@ -19,8 +19,11 @@ The method (the budget measurement, keel.experiments.budget): every point trains
 recipe; each `tune` step chooses its field per arm and cell by the mean select-half loss over `seeds` (a diverged
 seed counts as +inf), the grid grown past an edge choice by the factor between the edge and its neighbour until
 the choice is interior or `grow` values were added on that side (a bound, reported); later steps see the values
-chosen before (a field may come back: coordinate search). With `select_seeds`, only those seeds run every value a
-search tries and choose by their mean; the other seeds run at the chosen values only. The report-half losses at
+chosen before (a field may come back: coordinate search). A step may name the `arms` it tunes (the others keep the
+value they have), grow through written-out values (`below` and `above`, falling and rising from the grid's edges; a
+side without them does not grow) and give ties to the `high` value (the cautious side of a warm-up; default `low`).
+With `select_seeds`, only those seeds run every value a search tries and choose by their mean; the other seeds run
+at the chosen values only. The report-half losses at
 the chosen values are compared seed by seed: paired two-sided t-test per cell and pair, Holm over every test of the
 study. With `marginal_seeds`, a test that is marginal (raw p < 0.05 lifted by Holm, or Holm p in [0.05, 0.20)) gets
 them on both arms at their chosen values and every test is run again on all seeds.
@@ -68,7 +71,7 @@ from keel.experiments.common import (
     save,
     write_outputs,
 )
-from keel.experiments.grid import Grid, _finite, grid_note, run_searches, search_grid
+from keel.experiments.grid import Grid, LadderGrid, _finite, grid_note, run_searches, search_grid
 from keel.experiments.sweep import Sweep
 
 KEYS = {"question": "what it asks", "answer": "what it found", "rule": "its decision rule", "base": "keel train's "
@@ -78,6 +81,9 @@ KEYS = {"question": "what it asks", "answer": "what it found", "rule": "its deci
         "report-half loss every this many steps (0: off)", "curve_batches": "batches of each curve evaluation",
         "select_seeds": "the seeds that choose (default: all seeds)", "best_of": "name -> arms: per cell the one "
         "with the lowest mean select-half loss at its choices", "untested": "pairs of arms reported, not tested"}
+STEP = {"arms": "some of the arms, the ones this step tunes", "below": "values falling from below the grid's lowest, "
+        "grown through in order", "above": "values rising from above the grid's highest, grown through in order",
+        "ties": "low or high: which of equal scores wins"}  # a tune step's optional keys
 MEASURES = ("loss",)  # the budget measurement: final loss on the select and report halves
 PER_POINT = {"run.seed": "set per point from seeds", "run.out_dir": "a study point writes no run directory",
              "run.name": "a study point writes no run directory"}
@@ -178,14 +184,21 @@ def read(doc: dict, where: str) -> DeclaredStudy:
     if not isinstance(tune, list):
         raise bad("tune: a list of {field, grid, grow}")
     for i, step in enumerate(tune):
-        if not isinstance(step, dict) or set(step) - {"field", "grid", "grow"} or "field" not in step:
-            raise bad(f"tune[{i}]: a mapping with field, grid and grow (got {step!r})")
+        if not isinstance(step, dict) or set(step) - {"field", "grid", "grow", *STEP} or "field" not in step:
+            raise bad(f"tune[{i}]: a mapping with field, grid and grow, and optionally {', '.join(STEP)} "
+                      f"(got {step!r})")
         grid, grow = step.get("grid"), step.get("grow", 2)
         if not isinstance(grid, list) or len(grid) < 2 or not all(_positive(v) for v in grid) \
                 or len(set(grid)) < len(grid):
             raise bad(f"tune[{i}].grid: at least two distinct positive numbers (got {grid!r})")
         if not isinstance(grow, int) or isinstance(grow, bool) or not 0 <= grow <= 8:
             raise bad(f"tune[{i}].grow: values added past an edge, an integer in [0, 8] (got {grow!r})")
+        oks = {"arms": lambda v: isinstance(v, list) and v and set(map(str, v)) <= set(arms), "ties": ("low", "high")
+               .__contains__, "below": lambda v, g=grid: _ladder(v, min(g), -1), "above": lambda v, g=grid: _ladder(
+                   v, max(g), 1)}
+        for name in STEP.keys() & step.keys():
+            if not oks[name](step[name]):
+                raise bad(f"tune[{i}].{name}: {STEP[name]} (got {step[name]!r})")
     seeds, marginal, select = doc.get("seeds", [0, 1, 2]), doc.get("marginal_seeds") or [], doc.get("select_seeds")
     for key, value in (("seeds", seeds), ("marginal_seeds", marginal), ("select_seeds", select or [])):
         if not isinstance(value, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
@@ -222,8 +235,9 @@ def read(doc: dict, where: str) -> DeclaredStudy:
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise bad(f"{key}: an integer >= {least} (got {value!r})")
     study = DeclaredStudy(base=doc.get("base") or {}, arms=arms, axes=axes,
-                          tune=[{"field": s["field"], "grid": sorted(s["grid"]), "grow": s.get("grow", 2)}
-                                for s in tune], seeds=seeds, marginal_seeds=marginal, compare=compare,
+                          tune=[{"field": s["field"], "grid": sorted(s["grid"]), "grow": s.get("grow", 2),
+                                 **{k: s[k] for k in STEP if k in s}} for s in tune], seeds=seeds,
+                          marginal_seeds=marginal, compare=compare,
                           measure=measure, curve_every=curve_every, curve_batches=curve_batches,
                           select_seeds=select or [], best_of=best_of, untested=doc.get("untested") or [])
     _check_configs(study, bad)
@@ -232,6 +246,12 @@ def read(doc: dict, where: str) -> DeclaredStudy:
 
 def _positive(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _ladder(values, edge: float, sign: int) -> bool:
+    """Written-out values past a grid's edge: positive, moving away from it (sign -1: falling below it)."""
+    steps = [edge, *values] if isinstance(values, list) else []
+    return bool(values) and all(map(_positive, values)) and all(sign * (b - a) > 0 for a, b in zip(steps, steps[1:]))
 
 
 def _check_configs(study: DeclaredStudy, bad) -> None:
@@ -252,7 +272,7 @@ def _check_configs(study: DeclaredStudy, bad) -> None:
         for value in values:
             check(f"axes.{name}", {name: value})
     for i, step in enumerate(study.tune):
-        for value in step["grid"]:
+        for value in [*step["grid"], *step.get("below", []), *step.get("above", [])]:
             if isinstance(_get(check(f"tune[{i}]", {step["field"]: value}), step["field"]), bool | str):
                 raise bad(f"tune[{i}]: {step['field']} is not a number")
     for arm, fields in study.arms.items():
@@ -361,15 +381,18 @@ def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, bas
         start = study.config({**study.arms[arm], **cell})
         now = {f: _get(start, f) for f in fields}
         steps = []
-        for step in study.tune:
-            f = step["field"]
-            integer = isinstance(_get(base, f), int)
-            grid = (_Grid if integer else Grid)([int(v) if integer else float(v) for v in step["grid"]], step["grow"])
+        for step in (s for s in study.tune if arm in s.get("arms", study.arms)):
+            f, ties = step["field"], step.get("ties", "low")
+            number = int if isinstance(_get(base, f), int) else float
+            values = [number(v) for v in step["grid"]]
+            grid = LadderGrid(values, step["grow"], ties=ties, below=step.get("below", []), above=step.get(
+                "above", [])) if {"below", "above"} & set(step) else (_Grid if number is int else Grid)(
+                values, step["grow"], ties=ties)
             now[f] = yield from search_grid(grid, lambda v, f=f: tuple({**now, f: v}[g] for g in fields),
                                             lambda *v, arm=arm: score(arm, *v))
             steps.append({"field": f, **grid.describe()})
-        if not fields:
-            yield [()]
+        if not steps:  # nothing tuned for this arm: its point at the values it has
+            yield [tuple(now[g] for g in fields)]
         return {"hp": dict(now), "grids": steps}
 
     def run_round(asked: dict) -> set:
