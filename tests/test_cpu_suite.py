@@ -28,12 +28,19 @@ TINY_FLAT = {"model": {"vocab_size": 64, "d_model": 16, "n_heads": 2, "n_kv_head
              "threads": 1}
 
 
+@pytest.fixture(autouse=True)
+def counted_gc(monkeypatch):
+    """flatness.gc_stats times a full collection after each model is built: in a process that has imported the
+    whole test suite that is about a second each, so the series here record a fixed figure. Each model is still
+    freed (a full collection) after it is measured."""
+    monkeypatch.setattr(flatness, "gc_stats", lambda: {"objects_after_build": 1000, "full_collect_s": 0.002})
+
+
 @pytest.mark.slow  # compiles and trains 4 models, then the flatness series
 def test_cpu_suite_compares_compiled_and_eager_side_by_side(fake_clock, monkeypatch, tmp_path):
     monkeypatch.setattr(suite, "machine", lambda device: {"cpu": "x86_64", "cpu_count": 2, "torch_threads": 2,
                                                          "torch_version": "2.x"})
     monkeypatch.setattr(os, "getloadavg", lambda: (0.25, 0.5, 0.75))
-    monkeypatch.setattr(flatness, "gc_stats", lambda: {"objects_after_build": 1000, "full_collect_s": 0.002})
     shapes = {"bench": ({"n_blocks": 2, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "max_seq_len": 16}, 2, 16)}
     writes = []
     result = cpu_suite(2, 1, writes.append, max_load=1e9, wait_s=0, shapes=shapes, compile_backend="eager",

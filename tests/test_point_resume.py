@@ -244,39 +244,47 @@ def started_mid_point(command, out, env, stderr=subprocess.DEVNULL):
     return process
 
 
-@pytest.mark.slow  # three `keel experiment` processes
-def test_a_sweep_process_killed_with_sigkill_continues_its_point_in_the_next_one(corpus, tmp_path):
+@pytest.fixture(scope="module")
+def whole(corpus, tmp_path_factory):
+    """The uninterrupted point, from one `keel experiment` process: (its folder, whose data cache the stopped
+    processes share, and the point it wrote)."""
+    base = tmp_path_factory.mktemp("whole")
+    done = subprocess.run(experiment_command(corpus, base, base / "whole"), env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return base, the_point(base / "whole")
+
+
+@pytest.mark.slow  # two `keel experiment` processes, and the uninterrupted one (shared)
+def test_a_sweep_process_killed_with_sigkill_continues_its_point_in_the_next_one(corpus, tmp_path, whole):
     """A real process death (SIGKILL: no `finally`, its claim left behind) in the middle of a point: the next
     `keel experiment` takes over the dead process's claim, continues the point from its last save, and writes the
     numbers an uninterrupted process writes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    killed = tmp_path / "killed"
-    assert subprocess.run(experiment_command(corpus, tmp_path, tmp_path / "whole"), env=env,
-                          capture_output=True).returncode == 0
-    process = started_mid_point(experiment_command(corpus, tmp_path, killed), killed, env)
+    killed, (base, uninterrupted) = tmp_path / "killed", whole
+    process = started_mid_point(experiment_command(corpus, base, killed), killed, env)
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert list(killed.glob("points/*.claim")) and not [p for p in killed.glob("points/*.json.gz")
                                                          if p.name != "config.json"]
-    again = subprocess.run(experiment_command(corpus, tmp_path, killed), env=env, capture_output=True, text=True)
+    again = subprocess.run(experiment_command(corpus, base, killed), env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
-    resumed, whole = the_point(killed), the_point(tmp_path / "whole")
+    resumed = the_point(killed)
     assert len(resumed["resumed_at"]) == 1 and 100 <= resumed["resumed_at"][0] < 1500
     assert f"continued from step {resumed['resumed_at'][0]}" in again.stderr
-    assert numbers(resumed) == numbers(whole)
+    assert numbers(resumed) == numbers(uninterrupted)
     assert not list(killed.glob("points/*.partial")) and not list(killed.glob("points/*.claim"))
 
 
-@pytest.mark.slow  # three `keel experiment` processes
-def test_a_sweep_process_stopped_with_sigterm_saves_at_the_step_it_reached_and_releases_its_claim(corpus, tmp_path):
+@pytest.mark.slow  # two `keel experiment` processes, and the uninterrupted one (shared)
+def test_a_sweep_process_stopped_with_sigterm_saves_at_the_step_it_reached_and_releases_its_claim(corpus, tmp_path,
+                                                                                                  whole):
     """SIGTERM (how a session's end or a scheduler stops a sweep): one line, exit 130, the claim released, and the
     point's progress saved at the step boundary it reached, from which the next process continues to the
     uninterrupted numbers."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    stopped = tmp_path / "stopped"
-    assert subprocess.run(experiment_command(corpus, tmp_path, tmp_path / "whole"), env=env,
-                          capture_output=True).returncode == 0
-    process = started_mid_point(experiment_command(corpus, tmp_path, stopped), stopped, env, subprocess.PIPE)
+    stopped, (base, uninterrupted) = tmp_path / "stopped", whole
+    process = started_mid_point(experiment_command(corpus, base, stopped), stopped, env, subprocess.PIPE)
     process.send_signal(signal.SIGTERM)
     err = process.communicate(timeout=120)[1]
     assert process.returncode == 130, err
@@ -285,7 +293,7 @@ def test_a_sweep_process_stopped_with_sigterm_saves_at_the_step_it_reached_and_r
     step = int(said[0].rsplit(" ", 1)[1])
     assert [p.name for p in stopped.glob("points/*.partial/checkpoints/*")] == [f"step_{step:08d}"]
     assert not list(stopped.glob("points/*.claim"))
-    again = subprocess.run(experiment_command(corpus, tmp_path, stopped), env=env, capture_output=True, text=True)
+    again = subprocess.run(experiment_command(corpus, base, stopped), env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
     resumed = the_point(stopped)
-    assert resumed["resumed_at"] == [step] and numbers(resumed) == numbers(the_point(tmp_path / "whole"))
+    assert resumed["resumed_at"] == [step] and numbers(resumed) == numbers(uninterrupted)
