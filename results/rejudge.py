@@ -240,7 +240,7 @@ def downstream_end_tests() -> list[Test]:
 
 def tests() -> list[Test]:
     """Every test results/ reports, rule-defined first (by experiment), then the post-hoc ones."""
-    dl = {s: arm("depth-long", s) for s in
+    dl = {s: arm("depth-long", s.replace("-", "_")) for s in
           ("keel-8", "pre_ln-8", "post_ln-8", "keel-64", "pre_ln-64", "post_ln-64")}
     reg = {s: arm("regime", s) for s in ("keel", "pre_ln", "post_ln")}
     out = [

@@ -119,6 +119,8 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     ({"best_of": {"best": ["keel", "pre_ln"]}, "compare": [["best", "nope"]]}, "compare: pairs of two different arms "
                                                                                "out of keel, pre_ln, post_ln, best"),
     ({"untested": [["keel", "keel"]]}, "untested: pairs of two different arms"),
+    ({"compare": [[["keel", ["keel", "pre_ln"]], "pre_ln"]]}, "compare: pairs of two different arms"),
+    ({"probe": "yes"}, "probe: true or false (got 'yes')"),
     ({"tune": [{"field": "optim.lr", "grid": [1e-3, 2e-3], "arms": ["nope"]}]}, "tune[0].arms: some of the arms"),
     ({"tune": [{"field": "optim.lr", "grid": [1e-3, 2e-3], "below": [2e-3]}]}, "tune[0].below: values falling"),
     ({"tune": [{"field": "optim.lr", "grid": [1e-3, 2e-3], "above": [3e-3, 3e-3]}]}, "tune[0].above: values rising"),
@@ -333,3 +335,30 @@ def test_a_tune_step_of_some_arms_grows_through_written_out_values_and_may_give_
     assert warmup == {"field": "optim.warmup_steps", "values": [2, 3, 4, 5], "added": [5], "bound": "high"}
     assert sorted({wu for a, lr, wu in ran if a == "post_ln" and lr == 2e-5}) == [2, 3, 4, 5]
     assert {lr for a, lr, wu in ran if a == "post_ln" and wu == 5} == {1e-5, 2e-5, 4e-5} == set(again["values"])
+
+
+def test_a_side_that_is_a_pair_is_its_difference_seed_by_seed(tmp_path, monkeypatch):
+    """(keel - pre_ln at 2 blocks) - (at 1 block), per seed: the growth of a gap with depth, one test across cells,
+    Holm over it and the per-cell tests."""
+    from keel.experiments import declared
+
+    loss = {("keel", 1): [1.0, 1.1, 1.3], ("pre_ln", 1): [1.1, 1.2, 1.35], ("keel", 2): [0.9, 1.0, 1.1],
+            ("pre_ln", 2): [1.2, 1.25, 1.5]}
+
+    def fake_point(study, arm, cell, hp, seed):
+        return {"seed": seed, "diverged": False, "select_loss": 1.0,
+                "report_loss": loss[arm, cell["model.n_blocks"]][seed]}
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = study(arms={"keel": {"model.scheme": "keel"}, "pre_ln": {"model.scheme": "pre_ln"}}, tune=[],
+                compare=[["keel", "pre_ln"], [["keel@n_blocks2", "pre_ln@n_blocks2"],
+                                              ["keel@n_blocks1", "pre_ln@n_blocks1"]]])
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    growth = results["tests"][-1]
+    a = np.subtract(loss["keel", 2], loss["pre_ln", 2])
+    b = np.subtract(loss["keel", 1], loss["pre_ln", 1])
+    assert growth["cell"] == "" and growth["mean"] == pytest.approx(np.mean(a - b), abs=1e-12)
+    assert growth["p"] == pytest.approx(scipy_stats.ttest_rel(a, b).pvalue, rel=1e-9)
+    assert [t["p_holm"] for t in results["tests"]] == pytest.approx(
+        holm_by_hand([t["p"] for t in results["tests"]]), rel=1e-12)
+    assert "| - | (keel@n_blocks2 - pre_ln@n_blocks2) - (keel@n_blocks1 - pre_ln@n_blocks1) |" in (
+        tmp_path / "report.md").read_text()

@@ -146,7 +146,7 @@ def test_a_study_file_runs_by_name_at_its_smoke_test_size(name, tmp_path, monkey
     assert {p["seed"] for p in points.values()} == set(study.seeds[:2])
     assert all(p["n_sublayers"] == 4 and p["d_model"] == 32 and len(p["losses"]) == 6 for p in points.values())
     results = store.read_results(out)["results"]
-    across = [p for p in study.compare if declared._pinned(study.best_of, p[0])]  # arm@cell: once, last
+    across = [p for p in study.compare if declared._pinned(study.best_of, declared._leaves(p)[0])]  # once, last
     assert [t["pair"] for t in results["tests"]] == [p for c in study.cells() for p in study.compare
                                                      if p not in across] + across
     assert sorted(p.name for p in study_files()[name].parent.rglob("*")) == committed

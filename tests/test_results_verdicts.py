@@ -38,8 +38,7 @@ def point(folder: str, name: str) -> dict:
 
 # experiment -> how its LR was chosen: "seed0" (rounds 1-2: seed 0 at every grid LR), "mean" (over every seed),
 # "fixed" (one LR given, no choice)
-LOSS_EXPERIMENTS = {"depth": "seed0", "depth-long": "fixed",
-                    "depth-long-32": "fixed", "regime": "fixed", "frontier": "mean"}
+LOSS_EXPERIMENTS = {"depth": "seed0", "depth-long-32": "fixed", "regime": "fixed", "frontier": "mean"}
 
 
 @pytest.mark.parametrize("folder", sorted(LOSS_EXPERIMENTS))
@@ -317,12 +316,15 @@ def minus(a: list[float], b: list[float]) -> list[float]:
 def arm_inputs(fam: str, what: str) -> tuple[list, list]:
     """The families whose experiments choose their arms' LRs (checked above), by the row's words."""
     if fam in ("depth", "depth-long", "depth-long-32"):
+        def at(scheme, d):  # depth-long is a study file: an arm per scheme and depth, its LR written out
+            return losses(fam, [f"{scheme}_{d}-seed{s}" for s in range(3)]) if fam == "depth-long" else arm(
+                fam, f"{scheme}-{d}")
         if m := re.match(r"\(Keel - Pre-LN at (\d+)\) - \(at (\d+)\)", what):
-            return tuple(minus(arm(fam, f"keel-{d}"), arm(fam, f"pre_ln-{d}")) for d in (m[1], m[2]))
+            return tuple(minus(at("keel", d), at("pre_ln", d)) for d in (m[1], m[2]))
         if m := re.match(r"Keel at (\d+) - Keel at (\d+)", what):
-            return arm(fam, f"keel-{m[1]}"), arm(fam, f"keel-{m[2]}")
+            return at("keel", m[1]), at("keel", m[2])
         m = re.match(r"Keel - (\S+), (\d+)[ ,]", what)
-        return arm(fam, f"keel-{m[2]}"), arm(fam, f"{SCHEME[m[1]]}-{m[2]}")
+        return at("keel", m[2]), at(SCHEME[m[1]], m[2])
     if fam == "regime":
         return arm(fam, "keel"), arm(fam, SCHEME[re.match(r"Keel - (\S+),", what)[1]])
     if fam == "deep-vs-wide":

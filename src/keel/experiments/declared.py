@@ -14,6 +14,7 @@
     best_of: {best: [keel, pre_ln]}                                           # optional: an arm picked per cell
     untested: [[pre_ln, keel]]                                                # optional: reported, not tested
     curve_every: 50                                                           # optional: a loss curve (0: off)
+    probe: true                                                               # optional: the effective-depth probe
 
 The method (the budget measurement, keel.experiments.budget): every point trains from scratch with the paper's
 recipe; each `tune` step chooses its field per arm and cell by the mean select-half loss over `seeds` (a diverged
@@ -34,6 +35,9 @@ each with its LR tuned, then the best; `compare` and `untested` may name it. `un
 mean and SD of their paired differences only, outside the Holm family. A pair or a best_of may pin its arms to cells
 (`keel@lr0.006`, a cell as the report names it): such a pair is one test across cells (Keel at one LR against Keel at
 another), such a best_of one pick across cells (each arm at its best LR of an axis), named on both sides or neither.
+
+`probe: true` adds keel.experiments.budget's effective-depth probe to each point (4 report-half batches: the loss
+with every branch above sub-layer k off, rms(F)/rms(alpha x)) and its summary to the report; no choice or test reads it.
 
 `rule` links the decision rule the study is judged by (comma-separated links; the report links them).
 `keel experiment NAME --quick` runs a study file at a smoke-test size (`smoke`): every point a 2-block d=32 model
@@ -80,7 +84,8 @@ KEYS = {"question": "what it asks", "answer": "what it found", "rule": "its deci
         "marginal test", "compare": "pairs of arms", "measure": "what a point measures", "curve_every":
         "report-half loss every this many steps (0: off)", "curve_batches": "batches of each curve evaluation",
         "select_seeds": "the seeds that choose (default: all seeds)", "best_of": "name -> arms: per cell the one "
-        "with the lowest mean select-half loss at its choices", "untested": "pairs of arms reported, not tested"}
+        "with the lowest mean select-half loss at its choices", "untested": "pairs of arms reported, not tested",
+        "probe": "the effective-depth probe on every point (true or false)"}
 STEP = {"arms": "some of the arms, the ones this step tunes", "below": "values falling from below the grid's lowest, "
         "grown through in order", "above": "values rising from above the grid's highest, grown through in order",
         "ties": "low or high: which of equal scores wins"}  # a tune step's optional keys
@@ -109,6 +114,7 @@ class DeclaredStudy:
     select_seeds: list = field(default_factory=list)  # empty: every seed chooses
     best_of: dict = field(default_factory=dict)  # name -> arms (`read`)
     untested: list = field(default_factory=list)
+    probe: bool = False
     smoke: dict = field(default_factory=dict)  # fields set on every point last (`smoke`); empty for a real study
 
     @property
@@ -221,15 +227,19 @@ def read(doc: dict, where: str) -> DeclaredStudy:
                       f"(got {best_of!r})")
     names = [*arms, *best_of]
     compare = doc.get("compare") or [[names[0], other] for other in list(arms)[1:]]
+    def pair(p, nested: bool = True) -> bool:  # two different arms; a side may be a pair itself (its difference)
+        return isinstance(p, list) and len(p) == 2 and p[0] != p[1] and all(
+            x in {*names, *pinned} if isinstance(x, str) else nested and pair(x, False) for x in p)
     for key_, pairs in (("compare", compare), ("untested", doc.get("untested") or [])):
-        if not isinstance(pairs, list) or not all(
-                isinstance(p, list) and len(p) == 2 and p[0] != p[1] and set(map(str, p)) <= {*names, *pinned}
-                and len({_pinned(best_of, a) for a in p}) == 1 for p in pairs):
-            raise bad(f"{key_}: pairs of two different arms out of {', '.join(names)}, or of arm@cell on both sides "
-                      f"(a cell of {', '.join(cells) or 'none: no axes'}) (got {pairs!r})")
+        if not isinstance(pairs, list) or not all(pair(p) and len({_pinned(best_of, a) for a in _leaves(p)}) == 1
+                                                  for p in pairs):
+            raise bad(f"{key_}: pairs of two different arms out of {', '.join(names)} (or of two such pairs), or of "
+                      f"arm@cell on both sides (a cell of {', '.join(cells) or 'none: no axes'}) (got {pairs!r})")
     measure = doc.get("measure", "loss")
     if measure not in MEASURES:
         raise bad(f"measure: {measure!r}; allowed: {', '.join(MEASURES)}")
+    if not isinstance(doc.get("probe", False), bool):
+        raise bad(f"probe: true or false (got {doc['probe']!r})")
     curve_every, curve_batches = doc.get("curve_every", 0), doc.get("curve_batches", 2)
     for key, value, least in (("curve_every", curve_every, 0), ("curve_batches", curve_batches, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -239,7 +249,8 @@ def read(doc: dict, where: str) -> DeclaredStudy:
                                  **{k: s[k] for k in STEP if k in s}} for s in tune], seeds=seeds,
                           marginal_seeds=marginal, compare=compare,
                           measure=measure, curve_every=curve_every, curve_batches=curve_batches,
-                          select_seeds=select or [], best_of=best_of, untested=doc.get("untested") or [])
+                          select_seeds=select or [], best_of=best_of, untested=doc.get("untested") or [],
+                          probe=doc.get("probe", False))
     _check_configs(study, bad)
     return study
 
@@ -289,6 +300,15 @@ def _get(config, key: str):
     return config
 
 
+def _leaves(side) -> list:
+    """The arms a side of a pair names (a side may be a pair: its difference)."""
+    return [a for x in side for a in _leaves(x)] if isinstance(side, list) else [side]
+
+
+def _label(side) -> str:
+    return f"({_label(side[0])} - {_label(side[1])})" if isinstance(side, list) else side
+
+
 def _pinned(best_of: dict, name: str) -> bool:
     """Whether `name` (an arm, arm@cell or a best_of) is at one cell whatever the cell a test is in."""
     return "@" in name or "@" in best_of.get(name, [""])[0]
@@ -326,7 +346,8 @@ def point(study: DeclaredStudy, arm: str, cell: dict, hp: dict, seed: int) -> di
     """One point: the budget measurement at this arm, cell and tuned values."""
     c = study.config({**study.arms[arm], **cell, **hp})
     cfg = BudgetConfig(model=c.model, data=c.data, optim=c.optim, guard=c.guard, run=c.run, lrs=[c.optim.lr],
-                       seeds=[seed], curve_every=study.curve_every, curve_batches=study.curve_batches)
+                       seeds=[seed], curve_every=study.curve_every, curve_batches=study.curve_batches,
+                       probe=study.probe)
     return budget_point(cfg, c.model, c.optim.lr, seed) | {"arm": arm, "cell": cell, "tuned": hp}
 
 
@@ -349,7 +370,7 @@ def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", ques
         jobs = {}
         for t in tests:
             if _marginal(t):
-                for arm, c in (_at(side, t["cell"]) for side in t["arms"]):
+                for arm, c in (_at(side, t["cell"]) for side in _leaves(t["arms"])):
                     hp, cell = choices[c][arm]["hp"], _cell(study, c)
                     jobs |= {key(arm, cell, hp, s): _job(study, arm, cell, hp, s) for s in study.marginal_seeds}
         points |= sweep.run(jobs, f"{name} (marginal seeds)")
@@ -431,15 +452,20 @@ def _losses(study, points, cell_name, choice, arm, seeds) -> list:
 
 def _tests(study: DeclaredStudy, points: dict, choices: dict, picks: dict, seeds: list, pairs: list,
            tested: bool = True) -> list[dict]:
-    """Each pair per cell (a pair pinned to cells once, last), a best_of name as the arm it picked: paired t-tests,
-    Holm over them all (with `tested`; otherwise the mean and SD of the paired differences only)."""
-    tests, across = [], [p for p in pairs if _pinned(study.best_of, p[0])]
+    """Each pair per cell (a pair pinned to cells once, last), a best_of name as the arm it picked, a side that is a
+    pair as its difference seed by seed: paired t-tests, Holm over them all (with `tested`; otherwise the mean and SD
+    of the paired differences only)."""
+    def side(a, cell_name: str):  # (the arms it names, as they resolve in the cell; its report losses per seed)
+        if isinstance(a, list):
+            (ra, la), (rb, lb) = side(a[0], cell_name), side(a[1], cell_name)
+            return [ra, rb], [x - y if x is not None and y is not None else None for x, y in zip(la, lb)]
+        arm, c = _at((picks.get(cell_name, {}).get(a) or picks.get("", {}).get(a) or {"arm": a})["arm"], cell_name)
+        return arm if c == cell_name else f"{arm}@{c}", _losses(study, points, c, choices[c], arm, seeds)
+    tests, across = [], [p for p in pairs if _pinned(study.best_of, _leaves(p)[0])]
     for cell_name, group in [*((c, [p for p in pairs if p not in across]) for c in choices), ("", across)]:
         for pair in group:
-            sides = [_at((picks.get(cell_name, {}).get(a) or picks.get("", {}).get(a) or {"arm": a})["arm"],
-                         cell_name) for a in pair]
-            arms = [arm if c == cell_name else f"{arm}@{c}" for arm, c in sides]
-            la, lb = (_losses(study, points, c, choices[c], arm, seeds) for arm, c in sides)
+            (ra, la), (rb, lb) = side(pair[0], cell_name), side(pair[1], cell_name)
+            arms = [ra, rb]
             t = stats.paired(la, lb)
             tests.append({"cell": cell_name, "pair": pair, "arms": arms, "seeds": [s for s, x, y in zip(seeds, la, lb)
                                                                                    if x is not None and y is not None],
@@ -449,7 +475,7 @@ def _tests(study: DeclaredStudy, points: dict, choices: dict, picks: dict, seeds
     for t, adjusted in zip(tests, stats.holm([t["p"] for t in tests])):
         t["p_holm"] = adjusted
         t["verdict"] = "inconclusive" if adjusted is None or adjusted >= stats.ALPHA else (
-            f"{t['pair'][0]} lower" if t["mean"] < 0 else f"{t['pair'][1]} lower")
+            f"{_label(t['pair'][0])} lower" if t["mean"] < 0 else f"{_label(t['pair'][1])} lower")
     return tests
 
 
@@ -479,7 +505,8 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
     picked = [f"**{name}**{f' at {c}' if c else ''}: {p['arm']} (mean select-half loss at the choices: "
               + ", ".join(f"{a} {v:.3f}" for a, v in p["select"].items()) + ")"
               for c, cell_picks in results.get("picks", {}).items() for name, p in cell_picks.items()]
-    test_rows = [[t["cell"] or "-", " - ".join(a if a == r else f"{a} ({r})" for a, r in zip(t["pair"], t["arms"])),
+    test_rows = [[t["cell"] or "-", " - ".join(_label(a) if a == r else f"{_label(a)} ({_label(r)})"
+                                               for a, r in zip(t["pair"], t["arms"])),
                   f"{t['mean']:+.3f} ± {t['sd']:.3f} (n={t['n']})" if t["sd"] is not None else
                   stats.describe(t) if "p" in t else f"{t['mean']:+.3f} (n={t['n']})",
                   "-" if t.get("ci95") is None else "[{:+.3f}, {:+.3f}]".format(*t["ci95"]),
@@ -488,14 +515,17 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
                  for t in [*results["tests"], *results.get("untested", [])]]
     tests_table = markdown_table(["cell", "difference", "mean ± SD of the paired differences", "95% CI", "p",
                                   "Holm p", "verdict"], test_rows)
+    if study.probe:
+        tests_table += "\n\n" + _probe_table(study, results)
     plots = [_plot(study, out, results)]
     runs = [study.config(cell).run for cell in study.cells()]  # an axis may set the steps
     steps = ", ".join(dict.fromkeys(f"{r.steps:,}" for r in runs))
     tokens = ", ".join(dict.fromkeys(f"{r.steps * r.batch_size * r.seq_len:,}" for r in runs))
     rest = [s for s in study.seeds if s not in study.choosers()]
     notes = (f"Each point: the budget measurement (keel.experiments.budget) at {steps} steps of "
-             f"{runs[0].batch_size}x{runs[0].seq_len} tokens ({tokens} tokens); choices "
-             f"by the mean select-half loss over seeds {study.choosers()}"
+             f"{runs[0].batch_size}x{runs[0].seq_len} tokens ({tokens} tokens); "
+             + (f"choices by the mean select-half loss over seeds {study.choosers()}" if study.tune or study.best_of
+                else "no field tuned (each arm at the fields it sets)")
              + (f", seeds {rest} run at the choices" if rest else "")
              + f"; report-half losses on seeds {seeds}; paired two-sided t-tests, Holm over the study's "
              f"{len(results['tests'])} tests" + (f" ({len(results['untested'])} differences reported, not tested)"
@@ -505,6 +535,26 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
     asks = (f"**Question:** {question}\n\n" if question else "") + (f"**Rule:** {links}\n\n" if links else "")
     body = "\n\n".join([arms_table, *(["\n".join(f"- {p}" for p in picked)] if picked else []), tests_table])
     write_outputs(out, name, study, command, results, asks + body, plots, notes)
+
+
+def _probe_table(study: DeclaredStudy, results: dict) -> str:
+    """The effective-depth probe per cell and arm at its choices, over the seeds: the loss added when only
+    sub-layers 0-1, or the lower half, keep their branches, and the mean rms(F)/rms(alpha x) of sub-layers 2..L-1."""
+    rows = []
+    for cell_name, choice in results["choices"].items():
+        for arm in study.arms:
+            runs = [results["points"].get(key(arm, _cell(study, cell_name), choice[arm]["hp"], s), {})
+                    for s in results["seeds"]]
+            if not (runs := [r for r in runs if r.get("probe")]):
+                continue
+            n, off = runs[0]["n_sublayers"], [r["probe"]["loss_branches_above_k_off"] for r in runs]
+            rows.append([cell_name or "-", arm, n, pm([o["2"] - o[str(n)] for o in off]),
+                         pm([o[str(n // 2)] - o[str(n)] for o in off]),
+                         pm([sum(r["probe"]["f_over_ax"][2:]) / max(1, n - 2) for r in runs], 4)])
+    return ("Effective-depth probe (report half, at the choices, every seed): the loss added when every branch above "
+            "sub-layer k is switched off (norms and alpha kept), and the mean rms(F)/rms(alpha x) of sub-layers "
+            "2..L-1.\n\n" + markdown_table(["cell", "arm", "sub-layers", "delta loss, only sub-layers 0-1 on",
+                                             "delta loss, lower half on", "mean rms(F)/rms(alpha x)"], rows))
 
 
 def _plot(study: DeclaredStudy, out: Path, results: dict) -> str:
