@@ -155,7 +155,7 @@ def test_the_default_runs_are_the_committed_depth_long_runs():
     cfg = build("downstream", False, [])
     assert cfg.lrs["keel-32"] == 3e-3 and cfg.lrs["pre_ln-64"] == 1e-3 and cfg.seeds == [0, 1, 2, 3, 4]
     recorded = store.load(Path(__file__).parent.parent / "results" / "depth-long-32" / "points",
-                          "keel-32-lr0.003-seed0")
+                          "keel-seed0")
     config = point_config(cfg, cfg.point_model("keel", 32), 0, lr=cfg.lrs["keel-32"])
     curve, _ = train_curve(config, eval_batches=0, on_step=lambda i, model, result: i == 3)
     assert curve.losses == pytest.approx(recorded["losses"][:4], rel=1e-5)

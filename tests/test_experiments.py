@@ -224,23 +224,6 @@ def test_a_prepared_budget_point_starts_from_the_same_init(corpus_cfg):
     assert plain["losses"] == prepared["losses"] and plain["report_loss"] == prepared["report_loss"]
 
 
-@pytest.mark.slow
-def test_depth_can_take_each_arms_lr_from_an_earlier_run(corpus_cfg, tmp_path):
-    short = build("depth", True, [*TINY, *QUICK["depth"], *corpus_cfg, "seeds=[0]", "lrs=[1e-3,1e-2]"])
-    EXPERIMENTS["depth"][1](short, tmp_path / "short", "keel experiment depth --quick")
-    chosen = store.read_results(tmp_path / "short")["results"]["chosen"]
-    long = build("depth", True, [*TINY, *QUICK["depth"], *corpus_cfg, "seeds=[0,1]", "run.steps=5",
-                                 f"lr_from={tmp_path / 'short' / 'results.json'}"])
-    res = EXPERIMENTS["depth"][1](long, tmp_path / "long", "keel experiment depth --quick")
-    names = sorted(k for k in store.keys(tmp_path / "long" / "points") if "-seed" in k)
-    assert names == sorted(f"{arm}-lr{lr:g}-seed{s}" for arm, lr in chosen.items() for s in (0, 1))
-    assert {arm: a["lr"] for arm, a in res["arms"].items()} == chosen
-    with pytest.raises(ValueError, match="lr_from"):
-        EXPERIMENTS["depth"][1](build("depth", True, [*TINY, *QUICK["depth"], *corpus_cfg, "depths=[16]",
-                                                      f"lr_from={tmp_path / 'short' / 'results.json'}"]),
-                                tmp_path / "bad", "keel experiment depth --quick")
-
-
 def test_a_field_added_later_with_its_default_does_not_invalidate_a_sweep(corpus_cfg, tmp_path):
     cfg = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0]"])
     EXPERIMENTS["regime"][1](cfg, tmp_path, "keel experiment regime --quick")

@@ -38,7 +38,7 @@ def point(folder: str, name: str) -> dict:
 
 # experiment -> how its LR was chosen: "seed0" (rounds 1-2: seed 0 at every grid LR), "mean" (over every seed),
 # "fixed" (one LR given, no choice)
-LOSS_EXPERIMENTS = {"depth": "seed0", "depth-long-32": "fixed", "regime": "fixed", "frontier": "mean"}
+LOSS_EXPERIMENTS = {"depth": "seed0", "regime": "fixed", "frontier": "mean"}
 
 
 @pytest.mark.parametrize("folder", sorted(LOSS_EXPERIMENTS))
@@ -316,7 +316,9 @@ def minus(a: list[float], b: list[float]) -> list[float]:
 def arm_inputs(fam: str, what: str) -> tuple[list, list]:
     """The families whose experiments choose their arms' LRs (checked above), by the row's words."""
     if fam in ("depth", "depth-long", "depth-long-32"):
-        def at(scheme, d):  # depth-long is a study file: an arm per scheme and depth, its LR written out
+        def at(scheme, d):  # depth-long(-32) are study files: an arm per scheme (and depth), its LR written out
+            if fam == "depth-long-32":
+                return losses(fam, [f"{scheme}-seed{s}" for s in range(3)])
             return losses(fam, [f"{scheme}_{d}-seed{s}" for s in range(3)]) if fam == "depth-long" else arm(
                 fam, f"{scheme}-{d}")
         if m := re.match(r"\(Keel - Pre-LN at (\d+)\) - \(at (\d+)\)", what):

@@ -4,12 +4,10 @@ keel.experiments.budget; the wide Pre-LN of Table 5 for downstream.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keel.errors import ConfigError
 from keel.experiments.budget import (
     BudgetConfig,
     method_note,
@@ -33,9 +31,6 @@ from keel.experiments.common import (
 class DepthConfig(BudgetConfig):
     depths: list[int] = field(default_factory=lambda: [8, 16, 32, 64])  # sub-layers, 8x span
     probe: bool = True
-    # "" (choose from `lrs`), or an earlier depth run's results.json: each arm then runs at the LR that run
-    # chose for it on the select half (tune on a short budget, train long), and `lrs` is not used
-    lr_from: str = ""
 
     @classmethod
     def quick(cls) -> DepthConfig:
@@ -43,22 +38,9 @@ class DepthConfig(BudgetConfig):
                           probe_batches=1)
 
 
-def chosen_lrs(path: str, arms) -> dict[str, list[float]]:
-    """{arm: [LR]} from an earlier experiment's results.json (`results.chosen`), for every arm in `arms`."""
-    try:
-        chosen = json.loads(Path(path).read_text())["results"]["chosen"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"lr_from: cannot read the chosen LRs from {path} ({e})") from None
-    missing = [a for a in arms if a not in chosen]
-    if missing:
-        raise ConfigError(f"lr_from: {path} chose no LR for {', '.join(missing)}")
-    return {a: [float(chosen[a])] for a in arms}
-
-
 def run_depth(cfg: DepthConfig, out: Path, command: str) -> dict:
     arms = {f"{s}-{d}": cfg.point_model(s, d) for d in cfg.depths for s in cfg.schemes}
-    grids = chosen_lrs(cfg.lr_from, arms) if cfg.lr_from else None
-    res = select_then_seeds(cfg, out, arms, "depth", grids=grids)
+    res = select_then_seeds(cfg, out, arms, "depth")
     a = res["arms"]
     rows, gaps = [], {}
     for d in cfg.depths:
@@ -76,11 +58,7 @@ def run_depth(cfg: DepthConfig, out: Path, command: str) -> dict:
     plots = [_plot_depth(cfg, res, unigram, out), _plot_curves(cfg, res, unigram, out)]
     if cfg.probe:
         plots.append(_plot_probe(cfg, res, out))
-    method = method_note(cfg)
-    if cfg.lr_from:
-        method += (f" Here no LR is chosen: each arm runs at the LR chosen for it by {cfg.lr_from} "
-                   f"({', '.join(f'{a} {g[0]:g}' for a, g in grids.items())}).")
-    notes = method + f" Unigram level on the report half: {unigram:.3f} nats.\n\n" + probes
+    notes = method_note(cfg) + f" Unigram level on the report half: {unigram:.3f} nats.\n\n" + probes
     losses = [v for arm in a.values() for v in arm["report_losses"] if v is not None and math.isfinite(v)]
     if losses and min(losses) > unigram:
         notes = (f"**Every report loss is above the unigram level ({unigram:.3f} nats)**: no arm has learned more "
