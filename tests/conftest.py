@@ -187,7 +187,9 @@ def torchrun():
     def run(module: str, *args: str, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
                "-m", module, *args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+        # the repository root on the path: a module of benchmarks/ runs as `-m benchmarks.cpu...` from any folder
+        path = os.pathsep.join(filter(None, [str(BENCHMARKS.parent), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONPATH": path}
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         assert out.returncode == 0, out.stderr[-3000:]
         return out

@@ -231,8 +231,8 @@ def test_torchrun_pp_trains_like_one_process_and_resumes_in_one(tmp_path, corpus
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_the_pipeline_benchmark_writes_its_tables(tmp_path, torchrun):
-    torchrun("keel.bench.pipeline_timing", "--out", str(tmp_path), "--n-blocks", "4", "--d-model", "32", "--batch-size",
-             "4", "--seq-len", "16", "--steps", "1", "--schedules", "1f1b,zbv", timeout=TIMEOUT)
+    torchrun("benchmarks.cpu.pipeline.timing", "--out", str(tmp_path), "--n-blocks", "4", "--d-model", "32",
+             "--batch-size", "4", "--seq-len", "16", "--steps", "1", "--schedules", "1f1b,zbv", timeout=TIMEOUT)
     result = json.loads((tmp_path / "bench.json").read_text())
     assert [r["schedule"] for r in result["records"]] == ["1f1b", "zbv"]
     assert all(r["pipeline_s"] > 0 and r["one_process_s"] > 0 and r["one_process_threads"] == 2
