@@ -36,9 +36,8 @@ def point(folder: str, name: str) -> dict:
     raise FileNotFoundError(f"{folder}: {name}")
 
 
-# experiment -> how its LR was chosen: "seed0" (rounds 1-2: seed 0 at every grid LR), "mean" (over every seed),
-# "fixed" (one LR given, no choice)
-LOSS_EXPERIMENTS = {"depth": "seed0", "regime": "fixed", "frontier": "mean"}
+# experiment -> how its LR was chosen: "mean" (over every seed), "fixed" (one LR given, no choice)
+LOSS_EXPERIMENTS = {"regime": "fixed", "frontier": "mean"}
 
 
 @pytest.mark.parametrize("folder", sorted(LOSS_EXPERIMENTS))
@@ -52,8 +51,6 @@ def test_committed_arms_are_their_point_files_at_the_lr_the_rule_chooses(folder)
         for seed, loss in enumerate(arm["report_losses"]):
             assert point(folder, f"{label}-lr{lr:g}{wu}-seed{seed}")["report_loss"] == loss, (label, seed)
         grid = [float(x) for x in (arm["lr_grid_again"]["values"] if wu else arm.get("select_by_lr", {}))]
-        if LOSS_EXPERIMENTS[folder] == "seed0" and len(grid) > 1:
-            assert lr == min(grid, key=lambda g: point(folder, f"{label}-lr{g:g}-seed0")["select_loss"]), label
         if LOSS_EXPERIMENTS[folder] == "mean" and len(grid) > 1:
             n = len(arm["report_losses"])
             runs = {g: [point(folder, f"{label}-lr{g:g}{wu}-seed{s}") for s in range(n)] for g in grid}
@@ -316,11 +313,12 @@ def minus(a: list[float], b: list[float]) -> list[float]:
 def arm_inputs(fam: str, what: str) -> tuple[list, list]:
     """The families whose experiments choose their arms' LRs (checked above), by the row's words."""
     if fam in ("depth", "depth-long", "depth-long-32"):
-        def at(scheme, d):  # depth-long(-32) are study files: an arm per scheme (and depth), its LR written out
+        def at(scheme, d):  # study files: an arm per scheme (and depth); depth chooses its LR, the others write it out
             if fam == "depth-long-32":
                 return losses(fam, [f"{scheme}-seed{s}" for s in range(3)])
-            return losses(fam, [f"{scheme}_{d}-seed{s}" for s in range(3)]) if fam == "depth-long" else arm(
-                fam, f"{scheme}-{d}")
+            if fam == "depth":
+                return declared_arm(fam, f"{scheme}_{d}")
+            return losses(fam, [f"{scheme}_{d}-seed{s}" for s in range(3)])
         if m := re.match(r"\(Keel - Pre-LN at (\d+)\) - \(at (\d+)\)", what):
             return tuple(minus(at("keel", d), at("pre_ln", d)) for d in (m[1], m[2]))
         if m := re.match(r"Keel at (\d+) - Keel at (\d+)", what):
