@@ -13,6 +13,7 @@ import pytest
 from keel.bench import perf_model as pm
 from keel.bench.core import scheme_config
 from keel.bench.perf_model import DEVICES, Code, calibrated, modelled, paper_config, predict
+from keel.model import flops_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,6 +89,55 @@ def test_a_window_not_fitted_is_checked_out_of_sample_against_the_fit_before_it(
                and r["scheme"] == "keel")
     assert row["calibrated_s"] == pytest.approx(model["step_time_s"], rel=1e-6)
     assert row["error"] == pytest.approx(model["step_time_s"] / 0.8928 - 1, rel=1e-6)
+
+
+def _loop_predict(ops, config, batch, seq, device, impl, bf16, ac_every):
+    """predict as one loop over the ops, op_time and host_time each op in turn: how the model was first written."""
+    groups = {}
+    host = pm.sublayer_passes(config, ac_every) * device.sublayer_s["eager" if impl == "eager" else "compiled"]
+    for op in ops:
+        g = groups.setdefault(op.group, {"time_s": 0.0, "flops": 0.0, "bytes": 0.0, "memory_bound_s": 0.0})
+        t = pm.op_time(op, device, bf16)
+        host += pm.host_time(op, device, impl)
+        g["time_s"] += t
+        g["flops"] += op.flops
+        g["bytes"] += op.bytes
+        if op.bytes / (device.bandwidth * device.memory_eff) >= op.flops / (device.bf16_flops * device.matmul_eff):
+            g["memory_bound_s"] += t
+    kernels = sum(g["time_s"] for g in groups.values())
+    groups["host"] = {"time_s": max(0.0, host - kernels) if device.overlap else host, "flops": 0.0, "bytes": 0.0,
+                      "memory_bound_s": 0.0, "host_s": host}
+    step = kernels + groups["host"]["time_s"]
+    tps = batch * seq / step
+    return {"step_time_s": step, "tokens_per_s": tps, "mfu": tps * flops_per_token(config, seq) / device.bf16_flops,
+            "flops": sum(o.flops for o in ops), "bytes": sum(o.bytes for o in ops), "groups": groups}
+
+
+@pytest.mark.slow  # the loop over every op of 30-odd steps
+def test_predict_is_the_op_by_op_loop_to_the_last_bit_on_every_measured_point():
+    """predict evaluates a step's ops as arrays; on every step time in measured_gpu.json (each variant and code as
+    measured), under the datasheet, the calibrated fit, a host-bound spec with the kernel's bandwidth and a CPU's
+    adding host and device, every number it returns (step time, MFU, each group's time, FLOPs, bytes) is the
+    loop's exactly, not to a tolerance: the fit and calibrated.md cannot have moved with the rewrite."""
+    host_bound = pm.replace(cal.with_params(DEVICES["H100"], [0.7, 12e-6, 20e-6, 150e-6, 60e-6]),
+                            fused_junction_bw=656e9)
+    cpu = pm.replace(DEVICES["A100"], overlap=False, foreach_batch=5)
+    specs = {True: [DEVICES["H100"], calibrated("H100"), host_bound], False: [DEVICES["H100"], cpu]}  # by bf16
+    seen = set()
+    for run in cal.measured_runs():
+        for variant, scheme, _, shape in cal.points(run):
+            impl, code = modelled(variant, Code(**run.get("code", {})))
+            key = (shape["d_model"], shape["n_sublayers"], shape["batch_size"], shape["ac_every"], scheme, impl, code)
+            if key in seen:
+                continue
+            seen.add(key)
+            config = scheme_config(paper_config(shape["d_model"], shape["n_sublayers"]), scheme)
+            for bf16 in (True, False):
+                ops = pm.step_ops(config, shape["batch_size"], shape["seq_len"], bf16, impl, shape["ac_every"], code)
+                for spec in specs[bf16]:
+                    args = (config, shape["batch_size"], shape["seq_len"], spec, impl, bf16, shape["ac_every"])
+                    assert predict(*args, code) == _loop_predict(ops, *args), (key, bf16, spec.name)
+    assert len(seen) >= 20
 
 
 # the worst error of each device's fit on its own points (benchmarks/gpu/calibrated.md): the H100 fit misses the

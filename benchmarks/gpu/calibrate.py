@@ -21,6 +21,7 @@ A prediction from the calibrated model is still a PREDICTION.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -38,6 +39,7 @@ from keel.bench.perf_model import (
     predict_pair,
     step_ops,
 )
+from keel.model import ModelConfig
 from keel.model.counting import count_params
 
 MEASURED = Path(__file__).with_name("measured_gpu.json")
@@ -78,11 +80,16 @@ def points(run: dict) -> list[tuple[str, str, float, dict]]:
     return [(v, s, ms / 1e3, shape) for shape, times in groups for v, pair in times.items() for s, ms in pair.items()]
 
 
-def _predicted(spec: DeviceSpec, run: dict, variant: str, scheme: str, shape: dict | None = None) -> float:
+@functools.cache
+def _config(d_model: int, n_sublayers: int, scheme: str) -> ModelConfig:
     from keel.bench.core import scheme_config  # noqa: PLC0415 (core imports the training stack)
 
+    return scheme_config(paper_config(d_model, n_sublayers), scheme)
+
+
+def _predicted(spec: DeviceSpec, run: dict, variant: str, scheme: str, shape: dict | None = None) -> float:
     shape = shape or run["shape"]
-    config = scheme_config(paper_config(shape["d_model"], shape["n_sublayers"]), scheme)
+    config = _config(shape["d_model"], shape["n_sublayers"], scheme)
     impl, code = modelled(variant, Code(**run.get("code", {})))
     return predict(config, shape["batch_size"], shape["seq_len"], spec, impl, shape["dtype"] == "bfloat16",
                    shape["ac_every"], code)["step_time_s"]

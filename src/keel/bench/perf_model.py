@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+
 from keel.bench import MODELLED_GPUS
 from keel.kernels.junction import MAX_FUSED_WIDTH
 from keel.model import ModelConfig, count_params, flops_per_token
@@ -336,7 +338,43 @@ def sublayer_passes(config: ModelConfig, ac_every: int = 0) -> int:
     return 2 * config.n_sublayers + 2 * checkpointed
 
 
-_step_ops = functools.lru_cache(maxsize=512)(lambda *args: tuple(step_ops(*args)))  # a fit predicts each point often
+class _Table(NamedTuple):
+    """One step's op groups as arrays, built once per shape and code; a fit evaluates it on many devices."""
+
+    flops: np.ndarray
+    bytes: np.ndarray
+    launches: np.ndarray
+    optimizer: np.ndarray  # multi-tensor ops: launched once per `foreach_batch` tensors
+    matmul: np.ndarray  # the other FLOP-bound kind is attention (memory ops count no FLOPs)
+    fused: np.ndarray
+    groups: tuple  # (name, op indices, flops, bytes) in order of first appearance
+    flops_total: float
+    bytes_total: float
+    passes: int  # sublayer_passes
+    flops_per_token: float
+
+
+@functools.lru_cache(maxsize=512)
+def _table(config: ModelConfig, batch: int, seq: int, bf16: bool, impl: str, ac_every: int, code: Code) -> _Table:
+    ops = step_ops(config, batch, seq, bf16, impl, ac_every, code)
+    names = list(dict.fromkeys(o.group for o in ops))
+    groups = []
+    for name in names:
+        idx = [i for i, o in enumerate(ops) if o.group == name]
+        flops = bytes_ = 0.0
+        for i in idx:  # summed in op order, as a loop over the ops would
+            flops += ops[i].flops
+            bytes_ += ops[i].bytes
+        groups.append((name, np.array(idx), flops, bytes_))
+
+    def column(values, dtype=float):
+        a = np.array(values, dtype=dtype)
+        a.flags.writeable = False
+        return a
+    return _Table(column([o.flops for o in ops]), column([o.bytes for o in ops]), column([o.launches for o in ops]),
+                  column([o.group == "optimizer" for o in ops], bool), column([o.kind == "matmul" for o in ops], bool),
+                  column([o.kind == "fused" for o in ops], bool), tuple(groups), sum(o.flops for o in ops),
+                  sum(o.bytes for o in ops), sublayer_passes(config, ac_every), flops_per_token(config, seq))
 
 
 def op_time(op: Op, device: DeviceSpec, bf16: bool) -> float:
@@ -355,30 +393,41 @@ def host_time(op: Op, device: DeviceSpec, impl: str) -> float:
     return launches * device.launch_s["eager" if impl == "eager" else "compiled"]
 
 
+def _in_order(values: np.ndarray) -> float:
+    """values[0] + values[1] + ... left to right (np.sum pairs them up), so a sum is the op-by-op loop's to the
+    last bit."""
+    return float(np.add.accumulate(values)[-1]) if values.size else 0.0
+
+
 def predict(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, impl: str, bf16: bool = True,
             ac_every: int = 0, code: Code = Code()) -> dict:
     """Predicted step time, tokens/s and MFU of one training step of `code` (today's unless a measured run's), and
-    time, FLOPs and bytes per op group."""
-    ops = _step_ops(config, batch, seq, bf16, impl, ac_every, code)
-    groups: dict[str, dict] = {}
-    host = sublayer_passes(config, ac_every) * device.sublayer_s["eager" if impl == "eager" else "compiled"]
-    for op in ops:
-        g = groups.setdefault(op.group, {"time_s": 0.0, "flops": 0.0, "bytes": 0.0, "memory_bound_s": 0.0})
-        t = op_time(op, device, bf16)
-        host += host_time(op, device, impl)
-        g["time_s"] += t
-        g["flops"] += op.flops
-        g["bytes"] += op.bytes
-        if op.bytes / (device.bandwidth * device.memory_eff) >= op.flops / (device.bf16_flops * device.matmul_eff):
-            g["memory_bound_s"] += t
+    time, FLOPs and bytes per op group: op_time and host_time summed over step_ops."""
+    t = _table(config, batch, seq, bf16, impl, ac_every, code)
+    # op_time and host_time over every op at once (the same operations on the same numbers, element by element)
+    peak = device.bf16_flops if bf16 else device.fp32_flops
+    bandwidth = np.full(len(t.bytes), device.bandwidth * device.memory_eff)
+    if device.fused_junction_bw:
+        bandwidth[t.fused] = device.fused_junction_bw
+    times = np.maximum(t.flops / np.where(t.matmul, peak * device.matmul_eff, peak * device.attention_eff),
+                       t.bytes / bandwidth)
+    launches = np.where(t.optimizer, np.ceil(t.launches / device.foreach_batch), t.launches)
+    per_kernel = launches * device.launch_s["eager" if impl == "eager" else "compiled"]
+    host = _in_order(np.concatenate(([t.passes * device.sublayer_s["eager" if impl == "eager" else "compiled"]],
+                                     per_kernel)))
+    memory_bound = t.bytes / (device.bandwidth * device.memory_eff) >= t.flops / (device.bf16_flops
+                                                                                 * device.matmul_eff)
+    groups = {name: {"time_s": _in_order(times[idx]), "flops": flops, "bytes": bytes_,
+                     "memory_bound_s": _in_order(times[idx][memory_bound[idx]])}
+              for name, idx, flops, bytes_ in t.groups}
     kernels = sum(g["time_s"] for g in groups.values())
     # the host's time the device does not hide (a GPU's queue lets the host run ahead; a CPU does both in turn)
     groups["host"] = {"time_s": max(0.0, host - kernels) if device.overlap else host, "flops": 0.0, "bytes": 0.0,
                       "memory_bound_s": 0.0, "host_s": host}
     step = kernels + groups["host"]["time_s"]
     tps = batch * seq / step
-    return {"step_time_s": step, "tokens_per_s": tps, "mfu": tps * flops_per_token(config, seq) / device.bf16_flops,
-            "flops": sum(o.flops for o in ops), "bytes": sum(o.bytes for o in ops), "groups": groups}
+    return {"step_time_s": step, "tokens_per_s": tps, "mfu": tps * t.flops_per_token / device.bf16_flops,
+            "flops": t.flops_total, "bytes": t.bytes_total, "groups": groups}
 
 
 def predict_pair(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, impl: str, bf16: bool = True,
