@@ -1,4 +1,4 @@
-"""Corpora, the train/val split, cached token shards, tokenizers and batch samplers.
+"""Corpora, the train/val split, the token cache (a shard directory), tokenizers and batch samplers.
 
 Expectations are computed independently of keel.data: files are found with pathlib, the split rule is
 written out below, and shard contents are compared with the files' own bytes."""
@@ -119,7 +119,7 @@ def test_bpe_shards_are_the_encoded_documents_each_followed_by_eos(config, sourc
     tok, corpus = data.tokenizer, build_corpus(config(path, val_fraction=0.3))
     for split, tokens in (("train", data.train), ("val", data.val)):
         expected = [i for doc in corpus.documents(split) for i in [*tok.encode(doc), tok.eos_id]]
-        assert tokens.dtype == np.uint16 and tokens.tolist() == expected and expected
+        assert tokens.dtype == np.uint16 and np.asarray(tokens).tolist() == expected and expected
     bytes_data = prepare(config(path, val_fraction=0.3))
     assert bytes_data.cache_path != data.cache_path  # the tokenizer is part of the cache key
 
@@ -167,7 +167,8 @@ def test_stdlib_corpus_is_found_and_split_deterministically_and_disjointly(stdli
     assert sorted(val_docs) == sorted(texts[rel] for rel in val)
     assert list(build_corpus(DataConfig()).documents("val")) == val_docs  # same order on every call
     # byte tokens: the shards are the documents' UTF-8, back to back
-    assert stdlib_data.val.tobytes() == np.frombuffer("".join(val_docs).encode(), np.uint8).astype(np.uint16).tobytes()
+    want = np.frombuffer("".join(val_docs).encode(), np.uint8).astype(np.uint16)
+    assert np.asarray(stdlib_data.val).tobytes() == want.tobytes()
     assert len(stdlib_data.train) == sum(len(texts[rel].encode()) for rel in train)
 
 
@@ -178,8 +179,8 @@ def test_directory_source_reads_text_files_and_skips_the_rest(config, small_dir)
     data = prepare(config(small_dir, val_fraction=fraction))
     for split, tokens in (("train", data.train), ("val", data.val)):
         rels = [rel for rel in FILES if (rel in expected_val) == (split == "val")]  # FILES is in walk order
-        assert tokens.tobytes() == np.frombuffer("".join(FILES[r] for r in rels).encode(), np.uint8).astype(
-            np.uint16).tobytes()
+        assert np.asarray(tokens).tobytes() == np.frombuffer("".join(FILES[r] for r in rels).encode(),
+                                                             np.uint8).astype(np.uint16).tobytes()
     info = data.corpus_info
     assert info["files"] == 5 and info["skipped_files"] == 1 and info["skipped"] == ["notes.txt"]
     assert info["train_documents"] + info["val_documents"] == 3
@@ -257,9 +258,9 @@ def test_cache_is_reused_and_a_changed_file_changes_the_fingerprint(config, smal
         raise AssertionError("re-tokenised although the cache was valid")
 
     with monkeypatch.context() as m:
-        m.setattr(keel.data.loader, "_write_shards", no_rebuild)
+        m.setattr(keel.data.loader, "write_shards", no_rebuild)
         again = prepare(config(small_dir))
-    assert again.cache_path == first.cache_path and np.array_equal(again.train, first.train)
+    assert again.cache_path == first.cache_path and np.array_equal(np.asarray(again.train), np.asarray(first.train))
     assert again.corpus_info == first.corpus_info
 
     fingerprint = build_corpus(config(small_dir)).fingerprint
@@ -275,7 +276,7 @@ def test_cache_is_reused_and_a_changed_file_changes_the_fingerprint(config, smal
 
 
 def test_an_interrupted_or_damaged_cache_is_never_used(config, small_dir, monkeypatch):
-    tokens_dir = Path(config(small_dir).cache_dir) / "tokens"
+    tokens_dir = Path(config(small_dir).cache_dir) / "shards"
 
     def interrupted(self, texts):
         raise KeyboardInterrupt
@@ -287,10 +288,82 @@ def test_an_interrupted_or_damaged_cache_is_never_used(config, small_dir, monkey
     assert list(tokens_dir.iterdir()) == []  # the half-built directory was removed
 
     whole = prepare(config(small_dir))
-    expected = whole.train.tobytes()
-    (whole.cache_path / "train.bin").write_bytes(expected[:10])  # damaged after the fact
+    expected = np.asarray(whole.train).tobytes()
+    (whole.cache_path / "train-000000.bin").write_bytes(expected[:10])  # cut short after the fact
     rebuilt = prepare(config(small_dir))
-    assert rebuilt.cache_path == whole.cache_path and rebuilt.train.tobytes() == expected
+    assert rebuilt.cache_path == whole.cache_path and np.asarray(rebuilt.train).tobytes() == expected
+
+    (whole.cache_path / "val-000000.bin").write_bytes(bytes(len(np.asarray(whole.val).tobytes())))  # same size
+    with pytest.raises(DataError, match=f"val-000000.bin: its SHA-256 .* delete {whole.cache_path} to rebuild"):
+        prepare(config(small_dir))
+
+
+def test_a_cache_in_the_older_layout_is_named_kept_and_made_again(config, small_dir, capsys):
+    """A token cache keel wrote before its cache was a shard directory (cache_dir/tokens/<key>/train.bin, val.bin,
+    meta.json) is never read: one line names it, the corpus is tokenised again beside it, and it is left as it was
+    (an older keel sharing the cache may still read it)."""
+    cfg = config(small_dir, val_fraction=0.5)
+    key = hashlib.sha256((build_corpus(cfg).fingerprint + "bytes").encode()).hexdigest()[:16]  # the documented key
+    old = Path(cfg.cache_dir) / "tokens" / key
+    old.mkdir(parents=True)
+    planted = {"train.bin": bytes(range(200)) * 4, "val.bin": b"\xff" * 64, "meta.json": b'{"format": "keel-tokens-1"}'}
+    for name, data in planted.items():
+        (old / name).write_bytes(data)
+    data = prepare(cfg)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and str(old) in lines[0] and "older keel" in lines[0] and str(data.cache_path) in lines[0]
+    assert data.cache_path == Path(cfg.cache_dir) / "shards" / key
+    val = [rel for rel in FILES if in_val(rel, 0.5)]
+    assert np.asarray(data.val).tobytes() == np.frombuffer("".join(FILES[r] for r in val).encode(), np.uint8).astype(
+        np.uint16).tobytes()
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == planted  # untouched
+    prepare(cfg)
+    assert capsys.readouterr().err == ""  # the new cache is read from now on
+
+
+# The first batches a seeded sampler draws from the cache of `book_text()` (bytes), as keel drew them when its cache
+# was one train.bin and one val.bin per corpus: the SHA-256 of the int64 x and y of 3 batches of 4 x 32 (one
+# process, then rank 0 and 1 of 2 in turn, each its half of the global batch), and of 2 validation batches.
+BOOK_TOKENS = (1_432_386, 29_277)
+BOOK_BATCHES = ("cdacafb6913f4a738cf1d25a0a24796651aed964e9df3a69b0da6b1b159e6de2",
+                "c04a414ebbd833bb0fb685ffca4cc3fff95abe115bab51080a6fbeeca1751781",
+                "588ee24b50d7509b7669b8ecfd98a67589d2e32db5e44efc4a172224e10a7ba2")
+
+
+def book_text() -> str:
+    """1.26 million characters in 36,000 lines, more than one piece (PIECE_CHARS) of a document."""
+    import random
+
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "über", "naïve", "日本", "x", "seventeen", "the", "of", "and", "🙂"]
+    return "".join(" ".join(rng.choice(words) for _ in range(rng.randint(1, 14))) + "\n" for _ in range(36_000))
+
+
+@pytest.mark.slow
+def test_a_text_file_gives_the_tokens_and_seeded_batches_it_always_gave(config, tmp_path):
+    from keel.data.tokenizer import PIECE_CHARS, train_bpe
+
+    text = book_text()
+    path = tmp_path / "book.txt"
+    path.write_text(text)
+    assert len(text) > PIECE_CHARS
+    data = prepare(config(path))
+    cut = text.index("\n", int(len(text) * 0.98)) + 1  # the documented cut: the line end after 98% of the text
+    assert np.asarray(data.train).astype(np.uint8).tobytes() == text[:cut].encode()
+    assert np.asarray(data.val).astype(np.uint8).tobytes() == text[cut:].encode()
+    assert (len(data.train), len(data.val)) == BOOK_TOKENS
+    sampler = WindowSampler(data.train, 32, 4, seed=0)
+    ranks = [WindowSampler(data.train, 32, 2, seed=0, rank=r, world_size=2) for r in range(2)]
+    drawn = [b"".join(t.numpy().tobytes() for _ in range(3) for t in sampler.next_batch()),
+             b"".join(t.numpy().tobytes() for _ in range(3) for s in ranks for t in s.next_batch()),
+             b"".join(t.numpy().tobytes() for batch in eval_batches(data.val, 32, 4, 2) for t in batch)]
+    assert tuple(hashlib.sha256(d).hexdigest() for d in drawn) == BOOK_BATCHES
+
+    # a BPE given as a file: each split is the whole of its text encoded at once, then eos
+    tok = train_bpe([text[:20_000]], 300, tmp_path / "bpe.json")
+    data = prepare(config(path, tokenizer=str(tmp_path / "bpe.json")))
+    assert np.asarray(data.train).tolist() == [*tok.encode(text[:cut]), tok.eos_id]
+    assert np.asarray(data.val).tolist() == [*tok.encode(text[cut:]), tok.eos_id]
 
 
 def test_cache_dir_defaults_to_keel_cache(small_dir, tmp_path):
@@ -302,7 +375,7 @@ def test_cache_dir_defaults_to_keel_cache(small_dir, tmp_path):
 
 def test_sampler_windows_are_slices_of_the_tokens_and_reach_both_ends(config, small_dir):
     data = prepare(config(small_dir, val_fraction=0))
-    train_bytes = data.train.astype(np.uint8).tobytes()
+    train_bytes = np.asarray(data.train).astype(np.uint8).tobytes()
     sampler = WindowSampler(data.train, seq_len=8, batch_size=4, seed=0)
     for _ in range(5):
         x, y = sampler.next_batch()
@@ -420,14 +493,14 @@ def test_bad_input_is_a_data_error_naming_the_file_or_field(make, needle, tmp_pa
 @pytest.mark.parametrize("inside_directory", [False, True])
 def test_an_unreadable_file_is_named(inside_directory, config, small_dir, monkeypatch):
     target = small_dir / "a.txt"
-    real_open = Path.open
+    real_open = os.open
 
-    def denied(self, *args, **kwargs):
-        if self == target:
-            raise PermissionError(13, "Permission denied", str(self))
-        return real_open(self, *args, **kwargs)
+    def denied(path, *args, **kwargs):
+        if Path(path) == target:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "open", denied)  # chmod would not stop root
+    monkeypatch.setattr(os, "open", denied)  # chmod would not stop root
     with pytest.raises(DataError, match="a.txt: cannot read"):
         prepare(config(small_dir if inside_directory else target))
 

@@ -354,6 +354,16 @@ def test_windows_over_shards_are_the_windows_of_one_array(tmp_path):
             assert torch.equal(x, y)
     for (xa, ya), (xb, yb) in zip(eval_batches(shards, 8, 3, 4), eval_batches(whole, 8, 3, 4)):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    # a slice (the experiments' halves of the validation split) reads the same files as the array's slice
+    assert np.array_equal(np.asarray(shards), whole) and np.asarray(shards).dtype == np.uint16
+    for part, want in ((shards[5:40], whole[5:40]), (shards[5:40][3:], whole[5:40][3:]), (shards[-9:], whole[-9:]),
+                       (shards[60:30], whole[60:30])):
+        assert len(part) == len(want) and np.array_equal(np.asarray(part), want)
+    part, want = shards[:len(whole) // 2], whole[:len(whole) // 2]
+    starts = np.arange(len(want) - 9)
+    assert np.array_equal(part.windows(starts, 10), want[starts[:, None] + np.arange(10)])
+    with pytest.raises(IndexError):
+        part.windows([len(want) - 9], 10)
 
 
 @pytest.fixture

@@ -295,36 +295,39 @@ def test_a_rechecksummed_rng_state_of_the_wrong_length_is_refused_at_load(run, k
 def test_a_token_cache_with_ids_beyond_the_vocabulary_is_one_line(trained, run, capsys):
     import numpy as np
 
-    cache = next((trained.parent.parent / "cache" / "tokens").iterdir())
-    shard = cache / "val.bin"
+    cache = next((trained.parent.parent / "cache" / "shards").iterdir())
+    shard = cache / "val-000000.bin"
     saved = shard.read_bytes()
     try:
         ids = np.fromfile(shard, dtype=np.uint16)
         ids[:: max(1, len(ids) // 7)] = 60_000  # the byte tokenizer has 256 ids
         ids.tofile(shard)
-        line = refused(capsys, "val.bin", EVAL[0], run, *EVAL[1:])
-        assert "token id 60000 is outside the tokenizer's 256" in line and "delete" in line
+        line = refused(capsys, "val-000000.bin", EVAL[0], run, *EVAL[1:])
+        assert "its SHA-256 is not the one manifest.json records" in line and f"delete {cache}" in line
     finally:
         shard.write_bytes(saved)  # the module's other tests share this cache
 
 
 @pytest.mark.slow  # over a second in tests/durations.json
-def test_ids_beyond_the_model_where_the_cache_sample_did_not_look_are_one_line(trained, corpus, tmp_path, capsys):
-    """`prepare` checks every k-th id of a large shard; the sampler checks each batch it cuts, so a bad id between
-    the sampled ones is one line naming the shard, not an IndexError inside the embedding."""
+def test_ids_beyond_the_model_in_a_cache_planted_with_its_manifest_are_one_line(trained, corpus, tmp_path, capsys):
+    """A cache whose manifest was rewritten to match altered shards passes the checksums; the sampler checks each
+    batch it cuts, so an id beyond the model is one line naming the shards, not an IndexError inside the embedding."""
+    import hashlib
+
     import numpy as np
 
     cache = tmp_path / "cache"
     shutil.copytree(trained.parent.parent / "cache", cache)
-    shard_dir = next((cache / "tokens").iterdir())
-    n = 5 << 20  # > 2 x the sample of 2**20 ids: the sample reads every 5th id
-    ids = np.resize(np.fromfile(shard_dir / "train.bin", dtype=np.uint16), n)
-    ids[1::5] = 60_000  # never sampled: the byte tokenizer's ids are < 256
-    ids.tofile(shard_dir / "train.bin")
-    meta = json.loads((shard_dir / "meta.json").read_text())
-    meta["corpus"]["train_tokens"] = n
-    (shard_dir / "meta.json").write_text(json.dumps(meta))
-    line = refused(capsys, "train.bin", "train", "--preset", "tiny", f"data.source={corpus}",
+    shard_dir = next((cache / "shards").iterdir())
+    n = 1 << 20
+    ids = np.resize(np.fromfile(shard_dir / "train-000000.bin", dtype=np.uint16), n)
+    ids[1::5] = 60_000  # the byte tokenizer's ids are < 256
+    ids.tofile(shard_dir / "train-000000.bin")
+    manifest = json.loads((shard_dir / "manifest.json").read_text())
+    manifest["splits"]["train"]["tokens"] = n
+    manifest["splits"]["train"]["shards"][0] |= {"tokens": n, "sha256": hashlib.sha256(ids.tobytes()).hexdigest()}
+    (shard_dir / "manifest.json").write_text(json.dumps(manifest))
+    line = refused(capsys, "train-*.bin", "train", "--preset", "tiny", f"data.source={corpus}",
                    f"data.cache_dir={cache}", f"run.out_dir={tmp_path / 'runs'}", "run.steps=2", "run.progress=false")
     assert "token id 60000" in line and "model.vocab_size" in line
 

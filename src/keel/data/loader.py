@@ -1,9 +1,9 @@
-"""Token shards cached on disk, and the samplers that read batches from them.
+"""Token ids ready for training, and the samplers that read batches from them.
 
-`prepare` tokenises both splits of a corpus (keel.data.corpus) once into
-`cache_dir/tokens/<key>/{train.bin,val.bin,meta.json}` and memory-maps them on every later call; the
-key changes whenever the data or the tokenizer does. A directory `keel data prepare` wrote (keel.data.shards),
-or a nanoGPT-style `.bin` of token ids, is read where it is instead, through memory maps.
+`prepare` tokenises both splits of a corpus (keel.data.corpus) once into a shard directory under
+`cache_dir/shards/<key>/`, written by keel.data.shard_writer in the layout of keel.data.shards, and reads it on
+every later call; the key changes whenever the data or the tokenizer does. A directory `keel data prepare` wrote,
+or a nanoGPT-style `.bin` of token ids, is read where it is instead. Every one is read through memory maps.
 """
 
 from __future__ import annotations
@@ -12,46 +12,47 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from keel.data import shards
-from keel.data.corpus import FORMAT, SPLITS, Corpus, DataConfig, build_corpus, cache_root
-from keel.data.tokenizer import HFTokenizer, load_tokenizer, planned_vocab_size, read_capped
+from keel.data.corpus import SPLITS, Corpus, DataConfig, build_corpus, cache_root
+from keel.data.shard_writer import write_shards
+from keel.data.tokenizer import HFTokenizer, load_tokenizer, planned_vocab_size
 from keel.errors import DataError
-from keel.safe_io import loads_json
 
-ENCODE_BATCH = 256  # documents per tokenizer call: enough for the Rust BPE to use every core
+CACHE = "shards"  # cache_dir/shards/<key>: the token cache, a shard directory
+OLD_CACHE = "tokens"  # cache_dir/tokens/<key>: train.bin, val.bin and meta.json, as keel cached a corpus before
 
 
-# ---- token shards ----------------------------------------------------------------------------------
+# ---- token ids ------------------------------------------------------------------------------------------
 
 @dataclass
 class Prepared:
-    """Both splits as memory-mapped token ids (an array, or keel.data.shards.TokenShards; with data.streaming the
-    train split is a keel.data.streaming.TokenStream and val an array in memory), the tokenizer that made them, and
-    what the corpus was."""
+    """Both splits as memory-mapped token ids (keel.data.shards.TokenShards; with data.streaming the train split is
+    a keel.data.streaming.TokenStream and val an array in memory), the tokenizer that made them, and what the
+    corpus was."""
 
-    train: np.ndarray | shards.TokenShards
-    val: np.ndarray | shards.TokenShards
+    train: shards.TokenShards
+    val: shards.TokenShards
     tokenizer: object
     corpus_info: dict
     cache_path: Path
 
 
 def prepare(cfg: DataConfig, tokenizer=None) -> Prepared:
-    """Tokenise the corpus `cfg` names into cached shards (on the first call only) and memory-map them;
-    `tokenizer` (a run's saved one) in place of the one data.tokenizer names.
+    """Tokenise the corpus `cfg` names into the token cache (on the first call only) and read it; `tokenizer` (a
+    run's saved one) in place of the one data.tokenizer names.
 
-    Shards are uint16 when the vocabulary fits, else uint32; each document is followed by the tokenizer's
-    eos_id when it has one. A cache is built under a temporary name and renamed into place whole, so a
-    half-written one is never read."""
+    Ids are uint16 when the vocabulary fits, else uint32; each document is followed by the tokenizer's eos_id
+    when it has one. A cache is built under a temporary name and renamed into place whole, so a half-written one
+    is never read."""
     if cfg.streaming:  # nothing cached: documents are tokenised as training reads them
         from keel.data.streaming import open_stream
 
@@ -63,11 +64,10 @@ def prepare(cfg: DataConfig, tokenizer=None) -> Prepared:
     corpus = build_corpus(cfg)
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer, root, corpus)
     key = hashlib.sha256((corpus.fingerprint + tokenizer.name).encode()).hexdigest()[:16]
-    path = root / "tokens" / key
-    meta = _read_meta(path) or _write_shards(corpus, tokenizer, path)
-    dtype = np.dtype(meta["dtype"])
-    train, val = (_checked(_map(path / f"{s}.bin", dtype), tokenizer.vocab_size, path / f"{s}.bin") for s in SPLITS)
-    return Prepared(train, val, tokenizer, meta["corpus"], path)
+    path = root / CACHE / key
+    if _whole(path) is None:
+        _build(corpus, tokenizer, path, root / OLD_CACHE / key)
+    return _open_shards(path, tokenizer, root, f"the token cache is damaged: delete {path} to rebuild it")
 
 
 def _prepared_elsewhere(cfg: DataConfig, tokenizer=None) -> Prepared | None:
@@ -78,17 +78,9 @@ def _prepared_elsewhere(cfg: DataConfig, tokenizer=None) -> Prepared | None:
         return None
     path = Path(cfg.source).expanduser()
     if os.path.lexists(path / shards.MANIFEST):
-        manifest = shards.read_manifest(path)
-        tokenizer = tokenizer or _shard_tokenizer(cfg.tokenizer, path)
-        shards.check_tokenizer(manifest, tokenizer, path)
-        key = hashlib.sha256(f"{path.resolve()}\0{json.dumps(manifest, sort_keys=True)}".encode()).hexdigest()[:16]
-        shards.check_files(path, manifest, stamp=cache_root(cfg) / "shards-checked" / f"{key}.json")
-        splits = manifest["splits"]
-        counts = {f"{s}_{n}": splits[s][n] for s in SPLITS for n in ("tokens", "documents")}
-        info = manifest["corpus"] | {"shards": str(path), "tokenizer": tokenizer.name,
-                                     "vocab_size": tokenizer.vocab_size} | counts
-        return Prepared(shards.open_split(path, manifest, "train"), shards.open_split(path, manifest, "val"),
-                        tokenizer, info, path)
+        ready = _open_shards(path, tokenizer or _shard_tokenizer(cfg.tokenizer, path), cache_root(cfg))
+        ready.corpus_info["shards"] = str(path)
+        return ready
     if path.suffix == ".bin" and path.is_file():
         if tokenizer is None and (cfg.tokenizer == "bpe" or cfg.tokenizer.startswith("bpe:")):
             raise DataError(f"data.tokenizer: {path} holds token ids: name the tokenizer that made them (bytes or "
@@ -105,6 +97,20 @@ def _prepared_elsewhere(cfg: DataConfig, tokenizer=None) -> Prepared | None:
     return None
 
 
+def _open_shards(path: Path, tokenizer, root: Path, remedy: str = shards.REMEDY) -> Prepared:
+    """The shard directory `path`, checked against its manifest (files re-hashed only when changed since the check
+    stamped under `root`) and against `tokenizer`."""
+    manifest = shards.read_manifest(path, remedy)
+    shards.check_tokenizer(manifest, tokenizer, path)
+    key = hashlib.sha256(f"{path.resolve()}\0{json.dumps(manifest, sort_keys=True)}".encode()).hexdigest()[:16]
+    shards.check_files(path, manifest, stamp=root / "shards-checked" / f"{key}.json", remedy=remedy)
+    splits = manifest["splits"]
+    counts = {f"{s}_{n}": splits[s][n] for s in SPLITS for n in ("tokens", "documents")}
+    info = manifest["corpus"] | {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size} | counts
+    return Prepared(shards.open_split(path, manifest, "train"), shards.open_split(path, manifest, "val"),
+                    tokenizer, info, path)
+
+
 def _shard_tokenizer(spec: str, directory: Path):
     """data.tokenizer for a shard directory: bpe[:N] is the BPE `keel data prepare` trained there."""
     if spec == "bpe" or spec.startswith("bpe:"):
@@ -116,17 +122,22 @@ def _shard_tokenizer(spec: str, directory: Path):
     return load_tokenizer(spec, directory)
 
 
-def _checked(tokens: np.ndarray, vocab_size: int, path: Path, sample: int = 1 << 20) -> np.ndarray:
-    """`tokens`, once a sample of them (every k-th id, about `sample` in all; all of a small shard) is inside the
-    vocabulary: an id beyond it (a damaged or planted cache) would be an index error deep in the model."""
-    if len(tokens) and (top := int(tokens[::max(1, len(tokens) // sample)].max())) >= vocab_size:
-        raise DataError(f"{path}: token id {top} is outside the tokenizer's {vocab_size}; the token cache is "
-                        f"damaged: delete {path.parent} to rebuild it")
-    return tokens
+def _whole(path: Path) -> dict | None:
+    """The manifest of the finished cache at `path`; None when there is none, or a file is missing or cut short
+    (a cache interrupted or damaged: built again)."""
+    try:
+        manifest = shards.read_manifest(path)
+        shards.check_sizes(path, manifest)
+    except DataError:
+        return None
+    return manifest if all(manifest["splits"][s]["complete"] for s in SPLITS) else None
 
 
-def _write_shards(corpus: Corpus, tokenizer, final: Path) -> dict:
-    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
+def _build(corpus: Corpus, tokenizer, final: Path, old: Path) -> None:
+    """The token cache of `corpus` at `final`, built whole under a temporary name and renamed into place."""
+    if os.path.lexists(old / "meta.json"):
+        print(f"keel: note: {old} is a token cache in the layout of an older keel (train.bin, val.bin); tokenising "
+              f"the corpus again into {final} (delete the old one once no older keel reads it)", file=sys.stderr)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", suffix=".tmp", dir=final.parent))
@@ -134,74 +145,16 @@ def _write_shards(corpus: Corpus, tokenizer, final: Path) -> dict:
     except OSError as err:
         raise DataError(f"{final.parent}: cannot create the token cache (data.cache_dir): {err.strerror}") from None
     try:
-        counts = {}
-        for split in SPLITS:
-            tokens, docs = _write_split(corpus.documents(split), tokenizer, dtype, tmp / f"{split}.bin")
-            counts |= {f"{split}_tokens": tokens, f"{split}_documents": docs}
-        # described after reading: the files skipped as not text are known only then
-        info = corpus.describe() | {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size} | counts
-        _check_splits(corpus, info)
-        meta = {"format": FORMAT, "dtype": dtype.name, "corpus": info}
-        with open(tmp / "meta.json", "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        write_shards(corpus, tokenizer, tmp)
         try:
             os.rename(tmp, final)
         except OSError:  # the name is taken: another process finished first, or a damaged cache is there
-            if theirs := _read_meta(final):
-                return theirs
+            if _whole(final) is not None:
+                return
             shutil.rmtree(final)
             os.rename(tmp, final)
-        return meta
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
-
-
-def _write_split(docs: Iterator[str], tokenizer, dtype, path: Path) -> tuple[int, int]:
-    eos = None if tokenizer.eos_id is None else np.array([tokenizer.eos_id], dtype=dtype)
-    n_tokens = n_docs = 0
-    with open(path, "wb") as f:
-        while batch := list(islice(docs, ENCODE_BATCH)):
-            for ids in tokenizer.encode_batch(batch):
-                f.write(ids.astype(dtype, copy=False))
-                n_tokens, n_docs = n_tokens + len(ids), n_docs + 1
-                if eos is not None:
-                    f.write(eos)
-                    n_tokens += 1
-        f.flush()
-        os.fsync(f.fileno())
-    return n_tokens, n_docs
-
-
-def _check_splits(corpus: Corpus, info: dict) -> None:
-    n_docs = info["train_documents"] + info["val_documents"]
-    if n_docs == 0:
-        skipped = f"; {info['skipped_files']} file(s) skipped as not UTF-8 text" if info.get("skipped_files") else ""
-        raise DataError(f"{corpus.spec}: empty corpus (no non-empty documents{skipped})")
-    if info["train_documents"] == 0:
-        raise DataError(f"{corpus.spec}: the training split is empty; lower data.val_fraction or add text")
-    if info["val_documents"] == 0 and corpus.val_fraction > 0:
-        raise DataError(f"{corpus.spec}: the validation split is empty ({n_docs} document(s) in all); "
-                        "add documents or set data.val_fraction=0")
-
-
-def _read_meta(path: Path) -> dict | None:
-    """The cache's meta.json when the cache is whole, else None."""
-    try:
-        meta = loads_json(read_capped(path / "meta.json"))  # a regular file, bounded in size and depth
-        itemsize = np.dtype(meta["dtype"]).itemsize
-        whole = meta["format"] == FORMAT and all(
-            (path / f"{s}.bin").stat().st_size == meta["corpus"][f"{s}_tokens"] * itemsize for s in SPLITS)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return meta if whole else None
-
-
-def _map(path: Path, dtype) -> np.ndarray:
-    if path.stat().st_size == 0:  # mmap refuses empty files
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r")
 
 
 # ---- batches ---------------------------------------------------------------------------------------
@@ -215,8 +168,8 @@ class WindowSampler:
     global batch is the same whatever the world size. `state_dict()` holds only tensors and ints, and
     `load_state_dict` makes the sampler draw exactly what the uninterrupted one would have.
 
-    With `vocab_size`, every batch is checked to hold only ids below it (`source`: the shard, for the message),
-    since `prepare` checks a cache only on a sample.
+    With `vocab_size`, every batch is checked to hold only ids below it (`source`: the shard, for the message):
+    shards whose checksums match their manifest may still have been made for another vocabulary.
 
     Given a stream (data.streaming=true), it is a keel.data.streaming.StreamSampler instead, which reads its
     rank's part of the stream in order (the trainer builds every sampler by this one name)."""

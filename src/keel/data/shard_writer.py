@@ -78,14 +78,9 @@ def prepare_shards(cfg: DataConfig, out, workers: int = 1, shard_tokens: int | N
     manifest = _existing(out)
     corpus = build_corpus(cfg)
     tokenizer = _tokenizer(cfg.tokenizer, out, manifest, corpus, bpe_sample)
-    dtype = shard_dtype(tokenizer.vocab_size)
     if manifest is None:
-        manifest = {"format": FORMAT, "dtype": dtype.name, "shard_tokens": shard_tokens or DEFAULT_SHARD_TOKENS,
-                    "tokenizer": {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size,
-                                  "eos_id": tokenizer.eos_id},
-                    "bpe_sample": {"documents": bpe_sample, "seed": BPE_SEED} if _is_bpe(cfg.tokenizer) else None,
-                    "corpus": _corpus_info(corpus),
-                    "splits": {s: {"complete": False, "documents": 0, "tokens": 0, "shards": []} for s in SPLITS}}
+        sample = {"documents": bpe_sample, "seed": BPE_SEED} if _is_bpe(cfg.tokenizer) else None
+        manifest = _new_manifest(tokenizer, shard_tokens, sample, corpus)
         _write_manifest(out, manifest)
     else:
         check_tokenizer(manifest, tokenizer, out)
@@ -97,13 +92,42 @@ def prepare_shards(cfg: DataConfig, out, workers: int = 1, shard_tokens: int | N
         _drop_missing_tail(out, manifest, split)
     check_files(out, manifest)  # what is kept is whole: a damaged shard is named, never written over
     before = {s: len(manifest["splits"][s]["shards"]) for s in SPLITS}
+    up_to_date = _fill(out, manifest, corpus, tokenizer, workers, progress)
+    splits = {s: {"shards": len(st["shards"]), "new_shards": len(st["shards"]) - before[s],
+                  "documents": st["documents"], "tokens": st["tokens"]} for s, st in manifest["splits"].items()}
+    return {"directory": str(out), "up_to_date": up_to_date, "dtype": manifest["dtype"],
+            "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "splits": splits}
+
+
+def write_shards(corpus: Corpus, tokenizer, out: Path) -> None:
+    """Tokenise `corpus` with `tokenizer` (loaded already) in this process into `out`, a new empty directory: the
+    token cache `keel train` keeps of a corpus (keel.data.loader). Its manifest's corpus is `describe()` once every
+    document was read, so it counts the files skipped as not text."""
+    if tokenizer.name != "bytes":
+        tokenizer = _keep(tokenizer, out)
+    manifest = _new_manifest(tokenizer, None, None, corpus)
+    _fill(out, manifest, corpus, tokenizer, workers=1, progress=False)
+    manifest["corpus"] = corpus.describe()
+    _write_manifest(out, manifest)
+
+
+def _new_manifest(tokenizer, shard_tokens: int | None, bpe_sample: dict | None, corpus: Corpus) -> dict:
+    return {"format": FORMAT, "dtype": shard_dtype(tokenizer.vocab_size).name,
+            "shard_tokens": shard_tokens or DEFAULT_SHARD_TOKENS,
+            "tokenizer": {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
+            "bpe_sample": bpe_sample, "corpus": _corpus_info(corpus),
+            "splits": {s: {"complete": False, "documents": 0, "tokens": 0, "shards": []} for s in SPLITS}}
+
+
+def _fill(out: Path, manifest: dict, corpus: Corpus, tokenizer, workers: int, progress: bool | None) -> bool:
+    """Tokenise what `out`'s shards lack of `corpus` (its tokenizer.json, or bytes) and check the splits; True when
+    nothing was missing."""
     same = manifest["corpus"]["fingerprint"] == corpus.fingerprint
     todo = [s for s in SPLITS if not (same and manifest["splits"][s]["complete"])]  # complete: a dropped tail aside
-    up_to_date = not todo
     try:
         if todo:
-            with _encoder(cfg.tokenizer if cfg.tokenizer == "bytes" else str(out / TOKENIZER_FILE), dtype,
-                          workers) as encode:
+            with _encoder("bytes" if tokenizer.name == "bytes" else str(out / TOKENIZER_FILE),
+                          shard_dtype(tokenizer.vocab_size), workers) as encode:
                 for split in todo:
                     _extend(out, manifest, split, corpus, encode, progress)
             manifest["corpus"] = _corpus_info(corpus)
@@ -112,10 +136,7 @@ def prepare_shards(cfg: DataConfig, out, workers: int = 1, shard_tokens: int | N
         raise DataError(f"{out}: cannot write a shard ({err.strerror}); free space and run the command again to "
                         "resume") from None
     _check_splits(manifest, corpus)
-    splits = {s: {"shards": len(st["shards"]), "new_shards": len(st["shards"]) - before[s],
-                  "documents": st["documents"], "tokens": st["tokens"]} for s, st in manifest["splits"].items()}
-    return {"directory": str(out), "up_to_date": up_to_date, "dtype": manifest["dtype"],
-            "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "splits": splits}
+    return not todo
 
 
 # ---- the directory and its tokenizer ----------------------------------------------------------------------
@@ -157,6 +178,13 @@ def _tokenizer(spec: str, out: Path, manifest: dict | None, corpus: Corpus, bpe_
     tok = load_tokenizer(spec, out)
     if manifest is not None:  # checked before the copy below could replace the directory's own
         check_tokenizer(manifest, tok, out)
+    return _keep(tok, out)
+
+
+def _keep(tok: HFTokenizer, out: Path) -> HFTokenizer:
+    """`tok`'s file copied into `out` (the workers load it from there; training names it as data.tokenizer=bpe),
+    and loaded from there."""
+    target = out / TOKENIZER_FILE
     raw = read_capped(tok.path)
     if not os.path.lexists(target) or target.is_symlink() or read_capped(target) != raw:
         _atomic_write(target, [raw])
@@ -201,9 +229,12 @@ def _drop_missing_tail(out: Path, manifest: dict, split: str) -> None:
 
 def _check_splits(manifest: dict, corpus: Corpus) -> None:
     train, val = (manifest["splits"][s]["documents"] for s in SPLITS)
+    if train + val == 0:
+        skipped = len(getattr(corpus, "skipped", ()))
+        why = f"; {skipped} file(s) skipped as not UTF-8 text" if skipped else ""
+        raise DataError(f"{corpus.spec}: empty corpus (no non-empty documents{why})")
     if train == 0:
-        raise DataError(f"{corpus.spec}: the training split is empty (no non-empty documents); add text "
-                        "or lower data.val_fraction")
+        raise DataError(f"{corpus.spec}: the training split is empty; lower data.val_fraction or add text")
     if val == 0 and corpus.val_fraction > 0:
         raise DataError(f"{corpus.spec}: the validation split is empty ({train} document(s) in all); add documents "
                         "or set data.val_fraction=0")

@@ -17,13 +17,16 @@ when it has one) and cut into shards. A shard's `end` is where the next one star
 earlier one; prepare resumes and appends from it, and checks with it that those documents did not change.
 
 `TokenShards` reads a split's shards as one sequence of ids through memory maps (nothing is read whole);
-`open_dir` checks a directory against its manifest first: names inside it, sizes, SHA-256s and the tokenizer.
-A nanoGPT-style `.bin` of uint16 ids (modded-nanogpt's 1 KiB header understood) is read by `open_bin`.
+`read_manifest`, `check_tokenizer` and `check_files` check a directory against its manifest first: names inside
+it, sizes, SHA-256s and the tokenizer. `keel train` caches a corpus it tokenises in this layout too
+(keel.data.loader). A nanoGPT-style `.bin` of uint16 ids (modded-nanogpt's 1 KiB header understood) is read by
+`open_bin`.
 This module needs no torch: `keel data prepare`'s workers import it.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -35,11 +38,12 @@ from pathlib import Path
 import numpy as np
 
 from keel import safe_io
+from keel.data.corpus import SPLITS
 from keel.errors import DataError
 
 FORMAT = "keel-shards-1"
 MANIFEST = "manifest.json"
-SPLITS = ("train", "val")
+REMEDY = "prepare the corpus again into a new --out"  # what a message about a damaged directory advises
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 INDEX_DTYPE = np.dtype("<u4")  # document starts within a shard: shard_tokens < 2**32
 MAX_SHARD_TOKENS = 2**32 - 1
@@ -67,8 +71,9 @@ def sha256_file(path: Path) -> str:
 
 # ---- the manifest --------------------------------------------------------------------------------------
 
-def read_manifest(directory: Path) -> dict:
-    """`directory`'s manifest, its structure checked; DataError (one line naming the field) otherwise."""
+def read_manifest(directory: Path, remedy: str = REMEDY) -> dict:
+    """`directory`'s manifest, its structure checked; DataError (one line naming the field, then `remedy`)
+    otherwise."""
     path = directory / MANIFEST
     try:
         raw = safe_io.read_bytes(directory, path, safe_io.CAP_TOKENIZER)
@@ -77,16 +82,16 @@ def read_manifest(directory: Path) -> dict:
         raise DataError(f"{path}: not valid JSON ({err})") from None
     if manifest is None:
         raise DataError(f"{directory}: no {MANIFEST}; not a directory `keel data prepare` wrote")
-    _check_manifest(manifest, directory)
+    _check_manifest(manifest, directory, remedy)
     return manifest
 
 
-def _check_manifest(m, directory: Path) -> None:
+def _check_manifest(m, directory: Path, remedy: str) -> None:
     where = directory / MANIFEST
 
     def need(ok: bool, what: str):
         if not ok:
-            raise DataError(f"{where}: {what}; the manifest is damaged (prepare the corpus again into a new --out)")
+            raise DataError(f"{where}: {what}; the manifest is damaged ({remedy})")
 
     need(isinstance(m, dict) and m.get("format") == FORMAT, f"format is not {FORMAT!r}")
     need(m.get("dtype") in DTYPES, f"dtype is not one of {', '.join(DTYPES)}")
@@ -134,24 +139,19 @@ def check_tokenizer(manifest: dict, tokenizer, directory: Path, field: str = "da
 
 # ---- checking files against it -------------------------------------------------------------------------
 
-def check_files(directory: Path, manifest: dict, splits=SPLITS, stamp: Path | None = None) -> None:
-    """Every shard of `splits` present, inside `directory`, of its size, with its SHA-256. With `stamp` (a file
-    keel writes), files whose size, modification time and inode match the stamp of the last check that passed
-    are not hashed again: at 250B tokens hashing is minutes at every start."""
-    dtype = DTYPES[manifest["dtype"]]
-    files = []  # (path, bytes, sha256)
-    for split in splits:
-        for s in manifest["splits"][split]["shards"]:
-            files += [(directory / s["file"], s["tokens"] * dtype.itemsize, s["sha256"]),
-                      (directory / s["index"], None, s["index_sha256"])]
-    stats = {str(path): _stat(directory, path, size) for path, size, _ in files}
+def check_files(directory: Path, manifest: dict, stamp: Path | None = None, remedy: str = REMEDY) -> None:
+    """Every shard present, inside `directory`, of its size, with its SHA-256. With `stamp` (a file keel writes),
+    files whose size, modification time and inode match the stamp of the last check that passed are not hashed
+    again: at 250B tokens hashing is minutes at every start."""
+    files = _files(directory, manifest)
+    stats = {str(path): _stat(directory, path, size, remedy) for path, size, _ in files}
     if stamp is not None and _read_stamp(stamp) == stats:
         return
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         for (path, _, want), got in zip(files, pool.map(lambda f: sha256_file(f[0]), files)):
             if got != want:
                 raise DataError(f"{path}: its SHA-256 is not the one {MANIFEST} records; the shard is damaged "
-                                f"(prepare the corpus again into a new --out)")
+                                f"({remedy})")
     if stamp is not None:
         try:
             stamp.parent.mkdir(parents=True, exist_ok=True)
@@ -160,7 +160,23 @@ def check_files(directory: Path, manifest: dict, splits=SPLITS, stamp: Path | No
             pass
 
 
-def _stat(directory: Path, path: Path, size: int | None) -> list[int]:
+def check_sizes(directory: Path, manifest: dict) -> None:
+    """Every shard present, inside `directory` and of its size (no file read): DataError otherwise."""
+    for path, size, _ in _files(directory, manifest):
+        _stat(directory, path, size, REMEDY)
+
+
+def _files(directory: Path, manifest: dict) -> list[tuple[Path, int | None, str]]:
+    """(path, bytes or None, SHA-256) of every file the manifest lists."""
+    dtype, files = DTYPES[manifest["dtype"]], []
+    for split in SPLITS:
+        for s in manifest["splits"][split]["shards"]:
+            files += [(directory / s["file"], s["tokens"] * dtype.itemsize, s["sha256"]),
+                      (directory / s["index"], None, s["index_sha256"])]
+    return files
+
+
+def _stat(directory: Path, path: Path, size: int | None, remedy: str) -> list[int]:
     if not path.resolve().is_relative_to(directory.resolve()):
         raise DataError(f"{path}: resolves outside {directory}; refused")
     try:
@@ -169,7 +185,7 @@ def _stat(directory: Path, path: Path, size: int | None) -> list[int]:
         raise DataError(f"{path}: listed in {directory / MANIFEST} but cannot be read ({err.strerror})") from None
     if size is not None and st.st_size != size:
         raise DataError(f"{path}: {st.st_size:,} bytes where {MANIFEST} says {size:,}; the shard is damaged or "
-                        "truncated (prepare the corpus again into a new --out)")
+                        f"truncated ({remedy})")
     return [st.st_size, st.st_mtime_ns, st.st_ino]
 
 
@@ -183,8 +199,9 @@ def _read_stamp(stamp: Path) -> dict | None:
 # ---- reading -------------------------------------------------------------------------------------------
 
 class TokenShards:
-    """Shard files read as one sequence of token ids: `len()`, `dtype`, `filename` (for messages) and
-    `windows(starts, length)`, which reads only the rows asked for.
+    """Shard files read as one sequence of token ids: `len()`, `dtype`, `filename` (for messages),
+    `windows(starts, length)`, which reads only the rows asked for, a slice (`shards[a:b]`: the same files, fewer
+    ids) and `np.asarray(shards)` (every id, read into memory).
 
     Each call maps the shards it reads and unmaps them before it returns, as nanoGPT remaps its file every
     batch: a map kept open would count every page it ever touched as the process's resident memory (on Linux
@@ -194,6 +211,7 @@ class TokenShards:
     def __init__(self, paths: Sequence[Path], counts: Sequence[int], dtype, filename: str, offset: int = 0):
         self.paths, self.dtype, self.filename, self.offset = list(paths), np.dtype(dtype), filename, offset
         self.bounds = np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))])
+        self.start, self.stop = 0, int(self.bounds[-1])  # the ids of the files this sequence is
 
     def _map(self, k: int) -> np.ndarray:
         # `offset`: bytes before the ids (modded-nanogpt's header); mode "r": the file is never written
@@ -201,7 +219,19 @@ class TokenShards:
                          shape=(int(self.bounds[k + 1] - self.bounds[k]),))
 
     def __len__(self) -> int:
-        return int(self.bounds[-1])
+        return self.stop - self.start
+
+    def __getitem__(self, key: slice) -> TokenShards:
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            raise ValueError("token shards are sliced with step 1 only")
+        part = copy.copy(self)
+        part.start, part.stop = self.start + start, self.start + max(start, stop)
+        return part
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        ids = self.windows([0], len(self))[0]
+        return ids if dtype is None else ids.astype(dtype)
 
     def sampled_max(self, sample: int = 1 << 20) -> int:
         """The largest id among about `sample` spread over each shard (all of a small one)."""
@@ -209,14 +239,15 @@ class TokenShards:
         return max((int(self._map(k)[::max(1, n // sample)].max()) for k, n in enumerate(sizes) if n), default=0)
 
     def windows(self, starts, length: int) -> np.ndarray:
-        """Rows of `length` ids beginning at each of `starts` (positions in the whole sequence), (B, length)."""
+        """Rows of `length` ids beginning at each of `starts` (positions in this sequence), (B, length)."""
         out, maps = np.empty((len(starts), length), dtype=self.dtype), {}
         for row, start in enumerate(np.asarray(starts, dtype=np.int64).tolist()):
             if not 0 <= start <= len(self) - length:
-                raise IndexError(f"window [{start}, {start + length}) outside {len(self)} tokens")
+                raise IndexError(f"window [{start}, {start + length}) outside the {len(self)} tokens of "
+                                 f"{self.filename}")
             done = 0
             while done < length:  # a window may run on into the next shard
-                pos = start + done
+                pos = self.start + start + done
                 k = int(np.searchsorted(self.bounds, pos, side="right")) - 1
                 take = min(length - done, int(self.bounds[k + 1]) - pos)
                 if k not in maps:
@@ -244,8 +275,7 @@ def open_bin(path: Path, vocab_size: int, val_fraction: float) -> tuple[TokenSha
     if "train" in path.name and sibling.is_file():
         return train, _bin(sibling, vocab_size)
     cut = len(train) - int(len(train) * val_fraction)
-    return (TokenShards(train.paths, [cut], train.dtype, train.filename, train.offset),
-            _Tail(train, cut))
+    return train[:cut], train[cut:]
 
 
 def _bin(path: Path, vocab_size: int) -> TokenShards:
@@ -270,20 +300,6 @@ def _bin(path: Path, vocab_size: int) -> TokenShards:
     return ids
 
 
-class _Tail(TokenShards):
-    """The ids of `whole` from `start` on (a split cut from one file)."""
-
-    def __init__(self, whole: TokenShards, start: int):
-        super().__init__(whole.paths, [len(whole) - start], whole.dtype, whole.filename, whole.offset)
-        self.whole, self.start = whole, start
-
-    def windows(self, starts, length: int) -> np.ndarray:
-        starts = np.asarray(starts, dtype=np.int64)
-        if len(starts) and not (0 <= starts.min() and starts.max() <= len(self) - length):
-            raise IndexError(f"a window outside the {len(self)} tokens of {self.filename}'s tail")
-        return self.whole.windows(starts + self.start, length)
-
-
 def batch_of_windows(tokens, starts: np.ndarray, seq_len: int, vocab_size: int | None = None, source=None) -> tuple:
     """The (inputs, targets) batch of the windows of `seq_len + 1` ids at `starts`, each id checked against the
     model's vocabulary."""
@@ -294,8 +310,8 @@ def batch_of_windows(tokens, starts: np.ndarray, seq_len: int, vocab_size: int |
     else:
         rows = tokens[starts[:, None] + np.arange(seq_len + 1)]
     rows = torch.from_numpy(rows.astype(np.int64))  # (B, T + 1)
-    # one reduction over a batch already in memory: an id past the embedding (a cache damaged where `prepare`'s
-    # sample did not look) would otherwise be an IndexError, or on a GPU a device-side assert, inside the model
+    # one reduction over a batch already in memory: an id past the embedding (shards altered after their check, or
+    # planted with a manifest to match) would otherwise be an IndexError, or on a GPU a device-side assert
     if vocab_size is not None and len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < vocab_size:
         bad = int(rows.max()) if int(rows.max()) >= vocab_size else int(rows.min())
         raise DataError(f"{source}: token id {bad} is outside the model's vocabulary of {vocab_size} "

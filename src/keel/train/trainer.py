@@ -99,7 +99,7 @@ class Trainer:
         # data-parallel replicas: every rank, or under pp the mesh's dp coordinate (a replica's stages read one batch)
         self.replicas, self.replica = (self.model.dp_size, self.model.dp_rank) if pp else (self.world.size,
                                                                                           self.world.rank)
-        # each batch's ids are checked; `source` (the cache's train.bin, or a shard set) names it in the message
+        # each batch's ids are checked; `source` (the shard set, or a .bin) names it in the message
         self.sampler = WindowSampler(self.data.train, c.run.seq_len, c.run.batch_size, seed=c.run.seed,
                                      rank=self.replica, world_size=self.replicas, vocab_size=c.model.vocab_size,
                                      source=getattr(self.data.train, "filename", None) or self.data.cache_path)
