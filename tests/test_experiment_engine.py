@@ -23,8 +23,8 @@ from keel.train.trainer import Trainer
 
 
 def experiment_point(corpus, tmp_path, **run):
-    cfg = build("depth", True, [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "run.steps=12",
-                                "optim.warmup_steps=3", *(f"run.{k}={v}" for k, v in run.items())])
+    cfg = build("regime", True, [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "run.steps=12",
+                                 "optim.warmup_steps=3", *(f"run.{k}={v}" for k, v in run.items())])
     return point_config(cfg, cfg.point_model("keel", 8), 7, lr=3e-3)
 
 
@@ -66,8 +66,8 @@ def test_experiment_overrides_reach_the_engine(corpus, tmp_path, monkeypatch):
         seen.update(device=str(device), dtype=run.dtype, compile=run.compile)
         return real_build(config, run, device, fsdp, model)
     monkeypatch.setattr("keel.experiments.common.build_model", spy)
-    cfg = build("depth", True, ["run.device=cpu", "run.dtype=bfloat16", "run.compile=false", "depths=[4]",
-                                f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}"])
+    cfg = build("regime", True, ["run.device=cpu", "run.dtype=bfloat16", "run.compile=false", "depth=4",
+                                 f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}"])
     assert cfg.run.dtype == "bfloat16" and cfg.run.device == "cpu"
     config = point_config(replace(cfg, run=replace(cfg.run, steps=2)), cfg.point_model("keel", 4), 0, lr=1e-3,
                           warmup_steps=1)
@@ -84,7 +84,7 @@ def test_experiment_overrides_reach_the_engine(corpus, tmp_path, monkeypatch):
     assert dtypes[:2] == [("block", torch.float32), ("head", torch.bfloat16)]
     if not torch.cuda.is_available():  # run.device=cuda reaches the engine, which refuses it here
         with pytest.raises(ConfigError, match="run.device"):
-            cuda = build("depth", True, ["run.device=cuda"])
+            cuda = build("regime", True, ["run.device=cuda"])
             train_curve(point_config(cuda, cuda.point_model("keel", 4), 0))
 
 
@@ -162,37 +162,36 @@ def test_only_keel_errors_become_one_line(monkeypatch, capsys):
 
 
 def test_experiments_take_a_config_file_like_train(tmp_path):
-    (tmp_path / "e.yaml").write_text("depths: [2, 4]\nrun:\n  steps: 5\n  compile: true\n")
-    cfg = build("depth", True, ["run.steps=6"], str(tmp_path / "e.yaml"))
-    assert cfg.run.steps == 6 and cfg.run.compile is True and cfg.depths == [2, 4]
-    with pytest.raises(ConfigError, match="depth: bogus"):
-        build("depth", True, ["bogus=1"])
+    (tmp_path / "e.yaml").write_text("lrs: [0.001, 0.003]\ndepth: 4\nrun:\n  steps: 5\n  compile: true\n")
+    cfg = build("regime", True, ["run.steps=6"], str(tmp_path / "e.yaml"))
+    assert cfg.run.steps == 6 and cfg.run.compile is True and cfg.lrs == [1e-3, 3e-3] and cfg.depth == 4
+    with pytest.raises(ConfigError, match="regime: bogus"):
+        build("regime", True, ["bogus=1"])
 
 
 def test_experiments_spell_every_knob_as_keel_train_does():
     """One spelling: the old experiment-only names are refused with the section they now live in, and bare
     model fields are model.<field> as in keel train."""
-    cfg = build("depth", False, ["run.steps=7", "optim.warmup_steps=3", "model.d_model=48", "run.seq_len=32",
-                                 "run.batch_size=2", "n_heads=8", "ffn=gelu"])
+    cfg = build("regime", False, ["run.steps=7", "optim.warmup_steps=3", "model.d_model=48", "run.seq_len=32",
+                                  "run.batch_size=2", "n_heads=8", "ffn=gelu"])
     assert (cfg.run.steps, cfg.optim.warmup_steps, cfg.run.seq_len, cfg.run.batch_size) == (7, 3, 32, 2)
     assert (cfg.model.d_model, cfg.model.n_heads, cfg.model.ffn) == (48, 8, "gelu")
     point = cfg.point_model("pre_ln", 16)
     assert (point.scheme, point.n_blocks, point.max_seq_len, point.d_model, point.ffn) == ("pre_ln", 8, 32, 48, "gelu")
     with pytest.raises(ConfigError, match=r"did you mean run\.steps"):
-        build("depth", False, ["steps=7"])
+        build("regime", False, ["steps=7"])
     with pytest.raises(ConfigError, match="has no field 'shape'"):
-        build("depth", False, ["shape.d_model=32"])
+        build("regime", False, ["shape.d_model=32"])
 
 
 @pytest.mark.parametrize("name, override, why", [
-    ("depth", "model.n_blocks=4", "set per point from depths"),
-    ("depth", "n_blocks=4", "set per point from depths"),
-    ("depth", "model.scheme=pre_ln", "set per point from schemes"),
-    ("depth", "optim.lr=1e-3", "set per point from lrs"),
-    ("depth", "run.seed=3", "set per point from seeds"),
-    ("depth", "run.name=x", "no run directory"),
-    ("depth", "run.eval_every=5", "no run directory"),
-    ("regime", "model.n_blocks=4", "from depth"),
+    ("regime", "model.n_blocks=4", "set per point from depth"),
+    ("regime", "n_blocks=4", "set per point from depth"),
+    ("regime", "model.scheme=pre_ln", "set per point from schemes"),
+    ("regime", "optim.lr=1e-3", "set per point from lrs"),
+    ("regime", "run.seed=3", "set per point from seeds"),
+    ("regime", "run.name=x", "no run directory"),
+    ("regime", "run.eval_every=5", "no run directory"),
     ("max-lr", "optim.warmup_steps=10", "the ramp is the whole run"),
     ("max-lr", "optim.schedule=cosine", "the ramp"),
 ])
@@ -237,13 +236,20 @@ def test_committed_sweeps_are_this_configuration_in_todays_spelling(folder):
 
 @pytest.mark.slow
 def test_a_committed_point_reruns_to_its_recorded_losses():
-    """results/depth's 8-sub-layer Keel point at its chosen LR, seed 0, re-run in today's spelling: its first
-    steps' losses are the ones committed (float32 on CPU; the schedule depends on run.steps, so it is the same)."""
-    res = store.read_results(RESULTS / "depth")
-    lr = res["results"]["chosen"]["keel-8"]
-    recorded = store.load(RESULTS / "depth" / "points", f"keel-8-lr{lr:g}-seed0")
-    cfg = build("depth", False, ["run.steps=300", "optim.warmup_steps=30"])
-    curve, _ = train_curve(point_config(cfg, cfg.point_model("keel", 8), 0, lr=lr), eval_batches=0,
+    """results/depth's 8-sub-layer Keel point at its chosen LR, seed 0, re-run from its study file as the engine
+    builds a point: its first steps' losses are the ones committed (float32 on CPU; the schedule depends on
+    run.steps, so it is the same)."""
+    from keel.cli.experiment import load_study
+    from keel.experiments import declared
+    from keel.experiments.budget import BudgetConfig
+
+    study = declared.read(load_study(str(RESULTS / "depth" / "study.yaml")), "depth")
+    lr = store.read_results(RESULTS / "depth")["results"]["choices"][""]["keel_8"]["hp"]["optim.lr"]
+    recorded = store.load(RESULTS / "depth" / "points", declared.key("keel_8", {}, {"optim.lr": lr}, 0))
+    c = study.config({**study.arms["keel_8"], "optim.lr": lr})
+    assert c.model.n_sublayers == 8 and c.model.scheme == "keel"
+    cfg = BudgetConfig(model=c.model, data=c.data, optim=c.optim, guard=c.guard, run=c.run)
+    curve, _ = train_curve(point_config(cfg, c.model, 0, lr=lr), eval_batches=0,
                            on_step=lambda i, model, result: i == 4)
     assert curve.losses == pytest.approx(recorded["losses"][:5], rel=1e-5)
 

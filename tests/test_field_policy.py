@@ -61,7 +61,7 @@ COMMANDS = {
     "bench": ["bench", "--preset", "tiny", "--depths", ""],
     "bench-model-gpu": ["bench", "--preset", "tiny", "--model-gpu", "H100"],
     "bench-validate": ["bench", "--validate-model"],
-    "experiment": ["experiment", "depth"],
+    "experiment": ["experiment", "regime"],
     "experiment-pilot": ["experiment", "depth-pilot"],
     "experiment-ablations": ["experiment", "ablations"],
 }
@@ -109,9 +109,9 @@ CASES = [
     ("experiment", {"model.d_model": 32}, None),
     ("experiment", {"model.alpha": "sqrtL"}, None),  # the Keel arms take it
     ("experiment", {"schemes": ["pre_ln", "post_ln"], "model.alpha": "sqrtL"},
-     "depth: model.alpha: not used here (an option of keel; the arms here are post_ln, pre_ln)"),
-    ("experiment", {"model.n_blocks": 4}, "depth: model.n_blocks: not used here (set per point from depths)"),
-    ("experiment", {"run.name": "x"}, "depth: run.name: not used here (a sweep point writes no run directory of its "
+     "regime: model.alpha: not used here (an option of keel; the arms here are post_ln, pre_ln)"),
+    ("experiment", {"model.n_blocks": 4}, "regime: model.n_blocks: not used here (set per point from depth)"),
+    ("experiment", {"run.name": "x"}, "regime: run.name: not used here (a sweep point writes no run directory of its "
                                       "own)"),
     ("experiment-pilot", {"run.steps": 5}, "depth-pilot: run.steps: not used here (the study's fields are in its "
                                            "file, results/depth-pilot/study.yaml: copy it and run keel sweep on the "
@@ -217,14 +217,14 @@ def test_experiment_help_shows_only_spellings_the_merge_accepts(capsys):
     text = " ".join(capsys.readouterr().out.split())
     examples = [w.rstrip(".;,") for w in text.split("e.g. ", 1)[1].split(";")[0].split()]
     assert len(examples) >= 4 and all("=" in e for e in examples), examples
-    build("depth", False, examples)
+    build("frontier", False, examples)  # a study with the fields the help names (depths, schemes)
     with pytest.raises(ConfigError, match="did you mean run.steps"):
-        build("depth", False, ["steps=5"])
+        build("frontier", False, ["steps=5"])
 
 
 # ---- a scheme owns its options --------------------------------------------------------------------------
 def test_alpha_applies_to_the_keel_arms_only():
-    cfg = build("depth", False, ["model.alpha=sqrtL", "depths=[16]"])
+    cfg = build("regime", False, ["model.alpha=sqrtL", "depth=16"])
     arms = {s: cfg.point_model(s, 16) for s in cfg.schemes}
     assert arms["keel"].alpha == "sqrtL"
     assert all(m.alpha is None for s, m in arms.items() if s != "keel")  # else ModelConfig would refuse them
