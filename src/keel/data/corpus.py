@@ -65,19 +65,17 @@ class Corpus:
         self.spec, self.val_fraction, self.text_field = cfg.source, cfg.val_fraction, cfg.text_field
 
     def documents(self, split: str) -> Iterator[str]:
-        if split not in SPLITS:
-            raise ValueError(f"split must be 'train' or 'val', not {split!r}")
-        val = _val_keys(self.keys(), self.val_fraction)
-        for _, text in self.records(lambda key: (key in val) == (split == "val")):
-            if _has_text(text):
-                yield text
+        for document in self.document_streams(split):
+            yield "".join(document)
 
     def document_streams(self, split: str) -> Iterator[Iterable[str]]:
         """The documents of `split` (those of `documents`), each as consecutive pieces of its text that can be
         iterated more than once: a file is read a block at a time, never whole, so a file larger than memory can
-        be trained on and tokenised (what `keel tokenizer`, a BPE and `keel data prepare` read)."""
-        for text in self.documents(split):
-            yield (text,)
+        be trained on and tokenised (what `keel tokenizer`, a BPE, `keel data prepare` and the token cache read)."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be 'train' or 'val', not {split!r}")
+        val = _val_keys(self.keys(), self.val_fraction)
+        yield from self._streams(lambda key: (key in val) == (split == "val"))
 
     @cached_property
     def fingerprint(self) -> str:
@@ -89,11 +87,15 @@ class Corpus:
 
     def sample(self, n: int, seed: int = 0) -> Iterator[Iterable[str]]:
         """At most `n` documents of the train split, drawn uniformly with `seed` and yielded in corpus order, each
-        a string or (a file) its pieces as `document_streams` gives them: what a BPE is trained on, so that its
-        cost does not grow with the corpus."""
-        for _, text in self.records(set(self._sampled_keys(n, seed)).__contains__):
+        a string or its pieces as `document_streams` gives them: what a BPE is trained on, so that its cost does
+        not grow with the corpus."""
+        return self._streams(set(self._sampled_keys(n, seed)).__contains__)
+
+    def _streams(self, want: Callable) -> Iterator[Iterable[str]]:
+        """Each document with text whose identity `want` accepts, as `document_streams` gives it."""
+        for _, text in self.records(want):
             if _has_text(text):
-                yield text
+                yield (text,)
 
     def _sampled_keys(self, n: int, seed: int) -> list:
         keys = list(self.keys())
@@ -107,7 +109,8 @@ class Corpus:
         raise NotImplementedError
 
     def records(self, want: Callable) -> Iterator[tuple[object, str | None]]:
-        """(identity, text) of each document whose identity `want` accepts."""
+        """(identity, text) of each document whose identity `want` accepts (a source of files, read a block at a
+        time, defines `_streams` instead)."""
         raise NotImplementedError
 
     def state(self) -> list:
@@ -132,33 +135,16 @@ class _Files(Corpus):
     def keys(self):
         return [rel for rel, _, _ in self.files]
 
-    def records(self, want):
-        for rel in self.keys():
-            if want(rel):
-                text = _read_text(self.root / rel)
-                if text is None:
-                    self.skipped.add(rel)
-                yield rel, text
-
-    def document_streams(self, split):
-        if split not in SPLITS:
-            raise ValueError(f"split must be 'train' or 'val', not {split!r}")
-        val = _val_keys(self.keys(), self.val_fraction)
-        yield from self._streams(lambda rel: (rel in val) == (split == "val"))
-
-    def sample(self, n, seed=0):
-        yield from self._streams(set(self._sampled_keys(n, seed)).__contains__)
-
     def _streams(self, want):
         for rel in self.keys():
             if not want(rel):
                 continue
-            try:  # the whole file checked before any of it is used, as documents() skips it whole
+            try:  # the whole file checked before any of it is used: one that is not text is skipped whole
                 blocks = text_stream.scan(self.root / rel)
             except text_stream.NotText:
                 self.skipped.add(rel)
                 continue
-            if (text := text_stream.Text(self.root / rel, blocks)).has_text():  # as documents() leaves out
+            if (text := text_stream.Text(self.root / rel, blocks)).has_text():  # an all-whitespace file is left out
                 yield text
 
     def state(self):
@@ -189,19 +175,8 @@ class _TextFile(_OneFile):
     def sample(self, n: int, seed: int = 0):
         return self.document_streams("train")  # one document: the whole train part, read a block at a time
 
-    def documents(self, split: str) -> Iterator[str]:
-        text = _read_text(self.path)
-        if text is None:
-            raise DataError(f"{self.path}: not a UTF-8 text file (binary data or another encoding)")
-        target = int(len(text) * (1 - self.val_fraction))
-        end = text.find("\n", target)
-        cut = target if end == -1 or self.val_fraction == 0 else end + 1
-        part = text[:cut] if split == "train" else text[cut:]
-        if _has_text(part):
-            yield part
-
     def document_streams(self, split: str):
-        """As `documents`, the file read twice a block at a time (checked and measured, then streamed)."""
+        """The file read twice a block at a time (checked and measured, then streamed)."""
         if split not in SPLITS:
             raise ValueError(f"split must be 'train' or 'val', not {split!r}")
         try:
@@ -271,9 +246,7 @@ class _Parquet(_Records):
             self.file = pq.ParquetFile(path)
         except Exception as err:  # pyarrow raises ArrowInvalid and friends
             raise DataError(f"{path}: not a readable Parquet file ({_first_line(err)})") from None
-        columns = self.file.schema_arrow.names
-        if self.text_field not in columns:
-            raise DataError(f"{path}: no column {self.text_field!r} (data.text_field); columns: {', '.join(columns)}")
+        need_column(path, self.text_field, self.file.schema_arrow.names)
 
     @cached_property
     def count(self) -> int:
@@ -298,26 +271,14 @@ class _HFDataset(Corpus):
         super().__init__(cfg)
         datasets = _optional("datasets", "datasets", cfg.source)
         name, local = cfg.source.removeprefix("hf:"), Path(cfg.source.removeprefix("hf:")).expanduser()
-        try:
-            if local.exists():
-                if cfg.hf_config:
-                    raise DataError(f"data.hf_config: {cfg.hf_config!r} is for a dataset on the hub; {local} is a "
-                                    "saved dataset (save_to_disk), read whole")
-                ds = datasets.load_from_disk(str(local))
-            else:
+        if local.exists():
+            ds = load_saved(cfg, local, datasets)
+        else:
+            try:
                 ds = datasets.load_dataset(name, cfg.hf_config or None, split=cfg.hf_split)
-        except DataError:
-            raise
-        except Exception as err:  # many error types, from the file system to the network
-            raise DataError(f"{cfg.source}: cannot load the dataset ({_first_line(err)})") from None
-        if isinstance(ds, datasets.DatasetDict):
-            if cfg.hf_split not in ds:
-                raise DataError(f"data.hf_split: {cfg.hf_split!r} is not a split of {cfg.source}; "
-                                f"splits: {', '.join(ds)}")
-            ds = ds[cfg.hf_split]
-        if self.text_field not in ds.column_names:
-            raise DataError(f"{cfg.source}: no column {self.text_field!r} (data.text_field); "
-                            f"columns: {', '.join(ds.column_names)}")
+            except Exception as err:  # many error types, from the file system to the network
+                raise DataError(f"{cfg.source}: cannot load the dataset ({_first_line(err)})") from None
+        need_column(cfg.source, self.text_field, ds.column_names)
         # the dataset's own fingerprint follows its content and every transform applied to it
         self.id = getattr(ds, "_fingerprint", None) or f"{name}:{len(ds)}"
         self.split, self.subset, self.ds = cfg.hf_split, cfg.hf_config, ds.select_columns([self.text_field])
@@ -367,6 +328,28 @@ def build_corpus(cfg: DataConfig) -> Corpus:
     return reader(cfg, path)
 
 
+def load_saved(cfg: DataConfig, path: Path, datasets):
+    """Split data.hf_split of the dataset saved at `path` (`save_to_disk`), or the dataset when it has no splits."""
+    if cfg.hf_config:
+        raise DataError(f"data.hf_config: {cfg.hf_config!r} is for a dataset on the hub; {path} is a saved dataset "
+                        "(save_to_disk), read whole")
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as err:  # many error types, from the file system to arrow
+        raise DataError(f"{cfg.source}: cannot load the dataset ({_first_line(err)})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if cfg.hf_split not in ds:
+            raise DataError(f"data.hf_split: {cfg.hf_split!r} is not a split of {cfg.source}; splits: {', '.join(ds)}")
+        ds = ds[cfg.hf_split]
+    return ds
+
+
+def need_column(source, field: str, columns) -> None:
+    """DataError naming the columns there are when `field` (data.text_field) is not one of `columns`."""
+    if field not in columns:
+        raise DataError(f"{source}: no column {field!r} (data.text_field); columns: {', '.join(columns)}")
+
+
 def _unit_hash(key) -> float:
     """A document identity mapped to [0, 1): the first 8 bytes of SHA-256(str(key)) over 2**64."""
     return int.from_bytes(hashlib.sha256(str(key).encode()).digest()[:8], "big") / 2**64
@@ -407,20 +390,6 @@ def _readable(path: Path) -> os.stat_result:
     if not stat.S_ISREG(info.st_mode):
         raise DataError(f"{path}: not a regular file (data.source must be a file, a directory, 'stdlib' or hf:...)")
     return info
-
-
-def _read_text(path: Path) -> str | None:
-    """The file's text, or None when it is not UTF-8 text (undecodable or containing NUL bytes)."""
-    try:
-        raw = path.read_bytes()
-    except OSError as err:
-        raise DataError(f"{path}: cannot read ({err.strerror})") from None
-    if b"\0" in raw:
-        return None
-    try:
-        return raw.decode("utf-8-sig")  # -sig: a byte-order mark is not part of the text
-    except UnicodeDecodeError:
-        return None
 
 
 def _has_text(text: str | None) -> bool:

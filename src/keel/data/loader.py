@@ -23,8 +23,8 @@ import torch
 
 from keel.data import shards
 from keel.data.corpus import SPLITS, Corpus, DataConfig, build_corpus, cache_root
-from keel.data.shard_writer import write_shards
-from keel.data.tokenizer import HFTokenizer, load_tokenizer, planned_vocab_size
+from keel.data.shard_writer import directory_bpe, write_shards
+from keel.data.tokenizer import is_bpe, load_tokenizer
 from keel.errors import DataError
 
 CACHE = "shards"  # cache_dir/shards/<key>: the token cache, a shard directory
@@ -78,11 +78,13 @@ def _prepared_elsewhere(cfg: DataConfig, tokenizer=None) -> Prepared | None:
         return None
     path = Path(cfg.source).expanduser()
     if os.path.lexists(path / shards.MANIFEST):
-        ready = _open_shards(path, tokenizer or _shard_tokenizer(cfg.tokenizer, path), cache_root(cfg))
+        tokenizer = tokenizer or (directory_bpe(cfg.tokenizer, path) if is_bpe(cfg.tokenizer) else
+                                  load_tokenizer(cfg.tokenizer, path))
+        ready = _open_shards(path, tokenizer, cache_root(cfg))
         ready.corpus_info["shards"] = str(path)
         return ready
     if path.suffix == ".bin" and path.is_file():
-        if tokenizer is None and (cfg.tokenizer == "bpe" or cfg.tokenizer.startswith("bpe:")):
+        if tokenizer is None and is_bpe(cfg.tokenizer):
             raise DataError(f"data.tokenizer: {path} holds token ids: name the tokenizer that made them (bytes or "
                             "a tokenizer.json), not a BPE to train")
         tokenizer = tokenizer or load_tokenizer(cfg.tokenizer, cache_root(cfg))
@@ -109,17 +111,6 @@ def _open_shards(path: Path, tokenizer, root: Path, remedy: str = shards.REMEDY)
     info = manifest["corpus"] | {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size} | counts
     return Prepared(shards.open_split(path, manifest, "train"), shards.open_split(path, manifest, "val"),
                     tokenizer, info, path)
-
-
-def _shard_tokenizer(spec: str, directory: Path):
-    """data.tokenizer for a shard directory: bpe[:N] is the BPE `keel data prepare` trained there."""
-    if spec == "bpe" or spec.startswith("bpe:"):
-        tok = HFTokenizer(directory / "tokenizer.json", follow_links=False)
-        if spec != "bpe" and tok.vocab_size != planned_vocab_size(spec):
-            raise DataError(f"data.tokenizer: {spec} names {planned_vocab_size(spec):,} tokens, but the BPE that made "
-                            f"{directory}'s shards has {tok.vocab_size:,}; name data.tokenizer=bpe:{tok.vocab_size}")
-        return tok
-    return load_tokenizer(spec, directory)
 
 
 def _whole(path: Path) -> dict | None:

@@ -45,6 +45,7 @@ from keel.data.shards import (
 from keel.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
+    is_bpe,
     load_tokenizer,
     planned_vocab_size,
     read_capped,
@@ -79,7 +80,7 @@ def prepare_shards(cfg: DataConfig, out, workers: int = 1, shard_tokens: int | N
     corpus = build_corpus(cfg)
     tokenizer = _tokenizer(cfg.tokenizer, out, manifest, corpus, bpe_sample)
     if manifest is None:
-        sample = {"documents": bpe_sample, "seed": BPE_SEED} if _is_bpe(cfg.tokenizer) else None
+        sample = {"documents": bpe_sample, "seed": BPE_SEED} if is_bpe(cfg.tokenizer) else None
         manifest = _new_manifest(tokenizer, shard_tokens, sample, corpus)
         _write_manifest(out, manifest)
     else:
@@ -166,19 +167,25 @@ def _tokenizer(spec: str, out: Path, manifest: dict | None, corpus: Corpus, bpe_
     if spec == "bytes":
         return ByteTokenizer()
     target = out / TOKENIZER_FILE
-    if _is_bpe(spec):
-        vocab = planned_vocab_size(spec)
+    if is_bpe(spec):
         if manifest is not None and os.path.lexists(target):
-            tok = HFTokenizer(target, follow_links=False)
-            if tok.vocab_size != vocab:
-                raise DataError(f"data.tokenizer: {spec} names {vocab:,} tokens, but the BPE in {target} that made "
-                                f"the shards has {tok.vocab_size:,}; name data.tokenizer=bpe:{tok.vocab_size}")
-            return tok
-        return train_bpe(corpus.sample(bpe_sample, BPE_SEED), vocab, target)
+            return directory_bpe(spec, out)
+        return train_bpe(corpus.sample(bpe_sample, BPE_SEED), planned_vocab_size(spec), target)
     tok = load_tokenizer(spec, out)
     if manifest is not None:  # checked before the copy below could replace the directory's own
         check_tokenizer(manifest, tok, out)
     return _keep(tok, out)
+
+
+def directory_bpe(spec: str, directory: Path) -> HFTokenizer:
+    """The BPE trained in shard directory `directory`, which data.tokenizer `spec` (bpe: any size; bpe:<N>: N)
+    names there."""
+    tok = HFTokenizer(directory / TOKENIZER_FILE, follow_links=False)
+    if spec != "bpe" and tok.vocab_size != planned_vocab_size(spec):
+        raise DataError(f"data.tokenizer: {spec} names {planned_vocab_size(spec):,} tokens, but the BPE in "
+                        f"{directory / TOKENIZER_FILE} that made the shards has {tok.vocab_size:,}; name "
+                        f"data.tokenizer=bpe:{tok.vocab_size}")
+    return tok
 
 
 def _keep(tok: HFTokenizer, out: Path) -> HFTokenizer:
@@ -189,10 +196,6 @@ def _keep(tok: HFTokenizer, out: Path) -> HFTokenizer:
     if not os.path.lexists(target) or target.is_symlink() or read_capped(target) != raw:
         _atomic_write(target, [raw])
     return HFTokenizer(target, follow_links=False)
-
-
-def _is_bpe(spec: str) -> bool:
-    return spec == "bpe" or spec.startswith("bpe:")
 
 
 def _corpus_info(corpus: Corpus) -> dict:

@@ -32,9 +32,19 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
-from keel.data.corpus import JSONL_SUFFIXES, DataConfig, _as_text, _first_line, _has_text, _optional, cache_root
+from keel.data.corpus import (
+    JSONL_SUFFIXES,
+    DataConfig,
+    _as_text,
+    _first_line,
+    _has_text,
+    _optional,
+    cache_root,
+    load_saved,
+    need_column,
+)
 from keel.data.shards import batch_of_windows, shard_dtype
-from keel.data.tokenizer import load_tokenizer
+from keel.data.tokenizer import is_bpe, load_tokenizer
 from keel.errors import DataError
 
 VAL_TOKENS = 1 << 20  # ids of the held-out head: the eval windows of a small run, not of paper-512's
@@ -48,7 +58,7 @@ def open_stream(cfg: DataConfig, tokenizer=None) -> tuple[TokenStream, np.ndarra
     one, else data.tokenizer's), and what the stream is, as a run records it."""
     datasets = _optional("datasets", "datasets", cfg.source)
     if tokenizer is None:
-        if cfg.tokenizer == "bpe" or cfg.tokenizer.startswith("bpe:"):
+        if is_bpe(cfg.tokenizer):
             raise DataError(f"data.tokenizer: {cfg.tokenizer} trains a BPE on the corpus, which a stream never "
                             "holds whole; with data.streaming=true name bytes or a tokenizer.json (keel tokenizer "
                             "--out tok.json trains one on a sample)")
@@ -72,7 +82,8 @@ def _open(cfg: DataConfig, datasets):
         name = cfg.source.removeprefix("hf:")
         local = Path(name).expanduser()
         if local.exists() and _saved(local):
-            ds = _saved_stream(cfg, local, datasets)
+            ds = load_saved(cfg, local, datasets)
+            ds = ds.to_iterable_dataset(num_shards=max(1, min(LOCAL_SHARDS, len(ds))))
         else:
             if not local.exists() and name.startswith(("/", ".", "~")):
                 raise DataError(f"{local}: no such directory (data.source {cfg.source!r}: a path, not a hub name)")
@@ -90,29 +101,14 @@ def _open(cfg: DataConfig, datasets):
                             f"{cfg.source!r} is {what} (leave data.streaming out: a local corpus is read in bounded "
                             "memory already, or keel data prepare makes shards of it)")
         ds = _load(cfg, datasets, builder, None, "train", data_files=[str(path)])
-    columns = ds.column_names
-    if columns is not None and cfg.text_field not in columns:
-        raise DataError(f"{cfg.source}: no column {cfg.text_field!r} (data.text_field); columns: {', '.join(columns)}")
-    return ds.select_columns([cfg.text_field]) if columns is not None else ds
+    if ds.column_names is None:  # not known before reading
+        return ds
+    need_column(cfg.source, cfg.text_field, ds.column_names)
+    return ds.select_columns([cfg.text_field])
 
 
 def _saved(path: Path) -> bool:
     return path.is_dir() and any((path / f).is_file() for f in ("state.json", "dataset_dict.json"))
-
-
-def _saved_stream(cfg: DataConfig, path: Path, datasets):
-    if cfg.hf_config:
-        raise DataError(f"data.hf_config: {cfg.hf_config!r} is for a dataset on the hub; {path} is a saved dataset "
-                        "(save_to_disk), read whole")
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except Exception as err:  # many error types, from the file system to arrow
-        raise DataError(f"{cfg.source}: cannot load the dataset ({_first_line(err)})") from None
-    if isinstance(ds, datasets.DatasetDict):
-        if cfg.hf_split not in ds:
-            raise DataError(f"data.hf_split: {cfg.hf_split!r} is not a split of {cfg.source}; splits: {', '.join(ds)}")
-        ds = ds[cfg.hf_split]
-    return ds.to_iterable_dataset(num_shards=max(1, min(LOCAL_SHARDS, len(ds))))
 
 
 def _load(cfg: DataConfig, datasets, path: str, config, split: str, **kwargs):

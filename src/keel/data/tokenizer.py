@@ -205,7 +205,7 @@ def load_tokenizer(spec: str, cache_dir, corpus=None):
     """
     if spec == "bytes":
         return ByteTokenizer()
-    if spec == "bpe" or spec.startswith("bpe:"):
+    if is_bpe(spec):
         vocab_size = _bpe_vocab(spec)
         if corpus is None:
             raise DataError(f"data.tokenizer: {spec!r} trains on the corpus, but no corpus was given")
@@ -258,6 +258,11 @@ def load_saved_tokenizer(directory):
     raise DataError(f"{directory}: no saved tokenizer (tokenizer.json, or tokenizer_config.json naming 'bytes')")
 
 
+def is_bpe(spec: str) -> bool:
+    """Whether data.tokenizer `spec` names a BPE keel trains ("bpe" or "bpe:<vocab_size>")."""
+    return spec == "bpe" or spec.startswith("bpe:")
+
+
 def _bpe_vocab(spec: str) -> int:
     if spec == "bpe":
         return DEFAULT_BPE_VOCAB
@@ -272,7 +277,7 @@ def planned_vocab_size(spec: str) -> int | None:
     for a tokenizer file that cannot be read here: loading it then reports the problem)."""
     if spec == "bytes":
         return 256
-    if spec == "bpe" or spec.startswith("bpe:"):
+    if is_bpe(spec):
         return _bpe_vocab(spec)
     path = Path(spec).expanduser()
     try:  # through read_capped: Tokenizer.from_file would wait forever on a FIFO
