@@ -14,7 +14,6 @@ import importlib
 import json
 import os
 import random
-import stat
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from keel.data import text_stream
 from keel.errors import DataError
 from keel.safe_io import loads_json
 
-FORMAT = "keel-tokens-1"  # part of every cache key: change it when the shard layout or the split rule changes
+FORMAT = "keel-tokens-1"  # part of every fingerprint, so of every cache key: change it when the split rule changes
 SPLITS = ("train", "val")
 TEXT_SUFFIXES = frozenset(".txt .text .md .markdown .rst .py .pyi .tex .c .h .cc .cpp .hpp .rs .go .java .js .ts "
                           ".html .css .sh .toml .yaml .yml .ini .cfg .csv .tsv .xml".split())
@@ -380,16 +379,11 @@ def _readable(path: Path) -> os.stat_result:
     """The stat of a regular file that can be read: a FIFO is not waited on, and a device (/dev/zero, which
     never ends) is refused, as is anything else that is not a file of known size."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as err:
-        raise DataError(f"{path}: cannot read ({err.strerror})") from None
-    try:
-        info = os.fstat(fd)
-    finally:
-        os.close(fd)
-    if not stat.S_ISREG(info.st_mode):
-        raise DataError(f"{path}: not a regular file (data.source must be a file, a directory, 'stdlib' or hf:...)")
-    return info
+        with text_stream.open_file(path) as f:
+            return os.fstat(f.fileno())
+    except text_stream.NotText:
+        raise DataError(f"{path}: not a regular file (data.source must be a file, a directory, 'stdlib' or "
+                        "hf:...)") from None
 
 
 def _has_text(text: str | None) -> bool:

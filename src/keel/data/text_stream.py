@@ -69,7 +69,7 @@ def walk(root: Path, suffixes, prune=()) -> list[tuple[str, int, int]]:
     return found
 
 
-def _open(path: Path):
+def open_file(path: Path):
     """`path` opened for reading if it is a regular file (a FIFO is not waited on; a device is refused)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
@@ -87,7 +87,7 @@ def scan(path: Path) -> list[Block]:
     that is not text (an 8 GB sparse file: at its first)."""
     blocks, chars, offset = [], 0, 0
     decoder = codecs.getincrementaldecoder("utf-8")()
-    with _open(path) as f:
+    with open_file(path) as f:
         while data := f.read(BLOCK):
             if b"\0" in data:
                 raise NotText("holds NUL bytes")
@@ -110,7 +110,7 @@ def scan(path: Path) -> list[Block]:
 
 
 def _read(path: Path, block: Block) -> str:
-    with _open(path) as f:
+    with open_file(path) as f:
         f.seek(block.start)
         data = f.read(block.end - block.start)
     try:
