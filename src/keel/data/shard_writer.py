@@ -189,8 +189,8 @@ def directory_bpe(spec: str, directory: Path) -> HFTokenizer:
 
 
 def _keep(tok: HFTokenizer, out: Path) -> HFTokenizer:
-    """`tok`'s file copied into `out` (the workers load it from there; training names it as data.tokenizer=bpe),
-    and loaded from there."""
+    """`tok`'s file copied into `out` (the workers load it from there, and the directory is self-contained), and
+    loaded from there."""
     target = out / TOKENIZER_FILE
     raw = read_capped(tok.path)
     if not os.path.lexists(target) or target.is_symlink() or read_capped(target) != raw:
