@@ -96,9 +96,9 @@ def _check_manifest(m, directory: Path, remedy: str) -> None:
     need(isinstance(m, dict) and m.get("format") == FORMAT, f"format is not {FORMAT!r}")
     need(m.get("dtype") in DTYPES, f"dtype is not one of {', '.join(DTYPES)}")
     tok = m.get("tokenizer")
-    need(isinstance(tok, dict) and isinstance(tok.get("name"), str) and _count(tok.get("vocab_size")),
+    need(isinstance(tok, dict) and isinstance(tok.get("name"), str) and is_count(tok.get("vocab_size")),
          "tokenizer is not {name, vocab_size}")
-    need(_count(m.get("shard_tokens")) and 0 < m["shard_tokens"] <= MAX_SHARD_TOKENS, "shard_tokens is not a size")
+    need(is_count(m.get("shard_tokens")) and 0 < m["shard_tokens"] <= MAX_SHARD_TOKENS, "shard_tokens is not a size")
     need(isinstance(m.get("splits"), dict) and set(m["splits"]) == set(SPLITS), "splits is not {train, val}")
     if tok["vocab_size"] > np.iinfo(DTYPES[m["dtype"]]).max + 1:
         raise DataError(f"{where}: the tokenizer's vocabulary of {tok['vocab_size']:,} does not fit its "
@@ -114,13 +114,14 @@ def _check_manifest(m, directory: Path, remedy: str) -> None:
                     raise DataError(f"{where}: splits.{split}.shards[{i}].{key} = {json.dumps(name)[:80]} is not a "
                                     f"shard file of this directory ({split}-NNNNNN.bin/.idx); refused")
             end = shard.get("end")
-            need(_count(shard.get("tokens")) and 0 < shard["tokens"] <= m["shard_tokens"]
-                 and _count(shard.get("documents")) and _hex(shard.get("sha256")) and _hex(shard.get("index_sha256"))
-                 and isinstance(end, dict) and _count(end.get("document")) and _count(end.get("offset"))
+            need(is_count(shard.get("tokens")) and 0 < shard["tokens"] <= m["shard_tokens"]
+                 and is_count(shard.get("documents")) and _hex(shard.get("sha256")) and _hex(shard.get("index_sha256"))
+                 and isinstance(end, dict) and is_count(end.get("document")) and is_count(end.get("offset"))
                  and _hex(end.get("digest")), f"splits.{split}.shards[{i}] lacks a field or has a wrong type")
 
 
-def _count(v) -> bool:
+def is_count(v) -> bool:
+    """Whether `v` is an int >= 0 (a bool is not): a size or an index read from JSON."""
     return type(v) is int and v >= 0
 
 

@@ -43,7 +43,7 @@ from keel.data.corpus import (
     load_saved,
     need_column,
 )
-from keel.data.shards import batch_of_windows, shard_dtype
+from keel.data.shards import batch_of_windows, is_count, shard_dtype
 from keel.data.tokenizer import is_bpe, load_tokenizer
 from keel.errors import DataError
 
@@ -210,10 +210,6 @@ def _digest(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8")).digest()
 
 
-def _count(v) -> bool:
-    return type(v) is int and v >= 0
-
-
 class StreamSampler:
     """Consecutive rows of one rank's part of a stream, as WindowSampler's `next_batch()`, `state_dict()` and
     `load_state_dict()`.
@@ -295,8 +291,9 @@ class StreamSampler:
         import torch.distributed as dist
 
         ranks = state.get("ranks")
-        if not (isinstance(ranks, list) and all(isinstance(r, dict) and _count(r.get("epoch")) and _count(r.get("used"))
-                                                and isinstance(r.get("state"), dict | None) for r in ranks)):
+        if not (isinstance(ranks, list) and all(isinstance(r, dict) and is_count(r.get("epoch"))
+                                                and is_count(r.get("used")) and isinstance(r.get("state"), dict | None)
+                                                for r in ranks)):
             raise DataError(f"{self.source}: the checkpoint holds no stream position (was it written with "
                             "data.streaming=true?), or a damaged one")
         me, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
