@@ -63,9 +63,9 @@ def lr_sweep_best(scheme: str) -> tuple[float, list[float]]:
     return best, lr_sweep(scheme, best)
 
 
-def max_lr(folder: str, label: str, depth: int) -> list[float]:
-    v = results(folder)["verdicts"]
-    return [v[f"{label}-{depth}-seed{s}"]["max_lr"] for s in (0, 1, 2)]
+def max_lr(folder: str, arm: str) -> list[float]:
+    v = results(folder)["verdicts"]  # keyed by point: a study of one depth names none
+    return [v[f"{arm}-seed{s}"]["max_lr"] for s in (0, 1, 2)]
 
 
 def redundancy(scheme: str, mode: str, key: str) -> list[float]:
@@ -77,8 +77,8 @@ def diff(a: list[float], b: list[float]) -> list[float]:
 
 
 def paper_max_lr(label: str, depth: int) -> list[dict]:
-    v = results("max-lr-paper")["verdicts"]
-    return [v[f"{label}-{depth}-seed{s}"] for s in (0, 1, 2)]
+    v = results("max-lr-paper")["verdicts"]  # keyed by point: its cells are the depths in blocks
+    return [v[f"{label}-n_blocks{depth // 2}-seed{s}"] for s in (0, 1, 2)]
 
 
 def paper_ratio(other: str, depth: int) -> Test:
@@ -245,13 +245,13 @@ def tests() -> list[Test]:
     reg = {s: arm("regime", s) for s in ("keel", "pre_ln", "post_ln")}
     out = [
         Test("max-lr", "max LR, Table 1", "Keel - Pre-LN, 16 sub-layers (Keel censored at 0.08 in 2 seeds)",
-             max_lr("max-lr", "keel", 16), max_lr("max-lr", "pre_ln", 16), "rule 1"),
-        Test("max-lr", "max LR vs Post-LN", "Keel - Post-LN, 16", max_lr("max-lr", "keel", 16),
-             max_lr("max-lr", "post_ln", 16), "rule 1", "Keel's max-lr runs (row above)"),
-        Test("max-lr", "max LR vs Post-LN", "DeepNorm - Post-LN, 16", max_lr("max-lr", "deepnorm", 16),
-             max_lr("max-lr", "post_ln", 16), "rule 1", "Post-LN's runs (row above)"),
-        Test("max-lr", "clipping", "Pre-LN without - with clipping, 16", max_lr("max-lr", "pre_ln-noclip", 16),
-             max_lr("max-lr", "pre_ln", 16), "rule 1 (no-clipping arms: reported as measured)",
+             max_lr("max-lr", "keel"), max_lr("max-lr", "pre_ln"), "rule 1"),
+        Test("max-lr", "max LR vs Post-LN", "Keel - Post-LN, 16", max_lr("max-lr", "keel"),
+             max_lr("max-lr", "post_ln"), "rule 1", "Keel's max-lr runs (row above)"),
+        Test("max-lr", "max LR vs Post-LN", "DeepNorm - Post-LN, 16", max_lr("max-lr", "deepnorm"),
+             max_lr("max-lr", "post_ln"), "rule 1", "Post-LN's runs (row above)"),
+        Test("max-lr", "clipping", "Pre-LN without - with clipping, 16", max_lr("max-lr", "pre_ln_noclip"),
+             max_lr("max-lr", "pre_ln"), "rule 1 (no-clipping arms: reported as measured)",
              "Pre-LN's max-lr runs"),
         Test("depth", "depth, Table 3", "Keel - Pre-LN, 8 sub-layers, 153,600 tokens", arm("depth", "keel_8"),
              arm("depth", "pre_ln_8"), "rule 2"),
@@ -331,8 +331,8 @@ def tests() -> list[Test]:
       + downstream_tests() + tuned_tests() + tuned_alpha_tests() + pilot_tests() + sweep_tests() \
       + downstream_end_tests() \
       + long_tuned_tests() + [
-        Test("max-lr-64", "max LR, Table 1", "Keel - Pre-LN, 64 sub-layers, max LR", max_lr("max-lr-64", "keel", 64),
-             max_lr("max-lr-64", "pre_ln", 64), "post-hoc: seeds 0 and 1 were committed and looked at before rule 11 "
+        Test("max-lr-64", "max LR, Table 1", "Keel - Pre-LN, 64 sub-layers, max LR", max_lr("max-lr-64", "keel"),
+             max_lr("max-lr-64", "pre_ln"), "post-hoc: seeds 0 and 1 were committed and looked at before rule 11 "
              "(round 2) gave this row a third seed and a verdict"),
         Test("lr-sweep", "depth, Table 3", "Keel - Pre-LN, 32, each at the lr-sweep LR chosen over all seeds "
              "(Keel {:g}, Pre-LN {:g})".format(lr_sweep_best("keel")[0], lr_sweep_best("pre_ln")[0]),

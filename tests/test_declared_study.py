@@ -130,6 +130,18 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     ({"compare": [["keel@n_blocks3", "keel@n_blocks1"]]}, "compare: pairs of two different arms"),
     ({"best_of": {"best": ["keel@n_blocks1", "pre_ln"]}}, "best_of: a mapping of new names -> lists of two or more "
                                                           "distinct arms, or of arm@cell"),
+    ({"measure": "max_lr"}, "tune: the loss measurement's; measure max_lr chooses nothing"),
+    ({"measure": "max_lr", "tune": [], "probe": True}, "probe: the loss measurement's"),
+    ({"max_lr": {"eval_every": 2}}, "max_lr: the max-LR measurement's settings; set measure: max_lr"),
+    ({"measure": "max_lr", "tune": [], "max_lr": {"every": 2}}, "max_lr: a mapping of eval_every, rules, scale"),
+    ({"measure": "max_lr", "tune": [], "max_lr": {"eval_every": 0}}, "max_lr.eval_every: select-half evaluations"),
+    ({"measure": "max_lr", "tune": [], "max_lr": {"rules": {"confirm": 2.5}}}, "max_lr.rules: margin, rise, confirm"),
+    ({"measure": "max_lr", "tune": [], "max_lr": {"rules": {"nope": 1}}}, "max_lr.rules: margin, rise, confirm"),
+    ({"measure": "max_lr", "tune": [], "max_lr": {"rules": {"rise": -0.3}}}, "max_lr.rules: margin, rise, confirm"),
+    ({"measure": "max_lr", "tune": [], "max_lr": {"scale": "ln"}}, "max_lr.scale: lr or log"),
+    ({"measure": "max_lr", "tune": [], "max_lr": {"published": {"keel/nope": 1.3}}}, "max_lr.published: arm/arm"),
+    ({"measure": "max_lr", "tune": [], "max_lr": {"published": {"keel/pre_ln": 0}}}, "max_lr.published: arm/arm"),
+    ({"measure": "max_lr", "tune": []}, "base: optim.warmup_steps: not used here (the max-LR ramp sets it"),
 ])
 def test_a_bad_declared_study_is_one_line_before_any_point(change, needle, tmp_path, capsys):
     path = write(tmp_path, study(**change))
@@ -362,3 +374,77 @@ def test_a_side_that_is_a_pair_is_its_difference_seed_by_seed(tmp_path, monkeypa
         holm_by_hand([t["p"] for t in results["tests"]]), rel=1e-12)
     assert "| - | (keel@n_blocks2 - pre_ln@n_blocks2) - (keel@n_blocks1 - pre_ln@n_blocks1) |" in (
         tmp_path / "report.md").read_text()
+
+
+def ramp(**fields) -> dict:
+    """A max-LR study of TINY (its warm-up left to the ramp): keel, pre_ln and pre_ln without clipping."""
+    base = {k: v for k, v in TINY.items() if k != "optim"} | {"optim": {"lr": 0.5}}
+    return study(measure="max_lr", base=base, tune=[], arms={"keel": {"model.scheme": "keel"}, "pre_ln": {
+        "model.scheme": "pre_ln"}, "pre_ln_noclip": {"model.scheme": "pre_ln", "optim.grad_clip": 0.0}},
+        compare=[["keel", "pre_ln"], ["pre_ln_noclip", "pre_ln"]]) | fields
+
+
+def test_a_max_lr_study_takes_each_max_lr_where_its_curve_fails_and_tests_them(tmp_path, monkeypatch):
+    """Curves built to collapse at a known evaluation (rules confirm 4, window 1: no lag): the max LR is the LR of the
+    evaluation before, a curve that never fails has the peak; the compare pairs are t-tests of the log max LRs
+    (scipy's) per cell, Holm over them all, the verdict naming the higher arm."""
+    from keel.experiments import declared
+
+    lrs = [0.015 * (k + 1) for k in range(33)]  # the LR at each evaluation, as a point records it
+    fails = {("keel", 1): [None, 25, 27], ("pre_ln", 1): [10, 12, 15], ("pre_ln_noclip", 1): [11, 12, 14],
+             ("keel", 2): [20, 22, 21], ("pre_ln", 2): [8, 9, 11], ("pre_ln_noclip", 2): [8, 10, 11]}
+
+    def fake_point(study, arm, cell, hp, seed):
+        at = fails[arm, cell["model.n_blocks"]][seed]
+        loss = [2.0] * 33 if at is None else [2.0] * at + [3.3] * (33 - at)
+        return {"seed": seed, "depth": 2 * cell["model.n_blocks"], "unigram": 3.3,
+                "evals": {"step": list(range(33)), "lr": lrs, "loss": loss}}
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = ramp(max_lr={"rules": {"confirm": 4, "window": 1}, "scale": "log", "published": {"keel/pre_ln": 1.32}})
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    max_lr = {k: [0.5 if at is None else lrs[at - 1] for at in ats] for k, ats in fails.items()}
+    for (arm, blocks), want in max_lr.items():
+        got = [results["verdicts"][f"{arm}-n_blocks{blocks}-seed{s}"]["max_lr"] for s in (0, 1, 2)]
+        assert got == pytest.approx(want, rel=1e-12), (arm, blocks)
+    tests = results["tests"]
+    assert [(t["cell"], t["pair"]) for t in tests] == [(c, p) for c in ("n_blocks1", "n_blocks2")
+                                                       for p in (["keel", "pre_ln"], ["pre_ln_noclip", "pre_ln"])]
+    for t in tests:
+        a, b = (np.log(max_lr[arm, int(t["cell"][-1])]) for arm in t["pair"])
+        assert t["mean"] == pytest.approx(np.mean(a - b), abs=1e-12)
+        assert t["p"] == pytest.approx(scipy_stats.ttest_rel(a, b).pvalue, rel=1e-9)
+    for t, adjusted in zip(tests, holm_by_hand([t["p"] for t in tests])):
+        assert t["p_holm"] == pytest.approx(adjusted, rel=1e-12)
+        assert t["verdict"] == ("inconclusive" if adjusted >= 0.05 else
+                                f"{t['pair'][0] if t['mean'] > 0 else t['pair'][1]} higher")
+    assert tests[2]["verdict"] == "keel higher"  # 2 blocks: log ratios 0.92, 0.89, 0.65
+    ratio = results["ratios"]["keel/pre_ln-n_blocks2"]
+    assert ratio["ratio"] == pytest.approx(math.exp(np.mean(np.log(max_lr["keel", 2]) - np.log(max_lr["pre_ln", 2]))))
+    report = (tmp_path / "report.md").read_text()
+    assert "| n_blocks1 | keel | 2 | " in report and ">= 0.5 / " in report
+    assert "| keel / pre_ln | n_blocks2 | 4 |" in report
+    assert "![maxlr-2.png](maxlr-2.png)" in report and (tmp_path / "maxlr-4.png").stat().st_size > 0  # by sub-layers
+
+
+@pytest.mark.slow
+def test_a_max_lr_point_trains_on_the_ramp_and_its_study_rebuilds_from_its_points(tmp_path):
+    """Real points: every evaluation's LR is the ramp's, peak x (step + 1) / steps; each verdict's max LR is the LR of
+    the evaluation before its failure in the point file (or the peak); clipping is off in the noclip arm only; the
+    report rebuilds from the points without training."""
+    path = write(tmp_path, ramp(base={**ramp()["base"], "model": {**TINY["model"], "n_blocks": 1},
+                                      "run": {**TINY["run"], "steps": 30}}, axes={}, seeds=[0, 1],
+                                max_lr={"rules": {"confirm": 4, "window": 1}}))
+    assert main(["sweep", str(path)]) == 0
+    out = path.parent
+    results = json.loads((out / "results.json").read_text())["results"]
+    points = store.load_all(out / "points")
+    assert sorted(points) == sorted(f"{a}-seed{s}" for a in ("keel", "pre_ln", "pre_ln_noclip") for s in (0, 1))
+    for k, p in points.items():
+        e, v = p["evals"], results["verdicts"][k]
+        assert e["lr"] == pytest.approx([0.5 * (step + 1) / 30 for step in e["step"]], rel=1e-12)
+        assert e["step"][:len(e["step"]) - v["failed"]] == list(range(1, 30, 2))[:len(e["step"]) - v["failed"]]
+        assert v["max_lr"] == (e["lr"][e["step"].index(v["at_step"]) - 1] if v["failed"] else 0.5)
+        assert p["clip"] == (0.0 if k.startswith("pre_ln_noclip") else 1.0) and p["depth"] == 2
+    before = (out / "results.json").read_text()
+    assert main(["sweep", str(path), "--report-only"]) == 0
+    assert json.loads((out / "results.json").read_text())["results"] == json.loads(before)["results"]

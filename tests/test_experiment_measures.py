@@ -4,18 +4,20 @@ false-positive and miss rates, are in test_detect.py; a study file's choices and
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from keel import TransformerLM, tiny
+from keel.config import TrainConfig
 from keel.data import DataConfig
 from keel.experiments.common import fixed_batches, mean_sd, splits, unigram_loss
 from keel.experiments.detect import FailureRules
+from keel.experiments.maxlr import judge, ratio_verdict, references, verdict
 from keel.experiments.surgery import branches_off, removed, residual_sizes
 from keel_studies.gradflow import measure
-from keel_studies.maxlr import MaxLRConfig, judge, ratio_verdict, verdict
 from keel_studies.regime import compare
 
 
@@ -121,30 +123,43 @@ def test_unigram_loss_is_the_cross_entropy_of_the_token_frequencies():
 
 
 def test_max_lr_is_the_lr_of_the_evaluation_before_the_failure():
-    cfg = MaxLRConfig(rules=FailureRules(confirm=4, window=1))
+    rules = FailureRules(confirm=4, window=1)
     lrs = [0.001 * (k + 1) for k in range(40)]
     healthy = [2.0] * 40
     collapsed = [2.0] * 20 + [3.3] * 20
     r = {"evals": {"lr": lrs, "loss": collapsed, "step": list(range(40))}, "unigram": 3.3}
-    v = verdict(r, cfg)
+    v = verdict(r, rules, 0.05)
     assert v["failed"] and v["rule"] == "collapse" and v["max_lr"] == pytest.approx(lrs[19])
     r["evals"]["loss"] = healthy
-    assert verdict(r, cfg)["max_lr"] == cfg.optim.lr and not verdict(r, cfg)["failed"]
+    assert verdict(r, rules, 0.05)["max_lr"] == 0.05 and not verdict(r, rules, 0.05)["failed"]  # the peak: a bound
 
 
 def test_max_lr_a_curve_that_never_learned_has_no_noise_estimate_and_is_unreliable():
-    cfg = MaxLRConfig()
     stuck = [5.5 - 0.2 * k for k in range(12)] + [3.35] * 300  # never below the unigram level
     r = {"evals": {"lr": [1e-5 * k for k in range(312)], "loss": stuck, "step": list(range(312))}, "unigram": 3.3}
-    v = verdict(r, cfg)
+    v = verdict(r, FailureRules(), 0.05)
     assert v["noise_sd"] is None and not v["reliable"] and not v["learned"] and v["rule"] == "collapse"
     learned = list(2.5 + np.random.default_rng(0).normal(0, 0.02, 312))
-    v = verdict(r | {"evals": r["evals"] | {"loss": learned}}, cfg)
+    v = verdict(r | {"evals": r["evals"] | {"loss": learned}}, FailureRules(), 0.05)
     assert v["reliable"] and v["learned"] and 0.0 < v["noise_sd"] <= 0.05
 
 
+def arms(**schemes) -> dict:
+    """arm -> TrainConfig: (scheme, grad_clip) each."""
+    base = TrainConfig()
+    return {arm: replace(base, model=replace(base.model, scheme=scheme), optim=replace(base.optim, grad_clip=clip))
+            for arm, (scheme, clip) in schemes.items()}
+
+
+def test_max_lr_stagnation_references_are_the_other_schemes_arms_that_clip():
+    refs = references(arms(post_ln=("post_ln", 1.0), pre_ln=("pre_ln", 1.0), keel=("keel", 1.0),
+                           keel_noclip=("keel", 0.0), pre_ln_noclip=("pre_ln", 0.0)))
+    assert refs == {"post_ln": ["pre_ln", "keel"], "pre_ln": ["post_ln", "keel"], "keel": ["post_ln", "pre_ln"],
+                    "keel_noclip": ["post_ln", "pre_ln"], "pre_ln_noclip": ["post_ln", "keel"]}
+
+
 def test_max_lr_stagnation_is_judged_against_the_other_schemes_only():
-    cfg = MaxLRConfig(schemes=["pre_ln", "keel"], no_clip=["keel"], depths=[4], seeds=[0])
+    rules = FailureRules()
     n = 300
     steps, lrs = [2 * k + 1 for k in range(n)], [1e-5 * (2 * k + 2) for k in range(n)]
     learning = [2.2 + 3.3 * math.exp(-k / 30) for k in range(n)]
@@ -152,16 +167,18 @@ def test_max_lr_stagnation_is_judged_against_the_other_schemes_only():
 
     def point(loss):
         return {"evals": {"step": steps, "lr": lrs, "loss": loss}, "unigram": 3.3}
-    results = {"pre_ln-4-seed0": point(plateau), "keel-4-seed0": point(learning), "keel-noclip-4-seed0": point(plateau)}
-    v = judge(results, cfg)
-    gap_from = next(k for k in range(n) if plateau[k] - learning[k] > cfg.rules.stagnation_gap)
-    assert v["pre_ln-4-seed0"]["rule"] == "stagnation" and v["pre_ln-4-seed0"]["reference"] == "keel"
-    assert abs(v["pre_ln-4-seed0"]["at_step"] - steps[gap_from]) <= 2 * (cfg.rules.window // 2 + 1)
-    assert not v["keel-4-seed0"]["failed"]
-    # keel/noclip is judged against pre_ln only, never against keel (its own scheme): no stagnation
-    assert not v["keel-noclip-4-seed0"]["failed"]
-    alone = judge({"keel-4-seed0": point(plateau)}, MaxLRConfig(schemes=["keel"], no_clip=[], depths=[4], seeds=[0]))
-    assert not alone["keel-4-seed0"]["failed"]  # nothing to compare with
+    results = {"pre_ln": point(plateau), "keel": point(learning), "keel_noclip": point(plateau)}
+    refs = references(arms(pre_ln=("pre_ln", 1.0), keel=("keel", 1.0), keel_noclip=("keel", 0.0)))
+    peaks = dict.fromkeys(results, lrs[-1])
+    v = judge(results, refs, rules, peaks)
+    gap_from = next(k for k in range(n) if plateau[k] - learning[k] > rules.stagnation_gap)
+    assert v["pre_ln"]["rule"] == "stagnation" and v["pre_ln"]["reference"] == "keel"
+    assert abs(v["pre_ln"]["at_step"] - steps[gap_from]) <= 2 * (rules.window // 2 + 1)
+    assert not v["keel"]["failed"]
+    # keel_noclip is judged against pre_ln only, never against keel (its own scheme): no stagnation
+    assert not v["keel_noclip"]["failed"]
+    alone = judge({"keel": point(plateau)}, {"keel": []}, rules, peaks)
+    assert not alone["keel"]["failed"]  # nothing to compare with
 
 
 def test_max_lr_ratio_verdict_rules():

@@ -1,51 +1,20 @@
 """A study declared as data: `keel sweep STUDY.yaml` where the file names `arms:` instead of a study kind.
 
-    question: Does Keel beat Pre-LN at 8 and 16 sub-layers at 300k tokens?
-    base: {model: {d_model: 64}, run: {steps: 300}, data: {source: stdlib}}   # keel train's sections
-    arms: {keel: {model.scheme: keel}, pre_ln: {model.scheme: pre_ln}}        # name -> the fields it sets
-    axes: {model.n_blocks: [4, 8]}                                            # every arm at every combination
-    tune:                                                                     # per arm and cell, in this order
-      - {field: optim.lr, grid: [1.0e-3, 3.0e-3, 1.0e-2], grow: 2}
-      - {field: optim.warmup_steps, grid: [10, 30, 100], grow: 1, arms: [pre_ln], above: [200], ties: high}
-    seeds: [0, 1, 2]
-    select_seeds: [0]                                                         # optional: the ones that choose
-    marginal_seeds: [3, 4]                                                    # optional
-    compare: [[keel, pre_ln]]                                                 # default: the first arm vs each other
-    best_of: {best: [keel, pre_ln]}                                           # optional: an arm picked per cell
-    untested: [[pre_ln, keel]]                                                # optional: reported, not tested
-    curve_every: 50                                                           # optional: a loss curve (0: off)
-    probe: true                                                               # optional: the effective-depth probe
+The file names keel train's sections every point starts from (`base`), the arms (name -> the fields each sets), the
+axes every arm runs along, the fields `tune`d per arm and cell, the `seeds` and the pairs to `compare`; every key
+and its meaning is in docs/experiments.md#your-own-study (`KEYS`, `STEP` and `MAX_LR` here name them).
 
-The method (the budget measurement, keel.experiments.budget): every point trains from scratch with the paper's
-recipe; each `tune` step chooses its field per arm and cell by the mean select-half loss over `seeds` (a diverged
-seed counts as +inf), the grid grown past an edge choice by the factor between the edge and its neighbour until
-the choice is interior or `grow` values were added on that side (a bound, reported); later steps see the values
-chosen before (a field may come back: coordinate search). A step may name the `arms` it tunes (the others keep the
-value they have), grow through written-out values (`below` and `above`, falling and rising from the grid's edges; a
-side without them does not grow) and give ties to the `high` value (the cautious side of a warm-up; default `low`).
-With `select_seeds`, only those seeds run every value a search tries and choose by their mean; the other seeds run
-at the chosen values only. The report-half losses at
-the chosen values are compared seed by seed: paired two-sided t-test per cell and pair, Holm over every test of the
-study. With `marginal_seeds`, a test that is marginal (raw p < 0.05 lifted by Holm, or Holm p in [0.05, 0.20)) gets
-them on both arms at their chosen values and every test is run again on all seeds.
-
-`best_of` names a choice among arms made like a tuned value: per cell, the listed arm with the lowest mean select-half
-loss at its own choices (ties: the first listed), e.g. Keel's alpha as arms (`keel_sqrtL: {model.alpha: sqrtL}`)
-each with its LR tuned, then the best; `compare` and `untested` may name it. `untested` pairs are reported as the
-mean and SD of their paired differences only, outside the Holm family. A pair or a best_of may pin its arms to cells
-(`keel@lr0.006`, a cell as the report names it): such a pair is one test across cells (Keel at one LR against Keel at
-another), such a best_of one pick across cells (each arm at its best LR of an axis), named on both sides or neither.
-
-`probe: true` adds keel.experiments.budget's effective-depth probe to each point (4 report-half batches: the loss
-with every branch above sub-layer k off, rms(F)/rms(alpha x)) and its summary to the report; no choice or test reads it.
-
-`rule` links the decision rule the study is judged by (comma-separated links; the report links them).
-`keel experiment NAME --quick` runs a study file at a smoke-test size (`smoke`): every point a 2-block d=32 model
-for 6 steps, the first two seeds, no marginal seeds.
+The measurement (`measure`): `loss` (keel.experiments.budget: each `tune` step chooses its field per arm and cell
+by the mean select-half loss over the choosing seeds, a diverged seed +inf, the grid grown past an edge choice until
+the choice is interior or `grow` values were added on that side, a bound then; the report-half losses at the choices
+compared seed by seed) or `max_lr` (keel.experiments.maxlr: each point's max LR on the paper's ramp, nothing
+chosen). Each pair is a paired two-sided t-test per cell, Holm over every test of the study; a marginal one gets
+`marginal_seeds` on both arms and every test runs again on all seeds.
 
 The whole study is checked before any point trains: every arm, axis value and grid value is merged into the base
 config by keel's one merge (one line naming the field). Points are kept by keel.experiments.sweep (resumable,
-shared by two processes, reused when the study is run again).
+shared by two processes, reused when the study is run again). `keel experiment NAME --quick` runs a study file at a
+smoke-test size (`smoke`).
 """
 
 from __future__ import annotations
@@ -63,7 +32,7 @@ from keel.config import OptimConfig, RunConfig, TrainConfig, merge, validate
 from keel.config.reads import Reads
 from keel.data.corpus import DataConfig
 from keel.errors import ConfigError
-from keel.experiments import stats
+from keel.experiments import maxlr, stats
 from keel.experiments.budget import BudgetConfig, budget_point
 from keel.experiments.common import (
     experiment_guard,
@@ -71,10 +40,12 @@ from keel.experiments.common import (
     experiment_run,
     markdown_table,
     pm,
+    point_config,
     pyplot,
     save,
     write_outputs,
 )
+from keel.experiments.detect import FailureRules
 from keel.experiments.grid import Grid, LadderGrid, _finite, grid_note, run_searches, search_grid
 from keel.experiments.sweep import Sweep
 
@@ -85,11 +56,17 @@ KEYS = {"question": "what it asks", "answer": "what it found", "rule": "its deci
         "report-half loss every this many steps (0: off)", "curve_batches": "batches of each curve evaluation",
         "select_seeds": "the seeds that choose (default: all seeds)", "best_of": "name -> arms: per cell the one "
         "with the lowest mean select-half loss at its choices", "untested": "pairs of arms reported, not tested",
-        "probe": "the effective-depth probe on every point (true or false)"}
+        "probe": "the effective-depth probe on every point (true or false)", "max_lr": "the max-LR measurement's "
+        "settings (with measure: max_lr)"}
 STEP = {"arms": "some of the arms, the ones this step tunes", "below": "values falling from below the grid's lowest, "
         "grown through in order", "above": "values rising from above the grid's highest, grown through in order",
         "ties": "low or high: which of equal scores wins"}  # a tune step's optional keys
-MEASURES = ("loss",)  # the budget measurement: final loss on the select and report halves
+MEASURES = ("loss", "max_lr")  # the budget measurement (final loss on the select and report halves), the max LR
+LOSS_ONLY = ("tune", "best_of", "untested", "select_seeds", "marginal_seeds", "probe", "curve_every", "curve_batches")
+MAX_LR = {"eval_every": "select-half evaluations every this many steps (an integer >= 1; default 2)", "rules":
+          f"{', '.join(vars(FailureRules()))} (keel.experiments.detect.FailureRules) -> positive numbers, integers for "
+          "counts", "scale": "lr or log: what the compare pairs' t-tests compare (default lr)", "published": "arm/arm "
+          "-> a published ratio of their max LRs (a positive number)"}
 PER_POINT = {"run.seed": "set per point from seeds", "run.out_dir": "a study point writes no run directory",
              "run.name": "a study point writes no run directory"}
 MARGINAL_BELOW = 0.20
@@ -115,6 +92,7 @@ class DeclaredStudy:
     best_of: dict = field(default_factory=dict)  # name -> arms (`read`)
     untested: list = field(default_factory=list)
     probe: bool = False
+    max_lr: dict = field(default_factory=dict)  # the max-LR measurement's settings (MAX_LR)
     smoke: dict = field(default_factory=dict)  # fields set on every point last (`smoke`); empty for a real study
 
     @property
@@ -125,10 +103,13 @@ class DeclaredStudy:
         """The base with `fields` ({dotted field: value}) set, through keel's one merge."""
         base = TrainConfig(model=experiment_model(), data=DataConfig(), optim=OptimConfig(warmup_steps=40),
                            guard=experiment_guard(), run=experiment_run())
-        smoke = {k: v for k, v in self.smoke.items() if k not in self.tuned()}
+        refuse = PER_POINT | ({f: "the max-LR ramp sets it (0 -> optim.lr over run.steps)" for f in maxlr.RAMP_FIELDS}
+                              if self.measure == "max_lr" else {})
+        smoke = {k: v for k, v in self.smoke.items() if k not in self.tuned() and k not in refuse}
         overrides = [f"{k}={json.dumps(v)}" for k, v in {**dotted(self.base), **fields, **smoke}.items()]
-        config = merge(base, None, overrides, Reads(refuse=PER_POINT))
+        config = merge(base, None, overrides, Reads(refuse=refuse))
         config = replace(config, model=replace(config.model, max_seq_len=config.run.seq_len))
+        config = maxlr.ramp(config) if self.measure == "max_lr" else config
         validate(config)
         return config
 
@@ -238,6 +219,10 @@ def read(doc: dict, where: str) -> DeclaredStudy:
     measure = doc.get("measure", "loss")
     if measure not in MEASURES:
         raise bad(f"measure: {measure!r}; allowed: {', '.join(MEASURES)}")
+    if measure == "max_lr":
+        _check_max_lr(doc, arms, bad)
+    elif "max_lr" in doc:
+        raise bad("max_lr: the max-LR measurement's settings; set measure: max_lr")
     if not isinstance(doc.get("probe", False), bool):
         raise bad(f"probe: true or false (got {doc['probe']!r})")
     curve_every, curve_batches = doc.get("curve_every", 0), doc.get("curve_batches", 2)
@@ -250,9 +235,27 @@ def read(doc: dict, where: str) -> DeclaredStudy:
                           marginal_seeds=marginal, compare=compare,
                           measure=measure, curve_every=curve_every, curve_batches=curve_batches,
                           select_seeds=select or [], best_of=best_of, untested=doc.get("untested") or [],
-                          probe=doc.get("probe", False))
+                          probe=doc.get("probe", False), max_lr=doc.get("max_lr") or {})
     _check_configs(study, bad)
     return study
+
+
+def _check_max_lr(doc: dict, arms: dict, bad) -> None:
+    """The max-LR measurement's keys: none of the loss measurement's, and its own `max_lr` mapping (MAX_LR)."""
+    if given := [k for k in LOSS_ONLY if doc.get(k)]:
+        raise bad(f"{given[0]}: the loss measurement's; measure max_lr chooses nothing and keeps no loss curve")
+    got = doc.get("max_lr") or {}
+    if not isinstance(got, dict) or set(map(str, got)) - set(MAX_LR):
+        raise bad(f"max_lr: a mapping of {', '.join(MAX_LR)} (got {got!r})")
+    every, rules, published, counts = got.get("eval_every", 2), got.get("rules", {}), got.get("published", {}), {
+        k for k, v in vars(FailureRules()).items() if isinstance(v, int)}
+    ok = {"eval_every": isinstance(every, int) and not isinstance(every, bool) and every >= 1, "rules": isinstance(
+        rules, dict) and all(k in vars(FailureRules()) and _positive(v) and (k not in counts or isinstance(v, int))
+                             for k, v in rules.items()), "scale": got.get("scale", "lr") in ("lr", "log"),
+          "published": isinstance(published, dict) and all(len(p := str(k).split("/")) == 2 and set(p) <= set(arms)
+                                                           and _positive(v) for k, v in published.items())}
+    if wrong := next((k for k, fine in ok.items() if not fine), None):
+        raise bad(f"max_lr.{wrong}: {MAX_LR[wrong]} (got {got[wrong]!r})")
 
 
 def _positive(v) -> bool:
@@ -343,8 +346,10 @@ class _Grid(Grid):
 
 
 def point(study: DeclaredStudy, arm: str, cell: dict, hp: dict, seed: int) -> dict:
-    """One point: the budget measurement at this arm, cell and tuned values."""
+    """One point: the study's measurement at this arm, cell and tuned values."""
     c = study.config({**study.arms[arm], **cell, **hp})
+    if study.measure == "max_lr":
+        return maxlr.point(point_config(c, c.model, seed), *maxlr.settings(study.max_lr)) | {"arm": arm, "cell": cell}
     cfg = BudgetConfig(model=c.model, data=c.data, optim=c.optim, guard=c.guard, run=c.run, lrs=[c.optim.lr],
                        seeds=[seed], curve_every=study.curve_every, curve_batches=study.curve_batches,
                        probe=study.probe)
@@ -358,6 +363,8 @@ def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", ques
     for cell in study.cells():
         desc = f"{name} {_cell_name(cell) or 'points'}"
         choices[_cell_name(cell)] = _tune_cell(study, sweep, cell, points, base, desc)
+    if study.measure == "max_lr":
+        return _max_lr(study, out, command, name, points, choices, _asks(question, rule))
     picks = {c: {pick: _best_of(study, points, choices, c, among) for pick, among in study.best_of.items()
                  if not _pinned(study.best_of, pick)} for c in choices}
     if across := {pick: _best_of(study, points, choices, "", among) for pick, among in study.best_of.items()
@@ -444,23 +451,22 @@ def _best_of(study: DeclaredStudy, points: dict, choices: dict, cell_name: str, 
     return {"arm": min(among, key=select.get), "select": select}
 
 
-def _losses(study, points, cell_name, choice, arm, seeds) -> list:
+def _losses(study, points, cell_name, choice, arm, seeds, value: str = "report_loss") -> list:
     cell = _cell(study, cell_name)
-    return [points[k]["report_loss"] if (k := key(arm, cell, choice[arm]["hp"], s)) in points else None
-            for s in seeds]
+    return [points[k][value] if (k := key(arm, cell, choice[arm]["hp"], s)) in points else None for s in seeds]
 
 
 def _tests(study: DeclaredStudy, points: dict, choices: dict, picks: dict, seeds: list, pairs: list,
-           tested: bool = True) -> list[dict]:
+           tested: bool = True, value: str = "report_loss", better: str = "lower") -> list[dict]:
     """Each pair per cell (a pair pinned to cells once, last), a best_of name as the arm it picked, a side that is a
-    pair as its difference seed by seed: paired t-tests, Holm over them all (with `tested`; otherwise the mean and SD
-    of the paired differences only)."""
+    pair as its difference seed by seed: paired t-tests of `value`, Holm over them all (with `tested`; otherwise the
+    mean and SD of the paired differences only); the verdict names the arm whose value is `better` (lower, higher)."""
     def side(a, cell_name: str):  # (the arms it names, as they resolve in the cell; its report losses per seed)
         if isinstance(a, list):
             (ra, la), (rb, lb) = side(a[0], cell_name), side(a[1], cell_name)
             return [ra, rb], [x - y if x is not None and y is not None else None for x, y in zip(la, lb)]
         arm, c = _at((picks.get(cell_name, {}).get(a) or picks.get("", {}).get(a) or {"arm": a})["arm"], cell_name)
-        return arm if c == cell_name else f"{arm}@{c}", _losses(study, points, c, choices[c], arm, seeds)
+        return arm if c == cell_name else f"{arm}@{c}", _losses(study, points, c, choices[c], arm, seeds, value)
     tests, across = [], [p for p in pairs if _pinned(study.best_of, _leaves(p)[0])]
     for cell_name, group in [*((c, [p for p in pairs if p not in across]) for c in choices), ("", across)]:
         for pair in group:
@@ -475,7 +481,7 @@ def _tests(study: DeclaredStudy, points: dict, choices: dict, picks: dict, seeds
     for t, adjusted in zip(tests, stats.holm([t["p"] for t in tests])):
         t["p_holm"] = adjusted
         t["verdict"] = "inconclusive" if adjusted is None or adjusted >= stats.ALPHA else (
-            f"{_label(t['pair'][0])} lower" if t["mean"] < 0 else f"{_label(t['pair'][1])} lower")
+            f"{_label(t['pair'][(t['mean'] < 0) != (better == 'lower')])} {better}")
     return tests
 
 
@@ -505,16 +511,7 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
     picked = [f"**{name}**{f' at {c}' if c else ''}: {p['arm']} (mean select-half loss at the choices: "
               + ", ".join(f"{a} {v:.3f}" for a, v in p["select"].items()) + ")"
               for c, cell_picks in results.get("picks", {}).items() for name, p in cell_picks.items()]
-    test_rows = [[t["cell"] or "-", " - ".join(_label(a) if a == r else f"{_label(a)} ({_label(r)})"
-                                               for a, r in zip(t["pair"], t["arms"])),
-                  f"{t['mean']:+.3f} ± {t['sd']:.3f} (n={t['n']})" if t["sd"] is not None else
-                  stats.describe(t) if "p" in t else f"{t['mean']:+.3f} (n={t['n']})",
-                  "-" if t.get("ci95") is None else "[{:+.3f}, {:+.3f}]".format(*t["ci95"]),
-                  "-" if "p" not in t else "n/a" if t["p"] is None else f"{t['p']:.2g}",
-                  "-" if t.get("p_holm") is None else f"{t['p_holm']:.2g}", t.get("verdict", "reported, not tested")]
-                 for t in [*results["tests"], *results.get("untested", [])]]
-    tests_table = markdown_table(["cell", "difference", "mean ± SD of the paired differences", "95% CI", "p",
-                                  "Holm p", "verdict"], test_rows)
+    tests_table = _tests_table(results)
     if study.probe:
         tests_table += "\n\n" + _probe_table(study, results)
     plots = [_plot(study, out, results)]
@@ -530,11 +527,55 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
              + f"; report-half losses on seeds {seeds}; paired two-sided t-tests, Holm over the study's "
              f"{len(results['tests'])} tests" + (f" ({len(results['untested'])} differences reported, not tested)"
                                                   if results.get("untested") else "") + ".")
+    body = "\n\n".join([arms_table, *(["\n".join(f"- {p}" for p in picked)] if picked else []), tests_table])
+    write_outputs(out, name, study, command, results, _asks(question, rule) + body, plots, notes)
+
+
+def _asks(question: str, rule: str) -> str:
+    """A report's opening: the question and the rule's links."""
     links = ", ".join(f"[{r.rsplit('#', 1)[-1]}]({r})" if "#" in r or r.endswith(".md") else r
                       for r in (x.strip() for x in rule.split(",")) if r)
-    asks = (f"**Question:** {question}\n\n" if question else "") + (f"**Rule:** {links}\n\n" if links else "")
-    body = "\n\n".join([arms_table, *(["\n".join(f"- {p}" for p in picked)] if picked else []), tests_table])
-    write_outputs(out, name, study, command, results, asks + body, plots, notes)
+    return (f"**Question:** {question}\n\n" if question else "") + (f"**Rule:** {links}\n\n" if links else "")
+
+
+def _tests_table(results: dict, digits: int = 3) -> str:
+    d = digits
+    rows = [[t["cell"] or "-", " - ".join(_label(a) if a == r else f"{_label(a)} ({_label(r)})"
+                                          for a, r in zip(t["pair"], t["arms"])),
+             f"{t['mean']:+.{d}f} ± {t['sd']:.{d}f} (n={t['n']})" if t["sd"] is not None else
+             stats.describe(t, d) if "p" in t else f"{t['mean']:+.{d}f} (n={t['n']})",
+             "-" if t.get("ci95") is None else f"[{t['ci95'][0]:+.{d}f}, {t['ci95'][1]:+.{d}f}]",
+             "-" if "p" not in t else "n/a" if t["p"] is None else f"{t['p']:.2g}",
+             "-" if t.get("p_holm") is None else f"{t['p_holm']:.2g}", t.get("verdict", "reported, not tested")]
+            for t in [*results["tests"], *results.get("untested", [])]]
+    return markdown_table(["cell", "difference", "mean ± SD of the paired differences", "95% CI", "p", "Holm p",
+                           "verdict"], rows)
+
+
+def _max_lr(study: DeclaredStudy, out: Path, command: str, name: str, points: dict, choices: dict, asks: str) -> dict:
+    """The max-LR verdicts (a cell and seed judged whole: stagnation compares its arms), the compare pairs' tests on
+    the max LRs (or their logs), the report."""
+    every, rules = maxlr.settings(study.max_lr)
+    verdicts = {}
+    for cell in study.cells():
+        configs = {arm: study.config({**fields, **cell}) for arm, fields in study.arms.items()}
+        refs, peaks = maxlr.references(configs), {arm: c.optim.lr for arm, c in configs.items()}
+        for s in study.seeds:
+            judged = maxlr.judge({arm: points[key(arm, cell, {}, s)] for arm in study.arms}, refs, rules, peaks)
+            verdicts |= {key(arm, cell, {}, s): v for arm, v in judged.items()}
+    log = study.max_lr.get("scale") == "log"
+    scored = {k: {"max_lr": (math.log(v["max_lr"]) if v["max_lr"] > 0 else None) if log else v["max_lr"]}
+              for k, v in verdicts.items()}
+    tests = _tests(study, scored, choices, {}, study.seeds, study.compare, value="max_lr", better="higher")
+    cells = {_cell_name(c): {arm: [(points[k], verdicts[k]) for k in (key(arm, c, {}, s) for s in study.seeds)]
+                             for arm in study.arms} for c in study.cells()}
+    found, text, plots, notes = maxlr.report(cells, study.seeds, study.config({}), every, rules, _leaves(
+        study.compare[0])[-1], study.max_lr.get("published", {}), out, name)
+    results = {"points": points, "verdicts": verdicts, **found, "tests": tests, "seeds": study.seeds}
+    notes += (f" Tests: paired two-sided t-tests on the {'log ' if log else ''}max LR, Holm over the study's "
+              f"{len(tests)} tests.")
+    write_outputs(out, name, study, command, results, asks + text + "\n\n" + _tests_table(results, 4), plots, notes)
+    return results
 
 
 def _probe_table(study: DeclaredStudy, results: dict) -> str:

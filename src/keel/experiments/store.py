@@ -4,7 +4,7 @@ A point's scalars (select and report losses, measured factors) are kept exactly 
 training losses (`STEP_SERIES`), which no report reads, to `SERIES_DIGITS` significant digits, far below the
 step-to-step noise of a loss. Compression is deterministic (no timestamp in the gzip header), so writing the same
 point twice gives the same bytes. Points written before this layout (`<key>.json`, uncompressed) are read as they
-are; `compact` rewrites a finished study in this layout.
+are.
 """
 
 from __future__ import annotations
@@ -98,15 +98,6 @@ def write(points: Path, key: str, point: dict) -> Path:
     if legacy.is_file():
         legacy.unlink()
     return path
-
-
-def compact(points: Path) -> int:
-    """Rewrites every legacy point of a finished study in this layout; returns how many it rewrote. Not while
-    a sweep of the old layout still runs in that folder (it would not see the new files and run them again)."""
-    legacy = [k for k in keys(points) if not (points / f"{k}{SUFFIX}").is_file()]
-    for key in legacy:
-        write(points, key, read(points / f"{key}{LEGACY}"))
-    return len(legacy)
 
 
 def read_results(folder: Path) -> dict:
