@@ -42,8 +42,9 @@ FORMULA_ROWS = (  # op group, FLOPs, bytes forward; backward, where
     ("embedding, head, loss", "head: a linear", "2S d; 3S d per token + S V d (dense grad); float32 cross-entropy "
      "(8 + 6 bf16) V; (16 + 6 bf16) V per token", "eager in every variant"),
     ("clip + AdamW", "-", "fused on CUDA: (28 + 12) n in 3 launches; foreach: (84 + 12) n in 12", "all"),
-    ("host", "-", "per kernel launch and per sub-layer pass (forward, recompute, backward); a GPU step is the "
-     "longer of host and device, a CPU step their sum", "all"),
+    ("host", "-", "per kernel launch and per sub-layer pass (forward, backward; an eager checkpointed sub-layer's "
+     "recompute at its own rate); each pass of a GPU step (forward, backward, optimizer step) the longer of host "
+     "and device, a CPU step their sum", "all"),
 )
 
 

@@ -5,8 +5,9 @@ formulas (`python benchmarks/gpu/predicted.py`), `keel bench --validate-model` c
 
 Time of an op group = max(FLOPs / effective peak, bytes / effective bandwidth). Sums over the step: forward,
 backward, activation-checkpoint recompute, clipping and AdamW (fused on CUDA). The host (Python, dispatch, kernel
-launches: a time per kernel and per sub-layer pass) runs ahead of a GPU, so a GPU step is the larger of the device's
-sum and the host's; on a CPU the two add. Bytes are what the code does (keel.model.layers/schemes,
+launches: a time per kernel and per sub-layer pass) runs ahead of a GPU within a pass, so each pass of a GPU step
+(forward, backward with the recompute, optimizer step) takes the larger of the device's time and the host's; on a
+CPU the two add. Bytes are what the code does (keel.model.layers/schemes,
 numerics): the residual stream and every norm are float32, matmuls run in the compute dtype (bf16 autocast: each
 fp32 input of a linear is cast, weights cast once per step); elementwise FLOPs are not counted (a few per byte,
 far below every ridge point). MFU is keel's own: `flops_per_token` (6N + attention) x tokens/s / bf16 peak.
@@ -57,8 +58,9 @@ class DeviceSpec:
     attention_eff: float = 0.40  # FlashAttention-2 (what SDPA runs) forward+backward on Hopper/Ampere
     memory_eff: float = 0.85  # a streaming copy reaches ~85-90% of the datasheet bandwidth
     launch_s: dict = field(default_factory=lambda: {"eager": 5e-6, "compiled": 3e-6})  # host time per kernel
-    # host time per sub-layer and pass (forward, checkpointed recompute, backward): module calls, autograd's and
-    # checkpointing's bookkeeping, a compiled graph's guards and call, beyond its kernels' launches
+    # host time per sub-layer and pass (forward, backward): module calls, autograd's bookkeeping, a compiled graph's
+    # guards and call, beyond its kernels' launches; "recompute" (eager only: compiled, the recompute is inside the
+    # backward graph): an eager checkpointed sub-layer's forward again, with checkpoint's hooks and RNG state
     sublayer_s: dict = field(default_factory=lambda: {"eager": 0.0, "compiled": 0.0})
     overlap: bool = True  # GPU: the host runs ahead, the step is the longer of host and device; CPU: they add
     # measured effective bandwidth (bytes/s) of keel's fused junction kernel forward+backward; None: the roofline
@@ -119,7 +121,8 @@ def calibrated(device: str) -> DeviceSpec | None:
     return replace(spec, matmul_eff=fit["matmul_eff"], attention_eff=fit.get("attention_eff", spec.attention_eff),
                    memory_eff=fit["memory_eff"],
                    launch_s={"eager": fit["launch_eager"], "compiled": fit["launch_compiled"]},
-                   sublayer_s={"eager": fit.get("sublayer_eager", 0.0), "compiled": fit.get("sublayer_compiled", 0.0)},
+                   sublayer_s={"eager": fit.get("sublayer_eager", 0.0), "compiled": fit.get("sublayer_compiled", 0.0),
+                               "recompute": fit.get("sublayer_recompute", fit.get("sublayer_eager", 0.0))},
                    calibrated=fit["calibrated"])
 
 
@@ -331,11 +334,15 @@ def step_ops(config: ModelConfig, batch: int, seq: int, bf16: bool, impl: str, a
     return ops
 
 
-def sublayer_passes(config: ModelConfig, ac_every: int = 0) -> int:
-    """Sub-layer calls the host makes in a step: each sub-layer forward and backward, checkpointed ones forward
-    again."""
+PHASES = {"fwd": 0, "bwd": 1, "recompute": 1, "step": 2}  # the passes: forward, backward (recompute in it), step
+
+
+def sublayer_passes(config: ModelConfig, ac_every: int = 0, impl: str = "eager") -> tuple[int, int, int]:
+    """Sub-layer calls the host makes in a step: forward, backward, and eager checkpointed blocks' sub-layers
+    forward again (in the backward pass). Compiled, a block's checkpoint is inside its graph (keel.scale.parallel:
+    AC goes inside compile), so its recompute is kernels of the backward graph, not a call of its own."""
     checkpointed = sum(1 for b in range(config.n_blocks) if ac_every and b % ac_every == 0)
-    return 2 * config.n_sublayers + 2 * checkpointed
+    return config.n_sublayers, config.n_sublayers, 2 * checkpointed * (impl == "eager")
 
 
 class _Table(NamedTuple):
@@ -344,13 +351,14 @@ class _Table(NamedTuple):
     flops: np.ndarray
     bytes: np.ndarray
     launches: np.ndarray
-    optimizer: np.ndarray  # multi-tensor ops: launched once per `foreach_batch` tensors
+    optimizer: np.ndarray  # indices of the multi-tensor ops: launched once per `foreach_batch` tensors
     matmul: np.ndarray  # the other FLOP-bound kind is attention (memory ops count no FLOPs)
     fused: np.ndarray
     groups: tuple  # (name, op indices, flops, bytes) in order of first appearance
     flops_total: float
     bytes_total: float
-    passes: int  # sublayer_passes
+    passes: tuple  # sublayer_passes
+    phases: tuple  # the op indices of each pass (PHASES)
     flops_per_token: float
 
 
@@ -372,9 +380,12 @@ def _table(config: ModelConfig, batch: int, seq: int, bf16: bool, impl: str, ac_
         a.flags.writeable = False
         return a
     return _Table(column([o.flops for o in ops]), column([o.bytes for o in ops]), column([o.launches for o in ops]),
-                  column([o.group == "optimizer" for o in ops], bool), column([o.kind == "matmul" for o in ops], bool),
+                  column([i for i, o in enumerate(ops) if o.group == "optimizer"], int),
+                  column([o.kind == "matmul" for o in ops], bool),
                   column([o.kind == "fused" for o in ops], bool), tuple(groups), sum(o.flops for o in ops),
-                  sum(o.bytes for o in ops), sublayer_passes(config, ac_every), flops_per_token(config, seq))
+                  sum(o.bytes for o in ops), sublayer_passes(config, ac_every, impl),
+                  tuple(column([i for i, o in enumerate(ops) if PHASES[o.phase] == p], int) for p in range(3)),
+                  flops_per_token(config, seq))
 
 
 def op_time(op: Op, device: DeviceSpec, bf16: bool) -> float:
@@ -402,7 +413,7 @@ def _in_order(values: np.ndarray) -> float:
 def predict(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, impl: str, bf16: bool = True,
             ac_every: int = 0, code: Code = Code()) -> dict:
     """Predicted step time, tokens/s and MFU of one training step of `code` (today's unless a measured run's), and
-    time, FLOPs and bytes per op group: op_time and host_time summed over step_ops."""
+    time, FLOPs and bytes per op group: op_time and host_time summed over step_ops, pass by pass."""
     t = _table(config, batch, seq, bf16, impl, ac_every, code)
     # op_time and host_time over every op at once (the same operations on the same numbers, element by element)
     peak = device.bf16_flops if bf16 else device.fp32_flops
@@ -411,19 +422,26 @@ def predict(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, impl:
         bandwidth[t.fused] = device.fused_junction_bw
     times = np.maximum(t.flops / np.where(t.matmul, peak * device.matmul_eff, peak * device.attention_eff),
                        t.bytes / bandwidth)
-    launches = np.where(t.optimizer, np.ceil(t.launches / device.foreach_batch), t.launches)
+    launches = t.launches.copy()
+    launches[t.optimizer] = np.ceil(launches[t.optimizer] / device.foreach_batch)
     per_kernel = launches * device.launch_s["eager" if impl == "eager" else "compiled"]
-    host = _in_order(np.concatenate(([t.passes * device.sublayer_s["eager" if impl == "eager" else "compiled"]],
-                                     per_kernel)))
+    per_pass = device.sublayer_s["eager" if impl == "eager" else "compiled"]
+    forward, backward, again = t.passes
+    calls = (forward * per_pass, backward * per_pass + again * device.sublayer_s.get("recompute", per_pass), 0.0)
+    # the host runs ahead of the device within a pass, but a forward the host holds back cannot be made up by a
+    # backward whose kernels outlast its launches: each pass's host time and device time meet
+    host = [_in_order(np.concatenate(([c], per_kernel[idx]))) for c, idx in zip(calls, t.phases)]
+    device_s = [_in_order(times[idx]) for idx in t.phases]
     memory_bound = t.bytes / (device.bandwidth * device.memory_eff) >= t.flops / (device.bf16_flops
                                                                                  * device.matmul_eff)
+    bound_times = np.where(memory_bound, times, 0.0)  # adding 0.0 leaves a sum as it was
     groups = {name: {"time_s": _in_order(times[idx]), "flops": flops, "bytes": bytes_,
-                     "memory_bound_s": _in_order(times[idx][memory_bound[idx]])}
+                     "memory_bound_s": _in_order(bound_times[idx])}
               for name, idx, flops, bytes_ in t.groups}
     kernels = sum(g["time_s"] for g in groups.values())
     # the host's time the device does not hide (a GPU's queue lets the host run ahead; a CPU does both in turn)
-    groups["host"] = {"time_s": max(0.0, host - kernels) if device.overlap else host, "flops": 0.0, "bytes": 0.0,
-                      "memory_bound_s": 0.0, "host_s": host}
+    exposed = sum(max(0.0, h - d) for h, d in zip(host, device_s)) if device.overlap else sum(host)
+    groups["host"] = {"time_s": exposed, "flops": 0.0, "bytes": 0.0, "memory_bound_s": 0.0, "host_s": sum(host)}
     step = kernels + groups["host"]["time_s"]
     tps = batch * seq / step
     return {"step_time_s": step, "tokens_per_s": tps, "mfu": tps * t.flops_per_token / device.bf16_flops,
