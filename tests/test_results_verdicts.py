@@ -59,7 +59,8 @@ def test_committed_arms_are_their_point_files_at_the_lr_the_rule_chooses(folder)
             assert lr == min(grid, key=mean_select.get), label
 
 
-DECLARED = sorted(p.parent.name for p in RESULTS.glob("*/study.yaml") if re.search(r"^arms:", p.read_text(), re.M))
+DECLARED = sorted(p.parent.name for p in RESULTS.glob("*/study.yaml") if re.search(r"^arms:", p.read_text(), re.M)
+                  and not re.search(r"^measure: max_lr", p.read_text(), re.M))  # max LR: max_lr_from_points
 
 
 @pytest.mark.parametrize("folder", DECLARED)
@@ -102,11 +103,11 @@ def losses(folder: str, names: list[str], key: str = "report_loss") -> list[floa
 def max_lr_from_points(folder: str, label: str, depth: int) -> list[float]:
     """Per seed, the last LR evaluated before the step at which the experiment's verdict says the curve failed
     (the point file's own schedule), or the schedule's peak where it never failed (a lower bound)."""
-    r = res(folder)
-    peak = r["config"]["peak"] if "peak" in r["config"] else r["config"]["optim"]["lr"]
+    r = res(folder)  # a study file (measure: max_lr): its points are named arm-seed, or arm-cell-seed with the depth
+    peak, cell = r["config"]["base"]["optim"]["lr"], f"-n_blocks{depth // 2}" if r["config"]["axes"] else ""
     out = []
     for s in (0, 1, 2):
-        name = f"{label}-{depth}-seed{s}"
+        name = f"{label.replace('-', '_')}{cell}-seed{s}"
         v, evals = r["results"]["verdicts"][name], point(folder, name)["evals"]
         out.append(evals["lr"][evals["step"].index(v["at_step"]) - 1] if v["failed"] else peak)
     return out

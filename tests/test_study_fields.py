@@ -1,20 +1,21 @@
 """A study's own fields are checked whole before any point trains: a bad depth, seed list or scheme is one line
 naming the field, exit 2, and the output directory stays empty."""
 
+import shutil
+from pathlib import Path
+
 import pytest
+import yaml
 
 from keel.cli import main
 
+DEPTH = Path(__file__).parent.parent / "results" / "depth" / "study.yaml"
+
 
 @pytest.mark.parametrize("name,override,needle", [
-    ("depth", "depths=[3]", "depths: 3 is not a depth in sub-layers"),  # trained 18 points, then KeyError: '3'
-    ("depth", "depths=[0]", "depths: 0 is not"),
-    ("depth", "depths=[-2]", "depths: -2 is not"),
-    ("depth", "depths=[]", "depths: empty"),
-    ("depth", "seeds=[]", "seeds: empty"),
-    ("depth", "seeds=[0,0]", "seeds: [0, 0] repeats a seed"),
-    ("depth", "schemes=[keeel]", "schemes: 'keeel' is not a scheme"),
-    ("max-lr", "depths=[0]", "depths: 0 is not"),
+    # a study file's fields are in the file: an override is refused, not half applied
+    ("depth", "depths=[3]", "depth: depths: not used here (the study's fields are in its file"),
+    ("max-lr", "depths=[0]", "depths: "),
     ("depth-sweep", "marginal_seeds=[-1]", "marginal_seeds: -1 is not a seed"),
     ("equal-tuning", "lrs=[0.0]", "lrs: 0.0 is not a learning rate"),
 ])
@@ -24,6 +25,28 @@ def test_a_bad_study_field_is_one_line_before_any_point(name, override, needle, 
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err, err
     assert not out.exists() or not any(out.rglob("*"))
+
+
+@pytest.mark.parametrize("edit,needle", [
+    # the depth study's bad values, made the way a user now makes them: in a copy of its study file
+    (lambda d: d["arms"]["keel_8"].update({"model.n_blocks": 0}), "arms.keel_8: "),
+    (lambda d: d["arms"]["keel_8"].update({"model.n_blocks": -2}), "arms.keel_8: "),
+    (lambda d: d.update(arms={"keel_8": d["arms"]["keel_8"]}), "arms: at least two arms"),
+    (lambda d: d.update(seeds=[]), "seeds: empty"),
+    (lambda d: d.update(seeds=[0, 0]), "seeds: distinct integers"),
+    (lambda d: d["arms"]["keel_8"].update({"model.scheme": "keeel"}), "arms.keel_8: ModelConfig.scheme: unknown"),
+])
+def test_a_bad_value_in_a_copied_study_file_is_one_line_before_any_point(edit, needle, tmp_path, capsys):
+    copy = tmp_path / "depth" / "study.yaml"
+    copy.parent.mkdir()
+    shutil.copy(DEPTH, copy)
+    doc = yaml.safe_load(copy.read_text())
+    edit(doc)
+    copy.write_text(yaml.safe_dump(doc, sort_keys=False))
+    assert main(["sweep", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in copy.parent.iterdir()) == ["study.yaml"]
 
 
 def test_an_equal_tuning_study_reusing_points_of_another_configuration_is_refused(tmp_path, capsys):
