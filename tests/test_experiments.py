@@ -22,7 +22,6 @@ TINY = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_le
 QUICK = {
     "gradflow": ["schemes=[post_ln,keel]", "depths=[4]", "run.steps=3"],
     "max-lr": ["schemes=[pre_ln,keel]", "depths=[4]", "run.steps=12"],
-    "depth": ["depths=[2,4]", "run.steps=3"],
     "redundancy": ["depth=4", "run.steps=3"],
     "regime": ["depth=4", "run.steps=4"],
     "stream-precision": ["depth=4", "run.steps=3", "init_depths=[4,8]"],
@@ -51,7 +50,6 @@ _S3, _K = ("post_ln", "pre_ln", "keel"), (0, 1)  # the quick configs' schemes an
 QUICK_POINTS = {
     "gradflow": [f"{s}-4-{init}-seed{k}" for s in ("post_ln", "keel") for init in ("default", "matched") for k in _K],
     "max-lr": ["pre_ln-4-seed0", "keel-4-seed0", "keel-noclip-4-seed0"],
-    "depth": [f"{s}-{d}-lr{lr}-seed0" for s in _S3 for d in (2, 4) for lr in (0.003, 0.01)],  # seed 1: chosen LR
     "redundancy": [f"{s}-seed{k}" for s in ("pre_ln", "keel") for k in _K],
     "regime": [f"{s}-lr0.003-seed{k}" for s in _S3 for k in _K],
     "stream-precision": [f"init-{s}-{d}-seed{k}" for s in ("keel", "pre_ln") for d in (4, 8) for k in _K]
@@ -103,9 +101,6 @@ def test_quick_experiment_writes_results_plots_and_report(name, corpus_cfg, tmp_
         saved = store.load(out / "points", key)
         series = {"losses", "train_losses"} & set(saved)
         assert point == {f: v for f, v in saved.items() if f not in series}, key
-    if name == "depth":  # the second seed runs once per scheme and depth, at the LR the first one chose
-        assert Counter(k.split("-lr")[0] for k in points if k.endswith("seed1")) == {
-            f"{s}-{d}": 1 for s in _S3 for d in (2, 4)}
     found = list(numbers(results["results"]))
     assert len(found) > 10 * len(points) and [(w, v) for w, v in found if not math.isfinite(v)] == []
     report = (out / "report.md").read_text()
@@ -153,8 +148,23 @@ def test_a_study_file_runs_by_name_at_its_smoke_test_size(name, tmp_path, monkey
 
 
 def test_bad_experiment_override_names_the_key():
-    with pytest.raises(ValueError, match="depths"):
-        build("depth", True, ["depths=many"])
+    with pytest.raises(ValueError, match="seeds"):
+        build("regime", True, ["seeds=many"])
+
+
+@pytest.mark.slow
+def test_the_first_seed_chooses_the_lr_and_the_others_run_once_at_it(corpus_cfg, tmp_path):
+    """A code study's LR choice (budget.select_then_seeds): every LR of the grid with the first seed, then the
+    second seed once per scheme, at the LR whose select-half loss was the lowest, read here from the point files."""
+    cfg = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "lrs=[0.003,0.01]"])
+    EXPERIMENTS["regime"][1](cfg, tmp_path, "keel experiment regime --quick lrs=[0.003,0.01]")
+    keys = store.keys(tmp_path / "points")
+    assert sorted(k for k in keys if k.endswith("seed0")) == sorted(f"{s}-lr{lr}-seed0" for s in _S3
+                                                                    for lr in (0.003, 0.01))
+    assert Counter(k.split("-lr")[0] for k in keys if k.endswith("seed1")) == {s: 1 for s in _S3}
+    for s in _S3:
+        select = {lr: store.load(tmp_path / "points", f"{s}-lr{lr}-seed0")["select_loss"] for lr in (0.003, 0.01)}
+        assert f"{s}-lr{min(select, key=select.get)}-seed1" in keys, (s, select)
 
 
 def test_a_sweep_directory_refuses_points_of_another_configuration(corpus_cfg, tmp_path):
@@ -240,25 +250,25 @@ def test_a_field_added_later_with_its_default_does_not_invalidate_a_sweep(corpus
 
 @pytest.mark.parametrize("quick", [False, True])
 def test_a_bare_experiment_command_never_writes_into_the_committed_results(quick, tmp_path, monkeypatch):
-    """`keel experiment depth` as the README writes it, in a clone whose results/depth holds committed points of
-    another configuration: the run goes to runs/experiments/depth (runs/quick/depth with --quick), and only a
+    """`keel experiment regime` as the README writes it, in a clone whose results/regime holds committed points of
+    another configuration: the run goes to runs/experiments/regime (runs/quick/regime with --quick), and only a
     --quick run is marked as a smoke test."""
     from keel.cli import main
     from keel.experiments import common
 
-    (tmp_path / "results" / "depth" / "points").mkdir(parents=True)
-    (tmp_path / "results" / "depth" / "points" / "config.json").write_text('{"depths": [8, 32, 64]}')
+    (tmp_path / "results" / "regime" / "points").mkdir(parents=True)
+    (tmp_path / "results" / "regime" / "points" / "config.json").write_text('{"depth": 32}')
     monkeypatch.chdir(tmp_path)
     seen = []
 
     def fake_run(cfg, out, command):
         seen.append((out, common._SMOKE_TEST.get()))
-        (out / "report.md").write_text("# depth\n")
+        (out / "report.md").write_text("# regime\n")
 
-    monkeypatch.setitem(EXPERIMENTS, "depth", (EXPERIMENTS["depth"][0], fake_run))
-    assert main(["experiment", "depth", *(["--quick"] if quick else [])]) == 0
-    assert seen == [(Path("runs/quick/depth" if quick else "runs/experiments/depth"), quick)]
-    assert sorted(p.name for p in (tmp_path / "results" / "depth").rglob("*")) == ["config.json", "points"]
+    monkeypatch.setitem(EXPERIMENTS, "regime", (EXPERIMENTS["regime"][0], fake_run))
+    assert main(["experiment", "regime", *(["--quick"] if quick else [])]) == 0
+    assert seen == [(Path("runs/quick/regime" if quick else "runs/experiments/regime"), quick)]
+    assert sorted(p.name for p in (tmp_path / "results" / "regime").rglob("*")) == ["config.json", "points"]
 
 
 @pytest.mark.slow  # compiles the model (18 s cold on a loaded machine)
@@ -283,7 +293,8 @@ def test_probes_of_a_compiled_point_are_those_of_the_eager_point(corpus_cfg, tmp
     out = {}
     for compile in (True, False):
         torch._dynamo.reset()
-        cfg = build("depth", True, [*TINY, *corpus_cfg, f"run.compile={str(compile).lower()}", "run.steps=4"])
+        cfg = build("regime", True, [*TINY, *corpus_cfg, f"run.compile={str(compile).lower()}", "run.steps=4",
+                                     "probe=true", "probe_batches=1"])
         out[compile] = budget_point(cfg, cfg.point_model("keel", 4), 3e-3, 0)
     probe = {k: v["probe"] for k, v in out.items()}
     assert probe[True]["loss_branches_above_k_off"] == pytest.approx(probe[False]["loss_branches_above_k_off"],

@@ -8,7 +8,6 @@ does not.
 # name -> (module, config class, run function); each run writes results.json, PNG plots and report.md
 STUDIES = {
     "gradflow": ("gradflow", "GradflowConfig", "run"),
-    "depth": ("scaling", "DepthConfig", "run_depth"),
     "redundancy": ("redundancy", "RedundancyConfig", "run"),
     "regime": ("regime", "RegimeConfig", "run"),
     "stream-precision": ("precision", "PrecisionConfig", "run"),
