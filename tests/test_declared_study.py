@@ -142,6 +142,10 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     ({"measure": "max_lr", "tune": [], "max_lr": {"published": {"keel/nope": 1.3}}}, "max_lr.published: arm/arm"),
     ({"measure": "max_lr", "tune": [], "max_lr": {"published": {"keel/pre_ln": 0}}}, "max_lr.published: arm/arm"),
     ({"measure": "max_lr", "tune": []}, "base: optim.warmup_steps: not used here (the max-LR ramp sets it"),
+    ({"crossing": 0.1}, "crossing: a fraction of the run"),  # no curve
+    ({"crossing": 1.5, "curve_every": 2}, "crossing: a fraction of the run"),
+    ({"crossing": 0.1, "curve_every": 2, "compare": [[["keel", "pre_ln"], "post_ln"]]}, "compare pairs of two arms"),
+    ({"measure": "max_lr", "tune": [], "crossing": 0.1}, "crossing: the loss measurement's"),
 ])
 def test_a_bad_declared_study_is_one_line_before_any_point(change, needle, tmp_path, capsys):
     path = write(tmp_path, study(**change))
@@ -374,6 +378,38 @@ def test_a_side_that_is_a_pair_is_its_difference_seed_by_seed(tmp_path, monkeypa
         holm_by_hand([t["p"] for t in results["tests"]]), rel=1e-12)
     assert "| - | (keel@n_blocks2 - pre_ln@n_blocks2) - (keel@n_blocks1 - pre_ln@n_blocks1) |" in (
         tmp_path / "report.md").read_text()
+
+
+def test_crossing_compares_the_seed_mean_curves_early_and_where_one_stays_below(tmp_path, monkeypatch):
+    """Curves written out (evaluations at steps 9, 19, ..., 99): keel starts above pre_ln by more than either arm's
+    seed SD and stays below it from step 70 on; against post_ln it is within the seed SD at 10% of the run (a tie)
+    and never stays below. Each number worked out by hand from the curves."""
+    from keel.experiments import declared
+
+    steps = list(range(9, 100, 10))
+    base = np.linspace(3.0, 2.0, 10)
+    keel = base + np.array([0.3, 0.3, 0.2, 0.1, 0.05, 0.0, -0.05, -0.1, -0.1, -0.1])
+    spread = {0: -0.01, 1: 0.0, 2: 0.01}
+    curve = {"keel": keel, "pre_ln": base, "post_ln": keel + np.array([-0.005, 0, 0.1, 0, 0, 0, 0, 0, 0, -0.05])}
+
+    def fake_point(study, arm, cell, hp, seed):
+        return {"seed": seed, "diverged": False, "select_loss": 1.0, "report_loss": float(curve[arm][-1]) + seed,
+                "evals": {"step": steps, "loss": list(curve[arm] + spread[seed] * (arm != "post_ln"))}}
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = study(axes={}, tune=[], curve_every=10, crossing=0.1, compare=[["keel", "pre_ln"], ["keel", "post_ln"]])
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    vs_pre, vs_post = results["crossings"]
+    sd = 0.01  # the seed SD of keel and pre_ln (-0.01, 0, +0.01); post_ln's is 0
+    # 10% of 100 steps: the first evaluation with step + 1 >= 10 is step 9
+    assert vs_pre["early_step"] == 9 and vs_pre["early_diff"] == pytest.approx(0.3) and vs_pre["starts_slower"] is True
+    assert vs_pre["early_tol"] == pytest.approx(sd) and vs_pre["cross_step"] == 69  # -0.05 from the 7th evaluation on
+    assert vs_pre["final_diff"] == pytest.approx(-0.1) and vs_pre["final_tol"] == pytest.approx(sd)
+    assert vs_post["early_diff"] == pytest.approx(0.005) and vs_post["starts_slower"] == "tie"
+    assert vs_post["cross_step"] is None and vs_post["final_diff"] == pytest.approx(0.05)
+    report = (tmp_path / "report.md").read_text()
+    assert "| - | keel vs pre_ln | 10 | +0.300 (tol 0.010) | True | 70 | -0.100 (tol 0.010) |" in report
+    assert "| - | keel vs post_ln | 10 | +0.005 (tol 0.010) | tie | never | +0.050 (tol 0.010) |" in report
+    assert "![curves.png](curves.png)" in report
 
 
 def ramp(**fields) -> dict:

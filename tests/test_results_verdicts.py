@@ -36,8 +36,8 @@ def point(folder: str, name: str) -> dict:
     raise FileNotFoundError(f"{folder}: {name}")
 
 
-# experiment -> how its LR was chosen: "mean" (over every seed), "fixed" (one LR given, no choice)
-LOSS_EXPERIMENTS = {"regime": "fixed", "frontier": "mean"}
+# experiment -> how its LR was chosen: "mean" (over every seed)
+LOSS_EXPERIMENTS = {"frontier": "mean"}
 
 
 @pytest.mark.parametrize("folder", sorted(LOSS_EXPERIMENTS))
@@ -326,8 +326,9 @@ def arm_inputs(fam: str, what: str) -> tuple[list, list]:
             return at("keel", m[1]), at("keel", m[2])
         m = re.match(r"Keel - (\S+), (\d+)[ ,]", what)
         return at("keel", m[2]), at(SCHEME[m[1]], m[2])
-    if fam == "regime":
-        return arm(fam, "keel"), arm(fam, SCHEME[re.match(r"Keel - (\S+),", what)[1]])
+    if fam == "regime":  # a study file: an arm per scheme, each at the LR it sets (no choice)
+        return tuple(losses(fam, [f"{x}-seed{s}" for s in range(3)]) for x in ("keel", SCHEME[re.match(
+            r"Keel - (\S+),", what)[1]]))
     if fam == "deep-vs-wide":
         other = re.match(r"deep Keel - (deep|wide) Pre-LN", what)[1]
         return declared_arm(fam, "deep_keel"), declared_arm(fam, f"{other}_pre_ln")

@@ -57,12 +57,15 @@ KEYS = {"question": "what it asks", "answer": "what it found", "rule": "its deci
         "select_seeds": "the seeds that choose (default: all seeds)", "best_of": "name -> arms: per cell the one "
         "with the lowest mean select-half loss at its choices", "untested": "pairs of arms reported, not tested",
         "probe": "the effective-depth probe on every point (true or false)", "max_lr": "the max-LR measurement's "
-        "settings (with measure: max_lr)"}
+        "settings (with measure: max_lr)", "crossing": "a fraction of the run: each compare pair's seed-mean "
+        "curves, who is ahead at the first evaluation past it and where the first stays below "
+        "(keel.experiments.stats.crossing)"}
 STEP = {"arms": "some of the arms, the ones this step tunes", "below": "values falling from below the grid's lowest, "
         "grown through in order", "above": "values rising from above the grid's highest, grown through in order",
         "ties": "low or high: which of equal scores wins"}  # a tune step's optional keys
 MEASURES = ("loss", "max_lr")  # the budget measurement (final loss on the select and report halves), the max LR
-LOSS_ONLY = ("tune", "best_of", "untested", "select_seeds", "marginal_seeds", "probe", "curve_every", "curve_batches")
+LOSS_ONLY = ("tune", "best_of", "untested", "select_seeds", "marginal_seeds", "probe", "curve_every", "curve_batches",
+             "crossing")
 MAX_LR = {"eval_every": "select-half evaluations every this many steps (an integer >= 1; default 2)", "rules":
           f"{', '.join(vars(FailureRules()))} (keel.experiments.detect.FailureRules) -> positive numbers, integers for "
           "counts", "scale": "lr or log: what the compare pairs' t-tests compare (default lr)", "published": "arm/arm "
@@ -93,6 +96,7 @@ class DeclaredStudy:
     untested: list = field(default_factory=list)
     probe: bool = False
     max_lr: dict = field(default_factory=dict)  # the max-LR measurement's settings (MAX_LR)
+    crossing: float = 0.0  # 0: the curves are not compared
     smoke: dict = field(default_factory=dict)  # fields set on every point last (`smoke`); empty for a real study
 
     @property
@@ -229,13 +233,19 @@ def read(doc: dict, where: str) -> DeclaredStudy:
     for key, value, least in (("curve_every", curve_every, 0), ("curve_batches", curve_batches, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise bad(f"{key}: an integer >= {least} (got {value!r})")
+    crossing = doc.get("crossing", 0)
+    if crossing and not (_positive(crossing) and crossing < 1 and curve_every and all(
+            isinstance(x, str) and x in arms for p in compare for x in p)):
+        raise bad(f"crossing: {KEYS['crossing']}, a number in (0, 1), with curve_every and compare pairs of two arms "
+                  f"(got {crossing!r})")
     study = DeclaredStudy(base=doc.get("base") or {}, arms=arms, axes=axes,
                           tune=[{"field": s["field"], "grid": sorted(s["grid"]), "grow": s.get("grow", 2),
                                  **{k: s[k] for k in STEP if k in s}} for s in tune], seeds=seeds,
                           marginal_seeds=marginal, compare=compare,
                           measure=measure, curve_every=curve_every, curve_batches=curve_batches,
                           select_seeds=select or [], best_of=best_of, untested=doc.get("untested") or [],
-                          probe=doc.get("probe", False), max_lr=doc.get("max_lr") or {})
+                          probe=doc.get("probe", False), max_lr=doc.get("max_lr") or {},
+                          crossing=crossing)
     _check_configs(study, bad)
     return study
 
@@ -385,6 +395,11 @@ def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", ques
     losses = {c: {arm: _losses(study, points, c, choice, arm, seeds) for arm in study.arms} for c, choice in
               choices.items()}  # per cell and arm, over `seeds`: what the tests compare
     results = {"points": points, "choices": choices, "tests": tests, "seeds": seeds, "report_losses": losses}
+    if study.crossing:
+        results["crossings"] = []
+        for (c, choice), pair in itertools.product(choices.items(), study.compare):
+            (steps, a), (_, b) = (_curves(study, points, c, choice, arm, seeds) for arm in pair)
+            results["crossings"].append({"cell": c, "pair": pair, **stats.crossing(a, b, steps, study.crossing)})
     results |= ({"picks": picks} if study.best_of else {}) | ({"untested": _tests(
         study, points, choices, picks, seeds, study.untested, tested=False)} if study.untested else {})
     _report(study, out, command, name, results, question, rule)
@@ -485,6 +500,13 @@ def _tests(study: DeclaredStudy, points: dict, choices: dict, picks: dict, seeds
     return tests
 
 
+def _curves(study, points, cell_name, choice, arm, seeds) -> tuple[list[int], np.ndarray]:
+    """(evaluation steps, report-half curves: seeds that did not diverge x evaluations) of an arm at its choices."""
+    runs = [points[key(arm, _cell(study, cell_name), choice[arm]["hp"], s)] for s in seeds]
+    runs = [r for r in runs if not r["diverged"]]
+    return runs[0]["evals"]["step"], np.array([r["evals"]["loss"] for r in runs])
+
+
 def _marginal(t: dict) -> bool:
     p, ph = t["p"], t["p_holm"]
     return p is not None and ph is not None and ph >= stats.ALPHA and (p < stats.ALPHA or ph < MARGINAL_BELOW)
@@ -514,7 +536,9 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
     tests_table = _tests_table(results)
     if study.probe:
         tests_table += "\n\n" + _probe_table(study, results)
-    plots = [_plot(study, out, results)]
+    if study.crossing:
+        tests_table += "\n\n" + _crossing_table(results["crossings"])
+    plots = [_plot(study, out, results), *([_plot_curves(study, out, results)] if study.crossing else [])]
     runs = [study.config(cell).run for cell in study.cells()]  # an axis may set the steps
     steps = ", ".join(dict.fromkeys(f"{r.steps:,}" for r in runs))
     tokens = ", ".join(dict.fromkeys(f"{r.steps * r.batch_size * r.seq_len:,}" for r in runs))
@@ -596,6 +620,30 @@ def _probe_table(study: DeclaredStudy, results: dict) -> str:
             "sub-layer k is switched off (norms and alpha kept), and the mean rms(F)/rms(alpha x) of sub-layers "
             "2..L-1.\n\n" + markdown_table(["cell", "arm", "sub-layers", "delta loss, only sub-layers 0-1 on",
                                              "delta loss, lower half on", "mean rms(F)/rms(alpha x)"], rows))
+
+
+def _crossing_table(crossings: list[dict]) -> str:
+    rows = [[c["cell"] or "-", f"{c['pair'][0]} vs {c['pair'][1]}", c["early_step"] + 1,
+             f"{c['early_diff']:+.3f} (tol {c['early_tol']:.3f})", c["starts_slower"],
+             "never" if c["cross_step"] is None else c["cross_step"] + 1,
+             f"{c['final_diff']:+.3f} (tol {c['final_tol']:.3f})"] for c in crossings]
+    return ("The curves (report half, seed means; tol: the larger seed SD of the two): the first arm against the "
+            "second at the first evaluation past the study's crossing fraction, the step from which it stays below, "
+            "and at the end.\n\n" + markdown_table(["cell", "comparison", "early step", "difference, early",
+                                                     "starts slower", "crosses for good at step", "difference, final"],
+                                                    rows))
+
+
+def _plot_curves(study: DeclaredStudy, out: Path, results: dict) -> str:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, (arm, (c, choice)) in enumerate(itertools.product(study.arms, results["choices"].items())):
+        steps, v = _curves(study, results["points"], c, choice, arm, results["seeds"])
+        ax.plot([t + 1 for t in steps], v.mean(0), color=f"C{i}", label=f"{arm} {c}".strip())
+        ax.fill_between([t + 1 for t in steps], v.min(0), v.max(0), color=f"C{i}", alpha=0.2)
+    ax.set(xscale="log", xlabel="step", ylabel="report-half loss (band: seed min..max)")
+    ax.legend(fontsize=8)
+    return save(fig, out, "curves.png")
 
 
 def _plot(study: DeclaredStudy, out: Path, results: dict) -> str:

@@ -1,4 +1,5 @@
-"""The statistics every verdict uses: a paired two-sided t-test on per-seed differences (scipy's).
+"""The statistics every verdict uses: a paired two-sided t-test on per-seed differences (scipy's), Holm's
+adjustment, and two arms' loss curves compared (`crossing`).
 
 A seed fixes the init and the batch order, so two arms run with the same seed differ only by what the arm
 changes; the per-seed differences are the sample. With n seeds the test has n - 1 degrees of freedom: with 3
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import math
 import statistics
+
+import numpy as np
 
 ALPHA = 0.05  # the significance level every rule uses
 
@@ -77,3 +80,18 @@ def holm(ps: list[float | None]) -> list[float | None]:
         running = max(running, min(1.0, (m - rank) * p))  # adjusted p never falls as raw p rises
         out[i] = running
     return out
+
+
+def crossing(a, b, steps: list[int], early: float) -> dict:
+    """Two arms' curves (numpy arrays, seeds x evaluations at `steps`) compared by their seed means, d = a - b:
+    d at the first evaluation past `early` of the run, "starts_slower" (a above b there; "tie" when |d| is below
+    the larger seed SD of the two, `early_tol`), the first evaluation from which d < 0 at every later one
+    (`cross_step`, None if there is none) and d at the last evaluation with its tolerance."""
+    tol = np.maximum(*(c.std(0, ddof=1) if len(c) > 1 else 0 * c.mean(0) for c in (a, b)))
+    diff = a.mean(0) - b.mean(0)
+    first = next(i for i, s in enumerate(steps) if s + 1 >= early * (steps[-1] + 1))
+    cross = next((i for i in range(len(steps)) if all(diff[j] < 0 for j in range(i, len(steps)))), None)
+    return {"early_step": steps[first], "early_diff": float(diff[first]), "early_tol": float(tol[first]),
+            "starts_slower": "tie" if abs(diff[first]) < tol[first] else bool(diff[first] > 0),
+            "cross_step": steps[cross] if cross is not None else None, "final_diff": float(diff[-1]),
+            "final_tol": float(tol[-1])}
