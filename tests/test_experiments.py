@@ -21,7 +21,6 @@ from keel_studies import precision
 TINY = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16", "run.batch_size=2"]
 QUICK = {
     "gradflow": ["schemes=[post_ln,keel]", "depths=[4]", "run.steps=3"],
-    "max-lr": ["schemes=[pre_ln,keel]", "depths=[4]", "run.steps=12"],
     "redundancy": ["depth=4", "run.steps=3"],
     "regime": ["depth=4", "run.steps=4"],
     "stream-precision": ["depth=4", "run.steps=3", "init_depths=[4,8]"],
@@ -49,7 +48,6 @@ _S3, _K = ("post_ln", "pre_ln", "keel"), (0, 1)  # the quick configs' schemes an
 # The points each QUICK configuration must produce, written out from its settings (not from the code's loops)
 QUICK_POINTS = {
     "gradflow": [f"{s}-4-{init}-seed{k}" for s in ("post_ln", "keel") for init in ("default", "matched") for k in _K],
-    "max-lr": ["pre_ln-4-seed0", "keel-4-seed0", "keel-noclip-4-seed0"],
     "redundancy": [f"{s}-seed{k}" for s in ("pre_ln", "keel") for k in _K],
     "regime": [f"{s}-lr0.003-seed{k}" for s in _S3 for k in _K],
     "stream-precision": [f"init-{s}-{d}-seed{k}" for s in ("keel", "pre_ln") for d in (4, 8) for k in _K]
