@@ -146,6 +146,12 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     ({"crossing": 1.5, "curve_every": 2}, "crossing: a fraction of the run"),
     ({"crossing": 0.1, "curve_every": 2, "compare": [[["keel", "pre_ln"], "post_ln"]]}, "compare pairs of two arms"),
     ({"measure": "max_lr", "tune": [], "crossing": 0.1}, "crossing: the loss measurement's"),
+    ({"stream": {"bf16": ["nope"]}, "axes": {}}, "stream: the stream-precision measurement"),
+    ({"stream": {"bf16": ["keel", "pre_ln", "post_ln"]}, "axes": {}}, "stream: the stream-precision measurement"),
+    ({"stream": {"bf16": ["keel"], "init_blocks": [0]}, "axes": {}}, "stream: the stream-precision measurement"),
+    ({"stream": {"bf16": ["keel"], "init": [2]}, "axes": {}}, "stream: the stream-precision measurement"),
+    ({"stream": {"bf16": ["keel"]}}, "a study without axes"),
+    ({"measure": "max_lr", "tune": [], "stream": {"bf16": ["keel"]}}, "stream: the loss measurement's"),
 ])
 def test_a_bad_declared_study_is_one_line_before_any_point(change, needle, tmp_path, capsys):
     path = write(tmp_path, study(**change))

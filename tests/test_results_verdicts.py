@@ -198,7 +198,7 @@ def rebuilt(t) -> tuple[list, list]:
         return half("keel", mode, "lower"), half("pre_ln", mode, "lower")
     if fam.startswith("stream-precision"):
         x = SCHEME[what.split()[0]]
-        return tuple(losses(fam, [f"{x}-{dt}-seed{s}" for s in seed3]) for dt in ("bfloat16", "float32"))
+        return tuple(losses(fam, [f"{x}_{dt}-seed{s}" for s in seed3]) for dt in ("bfloat16", "float32"))
     if fam == "downstream":
         return downstream_inputs(what)
     if fam == "tuned-alpha":

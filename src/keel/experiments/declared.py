@@ -32,7 +32,7 @@ from keel.config import OptimConfig, RunConfig, TrainConfig, merge, validate
 from keel.config.reads import Reads
 from keel.data.corpus import DataConfig
 from keel.errors import ConfigError
-from keel.experiments import maxlr, stats
+from keel.experiments import maxlr, stats, stream
 from keel.experiments.budget import BudgetConfig, budget_point
 from keel.experiments.common import (
     experiment_guard,
@@ -59,13 +59,15 @@ KEYS = {"question": "what it asks", "answer": "what it found", "rule": "its deci
         "probe": "the effective-depth probe on every point (true or false)", "max_lr": "the max-LR measurement's "
         "settings (with measure: max_lr)", "crossing": "a fraction of the run: each compare pair's seed-mean "
         "curves, who is ahead at the first evaluation past it and where the first stays below "
-        "(keel.experiments.stats.crossing)"}
+        "(keel.experiments.stats.crossing)", "stream": "the stream-precision measurement (keel.experiments.stream): "
+        "bf16 (the arms trained with a bf16 residual stream) and init_blocks (n_blocks at which the other arms' models "
+        "are also measured at init)"}
 STEP = {"arms": "some of the arms, the ones this step tunes", "below": "values falling from below the grid's lowest, "
         "grown through in order", "above": "values rising from above the grid's highest, grown through in order",
         "ties": "low or high: which of equal scores wins"}  # a tune step's optional keys
 MEASURES = ("loss", "max_lr")  # the budget measurement (final loss on the select and report halves), the max LR
 LOSS_ONLY = ("tune", "best_of", "untested", "select_seeds", "marginal_seeds", "probe", "curve_every", "curve_batches",
-             "crossing")
+             "crossing", "stream")
 MAX_LR = {"eval_every": "select-half evaluations every this many steps (an integer >= 1; default 2)", "rules":
           f"{', '.join(vars(FailureRules()))} (keel.experiments.detect.FailureRules) -> positive numbers, integers for "
           "counts", "scale": "lr or log: what the compare pairs' t-tests compare (default lr)", "published": "arm/arm "
@@ -97,6 +99,7 @@ class DeclaredStudy:
     probe: bool = False
     max_lr: dict = field(default_factory=dict)  # the max-LR measurement's settings (MAX_LR)
     crossing: float = 0.0  # 0: the curves are not compared
+    stream: dict = field(default_factory=dict)  # empty: every stream in float32, no arithmetic measured
     smoke: dict = field(default_factory=dict)  # fields set on every point last (`smoke`); empty for a real study
 
     @property
@@ -227,6 +230,14 @@ def read(doc: dict, where: str) -> DeclaredStudy:
         _check_max_lr(doc, arms, bad)
     elif "max_lr" in doc:
         raise bad("max_lr: the max-LR measurement's settings; set measure: max_lr")
+    if got := doc.get("stream"):
+        bf16, init = (got.get("bf16"), got.get("init_blocks", [])) if isinstance(got, dict) else (None, None)
+        if not isinstance(got, dict) or set(got) - {"bf16", "init_blocks"} or axes or not (
+                isinstance(bf16, list) and bf16 and set(map(str, bf16)) < set(arms)) or not (
+                isinstance(init, list) and len(set(map(str, init))) == len(init) and all(
+                    isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in init)):
+            raise bad(f"stream: {KEYS['stream']}: some of the arms, distinct positive integers; a study without axes "
+                      f"(got {got!r})")
     if not isinstance(doc.get("probe", False), bool):
         raise bad(f"probe: true or false (got {doc['probe']!r})")
     curve_every, curve_batches = doc.get("curve_every", 0), doc.get("curve_batches", 2)
@@ -245,7 +256,7 @@ def read(doc: dict, where: str) -> DeclaredStudy:
                           measure=measure, curve_every=curve_every, curve_batches=curve_batches,
                           select_seeds=select or [], best_of=best_of, untested=doc.get("untested") or [],
                           probe=doc.get("probe", False), max_lr=doc.get("max_lr") or {},
-                          crossing=crossing)
+                          crossing=crossing, stream=doc.get("stream") or {})
     _check_configs(study, bad)
     return study
 
@@ -363,7 +374,14 @@ def point(study: DeclaredStudy, arm: str, cell: dict, hp: dict, seed: int) -> di
     cfg = BudgetConfig(model=c.model, data=c.data, optim=c.optim, guard=c.guard, run=c.run, lrs=[c.optim.lr],
                        seeds=[seed], curve_every=study.curve_every, curve_batches=study.curve_batches,
                        probe=study.probe)
-    return budget_point(cfg, c.model, c.optim.lr, seed) | {"arm": arm, "cell": cell, "tuned": hp}
+    extra = {"prepare": stream.round_stream if arm in study.stream["bf16"] else None, "extra": stream.trained} \
+        if study.stream else {}
+    return budget_point(cfg, c.model, c.optim.lr, seed, **extra) | {"arm": arm, "cell": cell, "tuned": hp}
+
+
+def _init_job(study: DeclaredStudy, arm: str, n_blocks: int, seed: int):
+    c = study.config({**study.arms[arm], "model.n_blocks": n_blocks})
+    return lambda: stream.init_point(point_config(c, c.model, seed))
 
 
 def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", question: str = "", rule: str = "") -> dict:
@@ -373,6 +391,10 @@ def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", ques
     for cell in study.cells():
         desc = f"{name} {_cell_name(cell) or 'points'}"
         choices[_cell_name(cell)] = _tune_cell(study, sweep, cell, points, base, desc)
+    if study.stream:  # each float32 arm's model at init, at every init_blocks
+        points |= sweep.run({f"init-{key(a, {'model.n_blocks': n}, {}, s)}": _init_job(study, a, n, s)
+                             for a in study.arms if a not in study.stream["bf16"]
+                             for n in study.stream.get("init_blocks", []) for s in study.seeds}, f"{name} (init)")
     if study.measure == "max_lr":
         return _max_lr(study, out, command, name, points, choices, _asks(question, rule))
     picks = {c: {pick: _best_of(study, points, choices, c, among) for pick, among in study.best_of.items()
@@ -533,12 +555,17 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
     picked = [f"**{name}**{f' at {c}' if c else ''}: {p['arm']} (mean select-half loss at the choices: "
               + ", ".join(f"{a} {v:.3f}" for a, v in p["select"].items()) + ")"
               for c, cell_picks in results.get("picks", {}).items() for name, p in cell_picks.items()]
-    tests_table = _tests_table(results)
+    tests_table = _tests_table(results, 4 if study.stream else 3)  # a bf16 stream's effect: thousandths
     if study.probe:
         tests_table += "\n\n" + _probe_table(study, results)
     if study.crossing:
         tests_table += "\n\n" + _crossing_table(results["crossings"])
-    plots = [_plot(study, out, results), *([_plot_curves(study, out, results)] if study.crossing else [])]
+    plots = [_plot(study, out, results), *([_plot_curves(study, out, results)] if study.crossing or study.stream
+                                           else [])]
+    if study.stream:
+        results["arithmetic"], table, share = stream.report(_profiles(study, results), study.seeds[0], out)
+        tests_table, plots = tests_table + "\n\nBf16 sums (keel.experiments.stream) on one report-half batch; 'init' " \
+            "is the paper's N(0, 0.02^2) init.\n\n" + table, [*plots, share]
     runs = [study.config(cell).run for cell in study.cells()]  # an axis may set the steps
     steps = ", ".join(dict.fromkeys(f"{r.steps:,}" for r in runs))
     tokens = ", ".join(dict.fromkeys(f"{r.steps * r.batch_size * r.seq_len:,}" for r in runs))
@@ -620,6 +647,19 @@ def _probe_table(study: DeclaredStudy, results: dict) -> str:
             "sub-layer k is switched off (norms and alpha kept), and the mean rms(F)/rms(alpha x) of sub-layers "
             "2..L-1.\n\n" + markdown_table(["cell", "arm", "sub-layers", "delta loss, only sub-layers 0-1 on",
                                              "delta loss, lower half on", "mean rms(F)/rms(alpha x)"], rows))
+
+
+def _profiles(study: DeclaredStudy, results: dict) -> dict:
+    """stream.report's input: per arm its stream, sub-layers, init profiles (float32 arms) and trained profiles."""
+    out, choice = {}, results["choices"][""]
+    for arm in study.arms:
+        runs = [results["points"][key(arm, {}, choice[arm]["hp"], s)] for s in results["seeds"]]
+        init = [] if arm in study.stream["bf16"] else study.stream.get("init_blocks", [])
+        out[arm] = {"stream": "bfloat16" if arm in study.stream["bf16"] else "float32",
+                    "sublayers": runs[0]["n_sublayers"], "trained": [r["survival"] for r in runs if "survival" in r],
+                    "init": {2 * n: [results["points"][f"init-{key(arm, {'model.n_blocks': n}, {}, s)}"]
+                                     for s in results["seeds"]] for n in init}}
+    return out
 
 
 def _crossing_table(crossings: list[dict]) -> str:
