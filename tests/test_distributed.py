@@ -165,7 +165,8 @@ def test_bf16_fsdp_keeps_the_residual_stream_float32(two_ranks):
 
 def common(tmp_path: Path, corpus: Path) -> list[str]:
     return [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"run.out_dir={tmp_path / 'runs'}",
-            "run.batch_size=2", "run.steps=8", "run.ckpt_every=4", "run.eval_every=0", "run.ac_every=2"]
+            "run.batch_size=2", "run.steps=8", "run.ckpt_every=4", "run.eval_every=4", "run.eval_batches=3",
+            "run.ac_every=2"]
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -173,20 +174,36 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in records if "loss" in r and "event" not in r]
 
 
-def test_torchrun_trains_resumes_and_matches_one_process(tmp_path, corpus, torchrun):
-    def train(*overrides):  # a resumed run continues with its own config: no --preset with resume=
-        preset = [] if any(o.startswith("resume=") for o in overrides) else ["--preset", "tiny"]
-        return torchrun("keel.cli", "train", *preset, *common(tmp_path, corpus), *overrides, timeout=TIMEOUT)
-    runs = tmp_path / "runs"
-    out = train("run.name=straight")
+def val_losses(run_dir: Path) -> list[dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "val_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory, corpus, torchrun):
+    """One `keel train` of 2 ranks x 2 sequences under torchrun (8 steps, checkpoints and validation at 4 and 8),
+    and the same global batch of 4 in one process (Trainer.run): the tests below read both (copy a run before
+    changing it). One run of each serves both tests: each torchrun start is three processes importing torch."""
+    tmp = tmp_path_factory.mktemp("ranks")
+    out = torchrun("keel.cli", "train", "--preset", "tiny", *common(tmp, corpus), "run.name=straight", timeout=TIMEOUT)
+    config = load_config([*common(tmp, corpus), "run.batch_size=4", "run.name=single"], preset="tiny")
+    Trainer(config, tmp / "runs" / "single").run()
+    return tmp, out, config
+
+
+def test_torchrun_trains_resumes_and_matches_one_process(ranks, corpus, torchrun):
+    tmp, out, _ = ranks
+    runs = tmp / "runs"
     assert out.stdout.count("memory per process") == 1  # rank 0 alone prints
     straight = losses(runs / "straight")
     assert len(straight) == 8
     # a run stopped after its step-4 checkpoint, resumed under torchrun: the same losses, bit for bit
+    # (a resumed run continues with its own config: no --preset with resume=)
     part = shutil.copytree(runs / "straight", runs / "part")
     shutil.rmtree(part / "checkpoints" / "step_00000008")
-    train(f"resume={part}")
+    torchrun("keel.cli", "train", *common(tmp, corpus), f"resume={part}", timeout=TIMEOUT)
     assert losses(part) == straight
+    assert [r["val_loss"] for r in val_losses(part)] == [r["val_loss"] for r in val_losses(runs / "straight")]
     summary = json.loads((runs / "straight" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["tokens"] == 8 * 4 * 32
     assert checkpoint.is_sharded(checkpoint.latest_valid(runs / "straight"))
@@ -194,8 +211,6 @@ def test_torchrun_trains_resumes_and_matches_one_process(tmp_path, corpus, torch
     # one process on the same global batch (2 x 2 = 4 sequences), from scratch and resumed from the
     # two-rank checkpoint at step 4 from the command line, as the README says: only the per-process batch changes
     # (`keel train resume=` is Trainer.run from the run's latest checkpoint)
-    config = load_config([*common(tmp_path, corpus), "run.batch_size=4", "run.name=single"], preset="tiny")
-    Trainer(config, runs / "single").run()
     assert losses(runs / "single") == pytest.approx(straight, rel=1e-5)
     typed = runs / "typed"
     shutil.copytree(runs / "straight", typed)
@@ -205,30 +220,28 @@ def test_torchrun_trains_resumes_and_matches_one_process(tmp_path, corpus, torch
     assert main(["train", f"resume={typed}", "run.batch_size=3", "run.steps=9"]) == 2  # another global batch
 
 
-def test_validation_is_the_global_batchs_in_one_process_under_fsdp_and_under_stages_by_replicas(tmp_path, corpus,
-                                                                                                torchrun):
+def test_validation_is_the_global_batchs_in_one_process_under_fsdp_and_under_stages_by_replicas(ranks, torchrun):
     """run.eval_batches x the global batch: the same windows, split over the ranks however the run is laid out.
     A run of 2 ranks x 2 sequences logs the validation loss of one process of 4; `keel eval` gives that loss on its
     checkpoint in one process, on 2 ranks (FSDP2) and on 2 stages x 2 replicas."""
     from keel.train.evaluate import evaluate_run
 
-    settings = [*common(tmp_path, corpus), "run.steps=2", "run.ckpt_every=2", "run.eval_every=2", "run.eval_batches=3"]
-    torchrun("keel.cli", "train", "--preset", "tiny", *settings, "run.name=ranks", timeout=TIMEOUT)
-    config = load_config([*settings, "run.batch_size=4", "run.name=single"], preset="tiny")
-    Trainer(config, tmp_path / "runs" / "single").run()
-    logged = [json.loads(line) for line in (tmp_path / "runs" / "ranks" / "metrics.jsonl").read_text().splitlines()]
-    val = next(r for r in logged if "val_loss" in r)
-    single = json.loads((tmp_path / "runs" / "single" / "summary.json").read_text())["final_val_loss"]
+    tmp, _, config = ranks
+    logged = val_losses(tmp / "runs" / "straight")
+    assert [r["step"] for r in logged] == [4, 8]
+    val = logged[-1]
+    single = json.loads((tmp / "runs" / "single" / "summary.json").read_text())["final_val_loss"]
     assert val["val_loss"] == pytest.approx(single, rel=1e-5)
+    assert val_losses(tmp / "runs" / "single")[0]["val_loss"] == pytest.approx(logged[0]["val_loss"], rel=1e-5)
 
-    run_dir = tmp_path / "runs" / "ranks"
+    run_dir = shutil.copytree(tmp / "runs" / "straight", tmp / "runs" / "evaluated")  # its config is edited below
     one = evaluate_run(run_dir)
     assert one["val_tokens"] == val["val_tokens"] == 3 * 4 * config.run.seq_len
     assert one["val_loss"] == pytest.approx(val["val_loss"], rel=1e-5)
 
     def under_torchrun(nproc: int) -> dict:
         torchrun("keel.cli", "eval", str(run_dir), "--json", nproc=nproc, timeout=TIMEOUT)
-        return json.loads((run_dir / "eval-step_00000002-val.json").read_text())
+        return json.loads((run_dir / "eval-step_00000008-val.json").read_text())
 
     fsdp = under_torchrun(2)
     saved = (run_dir / "config.yaml").read_text()
