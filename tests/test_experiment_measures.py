@@ -1,6 +1,7 @@
-"""The experiments' measurements and verdicts against written-out equations: gradient flow, the probes,
-the held-out split, the unigram level, max-lr's and regime's rules. (The max-lr detector's own tests, with
-false-positive and miss rates, are in test_detect.py; a study file's choices and Holm, test_declared_study.py.)"""
+"""The experiments' measurements and verdicts against written-out equations: gradient flow, the probes, the
+held-out split, the unigram level, max-lr's rules and the curves' crossing (regime's rule). (The max-lr detector's
+own tests, with false-positive and miss rates, are in test_detect.py; a study file's choices and Holm,
+test_declared_study.py.)"""
 
 import math
 from collections import Counter
@@ -16,9 +17,9 @@ from keel.data import DataConfig
 from keel.experiments.common import fixed_batches, mean_sd, splits, unigram_loss
 from keel.experiments.detect import FailureRules
 from keel.experiments.maxlr import judge, ratio_verdict, references, verdict
+from keel.experiments.stats import crossing
 from keel.experiments.surgery import branches_off, removed, residual_sizes
 from keel_studies.gradflow import measure
-from keel_studies.regime import compare
 
 
 def rmsnorm(x):
@@ -209,11 +210,11 @@ def test_max_lr_ratio_verdict_rules():
     assert ratio_verdict(keel, [v(7.6e-3), v(1.1e-2), v(6e-3)], 1.32)["verdict"] == "inconclusive"
 
 
-def test_regime_rules():
+def test_crossing_regimes_rule():
     steps = list(range(10))
     keel = np.array([[5, 4, 3.5, 3, 2.6, 2.4, 2.2, 2.1, 2.0, 1.9]] * 2) + np.array([[0.0], [0.01]])
     pre = np.array([[4.5, 3.8, 3.2, 2.9, 2.7, 2.5, 2.3, 2.2, 2.1, 2.05]] * 2)
-    v = compare(keel, pre, steps, 0.1)
+    v = crossing(keel, pre, steps, 0.1)
     assert v["starts_slower"] is True and v["cross_step"] == 4
 
 

@@ -78,4 +78,4 @@ def test_a_stream_study_reports_the_median_share_past_the_first_two_sublayers(tm
     report = (tmp_path / "report.md").read_text()
     assert f"| bf16 | 4 | trained (bfloat16 stream) | {mean:.3f} ± {sd:.3f} (n=3) |" in report
     assert "| f32 | 8 | init | 0.035 ± 0.010 (n=3) |" in report
-    assert results["tests"][0]["mean"] == pytest.approx(0.01) and "![stream-share.png](stream-share.png)" in report
+    assert results["tests"][0]["mean"] == pytest.approx(0.01)

@@ -1,12 +1,8 @@
-"""The engine the studies run on: points trained through the one training step (`common`), sweeps shared by
-several processes and kept point by point (`sweep`, `store`, `partial`), searches that grow a grid past an edge
-choice (`grid`), the paper's measurements (`budget`: loss at a token budget on the select and report halves;
-`detect`: failure under a rising LR) and the statistics (`stats`).
-
-The studies themselves, the paper's and this project's, are research: the `keel_studies` package in a Keel
-checkout's `research/` folder, beside the library, and the study files in its `results/` folder. `keel experiment
-NAME` and `keel sweep STUDY.yaml` find them there (`studies()`, `study_files()`); `NAMES` and `EXPERIMENTS` name
-the studies still written as code."""
+"""The engine the studies run on: a study declared as data (`declared`), points trained through the one training
+step (`common`), sweeps shared by processes and kept point by point (`sweep`, `store`, `partial`), grids grown past
+an edge choice (`grid`), the measurements (`budget`, `maxlr` with `detect`, `stream`) and the statistics (`stats`).
+The studies are research: the study files in a Keel checkout's `results/` folder, and the `keel_studies` package in
+its `research/` folder (`studies()`, `study_files()`; `EXPERIMENTS`: the studies still written as code)."""
 
 import importlib
 import re
@@ -54,8 +50,6 @@ def study_files() -> dict[str, Path]:
 
 
 def __getattr__(name: str):
-    if name == "NAMES":  # the study names, without torch
-        return tuple(studies().STUDIES)
     if name == "EXPERIMENTS":  # name -> (config class, run function), loaded once
         registry = studies().STUDIES
         modules = {m: importlib.import_module(f"keel_studies.{m}") for m, _, _ in registry.values()}

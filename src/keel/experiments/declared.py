@@ -1,21 +1,12 @@
-"""A study declared as data: `keel sweep STUDY.yaml` where the file names `arms:` instead of a study kind.
+"""A study declared as data: `keel sweep STUDY.yaml` where the file names `arms:` instead of a study kind. Its keys
+(`KEYS`, `STEP`, `MAX_LR`) are documented in docs/experiments.md#your-own-study.
 
-The file names keel train's sections every point starts from (`base`), the arms (name -> the fields each sets), the
-axes every arm runs along, the fields `tune`d per arm and cell, the `seeds` and the pairs to `compare`; every key
-and its meaning is in docs/experiments.md#your-own-study (`KEYS`, `STEP` and `MAX_LR` here name them).
-
-The measurement (`measure`): `loss` (keel.experiments.budget: each `tune` step chooses its field per arm and cell
-by the mean select-half loss over the choosing seeds, a diverged seed +inf, the grid grown past an edge choice until
-the choice is interior or `grow` values were added on that side, a bound then; the report-half losses at the choices
-compared seed by seed) or `max_lr` (keel.experiments.maxlr: each point's max LR on the paper's ramp, nothing
-chosen). Each pair is a paired two-sided t-test per cell, Holm over every test of the study; a marginal one gets
-`marginal_seeds` on both arms and every test runs again on all seeds.
-
-The whole study is checked before any point trains: every arm, axis value and grid value is merged into the base
-config by keel's one merge (one line naming the field). Points are kept by keel.experiments.sweep (resumable,
-shared by two processes, reused when the study is run again). `keel experiment NAME --quick` runs a study file at a
-smoke-test size (`smoke`).
-"""
+The measurement: `loss` (keel.experiments.budget; each `tune` step chooses its field per arm and cell by the mean
+select-half loss over the choosing seeds, the grid grown past an edge choice: keel.experiments.grid; optionally the
+bf16-stream measurement, keel.experiments.stream) or `max_lr` (keel.experiments.maxlr, nothing chosen). Each pair is
+a paired two-sided t-test per cell, Holm over every test of the study; a marginal one gets `marginal_seeds` on both
+arms and every test runs again on all seeds. The whole study is checked before any point trains (every arm, axis and
+grid value through keel's one merge: one line naming the field); points are kept by keel.experiments.sweep."""
 
 from __future__ import annotations
 
@@ -32,19 +23,8 @@ from keel.config import OptimConfig, RunConfig, TrainConfig, merge, validate
 from keel.config.reads import Reads
 from keel.data.corpus import DataConfig
 from keel.errors import ConfigError
-from keel.experiments import maxlr, stats, stream
+from keel.experiments import common, maxlr, stats, stream
 from keel.experiments.budget import BudgetConfig, budget_point
-from keel.experiments.common import (
-    experiment_guard,
-    experiment_model,
-    experiment_run,
-    markdown_table,
-    pm,
-    point_config,
-    pyplot,
-    save,
-    write_outputs,
-)
 from keel.experiments.detect import FailureRules
 from keel.experiments.grid import Grid, LadderGrid, _finite, grid_note, run_searches, search_grid
 from keel.experiments.sweep import Sweep
@@ -57,11 +37,9 @@ KEYS = {"question": "what it asks", "answer": "what it found", "rule": "its deci
         "select_seeds": "the seeds that choose (default: all seeds)", "best_of": "name -> arms: per cell the one "
         "with the lowest mean select-half loss at its choices", "untested": "pairs of arms reported, not tested",
         "probe": "the effective-depth probe on every point (true or false)", "max_lr": "the max-LR measurement's "
-        "settings (with measure: max_lr)", "crossing": "a fraction of the run: each compare pair's seed-mean "
-        "curves, who is ahead at the first evaluation past it and where the first stays below "
-        "(keel.experiments.stats.crossing)", "stream": "the stream-precision measurement (keel.experiments.stream): "
-        "bf16 (the arms trained with a bf16 residual stream) and init_blocks (n_blocks at which the other arms' models "
-        "are also measured at init)"}
+        "settings (with measure: max_lr)", "crossing": "a fraction of the run: each compare pair's curves there "
+        "(keel.experiments.stats.crossing)", "stream": "keel.experiments.stream: bf16 (the arms trained with a bf16 "
+        "stream), init_blocks (n_blocks at which the other arms are measured at init)"}
 STEP = {"arms": "some of the arms, the ones this step tunes", "below": "values falling from below the grid's lowest, "
         "grown through in order", "above": "values rising from above the grid's highest, grown through in order",
         "ties": "low or high: which of equal scores wins"}  # a tune step's optional keys
@@ -108,8 +86,8 @@ class DeclaredStudy:
 
     def config(self, fields: dict) -> TrainConfig:
         """The base with `fields` ({dotted field: value}) set, through keel's one merge."""
-        base = TrainConfig(model=experiment_model(), data=DataConfig(), optim=OptimConfig(warmup_steps=40),
-                           guard=experiment_guard(), run=experiment_run())
+        base = TrainConfig(model=common.experiment_model(), data=DataConfig(), optim=OptimConfig(warmup_steps=40),
+                           guard=common.experiment_guard(), run=common.experiment_run())
         refuse = PER_POINT | ({f: "the max-LR ramp sets it (0 -> optim.lr over run.steps)" for f in maxlr.RAMP_FIELDS}
                               if self.measure == "max_lr" else {})
         smoke = {k: v for k, v in self.smoke.items() if k not in self.tuned() and k not in refuse}
@@ -157,8 +135,7 @@ def dotted(fields: dict, prefix: str = "") -> dict:
 def read(doc: dict, where: str) -> DeclaredStudy:
     """The study in `doc` (a study file's mapping), checked whole: every arm, axis value and grid value merged
     into the base; one ConfigError naming `where` and the field."""
-    def bad(what: str):
-        return ConfigError(f"{where}: {what}")
+    bad = lambda what: ConfigError(f"{where}: {what}")
     unknown = sorted(set(map(str, doc)) - set(KEYS))
     if unknown:
         raise bad(f"unknown key {unknown[0]!r} (allowed: {', '.join(KEYS)})")
@@ -231,14 +208,13 @@ def read(doc: dict, where: str) -> DeclaredStudy:
         _check_max_lr(doc, arms, bad)
     elif "max_lr" in doc:
         raise bad("max_lr: the max-LR measurement's settings; set measure: max_lr")
-    if got := doc.get("stream"):
-        bf16, init = (got.get("bf16"), got.get("init_blocks", [])) if isinstance(got, dict) else (None, None)
-        if not isinstance(got, dict) or set(got) - {"bf16", "init_blocks"} or axes or not (
-                isinstance(bf16, list) and bf16 and set(map(str, bf16)) < set(arms)) or not (
-                isinstance(init, list) and len(set(map(str, init))) == len(init) and all(
-                    isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in init)):
-            raise bad(f"stream: {KEYS['stream']}: some of the arms, distinct positive integers; a study without axes "
-                      f"(got {got!r})")
+    got = doc.get("stream") or {}
+    bf16, init = (got.get("bf16"), got.get("init_blocks", [])) if isinstance(got, dict) else (None, None)
+    if got and (set(got) - {"bf16", "init_blocks"} or axes or not (isinstance(bf16, list) and bf16 and set(map(
+            str, bf16)) < set(arms)) or not (isinstance(init, list) and all(_positive(n) and type(n) is int for n in
+                                                                               init) and len(set(init)) == len(init))):
+        raise bad(f"stream: {KEYS['stream']}: some of the arms, distinct positive integers; a study without axes "
+                  f"(got {got!r})")
     if not isinstance(doc.get("probe", False), bool):
         raise bad(f"probe: true or false (got {doc['probe']!r})")
     curve_every, curve_batches = doc.get("curve_every", 0), doc.get("curve_batches", 2)
@@ -250,14 +226,11 @@ def read(doc: dict, where: str) -> DeclaredStudy:
             isinstance(x, str) and x in arms for p in compare for x in p)):
         raise bad(f"crossing: {KEYS['crossing']}, a number in (0, 1), with curve_every and compare pairs of two arms "
                   f"(got {crossing!r})")
-    study = DeclaredStudy(base=doc.get("base") or {}, arms=arms, axes=axes,
-                          tune=[{"field": s["field"], "grid": sorted(s["grid"]), "grow": s.get("grow", 2),
-                                 **{k: s[k] for k in STEP if k in s}} for s in tune], seeds=seeds,
-                          marginal_seeds=marginal, compare=compare,
-                          measure=measure, curve_every=curve_every, curve_batches=curve_batches,
-                          select_seeds=select or [], best_of=best_of, untested=doc.get("untested") or [],
-                          probe=doc.get("probe", False), max_lr=doc.get("max_lr") or {},
-                          crossing=crossing, stream=doc.get("stream") or {})
+    study = DeclaredStudy(base=doc.get("base") or {}, arms=arms, axes=axes, tune=[
+        {"field": s["field"], "grid": sorted(s["grid"]), "grow": s.get("grow", 2), **{k: s[k] for k in STEP if k in s}}
+        for s in tune], seeds=seeds, marginal_seeds=marginal, compare=compare, measure=measure, curve_every=curve_every,
+        curve_batches=curve_batches, select_seeds=select or [], best_of=best_of, untested=doc.get("untested") or [],
+        probe=doc.get("probe", False), max_lr=doc.get("max_lr") or {}, crossing=crossing, stream=got)
     _check_configs(study, bad)
     return study
 
@@ -371,18 +344,18 @@ def point(study: DeclaredStudy, arm: str, cell: dict, hp: dict, seed: int) -> di
     """One point: the study's measurement at this arm, cell and tuned values."""
     c = study.config({**study.arms[arm], **cell, **hp})
     if study.measure == "max_lr":
-        return maxlr.point(point_config(c, c.model, seed), *maxlr.settings(study.max_lr)) | {"arm": arm, "cell": cell}
-    cfg = BudgetConfig(model=c.model, data=c.data, optim=c.optim, guard=c.guard, run=c.run, lrs=[c.optim.lr],
-                       seeds=[seed], curve_every=study.curve_every, curve_batches=study.curve_batches,
-                       probe=study.probe)
-    extra = {"prepare": stream.round_stream if arm in study.stream["bf16"] else None, "extra": stream.trained} \
-        if study.stream else {}
+        return maxlr.point(common.point_config(c, c.model, seed), *maxlr.settings(study.max_lr)) | {"arm": arm,
+                                                                                                    "cell": cell}
+    cfg = BudgetConfig(model=c.model, data=c.data, optim=c.optim, guard=c.guard, run=c.run,
+                       curve_every=study.curve_every, curve_batches=study.curve_batches, probe=study.probe)
+    extra = {"prepare": stream.round_stream if arm in study.stream["bf16"] else None, "extra": lambda model, report: {
+        "survival": stream.survival_profile(model, report[0][0])}} if study.stream else {}  # on one report batch
     return budget_point(cfg, c.model, c.optim.lr, seed, **extra) | {"arm": arm, "cell": cell, "tuned": hp}
 
 
 def _init_job(study: DeclaredStudy, arm: str, n_blocks: int, seed: int):
     c = study.config({**study.arms[arm], "model.n_blocks": n_blocks})
-    return lambda: stream.init_point(point_config(c, c.model, seed))
+    return lambda: stream.init_point(common.point_config(c, c.model, seed))
 
 
 def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", question: str = "", rule: str = "") -> dict:
@@ -435,9 +408,7 @@ def _job(study, arm, cell, hp, seed):
 
 def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, base: TrainConfig, desc: str) -> dict:
     fields = study.tuned()
-
-    def hp_of(values: tuple) -> dict:
-        return dict(zip(fields, values))
+    hp_of = lambda values: dict(zip(fields, values))
 
     def score(arm: str, *values) -> float:
         runs = [points[key(arm, cell, hp_of(values), s)] for s in study.choosers()]
@@ -464,9 +435,7 @@ def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, bas
     def run_round(asked: dict) -> set:
         jobs = {a: {key(a, cell, hp_of(v), s): _job(study, a, cell, hp_of(v), s) for v in hps
                     for s in study.choosers()} for a, hps in asked.items()}
-
-        def complete(done: dict) -> set:
-            return {a for a, arm in jobs.items() if arm.keys() <= done.keys()}
+        complete = lambda done: {a for a, arm in jobs.items() if arm.keys() <= done.keys()}
         got = sweep.run({k: j for arm in jobs.values() for k, j in arm.items()}, desc,
                         enough=lambda done: bool(complete(done)))
         points.update(got)
@@ -496,9 +465,8 @@ def _losses(study, points, cell_name, choice, arm, seeds, value: str = "report_l
 
 def _tests(study: DeclaredStudy, points: dict, choices: dict, picks: dict, seeds: list, pairs: list,
            tested: bool = True, value: str = "report_loss", better: str = "lower") -> list[dict]:
-    """Each pair per cell (a pair pinned to cells once, last), a best_of name as the arm it picked, a side that is a
-    pair as its difference seed by seed: paired t-tests of `value`, Holm over them all (with `tested`; otherwise the
-    mean and SD of the paired differences only); the verdict names the arm whose value is `better` (lower, higher)."""
+    """Each pair per cell (one pinned to cells once, last; a best_of as its pick; a side that is a pair as its
+    difference): paired t-tests of `value`, Holm over all (`tested`; else mean and SD only), verdicts by `better`."""
     def side(a, cell_name: str):  # (the arms it names, as they resolve in the cell; its report losses per seed)
         if isinstance(a, list):
             (ra, la), (rb, lb) = side(a[0], cell_name), side(a[1], cell_name)
@@ -523,8 +491,7 @@ def _tests(study: DeclaredStudy, points: dict, choices: dict, picks: dict, seeds
     return tests
 
 
-def _curves(study, points, cell_name, choice, arm, seeds) -> tuple[list[int], np.ndarray]:
-    """(evaluation steps, report-half curves: seeds that did not diverge x evaluations) of an arm at its choices."""
+def _curves(study, points, cell_name, choice, arm, seeds) -> tuple[list[int], np.ndarray]:  # seeds not diverged
     runs = [points[key(arm, _cell(study, cell_name), choice[arm]["hp"], s)] for s in seeds]
     runs = [r for r in runs if not r["diverged"]]
     return runs[0]["evals"]["step"], np.array([r["evals"]["loss"] for r in runs])
@@ -549,10 +516,10 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
                               for g in choice[arm]["grids"])
             rows.append([cell_name or "-", arm, "-" if size is None else f"{size:,}",
                          ", ".join(f"{k}={v:g}" for k, v in choice[arm]["hp"].items()) or "-",
-                         pm([x for x in losses if x is not None]) + (f", {diverged} diverged" if diverged else ""),
-                         notes or "-"])
-    arms_table = markdown_table(["cell", "arm", "parameters", "chosen on the select half", "report-half loss", "grids"],
-                                rows)
+                         common.pm([x for x in losses if x is not None]) + (f", {diverged} diverged" if diverged
+                                                                            else ""), notes or "-"])
+    arms_table = common.markdown_table(["cell", "arm", "parameters", "chosen on the select half", "report-half loss",
+                                        "grids"], rows)
     picked = [f"**{name}**{f' at {c}' if c else ''}: {p['arm']} (mean select-half loss at the choices: "
               + ", ".join(f"{a} {v:.3f}" for a, v in p["select"].items()) + ")"
               for c, cell_picks in results.get("picks", {}).items() for name, p in cell_picks.items()]
@@ -561,12 +528,10 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
         tests_table += "\n\n" + _probe_table(study, results)
     if study.crossing:
         tests_table += "\n\n" + _crossing_table(results["crossings"])
-    plots = [_plot(study, out, results), *([_plot_curves(study, out, results)] if study.crossing or study.stream
-                                           else [])]
     if study.stream:
-        results["arithmetic"], table, share = stream.report(_profiles(study, results), study.seeds[0], out)
-        tests_table, plots = tests_table + "\n\nBf16 sums (keel.experiments.stream) on one report-half batch; 'init' " \
-            "is the paper's N(0, 0.02^2) init.\n\n" + table, [*plots, share]
+        results["arithmetic"], table = stream.report(_profiles(study, results))
+        tests_table += ("\n\nBf16 sums (keel.experiments.stream) on one report-half batch; 'init' is the paper's "
+                        "N(0, 0.02^2) init.\n\n" + table)
     runs = [study.config(cell).run for cell in study.cells()]  # an axis may set the steps
     steps = ", ".join(dict.fromkeys(f"{r.steps:,}" for r in runs))
     tokens = ", ".join(dict.fromkeys(f"{r.steps * r.batch_size * r.seq_len:,}" for r in runs))
@@ -580,7 +545,8 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
              f"{len(results['tests'])} tests" + (f" ({len(results['untested'])} differences reported, not tested)"
                                                   if results.get("untested") else "") + ".")
     body = "\n\n".join([arms_table, *(["\n".join(f"- {p}" for p in picked)] if picked else []), tests_table])
-    write_outputs(out, name, study, command, results, _asks(question, rule) + body, plots, notes)
+    common.write_outputs(out, name, study, command, results, _asks(question, rule) + body, [_plot(study, out, results)],
+                         notes)
 
 
 def _asks(question: str, rule: str) -> str:
@@ -590,8 +556,7 @@ def _asks(question: str, rule: str) -> str:
     return (f"**Question:** {question}\n\n" if question else "") + (f"**Rule:** {links}\n\n" if links else "")
 
 
-def _tests_table(results: dict, digits: int = 3) -> str:
-    d = digits
+def _tests_table(results: dict, d: int = 3) -> str:  # d: digits
     rows = [[t["cell"] or "-", " - ".join(_label(a) if a == r else f"{_label(a)} ({_label(r)})"
                                           for a, r in zip(t["pair"], t["arms"])),
              f"{t['mean']:+.{d}f} ± {t['sd']:.{d}f} (n={t['n']})" if t["sd"] is not None else
@@ -600,7 +565,7 @@ def _tests_table(results: dict, digits: int = 3) -> str:
              "-" if "p" not in t else "n/a" if t["p"] is None else f"{t['p']:.2g}",
              "-" if t.get("p_holm") is None else f"{t['p_holm']:.2g}", t.get("verdict", "reported, not tested")]
             for t in [*results["tests"], *results.get("untested", [])]]
-    return markdown_table(["cell", "difference", "mean ± SD of the paired differences", "95% CI", "p", "Holm p",
+    return common.markdown_table(["cell", "difference", "mean ± SD of the paired differences", "95% CI", "p", "Holm p",
                            "verdict"], rows)
 
 
@@ -626,7 +591,8 @@ def _max_lr(study: DeclaredStudy, out: Path, command: str, name: str, points: di
     results = {"points": points, "verdicts": verdicts, **found, "tests": tests, "seeds": study.seeds}
     notes += (f" Tests: paired two-sided t-tests on the {'log ' if log else ''}max LR, Holm over the study's "
               f"{len(tests)} tests.")
-    write_outputs(out, name, study, command, results, asks + text + "\n\n" + _tests_table(results, 4), plots, notes)
+    common.write_outputs(out, name, study, command, results, asks + text + "\n\n" + _tests_table(results, 4), plots,
+                         notes)
     return results
 
 
@@ -641,25 +607,25 @@ def _probe_table(study: DeclaredStudy, results: dict) -> str:
             if not (runs := [r for r in runs if r.get("probe")]):
                 continue
             n, off = runs[0]["n_sublayers"], [r["probe"]["loss_branches_above_k_off"] for r in runs]
-            rows.append([cell_name or "-", arm, n, pm([o["2"] - o[str(n)] for o in off]),
-                         pm([o[str(n // 2)] - o[str(n)] for o in off]),
-                         pm([sum(r["probe"]["f_over_ax"][2:]) / max(1, n - 2) for r in runs], 4)])
+            rows.append([cell_name or "-", arm, n, common.pm([o["2"] - o[str(n)] for o in off]),
+                         common.pm([o[str(n // 2)] - o[str(n)] for o in off]),
+                         common.pm([sum(r["probe"]["f_over_ax"][2:]) / max(1, n - 2) for r in runs], 4)])
     return ("Effective-depth probe (report half, at the choices, every seed): the loss added when every branch above "
             "sub-layer k is switched off (norms and alpha kept), and the mean rms(F)/rms(alpha x) of sub-layers "
-            "2..L-1.\n\n" + markdown_table(["cell", "arm", "sub-layers", "delta loss, only sub-layers 0-1 on",
+            "2..L-1.\n\n" + common.markdown_table(["cell", "arm", "sub-layers", "delta loss, only sub-layers 0-1 on",
                                              "delta loss, lower half on", "mean rms(F)/rms(alpha x)"], rows))
 
 
 def _profiles(study: DeclaredStudy, results: dict) -> dict:
     """stream.report's input: per arm its stream, sub-layers, init profiles (float32 arms) and trained profiles."""
-    out, choice = {}, results["choices"][""]
+    points, seeds, out = results["points"], results["seeds"], {}
     for arm in study.arms:
-        runs = [results["points"][key(arm, {}, choice[arm]["hp"], s)] for s in results["seeds"]]
-        init = [] if arm in study.stream["bf16"] else study.stream.get("init_blocks", [])
-        out[arm] = {"stream": "bfloat16" if arm in study.stream["bf16"] else "float32",
-                    "sublayers": runs[0]["n_sublayers"], "trained": [r["survival"] for r in runs if "survival" in r],
-                    "init": {2 * n: [results["points"][f"init-{key(arm, {'model.n_blocks': n}, {}, s)}"]
-                                     for s in results["seeds"]] for n in init}}
+        bf16 = arm in study.stream["bf16"]
+        runs = [points[key(arm, {}, results["choices"][""][arm]["hp"], s)] for s in seeds]
+        out[arm] = {"stream": "bfloat16" if bf16 else "float32", "sublayers": runs[0]["n_sublayers"],
+                    "trained": [r["survival"] for r in runs if "survival" in r],
+                    "init": {2 * n: [points[f"init-{key(arm, {'model.n_blocks': n}, {}, s)}"] for s in seeds]
+                             for n in ([] if bf16 else study.stream.get("init_blocks", []))}}
     return out
 
 
@@ -670,25 +636,13 @@ def _crossing_table(crossings: list[dict]) -> str:
              f"{c['final_diff']:+.3f} (tol {c['final_tol']:.3f})"] for c in crossings]
     return ("The curves (report half, seed means; tol: the larger seed SD of the two): the first arm against the "
             "second at the first evaluation past the study's crossing fraction, the step from which it stays below, "
-            "and at the end.\n\n" + markdown_table(["cell", "comparison", "early step", "difference, early",
+            "and at the end.\n\n" + common.markdown_table(["cell", "comparison", "early step", "difference, early",
                                                      "starts slower", "crosses for good at step", "difference, final"],
                                                     rows))
 
 
-def _plot_curves(study: DeclaredStudy, out: Path, results: dict) -> str:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, (arm, (c, choice)) in enumerate(itertools.product(study.arms, results["choices"].items())):
-        steps, v = _curves(study, results["points"], c, choice, arm, results["seeds"])
-        ax.plot([t + 1 for t in steps], v.mean(0), color=f"C{i}", label=f"{arm} {c}".strip())
-        ax.fill_between([t + 1 for t in steps], v.min(0), v.max(0), color=f"C{i}", alpha=0.2)
-    ax.set(xscale="log", xlabel="step", ylabel="report-half loss (band: seed min..max)")
-    ax.legend(fontsize=8)
-    return save(fig, out, "curves.png")
-
-
 def _plot(study: DeclaredStudy, out: Path, results: dict) -> str:
-    plt = pyplot()
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     cells = list(results["choices"])
     for arm in study.arms:
@@ -699,5 +653,5 @@ def _plot(study: DeclaredStudy, out: Path, results: dict) -> str:
     ax.set_xticks(range(len(cells)), [c or "-" for c in cells], rotation=30, ha="right")
     ax.set_ylabel("report-half loss (mean over seeds)")
     ax.legend()
-    return save(fig, out, "study.png")
+    return common.save(fig, out, "study.png")
 

@@ -1,32 +1,23 @@
 """Failure of a training run under a rising learning rate, judged on a validation curve (paper Table 1).
 
-The curve is the loss on one fixed set of held-out batches, evaluated every few steps while the LR rises
-linearly, at steps t_0 < t_1 < ...; v_k is its trailing running median over `window` evaluations (so one
-noisy evaluation is not an event; an onset found in v is moved back by window // 2 evaluations, the
-median's lag). The rules:
+The curve is the loss on fixed held-out batches every few steps while the LR rises; v_k is its trailing running
+median over `window` evaluations (one noisy evaluation is no event; an onset found in v is moved back by
+window // 2, the median's lag). The rules (thresholds in `FailureRules`; the tests measure false-positive and miss
+rates on noisy synthetic curves), the failure being the earliest, the max LR the LR at the evaluation before it:
   - non-finite: the first evaluation (or training step) whose loss is NaN or infinite.
-  - collapse: the model has fallen back to the unigram level U (the loss of predicting the training
-    split's token frequencies, whatever the input; ~3.29 nats for stdlib bytes). Once the curve has been
-    below U - margin, the first evaluation k with v_k >= U - margin, provided every evaluation from k for
-    `confirm` evaluations stays there. A run that never gets below U - margin fails at the first
-    evaluation that reaches U + margin if it then stays at or above U - margin for `stall` evaluations
-    (it stalled at the marginal; `stall` is long so that the plateau every run crosses early is not one).
-  - unrecovered rise: the first evaluation k with v_k > b_k + rise, b_k = min(v_0..v_{k-1}) the running
-    best, provided the next `confirm` evaluations all stay above b_k + rise / 2 (no recovery).
-  - stagnation (the paper's "early loss plateau" and "anomalously slow convergence"; `stagnation`): judged
-    against the other schemes of the same depth and seed, so only once all of them have run. r_k = the lowest of
-    their running medians at evaluation k (same step, hence same LR), each scheme's curve cut where its own failure
-    (the rules above) starts, and never the judged scheme's own (nor another arm of the same scheme). The first k
-    with v_k > r_k + stagnation_gap for `stagnation_hold` evaluations in a row, unless the curve later recovers:
-    comes within stagnation_recover of r for `stagnation_hold` evaluations in a row (a scheme that only starts
-    slower and then catches up has not failed; the search goes on after the recovery). Where no other scheme has a
-    healthy evaluation, r does not exist and the condition does not hold. No end-of-curve shortcut: the gap must
-    be seen for the full `stagnation_hold` evaluations.
-"Confirm" means: held for `confirm` evaluations, or to the end of the curve if that comes first (and then
-for at least 2 evaluations; a single bad point at the very end is not enough). The failure is the
-earliest of these; the max tolerable LR is the LR at the last evaluation before it. A healthy curve has
-none. The thresholds are fixed in `FailureRules`; the tests measure false-positive and miss rates on noisy
-synthetic curves.
+  - collapse: back at the unigram level U (the training split's token frequencies, whatever the input; ~3.29 nats
+    for stdlib bytes): once below U - margin, the first k with v_k >= U - margin, confirmed. A run never below
+    U - margin fails at the first evaluation reaching U + margin if it then stays >= U - margin for `stall`
+    evaluations (long, so that the plateau every run crosses early is not one).
+  - unrecovered rise: the first k with v_k > b_k + rise (b_k = min(v_0..v_{k-1})), the next `confirm` evaluations
+    all above b_k + rise / 2.
+  - stagnation (the paper's "early loss plateau" and "anomalously slow convergence"; `stagnation`), once every
+    scheme of the depth and seed has run: r_k = the lowest running median of the other schemes' curves at k (same
+    step, same LR; each cut where its own failure starts; never an arm of the judged scheme); the first k with
+    v_k > r_k + stagnation_gap for `stagnation_hold` evaluations in a row, unless the curve later comes within
+    stagnation_recover of r for as long (a scheme that only starts slower has not failed; the search goes on
+    after the recovery). No r where no other scheme is healthy; no end-of-curve shortcut.
+"Confirmed": held for `confirm` evaluations, or to the end of the curve if that comes first (then for at least 2).
 """
 
 from __future__ import annotations
@@ -100,10 +91,8 @@ def _rules(values: list[float], unigram: float, rules: FailureRules, final: bool
 
 
 def stagnation(values: list[float], others: list[list[float]], rules: FailureRules) -> Failure | None:
-    """The first stagnation of `values` against `others` (the other schemes' validation curves at the same
-    evaluation steps, index-aligned from the first evaluation, each already cut where its own failure
-    starts; shorter curves end there), or None. `values` should be cut at its own failure too: what comes
-    after it is not judged."""
+    """The first stagnation of `values` against `others` (the other schemes' curves at the same evaluation steps,
+    each cut where its own failure starts), or None; `values` should be cut at its own failure too."""
     bad = next((k for k, v in enumerate(values) if not math.isfinite(v)), len(values))
     v = smooth(values[:bad], rules.window)
     refs = [smooth([u for u in o[:next((k for k, u in enumerate(o) if not math.isfinite(u)), len(o))]],

@@ -1,12 +1,8 @@
-"""Interior optima by construction: a hyperparameter chosen at the edge of its grid is not a choice but a
-bound, so the grid grows past that edge (by the factor between the edge and its neighbour, or through written-out
-values: `LadderGrid`) and the arm runs again, until the choice is interior or `max_extensions` points were added
-on that side (the bound is reported).
-
-Every sweep that chooses a value on the select half can use it: `extend` says which value to add next, from
-the scores of the values run so far; the caller runs the new points (all seeds) and asks again. `search_grid` writes
-that loop as a generator of the points to run, and `run_searches` runs several arms' generators side by side.
-"""
+"""Interior optima by construction: a value chosen at the edge of its grid is a bound, not a choice, so the grid
+grows past that edge (by the factor between the edge and its neighbour, or through written-out values: `LadderGrid`)
+until the choice is interior or `max_extensions` values were added on that side (the bound is reported). `extend`
+says which value to add next; `search_grid` writes that loop as a generator of the points to run, and
+`run_searches` runs several arms' generators side by side."""
 
 from __future__ import annotations
 
@@ -28,13 +24,11 @@ class Grid:
     max_extensions: int = 2
     added: list[float] = field(default_factory=list)
     bound: str | None = None  # "low" or "high": the choice is at that edge and the bound was reached
-    # which of equal scores wins: the lowest value, or the highest ("high": depth-sweep's warm-ups, where a longer
-    # warm-up is the cautious side, so a grid whose every mean is +inf (a seed diverged at each value) grows
-    # towards longer warm-ups)
+    # which of equal scores wins ("high": warm-ups, where longer is the cautious side, so a grid whose every mean is
+    # +inf grows towards longer warm-ups)
     ties: str = "low"
     # values already run in this grid's place (depth-sweep: the arm's grid a depth before): growth past an edge takes
-    # the nearest of them beyond it before it computes one by the factor, so the grid keeps their values and
-    # spacing (a start of 3.33e-4, 1e-3, 3e-3 grows to 1e-2, not 9e-3)
+    # the nearest of them first, keeping their spacing (3.33e-4, 1e-3, 3e-3 grows to 1e-2, not 9e-3)
     known: list[float] = field(default_factory=list)
 
     def __post_init__(self):
@@ -80,9 +74,8 @@ class Grid:
 
 @dataclass
 class LadderGrid(Grid):
-    """A grid that grows past an edge through written-out values (depth-sweep's warm-ups: 100 -> 30 -> 10 below,
-    1000 -> 3000 -> 9000 above, capped at the run) instead of Grid's computed factor; when it grows and when
-    the choice is a bound is Grid's rule, and a ladder that runs out before `max_extensions` is a bound too."""
+    """A grid that grows past an edge through written-out values (warm-ups: 100 -> 30 -> 10 below) instead of Grid's
+    factor, by Grid's rule; a ladder that runs out before `max_extensions` is a bound too."""
 
     below: list[float] = field(default_factory=list)
     above: list[float] = field(default_factory=list)
@@ -106,12 +99,10 @@ def search_grid(grid: Grid, hp: Callable[[float], tuple], score: Callable[..., f
 
 
 def run_searches(searches: dict, run: Callable[[dict], set | None]) -> dict:
-    """Several arms' searches side by side: what every unfinished search asks for goes to `run` ({arm: [hp,
-    ...]}) at once, so a sweep runs those points together (two processes share them). `run` returns the arms whose
-    points are all done (None: all of them); only those advance, the others ask again for what they still need,
-    so an arm whose round is done goes on while another's last point still trains. Each arm's choice depends on
-    its own points alone, so it is the same in whatever order arms finish. Returns each search's result with the
-    hyper-parameters it asked for ("tried", in order)."""
+    """Several arms' searches side by side: what every unfinished search asks for goes to `run` ({arm: [hp, ...]})
+    at once, so a sweep runs those points together. `run` returns the arms whose points are all done (None: all);
+    only those advance, so an arm goes on while another's last point still trains (each choice depends on its own
+    points alone). Returns each search's result with the hyper-parameters it asked for ("tried", in order)."""
     asked = {arm: next(search) for arm, search in searches.items()}
     tried, done = {arm: [] for arm in searches}, {}
     while asked:

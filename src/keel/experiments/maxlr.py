@@ -1,10 +1,8 @@
-"""The max-LR measurement (paper Table 1): the largest learning rate a model tolerates on the paper's ramp.
-
-The LR rises linearly from 0 to `optim.lr` over all `run.steps` steps (`ramp`); the select half is scored every
-`eval_every` steps and the point stops once keel.experiments.detect confirms a failure (non-finite, collapse, rise).
-`judge` then adds stagnation against the arms of the other schemes that clip, at the same cell and seed. The max LR
-is the LR at the last evaluation before the earliest failure (a point that never fails: the peak, a lower bound).
-"""
+"""The max-LR measurement (paper Table 1): the LR rises linearly from 0 to `optim.lr` over all `run.steps` (`ramp`);
+the select half is scored every `eval_every` steps and the point stops once keel.experiments.detect confirms a
+failure (non-finite, collapse, rise); `judge` adds stagnation against the arms of the other schemes that clip, at the
+same cell and seed. The max LR is the LR at the last evaluation before the earliest failure (never failed: the peak,
+a lower bound)."""
 
 from __future__ import annotations
 
@@ -55,8 +53,7 @@ def point(config: TrainConfig, eval_every: int, rules: FailureRules) -> dict:
 
 def eval_noise(values: list[float], unigram: float, rules: FailureRules) -> float | None:
     """Robust SD (1.4826 x MAD) of the curve around its running median (window 9) from its first evaluation below
-    the unigram level: the evaluation noise the detector sees (spikes and the initial descent left out). None when
-    fewer than 10 evaluations lie below that level (never learned, or failed right after): not "reliable"."""
+    the unigram level: the noise the detector sees. None (not "reliable") with fewer than 10 evaluations there."""
     finite = [v for v in values if math.isfinite(v)]
     finite = finite[next((k for k, v in enumerate(finite) if v < unigram - rules.margin), len(finite)):]
     if len(finite) < 10:
@@ -111,13 +108,10 @@ def judge(points: dict[str, dict], refs: dict[str, list[str]], rules: FailureRul
 
 
 def ratio_verdict(keel: list[dict], other: list[dict], paper: float | None) -> dict:
-    """Keel / X on per-seed verdicts (same seeds, in order): a paired two-sided t-test of log(max LR). A max LR is a
-    lower bound where the run never failed and an upper bound where it never learned; a verdict such a bound could
-    have produced is not drawn ("agrees" needs Keel's values exact or lower bounds and X's exact or upper bounds,
-    "disagrees" the reverse), nor one on a curve noisier than NOISE_LIMIT. `paper`: a published ratio."""
-    def log(v):
-        return math.log(v["max_lr"]) if v["max_lr"] > 0 else None
-
+    """Keel / X on per-seed verdicts: a paired two-sided t-test of log(max LR). A max LR is a lower bound where the run
+    never failed, an upper bound where it never learned; no verdict such a bound could have produced ("agrees" needs
+    Keel exact or lower, X exact or upper), nor on a curve noisier than NOISE_LIMIT. `paper`: a published ratio."""
+    log = lambda v: math.log(v["max_lr"]) if v["max_lr"] > 0 else None
     test = stats.paired([log(v) for v in keel], [log(v) for v in other])
     out = {"test": test, "ratio": math.exp(test["mean"]) if test["n"] else None,
            "ratio_ci95": [math.exp(c) for c in test["ci95"]] if test["ci95"] else None, "paper": paper}
@@ -140,10 +134,9 @@ def ratio_verdict(keel: list[dict], other: list[dict], paper: float | None) -> d
 
 def report(cells: dict[str, dict[str, list[tuple[dict, dict]]]], seeds: list, base: TrainConfig, every: int,
            rules: FailureRules, versus: str, published: dict[str, float], out, name: str) -> tuple:
-    """The report of a study's verdicts (`cells`: cell -> arm -> per-seed (point, verdict); `base`: its ramp): each
-    arm's max LR (and its mean over `versus`'s), each `published` ratio ("a/b" -> the paper's value) by
-    `ratio_verdict`, a plot per cell (named by its sub-layers where they tell the cells apart). Returns (results,
-    markdown, plots, notes)."""
+    """(results, markdown, plots, notes) of a study's verdicts (`cells`: cell -> arm -> per-seed (point, verdict)):
+    each arm's max LR (and over `versus`'s), each `published` ratio ("a/b" -> the paper's) by `ratio_verdict`, a plot
+    per cell (named by its sub-layers where they tell the cells apart)."""
     rows, table, ratios, ratio_rows, plots = [], {}, {}, [], []
     depths = {c: {r["depth"] for runs in arms.values() for r, _ in runs} for c, arms in cells.items()}
     by_depth = all(len(d) == 1 for d in depths.values()) and len({min(d) for d in depths.values()}) == len(cells)

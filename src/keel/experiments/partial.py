@@ -1,17 +1,12 @@
-"""A point's progress while it trains, so that a sweep killed mid-point (a session's end, a reboot) continues that
-point where it was instead of training it again from step 0.
+"""A point's progress while it trains, so that a sweep killed mid-point continues that point where it was.
 
-`Sweep` runs each point with `<out>/points/<key>.partial` as its partial directory (`partial_dir()`) and removes
-it once the point's file is written. A point that opts in (`budget_point`) passes a `Partial` to `train_curve`,
-which writes one keel checkpoint there (keel.runs.checkpoint: atomic, checksummed, tensors only) at most every
-`EVERY_SECONDS` and at the step boundary where SIGINT/SIGTERM stops it, holding the weights, the optimiser, the
-sampler, the torch RNG, the guard's history, the losses and LRs so far, the seconds trained and the caller's own
-state (e.g. budget_point's report-half curve). A process that later runs the same point finds it and trains on
-from its step: on a CPU every later number is bit for bit the uninterrupted point's (tests/test_point_resume.py),
-so a resumed point is the same point. A partial of another configuration or computed otherwise (`identity`: the
-point's config, threads, device, torch and keel versions), or one that does not load, is discarded with one line,
-and the point starts over.
-"""
+`Sweep` gives each point `<out>/points/<key>.partial` (`partial_dir()`) and removes it once the point's file is
+written. A point that opts in (`budget_point`) passes a `Partial` to `train_curve`, which writes one keel checkpoint
+there (keel.runs.checkpoint) at most every `EVERY_SECONDS` and where SIGINT/SIGTERM stops it: weights, optimiser,
+sampler, RNG, guard, losses and LRs so far, seconds trained and the caller's own state. A process that later runs
+the point trains on from that step, bit for bit the uninterrupted point on a CPU (tests/test_point_resume.py); a
+partial of another configuration or computed otherwise (`identity`), or one that does not load, is discarded with
+one line and the point starts over."""
 
 from __future__ import annotations
 
@@ -78,9 +73,8 @@ class Partial:
         return self.path.name.removesuffix(".partial")
 
     def restore(self, model, optimizer, sampler, guard) -> tuple[int, list, list, float] | None:
-        """Load the saved progress into the freshly built objects; (steps done, losses, lrs, seconds trained), or
-        None when there is none to continue. Progress of another configuration, or that does not load, is
-        discarded (`Discarded`: build the objects again); a CheckpointError if it cannot be removed."""
+        """(steps done, losses, lrs, seconds trained) loaded into the fresh objects, or None: nothing to continue.
+        Progress of another configuration, or that does not load, is discarded (`Discarded`: build them again)."""
         if not self.path.exists():
             return None
         try:

@@ -1,10 +1,6 @@
-"""The statistics every verdict uses: a paired two-sided t-test on per-seed differences (scipy's), Holm's
-adjustment, and two arms' loss curves compared (`crossing`).
-
-A seed fixes the init and the batch order, so two arms run with the same seed differ only by what the arm
-changes; the per-seed differences are the sample. With n seeds the test has n - 1 degrees of freedom: with 3
-seeds a difference needs |t| > 4.30 to reach p < 0.05 (the old "beyond 2 SE" rule was |t| > 2, p ~ 0.18).
-"""
+"""The statistics every verdict uses: a paired two-sided t-test on per-seed differences (a seed fixes the init and
+the batch order, so two arms differ only by what the arm changes; with 3 seeds a difference needs |t| > 4.30 for
+p < 0.05), Holm's adjustment, and two arms' loss curves compared (`crossing`)."""
 
 from __future__ import annotations
 
@@ -17,12 +13,9 @@ ALPHA = 0.05  # the significance level every rule uses
 
 
 def paired(a: list[float | None], b: list[float | None]) -> dict:
-    """Paired two-sided t-test of a - b over the seeds where both are finite.
-
-    Returns n, the mean and SD of the differences, t, the two-sided p-value and the 95% confidence interval
-    of the mean difference. With fewer than 2 pairs, or differences that are all equal (SD 0), t and p are
-    None: no test is possible, which a verdict must read as inconclusive.
-    """
+    """Paired two-sided t-test of a - b over the seeds where both are finite: n, the mean and SD of the differences,
+    t, p and the 95% CI of the mean. With fewer than 2 pairs, or all differences equal (SD 0), t and p are None: no
+    test is possible, which a verdict must read as inconclusive."""
     diffs = [x - y for x, y in zip(a, b) if _finite(x) and _finite(y)]
     n = len(diffs)
     out = {"n": n, "mean": statistics.fmean(diffs) if diffs else float("nan"), "sd": None, "t": None, "p": None,
@@ -83,10 +76,9 @@ def holm(ps: list[float | None]) -> list[float | None]:
 
 
 def crossing(a, b, steps: list[int], early: float) -> dict:
-    """Two arms' curves (numpy arrays, seeds x evaluations at `steps`) compared by their seed means, d = a - b:
-    d at the first evaluation past `early` of the run, "starts_slower" (a above b there; "tie" when |d| is below
-    the larger seed SD of the two, `early_tol`), the first evaluation from which d < 0 at every later one
-    (`cross_step`, None if there is none) and d at the last evaluation with its tolerance."""
+    """Two arms' curves (arrays, seeds x evaluations at `steps`) by their seed means, d = a - b: d at the first
+    evaluation past `early` of the run, "starts_slower" (d > 0; "tie" when |d| is below the larger seed SD there),
+    the first evaluation from which d < 0 at every later one (`cross_step`, None: none), and d at the last."""
     tol = np.maximum(*(c.std(0, ddof=1) if len(c) > 1 else 0 * c.mean(0) for c in (a, b)))
     diff = a.mean(0) - b.mean(0)
     first = next(i for i, s in enumerate(steps) if s + 1 >= early * (steps[-1] + 1))

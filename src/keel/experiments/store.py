@@ -1,11 +1,7 @@
-"""How a study's points are kept on disk: one gzip-compressed JSON file per point, `points/<key>.json.gz`.
-
-A point's scalars (select and report losses, measured factors) are kept exactly as computed; its per-step
-training losses (`STEP_SERIES`), which no report reads, to `SERIES_DIGITS` significant digits, far below the
-step-to-step noise of a loss. Compression is deterministic (no timestamp in the gzip header), so writing the same
-point twice gives the same bytes. Points written before this layout (`<key>.json`, uncompressed) are read as they
-are.
-"""
+"""A study's points on disk: one gzip-compressed JSON file per point, `points/<key>.json.gz` (an older `<key>.json`
+is read as it is). Scalars are kept exactly; per-step training losses (`STEP_SERIES`), which no report reads, to
+`SERIES_DIGITS` significant digits, far below their step-to-step noise. No gzip timestamp: the same point, the same
+bytes."""
 
 from __future__ import annotations
 

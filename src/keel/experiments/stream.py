@@ -1,12 +1,8 @@
-"""The stream-precision measurement (the paper's numerics note): what a bf16 residual stream does to a scheme.
-
-With alpha = L in the hundreds, one sub-layer changes Keel's normalised stream by about |F| / (alpha |x|), below
-bf16's resolution (2^-8), so keel.model.numerics keeps the stream and every shortcut sum in float32. Measured here:
-  - arithmetic (`survival_profile`): per sub-layer, the share of the branch update that survives a bf16 sum,
-    <D, F> / <F, F> with D = bf16(bf16(alpha x) + bf16(F)) - bf16(alpha x), and the update's relative error
-    |D - F| / |F|, on real activations (one report-half batch), at init (`init_point`) and after training;
-  - training: a model trained with its stream rounded to bf16 (`round_stream`) beside the same model in float32.
-"""
+"""The stream-precision measurement (the paper's numerics note): with alpha = L in the hundreds, one sub-layer
+changes Keel's normalised stream by about |F| / (alpha |x|), below bf16's resolution (2^-8), so keel.model.numerics
+keeps the stream in float32. Measured here: per sub-layer, the share of the branch update that survives a bf16 sum
+and its relative error, on real activations at init and after training (`survival_profile`); and a model trained
+with its stream rounded to bf16 (`round_stream`) beside the same model in float32."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ import statistics
 import torch
 
 from keel.config import TrainConfig
-from keel.experiments.common import fixed_batches, markdown_table, pm, pyplot, save, splits
+from keel.experiments.common import fixed_batches, markdown_table, pm, splits
 from keel.experiments.surgery import residual_terms
 from keel.model import Residual, TransformerLM
 
@@ -26,14 +22,11 @@ def to_bf16(t: torch.Tensor) -> torch.Tensor:
 
 
 def round_stream(model: TransformerLM) -> list:
-    """Give `model` a bf16 residual stream: in every sub-layer the incoming stream, the shortcut sum (before
-    norm_out) and the outgoing stream are rounded to bf16, forward and (through the casts) backward; branches, norms
-    and the head compute as before. Bf16 rounding is the same on CPU and GPU, so this is a GPU's bf16 stream, only
-    slower. Returns the hook handles."""
+    """Give `model` a bf16 residual stream (returns the hooks): in every sub-layer the incoming stream, the shortcut
+    sum (before norm_out) and the outgoing stream rounded to bf16, forward and (through the casts) backward; the rest
+    as before. Bf16 rounding is the same on CPU and GPU, so this is a GPU's bf16 stream, only slower."""
     handles = []
-    for m in model.modules():
-        if not isinstance(m, Residual):
-            continue
+    for m in (m for m in model.modules() if isinstance(m, Residual)):
         handles.append(m.register_forward_pre_hook(
             lambda mod, args: (to_bf16(args[0]), *args[1:]) if torch.is_tensor(args[0]) else None))
         if m.norm_out is not None:  # the sum alpha * x + F, before norm_out
@@ -65,11 +58,6 @@ def survival_profile(model: TransformerLM, x: torch.Tensor) -> dict[str, list[fl
     return out
 
 
-def trained(model: TransformerLM, report: list) -> dict:
-    """A trained point's profile, on the first of its report batches (budget_point's `extra`)."""
-    return {"survival": survival_profile(model, report[0][0])}
-
-
 def init_point(config: TrainConfig) -> dict:
     """The profile of `config`'s model at its init (seeded by run.seed) on the first report-half batch."""
     run = config.run
@@ -78,36 +66,18 @@ def init_point(config: TrainConfig) -> dict:
     return survival_profile(TransformerLM(config.model), x)
 
 
-def _median(values: list[float]) -> float:
-    values = [v for v in values if v == v]
-    return statistics.median(values) if values else float("nan")
-
-
-def report(arms: dict[str, dict], seed: int, out) -> tuple[dict, str, str]:
-    """The arithmetic table (per arm: its init profiles, then its trained one; medians over sub-layers 2.., the first
-    two being special in Keel v2; mean ± SD over seeds) and the share plot (`seed`'s profiles). `arms`: arm ->
-    {"stream", "sublayers", "init": {sub-layers: [profile per seed]}, "trained": [profile per seed]}. Returns
-    (numbers, markdown, plot)."""
+def report(arms: dict[str, dict]) -> tuple[dict, str]:
+    """(medians, markdown) of the arithmetic: per arm (`arms`: arm -> stream, sublayers, init: {sub-layers: profiles},
+    trained: profiles) its init rows, then its trained one; medians over sub-layers 2.. (the first two are special in
+    Keel v2), mean ± SD over seeds."""
+    def median(values: list[float]) -> float:
+        return statistics.median(finite) if (finite := [v for v in values if v == v]) else float("nan")
     rows, numbers = [], {}
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, (arm, a) in enumerate(arms.items()):
+    for arm, a in arms.items():
         states = [(d, "init", ps) for d, ps in a["init"].items()]
         for d, state, ps in [*states, (a["sublayers"], f"trained ({a['stream']} stream)", a["trained"])]:
-            numbers[f"{arm}-{d}-{state.split()[0]}"] = shares = [_median(p["share"][2:]) for p in ps]
-            rows.append([arm, d, state, pm(shares), pm([_median(p["rel_err"][2:]) for p in ps]),
-                         pm([_median(p["f_over_ax"][2:]) for p in ps], 5)])
-        if a["init"]:  # a float32 arm: its shares at init and trained, against position
-            for j, (d, ps) in enumerate(a["init"].items()):
-                ax.plot([k / d for k in range(d)], ps[0]["share"], color=f"C{i}", ls=["-", "--", ":", "-."][j % 4],
-                        lw=0.9, label=f"{arm}, {d} sub-layers, init")
-            n = a["sublayers"]
-            ax.plot([k / n for k in range(n)], a["trained"][0]["share"], color=f"C{i}", lw=2, alpha=0.6,
-                    label=f"{arm}, {n} sub-layers, trained")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xlabel="sub-layer index / L", ylabel="share of F that survives a bf16 sum")
-    ax.set_title(f"seed {seed}", fontsize=9)
-    ax.legend(fontsize=7)
-    table = markdown_table(["arm", "sub-layers", "state", "surviving share of F (median over sub-layers 2..)",
-                            "relative error of the update", "rms(F) / rms(alpha x)"], rows)
-    return numbers, table, save(fig, out, "stream-share.png")
+            numbers[f"{arm}-{d}-{state.split()[0]}"] = shares = [median(p["share"][2:]) for p in ps]
+            rows.append([arm, d, state, pm(shares), pm([median(p["rel_err"][2:]) for p in ps]),
+                         pm([median(p["f_over_ax"][2:]) for p in ps], 5)])
+    return numbers, markdown_table(["arm", "sub-layers", "state", "surviving share of F (median over sub-layers 2..)",
+                                    "relative error of the update", "rms(F) / rms(alpha x)"], rows)

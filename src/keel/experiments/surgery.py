@@ -1,14 +1,8 @@
-"""Looking inside a trained model: switching branches off, and the sizes that meet at each residual sum.
-
-Every sub-layer computes `y = alpha * x + F` (then `norm_out(y)` where the scheme has one). Two ways to take
-sub-layer i out, which differ exactly by its norm_out:
-  - `removed(model, i)`: the whole sub-layer becomes the identity, x' = x (norm_out and alpha gone too);
-  - `branches_off(model, [i])`: only F is replaced by zero, x' = norm_out(alpha * x) (for Keel that is
-    norm_out(x): the stream is renormalised as before, the branch's contribution is gone).
-`residual_sizes` measures, per sub-layer, rms(F), rms(alpha x) and rms(alpha x + F) on one batch: the
-ratio rms(alpha x) / rms(alpha x + F) is the scale of the shortcut's LN Jacobian in the paper's Eq. 15/19
-(1/sqrt(2) for Post-LN when |F| = |x|; alpha / sqrt(alpha^2 + 1) for Keel).
-"""
+"""Looking inside a trained model, whose sub-layers compute `y = alpha * x + F` (then `norm_out(y)`): `removed(model,
+i)` makes sub-layer i the identity, x' = x (norm_out and alpha gone too); `branches_off(model, [i])` zeroes its F
+only, x' = norm_out(alpha * x) (Keel's stream renormalised as before, the branch's contribution gone);
+`residual_sizes` gives rms(F), rms(alpha x) and rms(alpha x + F) per sub-layer, whose ratio rms(alpha x) / rms(alpha
+x + F) scales the shortcut's LN Jacobian in the paper's Eq. 15/19 (1/sqrt(2) for Post-LN when |F| = |x|)."""
 
 from __future__ import annotations
 
@@ -67,8 +61,7 @@ def branches_off(model, indices):
 
 
 def plain(model):
-    """`model` itself when it is eager with no fused junction, else an eager twin without one holding the same
-    weights (compiling and fusing keep the state dict's names): what the probes here need, since they hook or
+    """`model` itself when eager with no fused junction, else such a twin with its weights: the probes here hook or
     swap single sub-layers, which a compiled block or a fused junction would hide."""
     from keel.model.transformer import TransformerLM  # noqa: PLC0415
     from keel.scale.fused_junction import fused_junctions  # noqa: PLC0415
@@ -84,8 +77,7 @@ def plain(model):
 @torch.no_grad()
 def residual_terms(model, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sub-layer, on the batch `x`: the two terms of its residual sum, (alpha * x, F), in float32, F after
-    norm_branch where the scheme has one (what is added to alpha * x). Needs a model without the fused
-    junction (keel.scale.fused_junction)."""
+    norm_branch where the scheme has one. Needs a model without the fused junction (`plain`)."""
     seen: dict[int, dict] = {}
     hooks = []
     for s in model.sublayers():

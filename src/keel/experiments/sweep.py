@@ -23,13 +23,11 @@ from keel.errors import ConfigError
 from keel.experiments import store
 from keel.experiments.partial import discard, keeping_progress_in
 
-# how a point is computed, not what it computes: a compiled and an eager point agree to float32 tolerance
-# (tests/test_experiments.py), so a sweep recorded with one setting may be continued with the other; every point
-# records its own (`Sweep.execution`)
+# how a point is computed, not what: compiled and eager agree to float32 tolerance (tests/test_experiments.py), so a
+# sweep recorded with one may be continued with the other (every point records its own: `Sweep.execution`)
 EXECUTION_FIELDS = ("run.compile", "run.threads")
-# fields that only add points (more seeds; an LR grid grown past its edge, frontier's `grow`; a warm-up tuned too,
-# frontier's `warmup_schemes` and depth-sweep's grid, whose points are named by their warm-up; where depth-sweep's
-# LR grid starts, its points named by their LR): a sweep recorded with other values is continued, its points reused
+# fields that only add points (seeds; frontier's grid growth and tuned warm-ups, depth-sweep's warm-ups and where its
+# LR grid starts: points named by their values): a sweep recorded with other values is continued, its points reused
 ADDS_POINTS = ("seeds", "grow", "warmup_schemes", "warmup_from", "warmups", "warmups_below", "warmups_above",
                "lrs_from_previous")
 
@@ -69,13 +67,11 @@ def report_only(on: bool = True):
 
 @dataclass
 class Sweep:
-    """Runs named points once each, keeping each result on disk as soon as it is done. The directory
-    records the experiment's config, so points from another configuration are never reused. The seed list
-    alone may differ: points are named by their seed, so adding seeds to a finished sweep runs only the new
-    ones (the recorded list becomes the union), and `EXECUTION_FIELDS` (how a point is computed, not what) may
-    differ too: each point records its own in `execution`. Several processes may run the same sweep at once: each point
-    is claimed by one of them (`_claim`) and the others wait for it. While a point runs, `<key>.partial` is where it
-may keep its progress (keel.experiments.partial), so that the process that next claims it continues it."""
+    """Runs named points once each, each kept on disk as soon as it is done. The directory records the config, so
+    points of another configuration are never reused; the seeds alone may differ (points are named by their seed:
+    added seeds run only the new points) and `EXECUTION_FIELDS` (each point records its own `execution`). Several
+    processes may run one sweep: each point is claimed by one (`_claim`), the others wait for it; a running point may
+    keep its progress in `<key>.partial` (keel.experiments.partial) for the process that next claims it."""
 
     out: Path
     config: object
@@ -89,10 +85,9 @@ may keep its progress (keel.experiments.partial), so that the process that next 
 
     def run(self, points: dict[str, Callable[[], dict]], desc: str,
             enough: Callable[[dict[str, dict]], bool] | None = None) -> dict[str, dict]:
-        """Every point of `points` done (trained here, or by another process, or found on disk), keyed as
-        given. With `enough`, returns as soon as `enough(done so far)` holds instead: the points not yet done
-        are left to a later call (or to the process that claimed them), so a caller whose arms advance
-        independently does not wait for the slowest one (`keel.experiments.grid.run_searches`)."""
+        """Every point of `points` done (here, by another process, or found on disk), keyed as given. With `enough`,
+        returns once `enough(done so far)` holds, the rest left to a later call (grid.run_searches: arms advance
+        independently)."""
         # a `points` link (or file) planted in the output directory is refused, never written through
         safe_io.check_dir(self.out, self.out / "points").mkdir(parents=True, exist_ok=True)
         recorded, mine = self.out / "points" / "config.json", json.loads(json.dumps(asdict(self.config)))
@@ -158,16 +153,10 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _claim(path: Path) -> bool:
-    """Take the point `path` names for this process (a file holding host and pid), so two processes running the
-    same sweep (`keel experiment ...` started twice: two points at a time) never train the same point. A claim
-    left by a dead process on this host is taken over, and so is one written before this machine last booted
-    (its owner died with the machine; its pid may since belong to another process); one from another host is
-    respected (delete it by hand if that machine is gone).
-
-    The claim appears whole: it is written under a private name and linked into place (os.link fails if the
-    name exists), so no reader ever sees an empty or half-written claim. (Creating the file exclusively and
-    then writing it left a moment in which a second process read an empty claim, took it for a dead owner's,
-    deleted it and trained the same point.)"""
+    """Take the point `path` names for this process (a file holding host and pid), so two processes running one
+    sweep never train the same point; a claim of a dead process on this host, or from before this machine booted,
+    is taken over; one from another host is respected. Written under a private name and linked into place (os.link
+    fails if the name exists): an exclusive create, then a write, let another process take the empty claim."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     tmp.write_text(_owner())
     try:
@@ -181,9 +170,8 @@ def _claim(path: Path) -> bool:
 
 
 def _take_over(path: Path, mine: Path) -> bool:
-    """Replace a dead owner's claim with `mine`, one process at a time: under the points directory's lock, the
-    claim is looked at again and replaced only if still dead. (Two processes that both found it dead used to both
-    replace it, the second deleting the first one's fresh claim.)"""
+    """Replace a dead owner's claim with `mine` under the directory's lock, only if still dead (two processes that
+    both found it dead used to both replace it, the second deleting the first one's fresh claim)."""
     with _directory_lock(path.parent):
         if _claim_alive(path):
             return False
@@ -271,9 +259,8 @@ _MOVED = {"steps": "run.steps", "warmup_steps": "optim.warmup_steps", "eval_batc
 
 
 def upgrade_recorded(recorded: dict) -> dict:
-    """A sweep's recorded config in today's layout. Configs written before experiments took `keel train`'s
-    sections kept `steps`, `shape.*`, `lr` ... at the top level (`_MOVED`); their points are the same runs,
-    so a sweep recorded then can still take more seeds."""
+    """A sweep's recorded config in today's layout: configs written before experiments took `keel train`'s sections
+    kept `steps`, `shape.*`, `lr` ... at the top level (`_MOVED`); their points are the same runs."""
     if "shape" not in recorded and "steps" not in recorded:
         return recorded
     out = {k: v for k, v in recorded.items() if k not in ("shape", *_MOVED)}
