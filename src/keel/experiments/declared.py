@@ -1,5 +1,5 @@
 """A study declared as data: `keel sweep STUDY.yaml` where the file names `arms:` instead of a study kind. Its keys
-(`KEYS`, `STEP`, `MAX_LR`) are documented in docs/experiments.md#your-own-study.
+(`KEYS`; a tune step's `STEP`, `MAX_LR`) are documented in docs/experiments.md#your-own-study.
 
 The measurement: `loss` (keel.experiments.budget; each `tune` step chooses its field per arm and cell by the mean
 select-half loss over the choosing seeds, the grid grown past an edge choice: keel.experiments.grid; optionally the
@@ -29,17 +29,8 @@ from keel.experiments.detect import FailureRules
 from keel.experiments.grid import Grid, LadderGrid, _finite, grid_note, run_searches, search_grid
 from keel.experiments.sweep import Sweep
 
-KEYS = {"question": "what it asks", "answer": "what it found", "rule": "its decision rule", "base": "keel train's "
-        "sections every point starts from", "arms": "name -> the fields it sets", "axes": "field -> values",
-        "tune": "the fields chosen per arm and cell", "seeds": "the seeds", "marginal_seeds": "seeds added to a "
-        "marginal test", "compare": "pairs of arms", "measure": "what a point measures", "curve_every":
-        "report-half loss every this many steps (0: off)", "curve_batches": "batches of each curve evaluation",
-        "select_seeds": "the seeds that choose (default: all seeds)", "best_of": "name -> arms: per cell the one "
-        "with the lowest mean select-half loss at its choices", "untested": "pairs of arms reported, not tested",
-        "probe": "the effective-depth probe on every point (true or false)", "max_lr": "the max-LR measurement's "
-        "settings (with measure: max_lr)", "crossing": "a fraction of the run: each compare pair's curves there "
-        "(keel.experiments.stats.crossing)", "stream": "keel.experiments.stream: bf16 (the arms trained with a bf16 "
-        "stream), init_blocks (n_blocks at which the other arms are measured at init)"}
+KEYS = ("question", "answer", "rule", "base", "arms", "axes", "tune", "seeds", "marginal_seeds", "compare", "measure",
+        "curve_every", "curve_batches", "select_seeds", "best_of", "untested", "probe", "max_lr", "crossing", "stream")
 STEP = {"arms": "some of the arms, the ones this step tunes", "below": "values falling from below the grid's lowest, "
         "grown through in order", "above": "values rising from above the grid's highest, grown through in order",
         "ties": "low or high: which of equal scores wins"}  # a tune step's optional keys
@@ -141,7 +132,7 @@ def read(doc: dict, where: str) -> DeclaredStudy:
         raise bad(f"unknown key {unknown[0]!r} (allowed: {', '.join(KEYS)})")
     for key in ("base", "arms", "axes"):
         if not isinstance(doc.get(key) or {}, dict):
-            raise bad(f"{key}: a mapping ({KEYS[key]})")
+            raise bad(f"{key}: a mapping")
     arms = {str(k): dotted(v or {}) if isinstance(v, dict) else v for k, v in (doc.get("arms") or {}).items()}
     if len(arms) < 2:
         raise bad("arms: at least two arms to compare (name -> the fields it sets)")
@@ -213,8 +204,8 @@ def read(doc: dict, where: str) -> DeclaredStudy:
     if got and (set(got) - {"bf16", "init_blocks"} or axes or not (isinstance(bf16, list) and bf16 and set(map(
             str, bf16)) < set(arms)) or not (isinstance(init, list) and all(_positive(n) and type(n) is int for n in
                                                                                init) and len(set(init)) == len(init))):
-        raise bad(f"stream: {KEYS['stream']}: some of the arms, distinct positive integers; a study without axes "
-                  f"(got {got!r})")
+        raise bad(f"stream: keel.experiments.stream's bf16 (some of the arms) and init_blocks (distinct positive "
+                  f"integers), in a study without axes (got {got!r})")
     if not isinstance(doc.get("probe", False), bool):
         raise bad(f"probe: true or false (got {doc['probe']!r})")
     curve_every, curve_batches = doc.get("curve_every", 0), doc.get("curve_batches", 2)
@@ -224,7 +215,7 @@ def read(doc: dict, where: str) -> DeclaredStudy:
     crossing = doc.get("crossing", 0)
     if crossing and not (_positive(crossing) and crossing < 1 and curve_every and all(
             isinstance(x, str) and x in arms for p in compare for x in p)):
-        raise bad(f"crossing: {KEYS['crossing']}, a number in (0, 1), with curve_every and compare pairs of two arms "
+        raise bad(f"crossing: a fraction of the run, in (0, 1), with curve_every and compare pairs of two arms "
                   f"(got {crossing!r})")
     study = DeclaredStudy(base=doc.get("base") or {}, arms=arms, axes=axes, tune=[
         {"field": s["field"], "grid": sorted(s["grid"]), "grow": s.get("grow", 2), **{k: s[k] for k in STEP if k in s}}
