@@ -60,7 +60,7 @@ def test_generate_help_shows_defaults():
     (["summary", "model.d_model=7"], "ModelConfig.d_model"),
     (["eval", "run", "--batches", "-1"], "--batches: got -1"),
     (["generate", "run", "--top-p", "2"], "--top-p: got 2.0"),
-    (["experiment", "regime", "--bogus"], "unrecognized arguments: --bogus"),
+    (["experiment", "frontier", "--bogus"], "unrecognized arguments: --bogus"),
     (["experiment", "nope"], "invalid choice: 'nope'"),
     (["bench", "--model-gpu", "X100"], "invalid choice: 'X100'"),
     (["bench", "--preset", "tiny", "model.nope=1"], "ModelConfig has no field 'nope'"),

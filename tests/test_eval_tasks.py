@@ -91,7 +91,7 @@ def test_a_bad_task_name_is_one_line_and_exit_2_before_anything_is_written(targs
 
 
 def test_experiments_refuse_the_fields_they_do_not_use(capsys):
-    assert main(["experiment", "regime", "--quick", "run.eval_tasks=[brackets]"]) == 2
+    assert main(["experiment", "frontier", "--quick", "run.eval_tasks=[brackets]"]) == 2
     assert "run.eval_tasks: not used here" in capsys.readouterr().err
 
 

@@ -23,8 +23,8 @@ from keel.train.trainer import Trainer
 
 
 def experiment_point(corpus, tmp_path, **run):
-    cfg = build("regime", True, [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "run.steps=12",
-                                 "optim.warmup_steps=3", *(f"run.{k}={v}" for k, v in run.items())])
+    cfg = build("frontier", True, [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "run.steps=12",
+                                   "optim.warmup_steps=3", *(f"run.{k}={v}" for k, v in run.items())])
     return point_config(cfg, cfg.point_model("keel", 8), 7, lr=3e-3)
 
 
@@ -66,8 +66,8 @@ def test_experiment_overrides_reach_the_engine(corpus, tmp_path, monkeypatch):
         seen.update(device=str(device), dtype=run.dtype, compile=run.compile)
         return real_build(config, run, device, fsdp, model)
     monkeypatch.setattr("keel.experiments.common.build_model", spy)
-    cfg = build("regime", True, ["run.device=cpu", "run.dtype=bfloat16", "run.compile=false", "depth=4",
-                                 f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}"])
+    cfg = build("frontier", True, ["run.device=cpu", "run.dtype=bfloat16", "run.compile=false", "depths=[4]",
+                                   f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}"])
     assert cfg.run.dtype == "bfloat16" and cfg.run.device == "cpu"
     config = point_config(replace(cfg, run=replace(cfg.run, steps=2)), cfg.point_model("keel", 4), 0, lr=1e-3,
                           warmup_steps=1)
@@ -84,7 +84,7 @@ def test_experiment_overrides_reach_the_engine(corpus, tmp_path, monkeypatch):
     assert dtypes[:2] == [("block", torch.float32), ("head", torch.bfloat16)]
     if not torch.cuda.is_available():  # run.device=cuda reaches the engine, which refuses it here
         with pytest.raises(ConfigError, match="run.device"):
-            cuda = build("regime", True, ["run.device=cuda"])
+            cuda = build("frontier", True, ["run.device=cuda"])
             train_curve(point_config(cuda, cuda.point_model("keel", 4), 0))
 
 
@@ -162,36 +162,36 @@ def test_only_keel_errors_become_one_line(monkeypatch, capsys):
 
 
 def test_experiments_take_a_config_file_like_train(tmp_path):
-    (tmp_path / "e.yaml").write_text("lrs: [0.001, 0.003]\ndepth: 4\nrun:\n  steps: 5\n  compile: true\n")
-    cfg = build("regime", True, ["run.steps=6"], str(tmp_path / "e.yaml"))
-    assert cfg.run.steps == 6 and cfg.run.compile is True and cfg.lrs == [1e-3, 3e-3] and cfg.depth == 4
-    with pytest.raises(ConfigError, match="regime: bogus"):
-        build("regime", True, ["bogus=1"])
+    (tmp_path / "e.yaml").write_text("depths: [2, 4]\nrun:\n  steps: 5\n  compile: true\n")
+    cfg = build("frontier", True, ["run.steps=6"], str(tmp_path / "e.yaml"))
+    assert cfg.run.steps == 6 and cfg.run.compile is True and cfg.depths == [2, 4]
+    with pytest.raises(ConfigError, match="frontier: bogus"):
+        build("frontier", True, ["bogus=1"])
 
 
 def test_experiments_spell_every_knob_as_keel_train_does():
     """One spelling: the old experiment-only names are refused with the section they now live in, and bare
     model fields are model.<field> as in keel train."""
-    cfg = build("regime", False, ["run.steps=7", "optim.warmup_steps=3", "model.d_model=48", "run.seq_len=32",
-                                  "run.batch_size=2", "n_heads=8", "ffn=gelu"])
+    cfg = build("frontier", False, ["run.steps=7", "optim.warmup_steps=3", "model.d_model=48", "run.seq_len=32",
+                                    "run.batch_size=2", "n_heads=8", "ffn=gelu"])
     assert (cfg.run.steps, cfg.optim.warmup_steps, cfg.run.seq_len, cfg.run.batch_size) == (7, 3, 32, 2)
     assert (cfg.model.d_model, cfg.model.n_heads, cfg.model.ffn) == (48, 8, "gelu")
     point = cfg.point_model("pre_ln", 16)
     assert (point.scheme, point.n_blocks, point.max_seq_len, point.d_model, point.ffn) == ("pre_ln", 8, 32, 48, "gelu")
     with pytest.raises(ConfigError, match=r"did you mean run\.steps"):
-        build("regime", False, ["steps=7"])
+        build("frontier", False, ["steps=7"])
     with pytest.raises(ConfigError, match="has no field 'shape'"):
-        build("regime", False, ["shape.d_model=32"])
+        build("frontier", False, ["shape.d_model=32"])
 
 
 @pytest.mark.parametrize("name, override, why", [
-    ("regime", "model.n_blocks=4", "set per point from depth"),
-    ("regime", "n_blocks=4", "set per point from depth"),
-    ("regime", "model.scheme=pre_ln", "set per point from schemes"),
-    ("regime", "optim.lr=1e-3", "set per point from lrs"),
-    ("regime", "run.seed=3", "set per point from seeds"),
-    ("regime", "run.name=x", "no run directory"),
-    ("regime", "run.eval_every=5", "no run directory"),
+    ("frontier", "model.n_blocks=4", "set per point from depths"),
+    ("frontier", "n_blocks=4", "set per point from depths"),
+    ("frontier", "model.scheme=pre_ln", "set per point from schemes"),
+    ("frontier", "optim.lr=1e-3", "set per point from lrs"),
+    ("frontier", "run.seed=3", "set per point from seeds"),
+    ("frontier", "run.name=x", "no run directory"),
+    ("frontier", "run.eval_every=5", "no run directory"),
 ])
 def test_an_experiment_refuses_fields_it_does_not_use(name, override, why, tmp_path):
     with pytest.raises(ConfigError, match=f"{override.split('=')[0]}: not used here.*{why}"):

@@ -4,7 +4,6 @@ committed results by default. (Measurements and verdicts: test_experiment_measur
 
 import json
 import math
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -146,23 +145,8 @@ def test_a_study_file_runs_by_name_at_its_smoke_test_size(name, tmp_path, monkey
 
 
 def test_bad_experiment_override_names_the_key():
-    with pytest.raises(ValueError, match="seeds"):
-        build("regime", True, ["seeds=many"])
-
-
-@pytest.mark.slow
-def test_the_first_seed_chooses_the_lr_and_the_others_run_once_at_it(corpus_cfg, tmp_path):
-    """A code study's LR choice (budget.select_then_seeds): every LR of the grid with the first seed, then the
-    second seed once per scheme, at the LR whose select-half loss was the lowest, read here from the point files."""
-    cfg = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "lrs=[0.003,0.01]"])
-    EXPERIMENTS["regime"][1](cfg, tmp_path, "keel experiment regime --quick lrs=[0.003,0.01]")
-    keys = store.keys(tmp_path / "points")
-    assert sorted(k for k in keys if k.endswith("seed0")) == sorted(f"{s}-lr{lr}-seed0" for s in _S3
-                                                                    for lr in (0.003, 0.01))
-    assert Counter(k.split("-lr")[0] for k in keys if k.endswith("seed1")) == {s: 1 for s in _S3}
-    for s in _S3:
-        select = {lr: store.load(tmp_path / "points", f"{s}-lr{lr}-seed0")["select_loss"] for lr in (0.003, 0.01)}
-        assert f"{s}-lr{min(select, key=select.get)}-seed1" in keys, (s, select)
+    with pytest.raises(ValueError, match="depths"):
+        build("frontier", True, ["depths=many"])
 
 
 def test_a_sweep_directory_refuses_points_of_another_configuration(corpus_cfg, tmp_path):
@@ -248,25 +232,25 @@ def test_a_field_added_later_with_its_default_does_not_invalidate_a_sweep(corpus
 
 @pytest.mark.parametrize("quick", [False, True])
 def test_a_bare_experiment_command_never_writes_into_the_committed_results(quick, tmp_path, monkeypatch):
-    """`keel experiment regime` as the README writes it, in a clone whose results/regime holds committed points of
-    another configuration: the run goes to runs/experiments/regime (runs/quick/regime with --quick), and only a
-    --quick run is marked as a smoke test."""
+    """`keel experiment frontier` as the README writes it, in a clone whose results/frontier holds committed points
+    of another configuration: the run goes to runs/experiments/frontier (runs/quick/frontier with --quick), and only
+    a --quick run is marked as a smoke test."""
     from keel.cli import main
     from keel.experiments import common
 
-    (tmp_path / "results" / "regime" / "points").mkdir(parents=True)
-    (tmp_path / "results" / "regime" / "points" / "config.json").write_text('{"depth": 32}')
+    (tmp_path / "results" / "frontier" / "points").mkdir(parents=True)
+    (tmp_path / "results" / "frontier" / "points" / "config.json").write_text('{"depths": [64, 256, 1024]}')
     monkeypatch.chdir(tmp_path)
     seen = []
 
     def fake_run(cfg, out, command):
         seen.append((out, common._SMOKE_TEST.get()))
-        (out / "report.md").write_text("# regime\n")
+        (out / "report.md").write_text("# frontier\n")
 
-    monkeypatch.setitem(EXPERIMENTS, "regime", (EXPERIMENTS["regime"][0], fake_run))
-    assert main(["experiment", "regime", *(["--quick"] if quick else [])]) == 0
-    assert seen == [(Path("runs/quick/regime" if quick else "runs/experiments/regime"), quick)]
-    assert sorted(p.name for p in (tmp_path / "results" / "regime").rglob("*")) == ["config.json", "points"]
+    monkeypatch.setitem(EXPERIMENTS, "frontier", (EXPERIMENTS["frontier"][0], fake_run))
+    assert main(["experiment", "frontier", *(["--quick"] if quick else [])]) == 0
+    assert seen == [(Path("runs/quick/frontier" if quick else "runs/experiments/frontier"), quick)]
+    assert sorted(p.name for p in (tmp_path / "results" / "frontier").rglob("*")) == ["config.json", "points"]
 
 
 @pytest.mark.slow  # compiles the model (18 s cold on a loaded machine)
@@ -291,8 +275,8 @@ def test_probes_of_a_compiled_point_are_those_of_the_eager_point(corpus_cfg, tmp
     out = {}
     for compile in (True, False):
         torch._dynamo.reset()
-        cfg = build("regime", True, [*TINY, *corpus_cfg, f"run.compile={str(compile).lower()}", "run.steps=4",
-                                     "probe=true", "probe_batches=1"])
+        cfg = build("frontier", True, [*TINY, *corpus_cfg, f"run.compile={str(compile).lower()}", "run.steps=4",
+                                       "probe=true", "probe_batches=1"])
         out[compile] = budget_point(cfg, cfg.point_model("keel", 4), 3e-3, 0)
     probe = {k: v["probe"] for k, v in out.items()}
     assert probe[True]["loss_branches_above_k_off"] == pytest.approx(probe[False]["loss_branches_above_k_off"],

@@ -61,7 +61,7 @@ COMMANDS = {
     "bench": ["bench", "--preset", "tiny", "--depths", ""],
     "bench-model-gpu": ["bench", "--preset", "tiny", "--model-gpu", "H100"],
     "bench-validate": ["bench", "--validate-model"],
-    "experiment": ["experiment", "regime"],
+    "experiment": ["experiment", "frontier"],
     "experiment-pilot": ["experiment", "depth-pilot"],
     "experiment-ablations": ["experiment", "ablations"],
 }
@@ -109,10 +109,10 @@ CASES = [
     ("experiment", {"model.d_model": 32}, None),
     ("experiment", {"model.alpha": "sqrtL"}, None),  # the Keel arms take it
     ("experiment", {"schemes": ["pre_ln", "post_ln"], "model.alpha": "sqrtL"},
-     "regime: model.alpha: not used here (an option of keel; the arms here are post_ln, pre_ln)"),
-    ("experiment", {"model.n_blocks": 4}, "regime: model.n_blocks: not used here (set per point from depth)"),
-    ("experiment", {"run.name": "x"}, "regime: run.name: not used here (a sweep point writes no run directory of its "
-                                      "own)"),
+     "frontier: model.alpha: not used here (an option of keel; the arms here are post_ln, pre_ln)"),
+    ("experiment", {"model.n_blocks": 4}, "frontier: model.n_blocks: not used here (set per point from depths)"),
+    ("experiment", {"run.name": "x"}, "frontier: run.name: not used here (a sweep point writes no run directory of "
+                                      "its own)"),
     ("experiment-pilot", {"run.steps": 5}, "depth-pilot: run.steps: not used here (the study's fields are in its "
                                            "file, results/depth-pilot/study.yaml: copy it and run keel sweep on the "
                                            "copy)"),
@@ -224,7 +224,7 @@ def test_experiment_help_shows_only_spellings_the_merge_accepts(capsys):
 
 # ---- a scheme owns its options --------------------------------------------------------------------------
 def test_alpha_applies_to_the_keel_arms_only():
-    cfg = build("regime", False, ["model.alpha=sqrtL", "depth=16"])
+    cfg = build("frontier", False, ["model.alpha=sqrtL", "depths=[16]"])
     arms = {s: cfg.point_model(s, 16) for s in cfg.schemes}
     assert arms["keel"].alpha == "sqrtL"
     assert all(m.alpha is None for s, m in arms.items() if s != "keel")  # else ModelConfig would refuse them

@@ -13,7 +13,7 @@ from keel.cli import main
 from keel.cli.experiment import build
 from keel.experiments import common
 from keel.reporting.plot import build_figure
-from keel_studies import precision
+from keel_studies import frontier
 
 TRAIN = ["--preset", "tiny", "run.steps=12", "run.telemetry_every=4", "run.eval_every=1000", "run.progress=false"]
 
@@ -78,9 +78,9 @@ def test_the_figure_fills_the_canvas_and_every_title_fits(runs, which):
 
 
 def _tiny_study(corpus):
-    return build("stream-precision", True, ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1",
-                                            "run.seq_len=16", "run.batch_size=2", "depth=4", "init_depths=[4]",
-                                            "run.steps=4", "curve_every=2", "seeds=[0]", *corpus])
+    return build("frontier", True, ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16",
+                                    "run.batch_size=2", "depths=[2,4]", "lrs={post_ln: [0.01], keel: [0.01]}",
+                                    "run.steps=4", "curve_every=2", "seeds=[0]", *corpus])
 
 
 @pytest.fixture(scope="module")
@@ -95,16 +95,15 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def study_points(corpus, tmp_path_factory):
-    """The tiny stream-precision study's points, trained once: each test below copies them and only reports and
-    plots."""
-    out = tmp_path_factory.mktemp("stream-precision")
-    precision.run(_tiny_study(corpus), out, "keel experiment stream-precision")
+    """The tiny frontier study's points, trained once: each test below copies them and only reports and plots."""
+    out = tmp_path_factory.mktemp("frontier")
+    frontier.run(_tiny_study(corpus), out, "keel experiment frontier")
     return out / "points"
 
 
 def _run_study(corpus, points, out, quick: bool, monkeypatch):
-    """The stream-precision study as `keel experiment stream-precision [--quick]` runs it (on saved `points`); every
-    figure it saves is kept."""
+    """The frontier study as `keel experiment frontier [--quick]` runs it (on saved `points`); every figure it saves
+    is kept."""
     shutil.copytree(points, out / "points")
     figures = []
     real = common.save
@@ -114,9 +113,9 @@ def _run_study(corpus, points, out, quick: bool, monkeypatch):
         figures.append((name, fig))
         return real(fig, out, name)
 
-    monkeypatch.setattr(precision, "save", keep)
+    monkeypatch.setattr(frontier, "save", keep)
     with common.smoke_test(quick):
-        precision.run(_tiny_study(corpus), out, "keel experiment stream-precision" + (" --quick" if quick else ""))
+        frontier.run(_tiny_study(corpus), out, "keel experiment frontier" + (" --quick" if quick else ""))
     return figures
 
 
@@ -126,7 +125,7 @@ def test_a_quick_report_and_its_figures_say_smoke_test(corpus, study_points, tmp
     report = (tmp_path / "quick" / "report.md").read_text()
     assert common.SMOKE_TEST_BANNER in report.splitlines()[0]
     assert figures and all(common.SMOKE_TEST_BANNER in fig._suptitle.get_text() for _, fig in figures)
-    curves = dict(figures)["stream-curves.png"]
+    curves = dict(figures)["frontier.png"]
     assert all(len(ax.lines) > 1 for ax in curves.axes)  # curves drawn (beside the unigram line), not empty frames
     for name, fig in figures:  # every plotted point lies inside its axes' y-limits
         for ax in fig.axes:

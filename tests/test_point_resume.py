@@ -30,8 +30,8 @@ class Killed(Exception):
 
 @pytest.fixture
 def cfg(corpus, tmp_path):
-    return build("regime", True, [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
-                                  f"run.steps={STEPS}", "curve_every=2", "curve_batches=1"])
+    return build("frontier", True, [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+                                    f"run.steps={STEPS}", "curve_every=2", "curve_batches=1"])
 
 
 def run_point(cfg, out, lr=3e-3, kill_after=None):
@@ -212,8 +212,8 @@ def test_a_finished_point_never_reads_or_leaves_progress(cfg, tmp_path):
 @pytest.mark.slow  # compiles the model three times
 def test_a_killed_compiled_point_continues_to_the_uninterrupted_points_numbers(corpus, tmp_path):
     """As the depth sweep runs its points: compiled per block."""
-    cfg = build("regime", True, [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "run.compile=true",
-                                 f"run.steps={STEPS}", "curve_every=2", "curve_batches=1"])
+    cfg = build("frontier", True, [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+                                   "run.compile=true", f"run.steps={STEPS}", "curve_every=2", "curve_batches=1"])
     whole = run_point(cfg, tmp_path / "whole")
     with pytest.raises(Killed):
         run_point(cfg, tmp_path / "killed", kill_after=5)
@@ -225,9 +225,9 @@ def test_a_killed_compiled_point_continues_to_the_uninterrupted_points_numbers(c
 def experiment_command(corpus, tmp_path, out):
     """A `keel experiment` process running one 1500-step point, saving its progress every 0.2 s."""
     return [sys.executable, "-c", "import sys; from keel.experiments import partial; partial.EVERY_SECONDS = 0.2; "
-            "from keel.cli import main; sys.exit(main(sys.argv[1:]))", "experiment", "regime", "--quick",
-            "--out", str(out), f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "depth=4",
-            "schemes=[keel]", "lrs=[0.003]", "seeds=[0]", "run.steps=1500", "curve_every=50"]
+            "from keel.cli import main; sys.exit(main(sys.argv[1:]))", "experiment", "frontier", "--quick",
+            "--out", str(out), f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "depths=[4]",
+            "schemes=[keel]", "lrs={keel: [0.003]}", "seeds=[0]", "run.steps=1500", "curve_every=50"]
 
 
 def the_point(out):

@@ -196,7 +196,7 @@ OUTPUT_KINDS = {"link to a directory": "symbolic link", "a file": "not a directo
 def study_file(tmp: Path) -> str:
     """A study kind's file: `--report-only` trains nothing even if --out were taken."""
     (tmp / "study").mkdir()
-    (tmp / "study" / "study.yaml").write_text("study: regime\nfields:\n  depth: 4\n  schemes: [keel]\n")
+    (tmp / "study" / "study.yaml").write_text("study: frontier\nfields:\n  depths: [4]\n  schemes: [keel]\n")
     return str(tmp / "study" / "study.yaml")
 
 
@@ -206,7 +206,7 @@ def directory_commands(tmp: Path) -> dict:
         "bench": lambda out: ["bench", "--preset", "tiny", "--depths", "", "--out", out],
         "bench --model-gpu": lambda out: ["bench", "--preset", "tiny", "--model-gpu", "H100", "--out", out],
         "data prepare": lambda out: ["data", "prepare", "--out", out, f"data.source={tmp / 'victim' / 'keep.txt'}"],
-        "experiment": lambda out: ["experiment", "regime", "--quick", "--out", out],
+        "experiment": lambda out: ["experiment", "frontier", "--quick", "--out", out],
         "sweep": lambda out: ["sweep", study_file(tmp), "--report-only", "--out", out],
         "export-hf": lambda out: ["export-hf", str(tmp / "no-run"), out],
     }
@@ -308,7 +308,7 @@ def bad_file(tmp: Path, kind: str) -> str:
 INPUT_KINDS = ["not UTF-8", "a list", "a directory", "a FIFO", "missing", "/dev/zero"]
 CONFIG_COMMANDS = {"train": ["train", "--print-config"], "summary": ["summary"], "tokenizer": ["tokenizer"],
                    "data prepare": ["data", "prepare", "--out", "OUT"], "bench": ["bench", "--depths", ""],
-                   "experiment": ["experiment", "regime", "--quick", "--out", "OUT"]}
+                   "experiment": ["experiment", "frontier", "--quick", "--out", "OUT"]}
 
 
 def within(seconds: float, work):
