@@ -100,8 +100,12 @@ class GpuSuite:
 
     @classmethod
     def toy(cls) -> GpuSuite:
+        # compiled variants through Dynamo alone ("eager" backend): the graphs, recompiles and fused-junction counts
+        # the toy runs check are Dynamo's and the model's; AOTAutograd's trace of the same model (with the fused
+        # junction, under AC) is tests/test_fused_junction_model.py's and
+        # test_compile.py's, and costs the toy campaign a fifth more CPU time
         return cls(d_model=32, n_heads=2, n_kv_heads=1, vocab_size=256, seq_len=16, batch_size=2, dtype="auto",
-                   compile_backend="aot_eager", steps=2, warmup=1, compare_sublayers=(4, 8), ac_from=8,
+                   compile_backend="eager", steps=2, warmup=1, compare_sublayers=(4, 8), ac_from=8,
                    together_upto=4, tokens_points=((4, 4),), kernel_rows=64, kernel_widths=(32, 48), kernel_calls=1,
                    kernel_repeats=1, warmup_sublayers=4, warmup_repeats=1, depth_d_model=32,
                    depth_sublayers=(4, 8, 16), depth_steps=1, max_depth_from=4,

@@ -77,7 +77,7 @@ def preset_trial(name: str, device: torch.device, cap_gib: float | None, steps: 
     def two_steps():
         start = time.monotonic()
         b = Bench(config.model, run, config.optim, device=device, init_on_device=device.type == "cuda",
-                  compile_backend="inductor" if device.type == "cuda" else "aot_eager")
+                  compile_backend="inductor" if device.type == "cuda" else GpuSuite.toy().compile_backend)
         built = time.monotonic() - start
         for _ in range(steps):
             b.step()
