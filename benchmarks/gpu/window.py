@@ -31,6 +31,7 @@ writes OUT/window.json and OUT/window.md after every cell. `--toy` runs it at CP
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 import traceback
@@ -132,6 +133,9 @@ def main() -> None:
     start = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     base = GpuSuite.toy() if args.toy else GpuSuite()
+    if args.toy:  # as campaign.py's toy run: each release's full collection walks the models' objects alone
+        gc.collect()
+        gc.freeze()
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "status": {},
               "seconds": args.seconds}
     args.out.mkdir(parents=True, exist_ok=True)
