@@ -126,11 +126,12 @@ def library_code() -> str:
     return library_blocks()[0]
 
 
-@pytest.mark.slow  # 30 steps of the README's model; the next test keeps the Python API in the fast tier
+@pytest.mark.slow  # 10 steps of the README's model; the next test keeps the Python API in the fast tier
 def test_readme_library_example_trains_a_next_token_model():
     """Its loss is the next-token loss (the cross-entropy written out: minus the log-softmax at each next token),
-    and 30 AdamW steps of the README's own call on its one batch lower it (5.6 to 1.2 nats when measured), though a
-    next-token model cannot copy random tokens from its input."""
+    and 10 AdamW steps of the README's own call on its one batch lower it (5.6 to 1.8 nats when measured; 30 steps
+    at a third of the rate reached 1.2 at three times the cost), though a next-token model cannot copy random
+    tokens from its input."""
     torch.manual_seed(0)
     code = library_code()
     ns: dict = {}
@@ -146,8 +147,8 @@ def test_readme_library_example_trains_a_next_token_model():
     start = ns["loss"].item()
     assert abs(start - math.log(ns["config"].vocab_size)) < 1.0  # starts near uniform
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(30):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(10):
         exec(call, ns)
         ns["loss"].backward()
         optimizer.step()
