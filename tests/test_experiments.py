@@ -9,20 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel import TransformerLM, tiny
 from keel.cli.experiment import build
 from keel.data import DataConfig
 from keel.errors import ConfigError
 from keel.experiments import EXPERIMENTS, store, study_files
 from keel.experiments.budget import budget_point
-from keel_studies import precision
 
 TINY = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16", "run.batch_size=2"]
 QUICK = {
     "gradflow": ["schemes=[post_ln,keel]", "depths=[4]", "run.steps=3"],
     "redundancy": ["depth=4", "run.steps=3"],
-    "regime": ["depth=4", "run.steps=4"],
-    "stream-precision": ["depth=4", "run.steps=3", "init_depths=[4,8]"],
     "frontier": ["depths=[2,4]", "run.steps=3"],
     # the one-file corpus has no second document for identifiers/next_line
     "downstream": ["run.steps=3", "run.eval_tasks=[brackets,indent]"],
@@ -48,9 +44,6 @@ _S3, _K = ("post_ln", "pre_ln", "keel"), (0, 1)  # the quick configs' schemes an
 QUICK_POINTS = {
     "gradflow": [f"{s}-4-{init}-seed{k}" for s in ("post_ln", "keel") for init in ("default", "matched") for k in _K],
     "redundancy": [f"{s}-seed{k}" for s in ("pre_ln", "keel") for k in _K],
-    "regime": [f"{s}-lr0.003-seed{k}" for s in _S3 for k in _K],
-    "stream-precision": [f"init-{s}-{d}-seed{k}" for s in ("keel", "pre_ln") for d in (4, 8) for k in _K]
-    + [f"{s}-{p}-seed{k}" for s in ("keel", "pre_ln") for p in ("float32", "bfloat16") for k in _K],
     "frontier": [f"{s}-{d}-lr{lr}-seed{k}" for s, grid in (("post_ln", (0.001, 0.003)), ("keel", (0.003, 0.01)))
                  for d in (2, 4) for lr in grid for k in _K],  # every LR with every seed
     "downstream": [f"{arm}-lr0.003-seed{k}" for arm in [f"{s}-{d}" for s in _S3 for d in (4, 8)] + ["wide-pre_ln"]
@@ -134,7 +127,7 @@ def test_a_study_file_runs_by_name_at_its_smoke_test_size(name, tmp_path, monkey
     report = (out / "report.md").read_text()
     assert report.startswith("> **SMOKE TEST, NOT A RESULT**") and (out / "study.png").stat().st_size > 0
     study = declared.smoke(declared.read(yaml.safe_load(study_files()[name].read_text()), name))
-    points = store.load_all(out / "points")
+    points = {k: p for k, p in store.load_all(out / "points").items() if not k.startswith("init-")}  # trained ones
     assert {p["seed"] for p in points.values()} == set(study.seeds[:2])
     assert all(p["n_sublayers"] == 4 and p["d_model"] == 32 and len(p["losses"]) == 6 for p in points.values())
     results = store.read_results(out)["results"]
@@ -144,72 +137,44 @@ def test_a_study_file_runs_by_name_at_its_smoke_test_size(name, tmp_path, monkey
     assert sorted(p.name for p in study_files()[name].parent.rglob("*")) == committed
 
 
+# a code study's sweep at its smallest: frontier at one depth, one LR per scheme (a point per scheme and seed)
+ONE_LR = ["depths=[4]", "lrs={post_ln: [0.003], keel: [0.003]}", "run.steps=4"]
+
+
 def test_bad_experiment_override_names_the_key():
     with pytest.raises(ValueError, match="depths"):
         build("frontier", True, ["depths=many"])
 
 
 def test_a_sweep_directory_refuses_points_of_another_configuration(corpus_cfg, tmp_path):
-    cfg = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0]"])
-    EXPERIMENTS["regime"][1](cfg, tmp_path, "keel experiment regime --quick")
-    longer = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0]", "run.steps=5"])
+    cfg = build("frontier", True, [*TINY, *ONE_LR, *corpus_cfg, "seeds=[0]"])
+    EXPERIMENTS["frontier"][1](cfg, tmp_path, "keel experiment frontier --quick")
+    longer = build("frontier", True, [*TINY, *ONE_LR, *corpus_cfg, "seeds=[0]", "run.steps=5"])
     with pytest.raises(ValueError, match="differs in run.steps"):
-        EXPERIMENTS["regime"][1](longer, tmp_path, "keel experiment regime --quick run.steps=5")
+        EXPERIMENTS["frontier"][1](longer, tmp_path, "keel experiment frontier --quick run.steps=5")
 
 
 def test_adding_seeds_to_a_sweep_runs_only_the_new_seeds(corpus_cfg, tmp_path, capsys):
-    one = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0]"])
-    EXPERIMENTS["regime"][1](one, tmp_path, "keel experiment regime --quick seeds=[0]")
+    one = build("frontier", True, [*TINY, *ONE_LR, *corpus_cfg, "seeds=[0]"])
+    EXPERIMENTS["frontier"][1](one, tmp_path, "keel experiment frontier --quick seeds=[0]")
     assert "reused" not in capsys.readouterr().out  # nothing was saved before
     first = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "points").glob("*-seed0.json.gz")}
-    two = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0,1]"])
-    EXPERIMENTS["regime"][1](two, tmp_path, "keel experiment regime --quick seeds=[0,1]")
-    n = len(one.schemes)  # one LR: a point per scheme and seed
-    assert f"reused {n} of {n} saved points from {tmp_path / 'points'}" in capsys.readouterr().out
+    two = build("frontier", True, [*TINY, *ONE_LR, *corpus_cfg, "seeds=[0,1]"])
+    EXPERIMENTS["frontier"][1](two, tmp_path, "keel experiment frontier --quick seeds=[0,1]")
+    n = len(one.schemes)  # one LR: a point per scheme and seed; the seed-0 ones found, the seed-1 ones trained
+    assert f"reused {n} of {2 * n} saved points from {tmp_path / 'points'}" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "points").glob("*-seed0.json.gz")} == first
     points = store.keys(tmp_path / "points")
     assert sorted(k.rsplit("-", 1)[1] for k in points) == ["seed0"] * n + ["seed1"] * n
     assert json.loads((tmp_path / "points" / "config.json").read_text())["seeds"] == [0, 1]
     # a seed-1-only rerun still reads its points and keeps the recorded union
-    EXPERIMENTS["regime"][1](build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[1]"]),
-                             tmp_path, "keel experiment regime --quick seeds=[1]")
+    EXPERIMENTS["frontier"][1](build("frontier", True, [*TINY, *ONE_LR, *corpus_cfg, "seeds=[1]"]),
+                               tmp_path, "keel experiment frontier --quick seeds=[1]")
     assert json.loads((tmp_path / "points" / "config.json").read_text())["seeds"] == [0, 1]
 
 
-def test_bf16_sum_keeps_only_what_bf16_resolves():
-    # bf16 has 8 significant bits: between 256 and 512 its spacing is 2, so 256 + 0.5 rounds back to 256 (nothing
-    # survives) and 256 + 1.5 rounds up to 258 (the update arrives as 2: 4/3 of it)
-    ax = torch.full((4, 8), 256.0)
-    assert precision.survival(ax, torch.full((4, 8), 0.5)) == (0.0, 1.0)
-    share, err = precision.survival(ax, torch.full((4, 8), 1.5))
-    assert share == pytest.approx(2 / 1.5) and err == pytest.approx(0.5 / 1.5)
-    assert precision.survival(torch.ones(3), torch.full((3,), 0.5)) == (1.0, 0.0)  # 1.5 is exact in bf16
-
-
-def test_bf16_stream_rounds_every_shortcut_sum_and_the_stream():
-    torch.manual_seed(0)
-    model = TransformerLM(tiny(n_blocks=3, d_model=32, n_heads=2))
-    x = torch.randint(0, 256, (2, 16))
-    plain, _ = model(x)
-    handles = precision.round_stream(model)
-    seen = []
-    for s in model.sublayers():
-        res = model.get_submodule(s.path)
-        res.register_forward_pre_hook(lambda m, args: seen.append(args[0]))  # after round_stream's own hook
-        if res.norm_out is not None:
-            res.norm_out.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
-    rounded, _ = model(x)
-    assert len(seen) > 6 and all(torch.equal(t, t.to(torch.bfloat16).float()) for t in seen)
-    assert not torch.allclose(plain, rounded, atol=1e-6)
-    for h in handles:
-        h.remove()
-    seen.clear()
-    again, _ = model(x)
-    assert torch.equal(again, plain)
-
-
 def test_a_prepared_budget_point_starts_from_the_same_init(corpus_cfg):
-    cfg = build("stream-precision", True, [*TINY, *QUICK["stream-precision"], *corpus_cfg, "curve_every=0"])
+    cfg = build("frontier", True, [*TINY, *ONE_LR, *corpus_cfg, "curve_every=0"])
     model_cfg = cfg.point_model("keel", 4)
     plain = budget_point(cfg, model_cfg, 3e-3, 1)
     prepared = budget_point(cfg, model_cfg, 3e-3, 1, prepare=lambda m: None)
@@ -217,17 +182,17 @@ def test_a_prepared_budget_point_starts_from_the_same_init(corpus_cfg):
 
 
 def test_a_field_added_later_with_its_default_does_not_invalidate_a_sweep(corpus_cfg, tmp_path):
-    cfg = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0]"])
-    EXPERIMENTS["regime"][1](cfg, tmp_path, "keel experiment regime --quick")
+    cfg = build("frontier", True, [*TINY, *ONE_LR, *corpus_cfg, "seeds=[0]"])
+    EXPERIMENTS["frontier"][1](cfg, tmp_path, "keel experiment frontier --quick")
     recorded = tmp_path / "points" / "config.json"
     old = json.loads(recorded.read_text())
     del old["guard"]["spike_min_rise"]  # as recorded before that field existed
     recorded.write_text(json.dumps(old))
-    EXPERIMENTS["regime"][1](cfg, tmp_path, "keel experiment regime --quick")  # same default: reused
-    changed = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0]", "guard.spike_min_rise=1"])
+    EXPERIMENTS["frontier"][1](cfg, tmp_path, "keel experiment frontier --quick")  # same default: reused
+    changed = build("frontier", True, [*TINY, *ONE_LR, *corpus_cfg, "seeds=[0]", "guard.spike_min_rise=1"])
     recorded.write_text(json.dumps(old))
     with pytest.raises(ValueError, match="differs in guard.spike_min_rise"):
-        EXPERIMENTS["regime"][1](changed, tmp_path, "keel experiment regime --quick")
+        EXPERIMENTS["frontier"][1](changed, tmp_path, "keel experiment frontier --quick")
 
 
 @pytest.mark.parametrize("quick", [False, True])
@@ -257,15 +222,15 @@ def test_a_bare_experiment_command_never_writes_into_the_committed_results(quick
 def test_a_sweep_recorded_eager_continues_compiled_and_each_point_says_how_it_ran(corpus_cfg, tmp_path):
     """run.compile is how a point is computed, not what (EXECUTION_FIELDS): adding seeds compiled to a sweep
     recorded eager is allowed, and each point records its own execution."""
-    eager = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0]"])
-    EXPERIMENTS["regime"][1](eager, tmp_path, "seeds=[0]")
-    compiled = build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg, "seeds=[0,1]", "run.compile=true"])
-    EXPERIMENTS["regime"][1](compiled, tmp_path, "seeds=[0,1] run.compile=true")
+    eager = build("frontier", True, [*TINY, *ONE_LR, *corpus_cfg, "seeds=[0]"])
+    EXPERIMENTS["frontier"][1](eager, tmp_path, "seeds=[0]")
+    compiled = build("frontier", True, [*TINY, *ONE_LR, *corpus_cfg, "seeds=[0,1]", "run.compile=true"])
+    EXPERIMENTS["frontier"][1](compiled, tmp_path, "seeds=[0,1] run.compile=true")
     ran = {k: store.load(tmp_path / "points", k)["execution"]["compile"] for k in store.keys(tmp_path / "points")}
     assert ran and all(ran[k] is k.endswith("seed1") for k in ran)
     with pytest.raises(ConfigError, match="differs in optim.warmup_steps"):  # what a point computes still counts
-        EXPERIMENTS["regime"][1](build("regime", True, [*TINY, *QUICK["regime"], *corpus_cfg,
-                                                            "optim.warmup_steps=1"]), tmp_path, "")
+        EXPERIMENTS["frontier"][1](build("frontier", True, [*TINY, *ONE_LR, *corpus_cfg, "optim.warmup_steps=1"]),
+                                   tmp_path, "")
 
 
 @pytest.mark.slow

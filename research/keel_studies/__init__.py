@@ -9,8 +9,6 @@ does not.
 STUDIES = {
     "gradflow": ("gradflow", "GradflowConfig", "run"),
     "redundancy": ("redundancy", "RedundancyConfig", "run"),
-    "regime": ("regime", "RegimeConfig", "run"),
-    "stream-precision": ("precision", "PrecisionConfig", "run"),
     "frontier": ("frontier", "FrontierConfig", "run"),
     "downstream": ("downstream", "DownstreamConfig", "run"),
     "downstream-end": ("downstream_end", "DownstreamEndConfig", "run"),

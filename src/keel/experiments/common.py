@@ -1,20 +1,10 @@
-"""What every experiment shares: its config (`keel train`'s sections plus its own fields), training one point
-through the one training step, output (the sweep bookkeeping is keel.experiments.sweep).
+"""What every experiment shares: its config (`keel train`'s sections plus its own fields), one point trained through
+keel.train.step.TrainStep exactly as `keel train` would train `point_config` (device, dtype, compile, activation
+checkpointing, accumulation, divergence guard), and its output (results.json, PNG plots, report.md).
 
-An experiment is a sweep of independent points (scheme x depth x LR x seed ...). Each point trains through
-keel.train.step.TrainStep, exactly as `keel train` does (`point_config` is the TrainConfig that `keel train`
-would run for it), on `run.device` with `run.dtype`, `run.compile`, `run.ac_every` and `run.grad_accum`, and
-under the same divergence guard. Each finished point is written to `<out>/points/<key>.json` (`Sweep`), so
-an interrupted sweep resumes by skipping finished points; a point that keeps its progress while it trains
-(keel.experiments.partial) continues from its last save. `results.json` (every number, config, versions,
-machine; each point as its file without the per-step training losses), PNG plots and `report.md` are written at
-the end.
-
-Held-out data: keel.data has a train and a validation split only. Experiments cut the validation tokens in
-two disjoint halves by position (`splits`): the first half, "select", is where a learning rate (or any other
-setting) is chosen; the second half, "report", is where every reported number is measured. A window never
-straddles the cut, so no token of the report half is ever seen while choosing.
-"""
+Held-out data: the validation split is cut in two disjoint halves by position (`splits`): "select", where a learning
+rate (or any other setting) is chosen, and "report", where every reported number is measured; a window never
+straddles the cut, so no token of the report half is seen while choosing."""
 
 from __future__ import annotations
 
@@ -54,8 +44,7 @@ from keel.train.stop import DeferredStop
 
 
 def experiment_model() -> ModelConfig:
-    """The base model of the science experiments (keel.model.sizes.science: d=64, 4 query / 2 KV heads,
-    bytes). Depth and scheme are set per point."""
+    """The science experiments' base model (keel.model.sizes.science: d=64, 4 query / 2 KV heads, bytes)."""
     return science()
 
 
@@ -65,11 +54,9 @@ def experiment_guard() -> GuardConfig:
 
 
 def experiment_run(**fields) -> RunConfig:
-    """An experiment point's run: 8 x 64 tokens per step, compiled (faster at the science shapes, and equal to
-    eager to float32 tolerance: benchmarks/cpu/compile, tests/test_experiments.py; experiments that hook single
-    sub-layers or round the stream to bf16 run eager), the fields a sweep does not use at their defaults."""
+    """A point's run: 8 x 64 tokens per step, compiled (faster at the science shapes, equal to eager to float32
+    tolerance: benchmarks/cpu/compile), the fields a sweep does not use at their defaults."""
     return RunConfig(**({"steps": 400, "batch_size": 8, "seq_len": 64, "eval_batches": 16, "compile": True} | fields))
-
 
 
 # run.* fields a sweep point has no use for (it writes no run directory, checkpoint or log of its own)
@@ -98,16 +85,10 @@ _LIST_SUFFIXES = (("_depths", ("depth", False)), ("_seeds", ("seed", False)), ("
 
 @dataclass
 class ExperimentConfig:
-    """Every experiment's config: `keel train`'s own sections (`model.*`, `data.*`, `optim.*`, `guard.*`,
-    `run.*`: the same fields, spelling and meaning) holding the experiment's defaults, plus the experiment's
-    own fields at the top level (`schemes`, `depths`, `lrs`, `seeds`, ...).
-
-    `model` is the base model every point starts from; each point sets its scheme and depth (and
-    `max_seq_len` = `run.seq_len`), and keeps the scheme options its scheme reads (`model.alpha` applies to the
-    Keel arms only). Fields a point sets itself or has no use for are listed by `fixed_fields()`; `reads()`
-    is what the config merge enforces: a YAML file or override that sets one of those, or a scheme option
-    none of the arms reads, is refused, never silently ignored.
-    """
+    """A code study's config: `keel train`'s sections (same fields, spelling and meaning) holding its defaults, plus
+    its own fields at the top level (`schemes`, `depths`, `lrs`, `seeds`, ...). `model` is the base model every point
+    starts from, each point setting its scheme and depth. `reads()` is what the config merge enforces: a file or
+    override setting a field a point sets itself (`fixed_fields()`), or a scheme option no arm reads, is refused."""
 
     model: ModelConfig = field(default_factory=experiment_model)
     data: DataConfig = field(default_factory=DataConfig)
@@ -127,8 +108,7 @@ class ExperimentConfig:
         return out
 
     def arm_schemes(self) -> set[str] | None:
-        """The schemes this experiment's arms train, from its `schemes`, `scheme` or `arms` field (None: it has
-        none of them, so which is unknown)."""
+        """The schemes its arms train, from its `schemes`, `scheme` or `arms` field (None: none of them)."""
         named = [getattr(self, "schemes", None), getattr(self, "scheme", None), getattr(self, "arms", None)]
         named = [n for n in named if isinstance(n, (list, tuple, str, dict))]
         if not named:
@@ -148,9 +128,8 @@ class ExperimentConfig:
         return Reads(refuse=refuse)
 
     def check_fields(self) -> None:
-        """The study's own lists, whole, before any point trains: depths are even sub-layer counts >= 2, seeds
-        distinct integers >= 0, schemes known, LRs positive; each list that a study needs is not empty. One
-        ConfigError naming the field."""
+        """The study's own lists before any point trains (depths even >= 2, seeds distinct >= 0, schemes known, LRs
+        positive, a list the study needs not empty): one ConfigError naming the field."""
         for name, value in vars(self).items():
             if not isinstance(value, list):
                 continue
@@ -167,9 +146,7 @@ class ExperimentConfig:
                 raise ConfigError(f"{name}: {value} repeats a seed")
 
     def point_model(self, scheme: str, n_sublayers: int, **fields) -> ModelConfig:
-        """The base model at `n_sublayers` as `scheme` (keeping the options it reads:
-        keel.model.architecture.with_scheme),
-        with any other field given."""
+        """The base model at `n_sublayers` as `scheme` (with the options it reads: architecture.with_scheme)."""
         return replace(with_scheme(self.model, scheme), n_blocks=n_sublayers // 2, max_seq_len=self.run.seq_len,
                        **fields)
 
@@ -207,9 +184,8 @@ def corpus(data: DataConfig):
 
 
 def point_config(cfg: ExperimentConfig, model_cfg: ModelConfig, seed: int, **optim) -> TrainConfig:
-    """The TrainConfig of one experiment point: `cfg`'s sections with the point's model, seed and optimiser
-    fields (`lr=...`); `keel train` with it trains the same model on the same batches and logs the same
-    losses (a test checks this)."""
+    """The TrainConfig of one point: `cfg`'s sections with the point's model, seed and optimiser fields (`lr=...`);
+    `keel train` with it trains the same model on the same batches and logs the same losses (a test checks this)."""
     run = replace(cfg.run, seed=seed, eval_every=0, ckpt_every=0, log_every=1, progress=False)
     config = TrainConfig(model=model_cfg, data=cfg.data, optim=replace(cfg.optim, **optim), guard=cfg.guard, run=run)
     validate(config)
@@ -219,15 +195,11 @@ def point_config(cfg: ExperimentConfig, model_cfg: ModelConfig, seed: int, **opt
 def train_curve(config: TrainConfig, eval_batches: int = 8, after_backward: Callable | None = None,
                 model: TransformerLM | None = None, on_step: Callable | None = None,
                 eval_tokens: np.ndarray | None = None, partial: Partial | None = None) -> tuple[Curve, torch.nn.Module]:
-    """Train `config` from scratch (or from `model`): the loss of every step, then validation loss.
-
-    `keel train`'s model building, sampler, schedule and TrainStep, without run directories or checkpoints.
-    A step the guard rejects ends the curve (`stopped_at`). `after_backward(model)` sees each step's gradients.
-    `on_step(i, model, result)` runs after step i; returning True ends training there (`stopped_at` = i).
-    The final validation loss is on `eval_tokens` (default: the whole validation split).
-    With `partial` (keel.experiments.partial), progress is saved as it trains and a point killed earlier continues
-    from its last save (built from its seed: `model` must then be None); its `seconds` add the time before.
-    """
+    """Train `config` from scratch (or from `model`) as `keel train` would, without run directories: the loss of
+    every step, then the validation loss on `eval_tokens` (default: the whole validation split). A step the guard
+    rejects ends the curve (`stopped_at`), and so does `on_step(i, model, result)` returning True; `after_backward`
+    sees each step's gradients. With `partial` (keel.experiments.partial), progress is saved as it trains and a
+    point killed earlier continues from its last save (`model` must then be None; `seconds` add the time before)."""
     if partial is not None and model is not None:
         raise ValueError("train_curve: a point that keeps its progress is built from its seed, not given a model")
     c = config
@@ -309,9 +281,8 @@ def loss_on(model, batches: list, autocast=contextlib.nullcontext) -> float:
 
 
 def unigram_loss(train: np.ndarray, batches: list) -> float:
-    """The loss, on `batches`' targets, of a model that ignores its input and outputs the training split's
-    token frequencies (add-one smoothed): the level a collapsed LM falls back to (about 3.29 nats for the
-    stdlib bytes)."""
+    """The loss on `batches`' targets of the training split's token frequencies (add-one smoothed), whatever the
+    input: the level a collapsed LM falls back to (about 3.29 nats for the stdlib bytes)."""
     counts = np.bincount(np.asarray(train), minlength=256).astype(np.float64) + 1.0
     logp = np.log(counts / counts.sum())
     targets = np.concatenate([y.numpy().ravel() for _, y in batches])
@@ -339,9 +310,8 @@ _SMOKE_TEST = contextvars.ContextVar("smoke_test", default=False)
 
 @contextlib.contextmanager
 def smoke_test(on: bool = True):
-    """While open (and `on`), every report.md starts with SMOKE_TEST_BANNER and every figure `save` writes
-    carries it in its title: `--quick` numbers come from a tiny model trained a few steps and read like
-    findings if nothing says otherwise."""
+    """While open (and `on`), every report.md starts with SMOKE_TEST_BANNER and every figure `save` writes carries
+    it in its title: `--quick` numbers come from a tiny model and read like findings if nothing says otherwise."""
     token = _SMOKE_TEST.set(on)
     try:
         yield
@@ -349,13 +319,10 @@ def smoke_test(on: bool = True):
         _SMOKE_TEST.reset(token)
 
 
-
-
 def write_outputs(out: Path, name: str, config, command: str, results: dict, table: str, plots: list[str],
                   notes: str = "") -> None:
-    """results.json (numbers + config + machine) and report.md (command, table, plots, notes; under
-    `smoke_test()` the banner first). results.json names its points (`points`: their keys), it does not repeat
-    them: `keel.experiments.store.read_results` fills them in from `points/`."""
+    """results.json (numbers, config, machine; its points by key: store.read_results fills them in from `points/`)
+    and report.md (command, table, plots, notes; under `smoke_test()` the banner first)."""
     if isinstance(results.get("points"), dict):
         results = results | {"points": sorted(results["points"])}
     payload = {"experiment": name, "command": command, "config": asdict(config),
@@ -374,10 +341,8 @@ def write_outputs(out: Path, name: str, config, command: str, results: dict, tab
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
-    def cell(v):
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1e-2 or abs(v) >= 1e3 else f"{v:.4f}"
-        return str(v)
+    cell = lambda v: (f"{v:.3g}" if abs(v) < 1e-2 or abs(v) >= 1e3 else f"{v:.4f}") if isinstance(
+        v, float) else str(v)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
@@ -395,17 +360,6 @@ def save(fig, out: Path, name: str) -> str:
     pyplot().close(fig)
     safe_io.write_bytes(out, Path(out) / name, image.getvalue())
     return name
-
-
-def loss_axis(ax) -> None:
-    """A log y-axis with plain numbers, for loss curves: every point stays in view (the first evaluations at
-    ~5.5 nats included) while the gaps near the end, where schemes differ, keep their height."""
-    from matplotlib.ticker import FormatStrFormatter, MaxNLocator, NullLocator
-
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(MaxNLocator(nbins=6))  # evenly spaced round values: losses span less than a decade
-    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-    ax.yaxis.set_minor_locator(NullLocator())
 
 
 def pyplot():
