@@ -125,11 +125,16 @@ def test_a_study_file_runs_by_name_at_its_smoke_test_size(name, tmp_path, monkey
     out = tmp_path / name
     assert main(["experiment", name, "--quick", "--out", str(out)]) == 0, capsys.readouterr().err
     report = (out / "report.md").read_text()
-    assert report.startswith("> **SMOKE TEST, NOT A RESULT**") and (out / "study.png").stat().st_size > 0
     study = declared.smoke(declared.read(yaml.safe_load(study_files()[name].read_text()), name))
+    plots = ["study.png"] if study.measure == "loss" else [p.name for p in out.glob("maxlr-*.png")]  # one per cell
+    assert report.startswith("> **SMOKE TEST, NOT A RESULT**") and all((out / p).stat().st_size > 0 for p in plots)
+    assert len(plots) == (1 if study.measure == "loss" else len(study.cells()))
     points = {k: p for k, p in store.load_all(out / "points").items() if not k.startswith("init-")}  # trained ones
     assert {p["seed"] for p in points.values()} == set(study.seeds[:2])
-    assert all(p["n_sublayers"] == 4 and p["d_model"] == 32 and len(p["losses"]) == 6 for p in points.values())
+    if study.measure == "max_lr":  # a point on the ramp keeps its evaluations and per-step losses (6 steps at most)
+        assert all(p["depth"] == 4 and len(p["train_losses"]) <= 6 for p in points.values())
+    else:
+        assert all(p["n_sublayers"] == 4 and p["d_model"] == 32 and len(p["losses"]) == 6 for p in points.values())
     results = store.read_results(out)["results"]
     across = [p for p in study.compare if declared._pinned(study.best_of, declared._leaves(p)[0])]  # once, last
     assert [t["pair"] for t in results["tests"]] == [p for c in study.cells() for p in study.compare
