@@ -52,7 +52,6 @@ from keel.experiments.sweep import Sweep
 from keel.model import TransformerLM
 from keel.model.counting import count_params
 from keel.runtime import autocast_for
-from keel_studies.scaling import wide_model
 
 WIDE = "wide-pre_ln"
 
@@ -105,7 +104,8 @@ class DownstreamConfig(ExperimentConfig):
         out = {f"{s}-{d}": self.point_model(s, d) for d in self.depths for s in self.schemes}
         for s in ("pre_ln", "keel"):
             out.setdefault(f"{s}-{self.deep_sublayers}", self.point_model(s, self.deep_sublayers))
-        out[WIDE] = wide_model(self)
+        out[WIDE] = self.point_model("pre_ln", self.wide_sublayers, d_model=self.wide_d_model, n_heads=self.wide_heads,
+                                     n_kv_heads=self.wide_kv_heads)  # Table 5's wide Pre-LN (deep-vs-wide's arm)
         return out
 
 
