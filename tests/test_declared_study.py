@@ -142,6 +142,11 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     ({"measure": "max_lr", "tune": [], "max_lr": {"published": {"keel/nope": 1.3}}}, "max_lr.published: arm/arm"),
     ({"measure": "max_lr", "tune": [], "max_lr": {"published": {"keel/pre_ln": 0}}}, "max_lr.published: arm/arm"),
     ({"measure": "max_lr", "tune": []}, "base: optim.warmup_steps: not used here (the max-LR ramp sets it"),
+    ({"measure": "max_lr", "tune": [], "base": TINY | {"optim": {"schedule": "constant"}}},
+     "base: optim.schedule: not used here (the max-LR ramp sets it"),
+    ({"measure": "max_lr", "tune": [], "base": TINY | {"optim": {}},
+      "arms": {"keel": {"model.scheme": "keel", "optim.min_lr": 0.0}, "pre_ln": {"model.scheme": "pre_ln"}}},
+     "optim.min_lr: not used here (the max-LR ramp sets it"),
     ({"crossing": 0.1}, "crossing: a fraction of the run"),  # no curve
     ({"crossing": 1.5, "curve_every": 2}, "crossing: a fraction of the run"),
     ({"crossing": 0.1, "curve_every": 2, "compare": [[["keel", "pre_ln"], "post_ln"]]}, "compare pairs of two arms"),
