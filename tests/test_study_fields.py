@@ -15,7 +15,7 @@ DEPTH = Path(__file__).parent.parent / "results" / "depth" / "study.yaml"
 @pytest.mark.parametrize("name,override,needle", [
     # a study file's fields are in the file: an override is refused, not half applied
     ("depth", "depths=[3]", "depth: depths: not used here (the study's fields are in its file"),
-    ("max-lr", "depths=[0]", "depths: "),
+    ("max-lr", "depths=[0]", "max-lr: depths: not used here (the study's fields are in its file"),
     ("depth-sweep", "marginal_seeds=[-1]", "marginal_seeds: -1 is not a seed"),
     ("equal-tuning", "lrs=[0.0]", "lrs: 0.0 is not a learning rate"),
 ])
@@ -29,8 +29,8 @@ def test_a_bad_study_field_is_one_line_before_any_point(name, override, needle, 
 
 @pytest.mark.parametrize("edit,needle", [
     # the depth study's bad values, made the way a user now makes them: in a copy of its study file
-    (lambda d: d["arms"]["keel_8"].update({"model.n_blocks": 0}), "arms.keel_8: "),
-    (lambda d: d["arms"]["keel_8"].update({"model.n_blocks": -2}), "arms.keel_8: "),
+    (lambda d: d["arms"]["keel_8"].update({"model.n_blocks": 0}), "arms.keel_8: ModelConfig.n_blocks: got 0"),
+    (lambda d: d["arms"]["keel_8"].update({"model.n_blocks": -2}), "arms.keel_8: ModelConfig.n_blocks: got -2"),
     (lambda d: d.update(arms={"keel_8": d["arms"]["keel_8"]}), "arms: at least two arms"),
     (lambda d: d.update(seeds=[]), "seeds: empty"),
     (lambda d: d.update(seeds=[0, 0]), "seeds: distinct integers"),

@@ -339,7 +339,7 @@ def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)  # keel's own options take no values
     parser = build_parser(command if command in COMMANDS else None)
-    # key=value overrides may come before or after options (`keel experiment depth --quick steps=9`):
+    # key=value overrides may come before or after options (`keel experiment frontier --quick run.steps=9`):
     # argparse stops collecting a positional list at the first option, so gather the rest here
     args, extra = parser.parse_known_args(argv)
     if extra:
