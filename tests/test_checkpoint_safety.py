@@ -1,4 +1,4 @@
-"""Invalid checkpoints (issue 11): every one is reported in one line and the next older intact one used, by
+"""Invalid checkpoints: every one is reported in one line and the next older intact one used, by
 `keel eval`, export, a resume and a rollback alike."""
 
 import json

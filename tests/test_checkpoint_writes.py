@@ -1,4 +1,4 @@
-"""Writing checkpoints safely (issue 11): a failing disk is one error and leaves earlier checkpoints intact, and
+"""Writing checkpoints safely: a failing disk is one error and leaves earlier checkpoints intact, and
 killed writers' leftovers are cleaned up."""
 
 import errno

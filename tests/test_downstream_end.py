@@ -1,4 +1,4 @@
-"""keel experiment downstream-end (issue 38 item 4): the step-count search on a made-up loss, the verdict on made-up
+"""keel experiment downstream-end: the step-count search on a made-up loss, the verdict on made-up
 per-seed values, the reference arm read from the committed runs, and the --quick run's numbers recomputed from its
 points' JSON by other means (scipy's paired t-test, the search's walk written out)."""
 

@@ -1,4 +1,4 @@
-"""Optimizer options for depth on one GPU (issue 37 item 4), checked on a CPU: the fused AdamW, torchao's 8-bit
+"""Optimizer options for depth on one GPU, checked on a CPU: the fused AdamW, torchao's 8-bit
 AdamW and bf16 weights with stochastically rounded updates (alone and with 8-bit moments) each train a small model
 for 200 steps to within a stated tolerance of plain float32 foreach AdamW on the same batches."""
 

@@ -62,7 +62,7 @@ def test_bad_config_files_name_the_file_or_field(text, needle, args, tmp_path, c
     (["--top-p", "0"], "--top-p"), (["--top-p", "-1"], "--top-p"), (["--temperature", "nan"], "--temperature"),
     (["--temperature", "-1"], "--temperature"), (["--max-new-tokens", "-1"], "--max-new-tokens"),
     (["--prompt", "caf\udce9"], "--prompt"),
-    # issue 36: NaN probabilities in float32 (1e-308 is inf logits, or a top-p that rounds to 0), or for ever
+    # NaN probabilities in float32 (1e-308 is inf logits, or a top-p that rounds to 0), or for ever
     (["--temperature", "1e-308"], "--temperature"), (["--top-p", "1e-308"], "--top-p"),
     (["--max-new-tokens", str(10**20)], "--max-new-tokens"),
 ])
@@ -99,7 +99,7 @@ def test_bad_eval_and_export_targets(tmp_path, capsys, make_run):
     (["train", "--preset", "tiny", "run.name=" + "a" * 300, "run.out_dir=OUT/runs"], "at most 255 bytes"),
 ])
 def test_bad_command_line_values_are_refused_before_any_work(argv, needle, tmp_path, capsys, make_run):
-    """Issue 36.6 and 36.9: checked before anything is loaded or fetched (lm-eval's Hub probe included), so
+    """Checked before anything is loaded or fetched (lm-eval's Hub probe included), so
     these hold whether or not the eval extra is installed."""
     make_run(tmp_path / "run")
     argv = [str(tmp_path / "run") if a == "RUN" else a.replace("OUT", str(tmp_path)) for a in argv]

@@ -1,4 +1,4 @@
-"""Checkpoints that would run code (issue 11): a planted pickle is never unpickled, whatever the manifest says
+"""Checkpoints that would run code: a planted pickle is never unpickled, whatever the manifest says
 and in whichever format (single-process safetensors + state.pt, or a DCP directory).
 
 A planted pickle is one whose unpickling creates a marker file; each test asserts the marker never appears,

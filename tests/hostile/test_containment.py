@@ -1,4 +1,4 @@
-"""Containment (issue 25): every command reads, writes and deletes only inside the run directory it is given.
+"""Containment: every command reads, writes and deletes only inside the run directory it is given.
 
 The walk: each entry of a small trained run directory in turn (every file and directory in it, and a few that a
 hostile one could add) is replaced by a symlink into an outside canary tree, which holds a working copy of the

@@ -1,4 +1,4 @@
-"""Everything from outside is untrusted (issue 36): a downloaded run's config, a Hugging Face directory, a token
+"""Everything from outside is untrusted: a downloaded run's config, a Hugging Face directory, a token
 cache, a checkpoint's contents, JSON from anywhere. Every case is a real `keel` command that must end in one
 line naming the field or file and exit 2 (never a traceback, a hang or memory exhaustion), and must leave what
 lies outside the run unread or unwritten."""
@@ -408,7 +408,7 @@ def test_eval_refuses_token_ids_beyond_the_models_vocabulary_in_one_line():
 
 
 def test_a_checkpoint_pruned_while_being_read_is_read_again_from_the_newest(make_run, tmp_path, monkeypatch):
-    """Issue 36.8: a run still training prunes its oldest checkpoint (run.keep_checkpoints); a reader that chose it
+    """A run still training prunes its oldest checkpoint (run.keep_checkpoints); a reader that chose it
     takes the newest again, and says so in one line if it keeps losing the race."""
     import shutil
 

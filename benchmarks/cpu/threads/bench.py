@@ -1,5 +1,5 @@
 """Tokens/s of a short `keel train` by thread setting, on an idle machine and with two busy processes beside
-it, and the start-up time of commands that need no torch; writes README.md here (issue 23).
+it, and the start-up time of commands that need no torch; writes README.md here.
 
     benchmarks/cpu/threads/run.sh            # or: python benchmarks/cpu/threads/bench.py --steps 30 --repeats 2
 
