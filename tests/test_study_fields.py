@@ -59,6 +59,27 @@ def test_an_equal_tuning_study_reusing_points_of_another_configuration_is_refuse
     assert "reuse:" in err and "differ in" in err and err.count("\n") == 1
 
 
+def test_equal_tuning_reuses_points_recorded_before_a_field_was_added_while_that_field_holds_its_default(tmp_path):
+    """A point recorded before data.streaming existed is the run it would be today with streaming off; with the field
+    recorded at another value it is refused, naming the section."""
+    import json
+    from dataclasses import asdict
+
+    from keel.errors import ConfigError
+    from keel_studies.equal_tuning import EqualTuningConfig, _reusable_config
+
+    cfg = EqualTuningConfig.quick()
+    recorded = json.loads(json.dumps(asdict(cfg)))
+    del recorded["data"]["streaming"]
+    (tmp_path / "points").mkdir()
+    (tmp_path / "points" / "config.json").write_text(json.dumps(recorded))
+    assert _reusable_config(cfg, tmp_path) == tmp_path / "points"
+    recorded["data"]["streaming"] = True
+    (tmp_path / "points" / "config.json").write_text(json.dumps(recorded))
+    with pytest.raises(ConfigError, match="differ in data;"):
+        _reusable_config(cfg, tmp_path)
+
+
 @pytest.mark.parametrize("content,why", [
     (b"\x00\xff garbage", "damaged point file"), (b"", "damaged point file"), (b"[1, 2]", "not a mapping"),
     (b"[" * 100_000 + b"]" * 100_000, "damaged point file"), (b'{"select_loss": "low"}', "select_loss is str"),

@@ -28,7 +28,7 @@ from keel.experiments import stats, store
 from keel.experiments.budget import budget_point, tokens, unigram_level
 from keel.experiments.common import markdown_table, mean_sd, pm, pyplot, save, tiny_quick, write_outputs
 from keel.experiments.grid import Grid, run_searches, search_grid
-from keel.experiments.sweep import EXECUTION_FIELDS, Sweep
+from keel.experiments.sweep import EXECUTION_FIELDS, Sweep, _differences
 from keel_studies import depth_sweep as ds
 
 TUNED = "keel_tuned"  # the Keel arm whose alpha is tuned too
@@ -90,7 +90,9 @@ def _reusable_config(cfg: EqualTuningConfig, where: Path) -> Path:
         raise ConfigError(f"equal-tuning: reuse: {where} holds no points/config.json")
     theirs = _sections(json.loads(recorded.read_text()))
     mine = _sections(json.loads(json.dumps(asdict(cfg))))
-    differ = sorted(k for k in mine if mine[k] != theirs.get(k))
+    # a field added to the code after those points were recorded is no difference while it holds its default
+    defaults = _sections(json.loads(json.dumps(asdict(type(cfg)()))))
+    differ = sorted({name.split(".")[0] for name in _differences(mine, theirs, defaults)})
     if differ:
         raise ConfigError(f"equal-tuning: reuse: {where}'s points differ in {', '.join(differ)}; drop it from reuse")
     return where / "points"
