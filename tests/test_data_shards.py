@@ -295,6 +295,47 @@ def test_a_document_longer_than_a_piece_has_the_ids_of_the_whole(tmp_path, monke
     assert contents(tmp_path / "killed") == contents(tmp_path / "whole")
 
 
+def _bos_eos_tokenizer(text: str, path: Path):
+    """A byte-level BPE whose post-processor puts [BOS] before and [EOS] after every text it encodes, saved to
+    `path`; built here with `tokenizers` alone."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "[BOS]", "[EOS]"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A [EOS]", special_tokens=[
+        ("[BOS]", tok.token_to_id("[BOS]")), ("[EOS]", tok.token_to_id("[EOS]"))])
+    tok.save(str(path))
+    return tok
+
+
+def test_a_document_in_pieces_gets_the_tokenizers_bos_and_eos_once(tmp_path, monkeypatch):
+    """A tokenizer that adds [BOS] and [EOS] to what it encodes, and a document cut into pieces for encoding
+    (PIECE_CHARS made small): the shards of `keel data prepare` and of the token cache hold the tokenizer's own
+    encoding of each whole document, then the end-of-text id."""
+    import argparse
+
+    import keel.data.tokenizer as tokenizer
+
+    texts = paragraphs(argparse)[:40]
+    long, short = "\n\n".join(texts[:30]), texts[30]
+    whole = _bos_eos_tokenizer(long, tmp_path / "tok.json")
+    eos = whole.token_to_id("<|endoftext|>")
+    want = [i for doc in (long, short) for i in [*whole.encode(doc).ids, eos]]
+    assert want.count(whole.token_to_id("[BOS]")) == 2
+    write_jsonl(tmp_path / "docs.jsonl", [long, short])
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 1000)
+    assert len(list(tokenizer.text_pieces([long]))) > 5
+    cfg = DataConfig(source=str(tmp_path / "docs.jsonl"), tokenizer=str(tmp_path / "tok.json"), val_fraction=0,
+                     cache_dir=str(tmp_path / "cache"))
+    shard_writer.prepare_shards(cfg, tmp_path / "shards", workers=1, shard_tokens=SHARD_TOKENS, progress=False)
+    assert split_ids(tmp_path / "shards", "train").tolist() == want
+    assert np.asarray(prepare(cfg).train).tolist() == want
+
+
 PREPARE_RSS_SCRIPT = textwrap.dedent("""
     import sys
     from keel.data.corpus import DataConfig

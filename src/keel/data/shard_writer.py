@@ -420,12 +420,12 @@ def _start_worker(tokenizer: str, dtype: str, quiet: bool = True) -> None:
     _WORKER.update(tokenizer=tok, dtype=np.dtype(dtype))
 
 
-def _encode(pieces: list[tuple[str, bool]]) -> list[np.ndarray]:
-    """Each (piece, last piece of its document?)'s ids in the shard dtype, a document's last followed by eos_id
-    when the tokenizer has one."""
+def _encode(pieces: list[tuple[str, bool, bool]]) -> list[np.ndarray]:
+    """Each (piece, first piece of its document?, last piece?)'s ids in the shard dtype, a document's last followed
+    by eos_id when the tokenizer has one."""
     tok, dtype = _WORKER["tokenizer"], _WORKER["dtype"]
     out = []
-    for (_, last), ids in zip(pieces, tok.encode_batch([text for text, _ in pieces])):
+    for (_, _, last), ids in zip(pieces, tok.encode_pieces(pieces)):
         if last and tok.eos_id is not None:
             ids = np.append(ids, tok.eos_id)
         out.append(ids.astype(dtype))
@@ -438,7 +438,7 @@ def _encoder(tokenizer: str, dtype, workers: int):
     processes (started fresh: a forked copy of a process whose tokenizer threads ran can deadlock), at most two
     batches each in flight so that memory stays bounded however large the corpus."""
     def work(batch):
-        return [(text, last) for text, _, last in batch]
+        return [(text, digest is not None, last) for text, digest, last in batch]  # a digest: a first piece
 
     if workers == 1:
         _start_worker(tokenizer, dtype.str, quiet=False)

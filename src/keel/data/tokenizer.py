@@ -13,6 +13,7 @@ import os
 import re
 import stat
 from collections.abc import Iterable, Iterator
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,9 @@ class ByteTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [self.encode_to_array(t) for t in texts]
+
+    def encode_pieces(self, pieces: list[tuple[str, bool, bool]]) -> list[np.ndarray]:
+        return self.encode_batch([text for text, _, _ in pieces])
 
     def save(self, directory) -> None:
         """Record in `directory` that this run used raw bytes, so a run directory is self-contained."""
@@ -83,6 +87,36 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         # encode_batch_fast runs in parallel in Rust and skips the character offsets we never use
         return [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch_fast(texts)]
+
+    def encode_pieces(self, pieces: list[tuple[str, bool, bool]]) -> list[np.ndarray]:
+        """The ids of consecutive pieces of documents, each given as (text, its document's first piece?, its last
+        piece?): what the post-processor adds before a text (a BOS) goes on a document's first piece only, and what
+        it adds after (an EOS) on its last only, so a document cut where the pre-tokenizer splits anyway
+        (`text_pieces`) gets the ids of the whole."""
+        texts = [text for text, _, _ in pieces]
+        if all(first and last for _, first, last in pieces) or self._around == ([], []):
+            return self.encode_batch(texts)
+        before, after = self._around
+        bare = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        return [np.asarray(self._tok.post_process(e).ids if first and last else
+                           (before if first else []) + e.ids + (after if last else []), dtype=np.int64)
+                for (_, first, last), e in zip(pieces, bare)]
+
+    @cached_property
+    def _around(self) -> tuple[list[int], list[int]]:
+        """The ids the post-processor puts before and after every text it encodes; found from the first token whose
+        own text encodes to something (the tokens around it are those of no sequence)."""
+        post = self._tok.post_processor
+        if post is None or post.num_special_tokens_to_add(False) == 0:
+            return [], []
+        for i in range(self.vocab_size):
+            core = self._tok.encode(self._tok.decode([i]), add_special_tokens=False)
+            if core.ids:
+                done = self._tok.post_process(core)
+                seq = done.sequence_ids
+                return done.ids[:seq.index(0)], done.ids[len(seq) - seq[::-1].index(0):]
+        raise DataError(f"{self.path}: its post-processor adds tokens around each text and no token's text encodes "
+                        "to anything; cannot tell where a long document's pieces join")
 
     def save(self, directory) -> None:
         directory = Path(directory)
@@ -149,9 +183,9 @@ def bounded_pieces(chunks: Iterable[str]) -> Iterator[str]:
 def text_pieces(chunks: Iterable[str]) -> Iterator[str]:
     """The text of one document, given as consecutive `chunks`, in pieces of at most PIECE_CHARS that join to
     exactly the text, for encoding a document larger than memory. A piece ends where GPT-2's pre-tokenizer splits
-    anyway, so bytes and a byte-level BPE give the same ids piece by piece as for the whole text; a document of
-    up to PIECE_CHARS is one piece (a tokenizer whose post-processor adds tokens to each input would add them
-    to each piece of a longer one)."""
+    anyway, so bytes and a byte-level BPE give the same ids piece by piece as for the whole text (`encode_pieces`
+    puts a post-processor's BOS and EOS on the first and last piece only); a document of up to PIECE_CHARS is one
+    piece."""
     text, start = "", 0
     for chunk in chunks:
         text = text[start:] + chunk
