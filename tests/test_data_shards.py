@@ -220,6 +220,42 @@ def test_a_bpe_is_trained_on_the_seeded_sample_and_kept(jsonl, tmp_path):
     assert snapshot(out) == before
 
 
+def test_a_bpe_of_another_size_than_data_tokenizer_names_is_refused_before_tokenising(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """data.tokenizer=bpe asks for the default 4,096 tokens and bpe:512 for 512: a directory whose BPE has 300 is
+    one line naming the field and the file, exit 2, and neither tokenises nor writes anything; so is a BPE named
+    over shards of bytes."""
+    import argparse
+
+    source = write_jsonl(tmp_path / "corpus.jsonl", paragraphs(argparse)[:40])
+    out = tmp_path / "shards"
+    assert prepare_cli(out, source, "--bpe-sample", "20", tokenizer="bpe:300", workers=1) == 0
+    before = snapshot(out)
+
+    def tokenises(*args, **kwargs):
+        raise AssertionError("tokenised before refusing")
+
+    monkeypatch.setattr(shard_writer, "_fill", tokenises)
+    capsys.readouterr()
+    for spec, names in (("bpe", "4,096"), ("bpe:512", "512")):
+        assert prepare_cli(out, source, tokenizer=spec, workers=1) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and f"data.tokenizer: {spec} names {names} tokens" in err, err
+        assert str(out / "tokenizer.json") in err and "has 300" in err, err
+        assert snapshot(out) == before
+    plain = tmp_path / "bytes"  # shards of bytes hold no BPE: one is not trained and written beside them
+    monkeypatch.undo()
+    assert prepare_cli(plain, source, workers=1) == 0
+    kept = snapshot(plain)
+    monkeypatch.setattr(shard_writer, "_fill", tokenises)
+    assert prepare_cli(plain, source, tokenizer="bpe", workers=1) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "data.tokenizer: bpe names the BPE in" in err and "'bytes'" in err
+    assert snapshot(plain) == kept
+    monkeypatch.undo()
+    assert prepare_cli(out, source, tokenizer="bpe:300", workers=1) == 0 and snapshot(out) == before
+
+
 def _sources(tmp_path: Path, texts: list[str]) -> dict[str, Path]:
     """The same documents as each kind of source prepare reads (a text file: all of them as one)."""
     import datasets

@@ -167,21 +167,25 @@ def _tokenizer(spec: str, out: Path, manifest: dict | None, corpus: Corpus, bpe_
     if spec == "bytes":
         return ByteTokenizer()
     target = out / TOKENIZER_FILE
-    if is_bpe(spec):
-        if manifest is not None and os.path.lexists(target):
-            return directory_bpe(spec, out)
+    if is_bpe(spec) and manifest is None:
         return train_bpe(corpus.sample(bpe_sample, BPE_SEED), planned_vocab_size(spec), target)
+    if is_bpe(spec):  # never trained again over shards: checked here, before anything is tokenised or written
+        if not os.path.lexists(target):
+            raise DataError(f"data.tokenizer: {spec} names the BPE in {target}, but there is none; the shards in "
+                            f"{out} were made by {manifest['tokenizer']['name']!r}: name that tokenizer")
+        return directory_bpe(spec, out, exact=True)
     tok = load_tokenizer(spec, out)
     if manifest is not None:  # checked before the copy below could replace the directory's own
         check_tokenizer(manifest, tok, out)
     return _keep(tok, out)
 
 
-def directory_bpe(spec: str, directory: Path) -> HFTokenizer:
-    """The BPE trained in shard directory `directory`, which data.tokenizer `spec` (bpe: any size; bpe:<N>: N)
-    names there."""
+def directory_bpe(spec: str, directory: Path, exact: bool = False) -> HFTokenizer:
+    """The BPE trained in shard directory `directory`, which data.tokenizer `spec` names there: bpe:<N> one of N
+    tokens, bpe one of any size (training reads the shards), or with `exact` the size bpe trains (prepare adds to
+    them)."""
     tok = HFTokenizer(directory / TOKENIZER_FILE, follow_links=False)
-    if spec != "bpe" and tok.vocab_size != planned_vocab_size(spec):
+    if (exact or spec != "bpe") and tok.vocab_size != planned_vocab_size(spec):
         raise DataError(f"data.tokenizer: {spec} names {planned_vocab_size(spec):,} tokens, but the BPE in "
                         f"{directory / TOKENIZER_FILE} that made the shards has {tok.vocab_size:,}; name "
                         f"data.tokenizer=bpe:{tok.vocab_size}")
