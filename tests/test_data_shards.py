@@ -443,6 +443,36 @@ def test_windows_over_shards_are_the_windows_of_one_array(tmp_path):
         part.windows([len(want) - 9], 10)
 
 
+def test_counting_ids_a_chunk_at_a_time_is_bincount_of_the_whole(tmp_path, monkeypatch):
+    """The train split's id counts and the unigram loss built on them, read at most COUNT_CHUNK ids at a time over
+    shards (chunks crossing shard boundaries, ids past 255): the numbers of the whole array, to the last bit."""
+    import keel.data.shards as shards
+    from keel.experiments.common import fixed_batches, unigram_loss
+
+    rng, counts, paths = np.random.default_rng(1), [50, 3, 120, 1, 77], []
+    arrays = [rng.integers(0, 300 if k == 2 else 200, n).astype("<u2") for k, n in enumerate(counts)]
+    for k, ids in enumerate(arrays):
+        paths.append(tmp_path / f"train-{k:06d}.bin")
+        ids.tofile(paths[-1])
+    whole, split = np.concatenate(arrays), TokenShards(paths, counts, "<u2", "test")
+    monkeypatch.setattr(shards, "COUNT_CHUNK", 16)
+    read = TokenShards.__array__
+
+    def bounded(self, *args, **kwargs):
+        assert len(self) <= 16, f"{len(self)} ids read at once"
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(TokenShards, "__array__", bounded)
+    want = np.bincount(whole, minlength=256)
+    got = shards.token_counts(split, minlength=256)
+    assert got.dtype == want.dtype and np.array_equal(got, want) and len(got) == whole.max() + 1 > 256
+    assert np.array_equal(shards.token_counts(split[:40], minlength=256), np.bincount(whole[:40], minlength=256))
+    batches = fixed_batches(whole[::-1].copy(), 8, 4, 2)
+    logp = np.log((want.astype(np.float64) + 1.0) / (want.astype(np.float64) + 1.0).sum())
+    targets = np.concatenate([y.numpy().ravel() for _, y in batches])
+    assert unigram_loss(split, batches) == float(-logp[targets].mean())
+
+
 @pytest.fixture
 def shard_dir(jsonl, tmp_path) -> Path:
     out = tmp_path / "shards"

@@ -258,6 +258,19 @@ class TokenShards:
         return out
 
 
+COUNT_CHUNK = 1 << 22  # ids counted at a time: 32 MiB once np.bincount widens them to int64
+
+
+def token_counts(tokens, minlength: int = 0) -> np.ndarray:
+    """`np.bincount(np.asarray(tokens), minlength=minlength)` (int64), read COUNT_CHUNK ids at a time: a split of
+    billions of ids in shards is never in memory whole."""
+    counts = np.zeros(minlength, dtype=np.int64)
+    for start in range(0, len(tokens), COUNT_CHUNK):
+        part = np.bincount(np.asarray(tokens[start:start + COUNT_CHUNK]), minlength=len(counts))
+        counts = np.pad(counts, (0, len(part) - len(counts))) + part
+    return counts
+
+
 def open_split(directory: Path, manifest: dict, split: str) -> TokenShards:
     shards = manifest["splits"][split]["shards"]
     return TokenShards([directory / s["file"] for s in shards], [s["tokens"] for s in shards],

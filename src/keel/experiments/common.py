@@ -29,6 +29,7 @@ from keel.config import GuardConfig, OptimConfig, RunConfig, TrainConfig, valida
 from keel.config.reads import Reads
 from keel.data import DataConfig, WindowSampler, prepare
 from keel.data import eval_batches as spaced_batches
+from keel.data.shards import token_counts
 from keel.errors import ConfigError
 from keel.experiments.partial import Discarded, Partial
 from keel.model import ModelConfig, TransformerLM
@@ -283,7 +284,7 @@ def loss_on(model, batches: list, autocast=contextlib.nullcontext) -> float:
 def unigram_loss(train: np.ndarray, batches: list) -> float:
     """The loss on `batches`' targets of the training split's token frequencies (add-one smoothed), whatever the
     input: the level a collapsed LM falls back to (about 3.29 nats for the stdlib bytes)."""
-    counts = np.bincount(np.asarray(train), minlength=256).astype(np.float64) + 1.0
+    counts = token_counts(train, minlength=256).astype(np.float64) + 1.0  # a chunk at a time: memory bounded
     logp = np.log(counts / counts.sum())
     targets = np.concatenate([y.numpy().ravel() for _, y in batches])
     return float(-logp[targets].mean())
