@@ -157,6 +157,19 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     ({"stream": {"bf16": ["keel"], "init": [2]}, "axes": {}}, "stream: keel.experiments.stream's bf16"),
     ({"stream": {"bf16": ["keel"]}}, "a study without axes"),
     ({"measure": "max_lr", "tune": [], "stream": {"bf16": ["keel"]}}, "stream: the loss measurement's"),
+    ({"measure": "redundancy", "tune": []}, "axes: not used by measure redundancy (one cell"),
+    ({"measure": "redundancy", "axes": {}}, "tune: not used by measure redundancy"),
+    ({"measure": "redundancy", "axes": {}, "tune": [], "probe": True}, "probe: not used by measure redundancy"),
+    ({"measure": "redundancy", "axes": {}, "tune": [], "untested": [["keel", "pre_ln"]]}, "untested: not used by"),
+    ({"measure": "redundancy", "axes": {}, "tune": [], "compare": [["keel", "pre_ln"]]},
+     "compare: pairs of two different ARM.MODE.PART (an arm; sublayer or branch; 0, 1, lower, upper)"),
+    ({"measure": "redundancy", "axes": {}, "tune": [], "compare": [["keel.branch.upper", "keel.block.lower"]]},
+     "compare: pairs of two different ARM.MODE.PART"),
+    ({"measure": "redundancy", "axes": {}, "tune": [], "compare": [["keel.branch.1", "keel.branch.1"]]},
+     "compare: pairs of two different ARM.MODE.PART"),
+    ({"measure": "redundancy", "axes": {}, "tune": [], "compare": [[["keel.branch.1", "keel.branch.0"], "x"]]},
+     "compare: pairs of two different ARM.MODE.PART"),
+    ({"measure": "redundancy", "axes": {}, "tune": [], "max_lr": {"eval_every": 2}}, "max_lr: the max-LR measurement"),
 ])
 def test_a_bad_declared_study_is_one_line_before_any_point(change, needle, tmp_path, capsys):
     path = write(tmp_path, study(**change))
@@ -494,3 +507,60 @@ def test_a_max_lr_point_trains_on_the_ramp_and_its_study_rebuilds_from_its_point
     before = (out / "results.json").read_text()
     assert main(["sweep", str(path), "--report-only"]) == 0
     assert json.loads((out / "results.json").read_text())["results"] == json.loads(before)["results"]
+
+
+def test_a_redundancy_study_summarises_each_points_deltas_and_tests_the_parts_it_names(tmp_path, monkeypatch):
+    """Deltas written out for 8 sub-layers (lower half: 2..3, upper half: 4..7): each summary is its mean worked out
+    by hand, each compare pair a paired t-test of the parts it names (scipy's), Holm over them."""
+    from keel.experiments import declared
+
+    def deltas(arm: str, seed: int, mode: str) -> list[float]:
+        lift = {"keel": 0.001 * seed * (seed + 1), "pre_ln": 0.02 + 0.004 * seed}[arm] + 0.003 * (mode == "branch")
+        return [0.5 + seed, 0.2, 0.04 + lift, 0.02, 0.01, 0.01 + lift, 0.0, 0.02]
+
+    def fake_point(study, arm, cell, hp, seed):
+        return {"scheme": arm, "seed": seed, "base_loss": 2.0 + seed / 10, "train_loss": 1.9, "diverged": False,
+                "delta_loss": {m: deltas(arm, seed, m) for m in ("sublayer", "branch")}}
+    monkeypatch.setattr(declared, "point", fake_point)
+    pairs = [["keel.sublayer.upper", "keel.sublayer.lower"], ["keel.branch.lower", "pre_ln.branch.lower"]]
+    doc = study(measure="redundancy", axes={}, tune=[], base=TINY | {"model": {**TINY["model"], "n_blocks": 4}},
+                arms={"pre_ln": {"model.scheme": "pre_ln"}, "keel": {"model.scheme": "keel"}}, compare=pairs)
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    part = {"lower": lambda d: (d[2] + d[3]) / 2, "upper": lambda d: (d[4] + d[5] + d[6] + d[7]) / 4,
+            "0": lambda d: d[0], "1": lambda d: d[1]}
+    for arm in ("keel", "pre_ln"):
+        for mode in ("sublayer", "branch"):
+            for name, f in part.items():
+                got = [s[name] for s in results["summary"][f"{arm}-{mode}"]]
+                assert got == pytest.approx([f(deltas(arm, s, mode)) for s in (0, 1, 2)], abs=1e-15)
+    side = lambda name: [part[name.split(".")[2]](deltas(*name.split(".")[:1], s, name.split(".")[1])) for s in
+                         (0, 1, 2)]
+    for t, (a, b) in zip(results["tests"], pairs):
+        assert t["pair"] == [a, b] and t["n"] == 3
+        assert t["mean"] == pytest.approx(np.mean(np.subtract(side(a), side(b))), abs=1e-12)
+        assert t["p"] == pytest.approx(scipy_stats.ttest_rel(side(a), side(b)).pvalue, rel=1e-9)
+    assert [t["p_holm"] for t in results["tests"]] == pytest.approx(holm_by_hand([t["p"] for t in results[
+        "tests"]]), rel=1e-12)
+    report = (tmp_path / "report.md").read_text()
+    assert "| keel | branch | 2.100 ± 0.100 (n=3) | 1.500 ± 1.000 (n=3) | 0.200 ± 0.000 (n=3) |" in report
+    assert "Models: 8 sub-layers, d=32, trained 6 steps x 4x32 tokens at LR 0.003, seeds [0, 1, 2]." in report
+
+
+@pytest.mark.slow
+def test_a_redundancy_point_takes_out_each_sub_layer_both_ways(tmp_path):
+    """Real points: Pre-LN has no norm_out and alpha = 1, so taking out its whole sub-layer and switching off its
+    branch are one operation (equal deltas); Keel's differ (its norm_out stays with the branch off); one delta per
+    sub-layer; the report rebuilds from the points without training."""
+    doc = study(measure="redundancy", axes={}, tune=[], seeds=[0, 1], base=TINY | {"model": {**TINY["model"],
+                "n_blocks": 2}}, arms={"pre_ln": {"model.scheme": "pre_ln"}, "keel": {"model.scheme": "keel"}})
+    path = write(tmp_path, doc)
+    assert main(["sweep", str(path)]) == 0
+    points = store.load_all(path.parent / "points")
+    assert sorted(points) == ["keel-seed0", "keel-seed1", "pre_ln-seed0", "pre_ln-seed1"]
+    for k, p in points.items():
+        d = p["delta_loss"]
+        assert len(d["sublayer"]) == len(d["branch"]) == 4 and all(map(math.isfinite, d["sublayer"]))
+        assert (d["sublayer"] == d["branch"]) == k.startswith("pre_ln"), k
+    before = json.loads((path.parent / "results.json").read_text())["results"]
+    assert main(["sweep", str(path), "--report-only"]) == 0
+    assert json.loads((path.parent / "results.json").read_text())["results"] == before

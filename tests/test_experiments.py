@@ -18,7 +18,6 @@ from keel.experiments.budget import budget_point
 TINY = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16", "run.batch_size=2"]
 QUICK = {
     "gradflow": ["schemes=[post_ln,keel]", "depths=[4]", "run.steps=3"],
-    "redundancy": ["depth=4", "run.steps=3"],
     "frontier": ["depths=[2,4]", "run.steps=3"],
     # the one-file corpus has no second document for identifiers/next_line
     "downstream": ["run.steps=3", "run.eval_tasks=[brackets,indent]"],
@@ -43,7 +42,6 @@ _S3, _K = ("post_ln", "pre_ln", "keel"), (0, 1)  # the quick configs' schemes an
 # The points each QUICK configuration must produce, written out from its settings (not from the code's loops)
 QUICK_POINTS = {
     "gradflow": [f"{s}-4-{init}-seed{k}" for s in ("post_ln", "keel") for init in ("default", "matched") for k in _K],
-    "redundancy": [f"{s}-seed{k}" for s in ("pre_ln", "keel") for k in _K],
     "frontier": [f"{s}-{d}-lr{lr}-seed{k}" for s, grid in (("post_ln", (0.001, 0.003)), ("keel", (0.003, 0.01)))
                  for d in (2, 4) for lr in grid for k in _K],  # every LR with every seed
     "downstream": [f"{arm}-lr0.003-seed{k}" for arm in [f"{s}-{d}" for s in _S3 for d in (4, 8)] + ["wide-pre_ln"]
@@ -126,13 +124,16 @@ def test_a_study_file_runs_by_name_at_its_smoke_test_size(name, tmp_path, monkey
     assert main(["experiment", name, "--quick", "--out", str(out)]) == 0, capsys.readouterr().err
     report = (out / "report.md").read_text()
     study = declared.smoke(declared.read(yaml.safe_load(study_files()[name].read_text()), name))
-    plots = ["study.png"] if study.measure == "loss" else [p.name for p in out.glob("maxlr-*.png")]  # one per cell
+    plots = {"loss": ["study.png"], "redundancy": ["redundancy.png"]}.get(study.measure) or [
+        p.name for p in out.glob("maxlr-*.png")]  # one per cell
     assert report.startswith("> **SMOKE TEST, NOT A RESULT**") and all((out / p).stat().st_size > 0 for p in plots)
-    assert len(plots) == (1 if study.measure == "loss" else len(study.cells()))
+    assert len(plots) == (len(study.cells()) if study.measure == "max_lr" else 1)
     points = {k: p for k, p in store.load_all(out / "points").items() if not k.startswith("init-")}  # trained ones
     assert {p["seed"] for p in points.values()} == set(study.seeds[:2])
     if study.measure == "max_lr":  # a point on the ramp keeps its evaluations and per-step losses (6 steps at most)
         assert all(p["depth"] == 4 and 1 <= len(p["train_losses"]) <= 6 for p in points.values())
+    elif study.measure == "redundancy":  # each of the 4 sub-layers taken out both ways
+        assert all(len(p["delta_loss"]["sublayer"]) == len(p["delta_loss"]["branch"]) == 4 for p in points.values())
     else:
         assert all(p["n_sublayers"] == 4 and p["d_model"] == 32 and len(p["losses"]) == 6 for p in points.values())
     results = store.read_results(out)["results"]

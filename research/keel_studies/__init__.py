@@ -8,7 +8,6 @@ does not.
 # name -> (module, config class, run function); each run writes results.json, PNG plots and report.md
 STUDIES = {
     "gradflow": ("gradflow", "GradflowConfig", "run"),
-    "redundancy": ("redundancy", "RedundancyConfig", "run"),
     "frontier": ("frontier", "FrontierConfig", "run"),
     "downstream": ("downstream", "DownstreamConfig", "run"),
     "downstream-end": ("downstream_end", "DownstreamEndConfig", "run"),

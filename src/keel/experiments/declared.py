@@ -3,8 +3,9 @@
 
 The measurement: `loss` (keel.experiments.budget; each `tune` step chooses its field per arm and cell by the mean
 select-half loss over the choosing seeds, the grid grown past an edge choice: keel.experiments.grid; optionally the
-bf16-stream measurement, keel.experiments.stream) or `max_lr` (keel.experiments.maxlr, nothing chosen). Each pair is
-a paired two-sided t-test per cell, Holm over every test of the study; a marginal one gets `marginal_seeds` on both
+bf16-stream measurement, keel.experiments.stream), `max_lr` (keel.experiments.maxlr, nothing chosen) or `redundancy`
+(keel.experiments.redundancy, one cell, nothing chosen; its pairs name ARM.MODE.PART). Each pair is a paired
+two-sided t-test per cell, Holm over every test of the study; a marginal one gets `marginal_seeds` on both
 arms and every test runs again on all seeds. The whole study is checked before any point trains (every arm, axis and
 grid value through keel's one merge: one line naming the field); points are kept by keel.experiments.sweep."""
 
@@ -23,7 +24,7 @@ from keel.config import OptimConfig, RunConfig, TrainConfig, merge, validate
 from keel.config.reads import Reads
 from keel.data.corpus import DataConfig
 from keel.errors import ConfigError
-from keel.experiments import common, maxlr, stats, stream
+from keel.experiments import common, maxlr, redundancy, stats, stream
 from keel.experiments.budget import BudgetConfig, budget_point
 from keel.experiments.detect import FailureRules
 from keel.experiments.grid import Grid, LadderGrid, _finite, grid_note, run_searches, search_grid
@@ -34,7 +35,7 @@ KEYS = ("question", "answer", "rule", "base", "arms", "axes", "tune", "seeds", "
 STEP = {"arms": "some of the arms, the ones this step tunes", "below": "values falling from below the grid's lowest, "
         "grown through in order", "above": "values rising from above the grid's highest, grown through in order",
         "ties": "low or high: which of equal scores wins"}  # a tune step's optional keys
-MEASURES = ("loss", "max_lr")  # the budget measurement (final loss on the select and report halves), the max LR
+MEASURES = ("loss", "max_lr", "redundancy")  # the budget measurement (final loss on the select and report halves)
 LOSS_ONLY = ("tune", "best_of", "untested", "select_seeds", "marginal_seeds", "probe", "curve_every", "curve_batches",
              "crossing", "stream")
 MAX_LR = {"eval_every": "select-half evaluations every this many steps (an integer >= 1; default 2)", "rules":
@@ -182,19 +183,26 @@ def read(doc: dict, where: str) -> DeclaredStudy:
                                                                   or set(map(str, among)) <= pinned):
             raise bad(f"best_of: a mapping of new names -> lists of two or more distinct arms, or of arm@cell "
                       f"(got {best_of!r})")
-    names = [*arms, *best_of]
-    compare = doc.get("compare") or [[names[0], other] for other in list(arms)[1:]]
+    names, measure = [*arms, *best_of], doc.get("measure", "loss")
+    if measure not in MEASURES:
+        raise bad(f"measure: {measure!r}; allowed: {', '.join(MEASURES)}")
+    removal = {f"{a}.{m}.{p}" for a in arms for m in redundancy.MODES for p in redundancy.PARTS}
+    if measure == "redundancy" and (given := [k for k in (*LOSS_ONLY, "axes", "untested") if doc.get(k)]):
+        raise bad(f"{given[0]}: not used by measure redundancy (one cell, nothing chosen, no curve)")
+    compare = doc.get("compare") or ([] if measure == "redundancy" else [[names[0], o] for o in list(arms)[1:]])
     def pair(p, nested: bool = True) -> bool:  # two different arms; a side may be a pair itself (its difference)
         return isinstance(p, list) and len(p) == 2 and p[0] != p[1] and all(
             x in {*names, *pinned} if isinstance(x, str) else nested and pair(x, False) for x in p)
-    for key_, pairs in (("compare", compare), ("untested", doc.get("untested") or [])):
+    if measure == "redundancy" and not (isinstance(compare, list) and all(isinstance(p, list) and len(p) == 2 and p[
+            0] != p[1] and all(isinstance(x, str) and x in removal for x in p) for p in compare)):
+        raise bad(f"compare: pairs of two different ARM.MODE.PART (an arm; {' or '.join(redundancy.MODES)}; "
+                  f"{', '.join(redundancy.PARTS)}) (got {compare!r})")
+    arm_pairs = [] if measure == "redundancy" else compare
+    for key_, pairs in (("compare", arm_pairs), ("untested", doc.get("untested") or [])):
         if not isinstance(pairs, list) or not all(pair(p) and len({_pinned(best_of, a) for a in _leaves(p)}) == 1
                                                   for p in pairs):
             raise bad(f"{key_}: pairs of two different arms out of {', '.join(names)} (or of two such pairs), or of "
                       f"arm@cell on both sides (a cell of {', '.join(cells) or 'none: no axes'}) (got {pairs!r})")
-    measure = doc.get("measure", "loss")
-    if measure not in MEASURES:
-        raise bad(f"measure: {measure!r}; allowed: {', '.join(MEASURES)}")
     if measure == "max_lr":
         _check_max_lr(doc, arms, bad)
     elif "max_lr" in doc:
@@ -334,6 +342,8 @@ class _Grid(Grid):
 def point(study: DeclaredStudy, arm: str, cell: dict, hp: dict, seed: int) -> dict:
     """One point: the study's measurement at this arm, cell and tuned values."""
     c = study.config({**study.arms[arm], **cell, **hp})
+    if study.measure == "redundancy":
+        return redundancy.point(common.point_config(c, c.model, seed))
     if study.measure == "max_lr":
         return maxlr.point(common.point_config(c, c.model, seed), *maxlr.settings(study.max_lr)) | {"arm": arm,
                                                                                                     "cell": cell}
@@ -362,6 +372,8 @@ def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", ques
                              for n in study.stream.get("init_blocks", []) for s in study.seeds}, f"{name} (init)")
     if study.measure == "max_lr":
         return _max_lr(study, out, command, name, points, choices, _asks(question, rule))
+    if study.measure == "redundancy":
+        return _redundancy(study, out, command, name, points, _asks(question, rule))
     picks = {c: {pick: _best_of(study, points, choices, c, among) for pick, among in study.best_of.items()
                  if not _pinned(study.best_of, pick)} for c in choices}
     if across := {pick: _best_of(study, points, choices, "", among) for pick, among in study.best_of.items()
@@ -584,6 +596,23 @@ def _max_lr(study: DeclaredStudy, out: Path, command: str, name: str, points: di
               f"{len(tests)} tests.")
     common.write_outputs(out, name, study, command, results, asks + text + "\n\n" + _tests_table(results, 4), plots,
                          notes)
+    return results
+
+
+def _redundancy(study: DeclaredStudy, out: Path, command: str, name: str, points: dict, asks: str) -> dict:
+    """Each arm's deltas summarised over its seeds; the compare pairs' paired tests of ARM.MODE.PART; the report."""
+    arms = {arm: [points[key(arm, {}, {}, s)] for s in study.seeds] for arm in study.arms}
+    summary, table = redundancy.report(arms)
+    sides = {side: [p[side.rsplit(".", 1)[1]] for p in summary["-".join(side.rsplit(".", 2)[:2])]]
+             for side in {s for p in study.compare for s in p}}
+    scored = {key(side, {}, {}, s): {"delta": d} for side, ds in sides.items() for s, d in zip(study.seeds, ds)}
+    tests = _tests(study, scored, {"": {side: {"hp": {}} for side in sides}}, {}, study.seeds, study.compare,
+                   value="delta", better="higher")
+    results = {"points": points, "summary": summary, "tests": tests, "seeds": study.seeds}
+    notes = redundancy.notes([study.config(fields) for fields in study.arms.values()], study.seeds) + (
+        f" Tests: paired two-sided t-tests over seeds, Holm over the study's {len(tests)} tests." if tests else "")
+    text = asks + table + ("\n\n" + _tests_table(results, 4) if tests else "")
+    common.write_outputs(out, name, study, command, results, text, [redundancy.plot(arms, out)], notes)
     return results
 
 
