@@ -617,6 +617,42 @@ def test_prepare_refuses_a_directory_it_did_not_write(jsonl, tmp_path, capsys):
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
+def _outside(tmp_path: Path) -> Path:
+    (tmp_path / "outside").mkdir()
+    (path := tmp_path / "outside" / "keep.bin").write_bytes(b"not keel's")
+    return path
+
+
+def test_a_link_planted_at_the_tokenizer_file_is_refused(jsonl, tmp_path, capsys):
+    keep, out = _outside(tmp_path), tmp_path / "shards"
+    train_bpe([jsonl.read_text()], 300, tmp_path / "bpe" / "tokenizer.json")
+    out.mkdir()
+    (out / "tokenizer.json").symlink_to(keep)
+    assert prepare_cli(out, jsonl, tokenizer=str(tmp_path / "bpe"), workers=1) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "tokenizer.json: is a symbolic link" in err, err
+    assert keep.read_bytes() == b"not keel's" and [p.name for p in out.iterdir()] == ["tokenizer.json"]
+
+
+@pytest.mark.parametrize("suffix", ["bin", "idx"])
+def test_a_link_planted_at_the_next_shard_is_refused(suffix, jsonl, tmp_path, capsys, monkeypatch):
+    keep, out, publish = _outside(tmp_path), tmp_path / "shards", shard_writer._publish
+
+    def dies_after_one(*args):
+        publish(*args)
+        raise Killed
+
+    monkeypatch.setattr(shard_writer, "_publish", dies_after_one)
+    with pytest.raises(Killed):
+        prepare_cli(out, jsonl, workers=1)
+    monkeypatch.undo()
+    (out / f"train-000001.{suffix}").symlink_to(keep)
+    assert prepare_cli(out, jsonl, workers=1) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"train-000001.{suffix}: is a symbolic link" in err, err
+    assert keep.read_bytes() == b"not keel's" and not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
 # ---- memory -------------------------------------------------------------------------------------------
 
 # VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's peak (Linux carries it over fork and exec)

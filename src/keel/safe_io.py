@@ -18,6 +18,7 @@ deep is a RecursionError in `json.loads` and a step of 10**30 an OverflowError w
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -32,6 +33,7 @@ CAP_LOG = 256 * MiB  # metrics.jsonl, telemetry.jsonl
 CAP_SMALL = 16 * MiB  # config.yaml, run.json, summary.json, tokenizer_config.json, .lock
 CAP_TOKENIZER = 64 * MiB  # tokenizer.json
 MAX_INT_DIGITS = 18  # every integer keel writes (steps, counts, sizes) is below 10**18
+TMP = ".tmp-"  # in every temporary file's name, which a writer that resumes looks for
 
 
 def loads_json(text: str | bytes, bound_ints: bool = True):
@@ -88,26 +90,32 @@ def _regular(fd: int, path: Path) -> None:
         raise DataError(f"{path}: is {kind}; keel reads and writes only regular files in a run directory")
 
 
+def temporary(path: Path):
+    """A new file beside `path`, named `.<name>.tmp-<pid>-<random>` and opened for binary writing, created with
+    O_EXCL|O_NOFOLLOW (never an existing file, never through a link): (its path, the file). OSError as os.open's."""
+    tmp = path.with_name(f".{path.name}{TMP}{os.getpid()}-{secrets.token_hex(4)}")
+    return tmp, os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "wb")
+
+
 def write_bytes(root, path, data: bytes, fsync: bool = False) -> Path:
     """Write `path` (under `root`) whole and atomically, never through a link; with `fsync`, on disk before its
     name is (a machine that stops hard leaves no empty file)."""
     path = inside(root, path)
     if path.is_symlink():
         raise DataError(f"{path}: is a symbolic link; refused to write through it")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = None
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "wb") as f:
+        tmp, f = temporary(path)
+        with f:
             f.write(data)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as err:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
         raise _refuse(path, err, "write") from None
     return path
 

@@ -16,7 +16,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import secrets
 import signal
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from keel import safe_io
 from keel.data.corpus import Corpus, DataConfig, build_corpus
 from keel.data.shards import (
     FORMAT,
@@ -60,7 +60,6 @@ BPE_SEED = 0
 ENCODE_BATCH = 256  # documents (or pieces of one) per worker task
 BATCH_CHARS = 1 << 21  # and about this many characters: a batch of long documents stays small
 TOKENIZER_FILE = "tokenizer.json"
-_TMP = ".tmp-"  # in every temporary file's name: `.<name>.tmp-<pid>-<random>`
 
 
 def prepare_shards(cfg: DataConfig, out, workers: int = 1, shard_tokens: int | None = None,
@@ -197,8 +196,8 @@ def _keep(tok: HFTokenizer, out: Path) -> HFTokenizer:
     loaded from there."""
     target = out / TOKENIZER_FILE
     raw = read_capped(tok.path)
-    if not os.path.lexists(target) or target.is_symlink() or read_capped(target) != raw:
-        _atomic_write(target, [raw])
+    if not os.path.lexists(target) or target.is_symlink() or read_capped(target) != raw:  # a link: refused
+        safe_io.write_bytes(out, target, raw, fsync=True)
     return HFTokenizer(target, follow_links=False)
 
 
@@ -210,8 +209,8 @@ def _corpus_info(corpus: Corpus) -> dict:
 def _remove_temporaries(out: Path) -> None:
     """What a killed prepare left half-written (never a file keel did not name so)."""
     for entry in os.listdir(out):
-        name = entry.lstrip(".").split(_TMP)[0]
-        if entry.startswith(".") and _TMP in entry and (SHARD_NAME.fullmatch(name) or name in (MANIFEST,
+        name = entry.lstrip(".").split(safe_io.TMP)[0]
+        if entry.startswith(".") and safe_io.TMP in entry and (SHARD_NAME.fullmatch(name) or name in (MANIFEST,
                                                                                               TOKENIZER_FILE)):
             (out / entry).unlink(missing_ok=True)
 
@@ -350,7 +349,13 @@ class _Shard:
 
     def __init__(self, out: Path, split: str, k: int):
         self.bin, self.idx = out / shard_name(split, k, "bin"), out / shard_name(split, k, "idx")
-        self.tmp, self.file = _temporary(self.bin)
+        for path in (self.bin, self.idx):  # keel writes no link here: one was planted
+            if path.is_symlink():
+                raise DataError(f"{path}: is a symbolic link; refused to write through it")
+        try:
+            self.tmp, self.file = safe_io.temporary(self.bin)
+        except OSError as err:
+            raise DataError(f"{out}: cannot write ({err.strerror})") from None
         self.sha, self.tokens, self.starts = hashlib.sha256(), 0, []
 
     def write(self, ids: np.ndarray) -> None:
@@ -361,9 +366,11 @@ class _Shard:
 
     def finish(self, document: int, offset: int, digest: str) -> dict:
         index = np.asarray(self.starts, dtype=INDEX_DTYPE).tobytes()
-        _atomic_write(self.idx, [index])
-        _close(self.file)
-        os.replace(self.tmp, self.bin)  # replaces a link planted there, never writes through it
+        safe_io.write_bytes(self.idx.parent, self.idx, index, fsync=True)
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.bin)
         return {"file": self.bin.name, "tokens": self.tokens, "sha256": self.sha.hexdigest(), "index": self.idx.name,
                 "index_sha256": hashlib.sha256(index).hexdigest(), "documents": len(self.starts),
                 "end": {"document": document, "offset": offset, "digest": digest}}
@@ -373,42 +380,12 @@ class _Shard:
         self.tmp.unlink(missing_ok=True)
 
 
-# ---- files ----------------------------------------------------------------------------------------------
-
-def _temporary(path: Path):
-    """A new file beside `path`, opened for writing: created, never opened through a link."""
-    tmp = path.with_name(f".{path.name}{_TMP}{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    except OSError as err:
-        raise DataError(f"{path.parent}: cannot write ({err.strerror})") from None
-    return tmp, os.fdopen(fd, "wb")
-
-
-def _close(f) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
-
-
-def _atomic_write(path: Path, chunks) -> None:
-    tmp, f = _temporary(path)
-    try:
-        for chunk in chunks:
-            f.write(chunk)
-        _close(f)
-        os.replace(tmp, path)
-    finally:
-        f.close()
-        tmp.unlink(missing_ok=True)
-
-
 def _write_manifest(out: Path, manifest: dict) -> None:
     data = (json.dumps(manifest, indent=1) + "\n").encode()
     path = out / MANIFEST
     if path.is_file() and not path.is_symlink() and path.read_bytes() == data:
         return
-    _atomic_write(path, [data])
+    safe_io.write_bytes(out, path, data, fsync=True)
 
 
 # ---- tokenising in worker processes -----------------------------------------------------------------------
