@@ -272,43 +272,47 @@ def test_a_claim_written_before_this_machine_booted_is_taken_over(tmp_path):
     assert not claim.exists()
 
 
-def _race_claims(claim, root: str, rounds: int, barrier, won) -> None:
-    """One racer: in each round wait for the others, then all try `claim` on the same path at once."""
+def _race_claims(claim, roots: list[str], rounds: int, barrier, won) -> None:
+    """One racer: in each round of each root wait for the others, then all try `claim` on the same path at once."""
     mine = []
-    for r in range(rounds):
-        barrier.wait()
-        if claim(Path(root) / f"r{r}.claim"):
-            mine.append(r)
+    for root in roots:
+        for r in range(rounds):
+            barrier.wait()
+            if claim(Path(root) / f"r{r}.claim"):
+                mine.append((root, r))
     won.put(mine)
 
 
-
 @pytest.mark.slow
-@pytest.mark.parametrize("left", ["nothing", "a dead owner's claim"])
-def test_a_point_raced_by_several_processes_is_claimed_by_exactly_one_each_time(tmp_path, left):
-    # four processes released together onto one path, 200 times; no one releases a claim during a round, so each
-    # round has exactly one winner, also when a dead owner's claim is there to take over (without the lock on the
-    # directory two racers both judged it dead and both won: 45-126 of 200 rounds). Creating the claim
-    # exclusively and writing it afterwards let a racer read it
-    # empty, take it for a dead owner's and win too (3 to 133 rounds of 200 had two winners, in three trials)
+def test_a_point_raced_by_several_processes_is_claimed_by_exactly_one_each_time(tmp_path):
+    # four processes released together onto one path, 200 times with nothing there and 200 times onto a dead owner's
+    # claim (one set of processes for both: each spawned racer imports torch); no one releases a claim during a
+    # round, so each round has exactly one winner, also when a dead owner's claim is there to take over (without
+    # the lock on the directory two racers both judged it dead and both won: 45-126 of 200 rounds). Creating the
+    # claim exclusively and writing it afterwards let a racer read it empty, take it for a dead owner's and win too
+    # (3 to 133 rounds of 200 had two winners, in three trials)
     import multiprocessing
 
     ctx, n, rounds = multiprocessing.get_context("spawn"), 4, 200
-    if left != "nothing":
-        dead = subprocess.Popen([sys.executable, "-c", "pass"])
-        dead.wait()
-        for r in range(rounds):
-            (tmp_path / f"r{r}.claim").write_text(f"{socket.gethostname()} {dead.pid}")
+    roots = [tmp_path / "nothing", tmp_path / "dead"]
+    for root in roots:
+        root.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for r in range(rounds):
+        (roots[1] / f"r{r}.claim").write_text(f"{socket.gethostname()} {dead.pid}")
     barrier, won = ctx.Barrier(n, timeout=120), ctx.Queue()
-    procs = [ctx.Process(target=_race_claims, args=(_claim, str(tmp_path), rounds, barrier, won)) for _ in range(n)]
+    procs = [ctx.Process(target=_race_claims, args=(_claim, [str(r) for r in roots], rounds, barrier, won))
+             for _ in range(n)]
     for p in procs:
         p.start()
-    wins = [r for _ in procs for r in won.get(timeout=300)]
+    wins = [w for _ in procs for w in won.get(timeout=300)]
     for p in procs:
         p.join()
     assert [p.exitcode for p in procs] == [0] * n
-    assert sorted(wins) == list(range(rounds))  # every round won once: none twice, none by no one
-    assert sorted(q.name for q in tmp_path.iterdir()) == sorted(f"r{r}.claim" for r in range(rounds))  # no temp file
+    for root in roots:  # every round won once: none twice, none by no one
+        assert sorted(r for where, r in wins if where == str(root)) == list(range(rounds)), root.name
+        assert sorted(q.name for q in root.iterdir()) == sorted(f"r{r}.claim" for r in range(rounds))  # no temp file
 
 
 def test_an_empty_claim_is_respected_while_fresh_and_taken_over_once_stale(tmp_path):
