@@ -1,9 +1,9 @@
 """`keel data prepare`: a corpus into token shards (the layout is keel.data.shards'), tokenised by worker processes.
 
-This process reads the documents in the corpus's order and hands them in batches to N workers; the batches come
-back in the order they went out, so the shards are the same bytes whatever N is. Nothing is read whole: a text
-file is read a block at a time and a document longer than a million characters goes out in pieces, so memory
-stays bounded whatever the size of a file. A shard is written to a
+This process reads the documents in the corpus's order and N workers tokenise them (keel.data.encode_workers); the
+ids come back in that order, so the shards are the same bytes whatever N is. Nothing is read whole: a text file is
+read a block at a time and a document longer than a million characters goes out in pieces, so memory stays bounded
+whatever the size of a file. A shard is written to a
 temporary file and renamed into place once full, then the manifest is rewritten: a killed prepare resumes from
 its last whole shard and ends with what an uninterrupted one would have written. Run again on a corpus with new
 documents after the old ones (records appended, files sorting after the old), it tokenises only those, into new
@@ -14,13 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import os
-import signal
-from collections import deque
-from collections.abc import Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
 
@@ -29,6 +23,7 @@ from tqdm.auto import tqdm
 
 from keel import safe_io
 from keel.data.corpus import Corpus, DataConfig, build_corpus
+from keel.data.encode_workers import document_digest, encoder
 from keel.data.shards import (
     FORMAT,
     INDEX_DTYPE,
@@ -49,7 +44,6 @@ from keel.data.tokenizer import (
     load_tokenizer,
     planned_vocab_size,
     read_capped,
-    text_pieces,
     train_bpe,
 )
 from keel.errors import DataError
@@ -57,8 +51,6 @@ from keel.errors import DataError
 DEFAULT_SHARD_TOKENS = 100_000_000  # nanoGPT's and modded-nanogpt's shard: 200 MB of uint16
 DEFAULT_BPE_SAMPLE = 100_000  # documents a BPE is trained on (sentencepiece's input_sentence_size, in documents)
 BPE_SEED = 0
-ENCODE_BATCH = 256  # documents (or pieces of one) per worker task
-BATCH_CHARS = 1 << 21  # and about this many characters: a batch of long documents stays small
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -126,8 +118,8 @@ def _fill(out: Path, manifest: dict, corpus: Corpus, tokenizer, workers: int, pr
     todo = [s for s in SPLITS if not (same and manifest["splits"][s]["complete"])]  # complete: a dropped tail aside
     try:
         if todo:
-            with _encoder("bytes" if tokenizer.name == "bytes" else str(out / TOKENIZER_FILE),
-                          shard_dtype(tokenizer.vocab_size), workers) as encode:
+            with encoder("bytes" if tokenizer.name == "bytes" else str(out / TOKENIZER_FILE),
+                         shard_dtype(tokenizer.vocab_size), workers) as encode:
                 for split in todo:
                     _extend(out, manifest, split, corpus, encode, progress)
             manifest["corpus"] = _corpus_info(corpus)
@@ -261,7 +253,7 @@ def _extend(out: Path, manifest: dict, split: str, corpus: Corpus, encode, progr
         last = next(docs, None)
         if last is None:
             break
-        digest.update(_digest(last))
+        digest.update(document_digest(last))
     if (last is None and touched) or digest.hexdigest() != end["digest"]:
         raise DataError(f"{corpus.spec}: the {split} documents already in {out}'s shards have changed (not only new "
                         "documents after them; data.val_fraction and data.text_field count too); prepare into a "
@@ -271,7 +263,7 @@ def _extend(out: Path, manifest: dict, split: str, corpus: Corpus, encode, progr
     index, offset, skip, shard = end["document"], 0, end["offset"], None
     bar = tqdm(desc=f"{split} documents", unit="doc", initial=index, disable=None if progress is None else not progress)
     try:
-        for (_, doc_digest, last_piece), ids in encode(_batches(_pieces(todo))):
+        for (_, doc_digest, last_piece), ids in encode(todo):
             if doc_digest is not None and index >= touched:
                 digest.update(doc_digest)
             pos = min(skip, len(ids))
@@ -308,40 +300,6 @@ def _publish(out: Path, manifest: dict, split: str, entry: dict) -> None:
     state["shards"].append(entry)
     state |= {"documents": entry["end"]["document"], "tokens": state["tokens"] + entry["tokens"]}
     _write_manifest(out, manifest)
-
-
-def _digest(document: Iterable[str]) -> bytes:
-    """The SHA-256 of a document's text, given as its consecutive pieces."""
-    sha = hashlib.sha256()
-    for piece in document:
-        sha.update(piece.encode("utf-8"))
-    return sha.digest()
-
-
-def _pieces(docs: Iterable[Iterable[str]]) -> Iterator[tuple[str, bytes | None, bool]]:
-    """(piece, the document's digest on its first piece, whether it is its last) for each piece of each document:
-    a document longer than PIECE_CHARS goes out in pieces (keel.data.tokenizer.text_pieces), so none is held whole.
-    Its digest is taken first, in a pass of its own: a shard that fills before its last piece records it."""
-    for doc in docs:
-        digest, pieces = _digest(doc), text_pieces(doc)
-        piece = next(pieces, "")
-        for after in pieces:
-            yield piece, digest, False
-            piece, digest = after, None
-        yield piece, digest, True
-
-
-def _batches(units: Iterable[tuple]) -> Iterator[list[tuple]]:
-    """At most ENCODE_BATCH pieces, and about BATCH_CHARS characters, a batch."""
-    batch, chars = [], 0
-    for unit in units:
-        batch.append(unit)
-        chars += len(unit[0])
-        if len(batch) == ENCODE_BATCH or chars >= BATCH_CHARS:
-            yield batch
-            batch, chars = [], 0
-    if batch:
-        yield batch
 
 
 class _Shard:
@@ -386,60 +344,3 @@ def _write_manifest(out: Path, manifest: dict) -> None:
     if path.is_file() and not path.is_symlink() and path.read_bytes() == data:
         return
     safe_io.write_bytes(out, path, data, fsync=True)
-
-
-# ---- tokenising in worker processes -----------------------------------------------------------------------
-
-_WORKER: dict = {}
-
-
-def _start_worker(tokenizer: str, dtype: str, quiet: bool = True) -> None:
-    if quiet:  # Ctrl-C reaches the whole process group: the parent stops the pool, workers say nothing
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: N workers use N cores
-    tok = ByteTokenizer() if tokenizer == "bytes" else HFTokenizer(tokenizer, follow_links=False)
-    _WORKER.update(tokenizer=tok, dtype=np.dtype(dtype))
-
-
-def _encode(pieces: list[tuple[str, bool, bool]]) -> list[np.ndarray]:
-    """Each (piece, first piece of its document?, last piece?)'s ids in the shard dtype, a document's last followed
-    by eos_id when the tokenizer has one."""
-    tok, dtype = _WORKER["tokenizer"], _WORKER["dtype"]
-    out = []
-    for (_, _, last), ids in zip(pieces, tok.encode_pieces(pieces)):
-        if last and tok.eos_id is not None:
-            ids = np.append(ids, tok.eos_id)
-        out.append(ids.astype(dtype))
-    return out
-
-
-@contextmanager
-def _encoder(tokenizer: str, dtype, workers: int):
-    """`encode(batches)`: (unit, ids) for each unit (piece, digest, last) of each batch, in order; by `workers`
-    processes (started fresh: a forked copy of a process whose tokenizer threads ran can deadlock), at most two
-    batches each in flight so that memory stays bounded however large the corpus."""
-    def work(batch):
-        return [(text, digest is not None, last) for text, digest, last in batch]  # a digest: a first piece
-
-    if workers == 1:
-        _start_worker(tokenizer, dtype.str, quiet=False)
-        yield lambda batches: (pair for batch in batches for pair in zip(batch, _encode(work(batch))))
-        return
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_start_worker, initargs=(tokenizer, dtype.str))
-
-    def encode(batches):
-        pending = deque()
-        for batch in batches:
-            pending.append((batch, pool.submit(_encode, work(batch))))
-            if len(pending) >= 2 * workers:
-                batch, ids = pending.popleft()
-                yield from zip(batch, ids.result())
-        while pending:
-            batch, ids = pending.popleft()
-            yield from zip(batch, ids.result())
-
-    try:
-        yield encode
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
