@@ -18,6 +18,7 @@ import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain
 from pathlib import Path
 
 from keel.data import text_stream
@@ -252,12 +253,8 @@ class _Parquet(_Records):
         return self.file.metadata.num_rows
 
     def records(self, want):
-        index = 0
-        for batch in self.file.iter_batches(columns=[self.text_field], batch_size=1024):
-            for value in batch.column(0).to_pylist():
-                if want(index):
-                    yield index, _as_text(value, f"{self.path} row {index}", self.text_field)
-                index += 1
+        batches = self.file.iter_batches(columns=[self.text_field], batch_size=1024)
+        return _wanted((b.column(0).to_pylist() for b in batches), want, f"{self.path} row", self.text_field)
 
 
 class _HFDataset(Corpus):
@@ -286,12 +283,8 @@ class _HFDataset(Corpus):
         return range(len(self.ds))
 
     def records(self, want):
-        index = 0
-        for batch in self.ds.iter(batch_size=1024):
-            for value in batch[self.text_field]:
-                if want(index):
-                    yield index, _as_text(value, f"{self.spec} record {index}", self.text_field)
-                index += 1
+        batches = self.ds.iter(batch_size=1024)
+        return _wanted((b[self.text_field] for b in batches), want, f"{self.spec} record", self.text_field)
 
     def sample(self, n: int, seed: int = 0) -> Iterator[str]:
         picked = self.ds.select(sorted(self._sampled_keys(n, seed)))  # random access: only these are read
@@ -389,6 +382,14 @@ def _readable(path: Path) -> os.stat_result:
 def _has_text(text: str | None) -> bool:
     """False for None, "" and whitespace only: such documents are left out."""
     return bool(text) and not text.isspace()
+
+
+def _wanted(columns: Iterable[list], want: Callable, where: str, field: str) -> Iterator[tuple[int, str | None]]:
+    """(index, text) of each value, in order, of a text column read in batches (`columns`) whose index `want`
+    accepts; a value that is not text is named as `where` and its index."""
+    for index, value in enumerate(chain.from_iterable(columns)):
+        if want(index):
+            yield index, _as_text(value, f"{where} {index}", field)
 
 
 def _as_text(value, where: str, field: str) -> str | None:

@@ -254,7 +254,7 @@ def load_tokenizer(spec: str, cache_dir, corpus=None):
         raise DataError(str(err) if "data.tokenizer" in str(err) else f"data.tokenizer: {err}") from None
 
 
-MAX_TOKENIZER_BYTES = 64 << 20  # a real tokenizer.json is a few MiB; parsing costs ~2x its size in memory
+MAX_TOKENIZER_BYTES = safe_io.CAP_TOKENIZER  # a real tokenizer.json is a few MiB; parsing costs ~2x its size
 
 
 def read_capped(path: Path, follow_links: bool = True) -> bytes:
