@@ -38,7 +38,6 @@ from keel.data.shards import (
     shard_name,
 )
 from keel.data.tokenizer import (
-    ByteTokenizer,
     HFTokenizer,
     is_bpe,
     load_tokenizer,
@@ -95,8 +94,7 @@ def write_shards(corpus: Corpus, tokenizer, out: Path) -> None:
     """Tokenise `corpus` with `tokenizer` (loaded already) in this process into `out`, a new empty directory: the
     token cache `keel train` keeps of a corpus (keel.data.loader). Its manifest's corpus is `describe()` once every
     document was read, so it counts the files skipped as not text."""
-    if tokenizer.name != "bytes":
-        tokenizer = _keep(tokenizer, out)
+    tokenizer = _keep(tokenizer, out)
     manifest = _new_manifest(tokenizer, None, None, corpus)
     _fill(out, manifest, corpus, tokenizer, workers=1, progress=False)
     manifest["corpus"] = corpus.describe()
@@ -155,8 +153,6 @@ def _existing(out: Path) -> dict | None:
 def _tokenizer(spec: str, out: Path, manifest: dict | None, corpus: Corpus, bpe_sample: int):
     """The tokenizer `spec` names, as the shards use it: a BPE trained here (or the one trained before) in
     `out/tokenizer.json`, a tokenizer file copied there, or bytes."""
-    if spec == "bytes":
-        return ByteTokenizer()
     target = out / TOKENIZER_FILE
     if is_bpe(spec) and manifest is None:
         return train_bpe(corpus.sample(bpe_sample, BPE_SEED), planned_vocab_size(spec), target)
@@ -183,9 +179,11 @@ def directory_bpe(spec: str, directory: Path, exact: bool = False) -> HFTokenize
     return tok
 
 
-def _keep(tok: HFTokenizer, out: Path) -> HFTokenizer:
+def _keep(tok, out: Path):
     """`tok`'s file copied into `out` (the workers load it from there, and the directory is self-contained), and
-    loaded from there."""
+    loaded from there; bytes as they are."""
+    if tok.name == "bytes":
+        return tok
     target = out / TOKENIZER_FILE
     raw = read_capped(tok.path)
     if not os.path.lexists(target) or target.is_symlink() or read_capped(target) != raw:  # a link: refused

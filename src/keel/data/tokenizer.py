@@ -1,7 +1,8 @@
 """Tokenizers: raw UTF-8 bytes, or a byte-level BPE from Hugging Face `tokenizers`, trained and cached per corpus.
 
 Every tokenizer has `vocab_size`, `eos_id` (None when it has none), `name` (an identity string that
-cache keys are built from), `encode`, `decode`, `encode_batch` (bulk, to numpy) and `save(directory)`.
+cache keys are built from), `encode`, `decode`, `encode_batch` (bulk, to numpy), `encode_pieces` (consecutive
+pieces of long documents) and `save(directory)`.
 """
 
 from __future__ import annotations
