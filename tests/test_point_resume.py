@@ -222,12 +222,17 @@ def test_a_killed_compiled_point_continues_to_the_uninterrupted_points_numbers(c
     assert numbers(resumed) == numbers(whole)
 
 
+# a point long enough that a process seen past step 100 is still training when it is stopped (a few seconds of
+# steps left at 1 thread), and no longer: each test trains it about three times
+POINT_STEPS = 600
+
+
 def experiment_command(corpus, tmp_path, out):
-    """A `keel experiment` process running one 1500-step point, saving its progress every 0.2 s."""
+    """A `keel experiment` process running one POINT_STEPS-step point, saving its progress every 0.2 s."""
     return [sys.executable, "-c", "import sys; from keel.experiments import partial; partial.EVERY_SECONDS = 0.2; "
             "from keel.cli import main; sys.exit(main(sys.argv[1:]))", "experiment", "frontier", "--quick",
             "--out", str(out), f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "depths=[4]",
-            "schemes=[keel]", "lrs={keel: [0.003]}", "seeds=[0]", "run.steps=1500", "curve_every=50"]
+            "schemes=[keel]", "lrs={keel: [0.003]}", "seeds=[0]", f"run.steps={POINT_STEPS}", "curve_every=50"]
 
 
 def the_point(out):
@@ -270,7 +275,7 @@ def test_a_sweep_process_killed_with_sigkill_continues_its_point_in_the_next_one
     again = subprocess.run(experiment_command(corpus, base, killed), env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
     resumed = the_point(killed)
-    assert len(resumed["resumed_at"]) == 1 and 100 <= resumed["resumed_at"][0] < 1500
+    assert len(resumed["resumed_at"]) == 1 and 100 <= resumed["resumed_at"][0] < POINT_STEPS
     assert f"continued from step {resumed['resumed_at'][0]}" in again.stderr
     assert numbers(resumed) == numbers(uninterrupted)
     assert not list(killed.glob("points/*.partial")) and not list(killed.glob("points/*.claim"))
