@@ -31,10 +31,11 @@ import numpy as np
 from keel.config import OptimConfig, RunConfig
 from keel.errors import ConfigError
 from keel.experiments import stats
-from keel.experiments.budget import budget_point, unigram_level
-from keel.experiments.common import ExperimentConfig, experiment_run, tiny_quick
+from keel.experiments.budget import budget_point
+from keel.experiments.common import experiment_run
 from keel.experiments.grid import Grid, LadderGrid, Search, _finite, run_searches, search_grid
 from keel.experiments.sweep import Sweep
+from keel_studies.common import ExperimentConfig, tiny_quick, unigram_level
 
 REF, SLOPE_VS = "keel", "pre_ln"  # every test is Keel - X; the growth test is Keel's lead over Pre-LN
 NAMES = {"keel": "Keel", "pre_ln": "Pre-LN", "post_ln": "Post-LN", "deepnorm": "DeepNorm"}

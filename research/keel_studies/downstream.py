@@ -33,7 +33,6 @@ from keel.config import OptimConfig, RunConfig
 from keel.errors import ConfigError
 from keel.experiments import stats
 from keel.experiments.common import (
-    ExperimentConfig,
     corpus,
     experiment_run,
     fixed_batches,
@@ -44,7 +43,6 @@ from keel.experiments.common import (
     pyplot,
     save,
     splits,
-    tiny_quick,
     train_curve,
     write_outputs,
 )
@@ -52,6 +50,7 @@ from keel.experiments.sweep import Sweep
 from keel.model import TransformerLM
 from keel.model.counting import count_params
 from keel.runtime import autocast_for
+from keel_studies.common import ExperimentConfig, tiny_quick
 
 WIDE = "wide-pre_ln"
 

@@ -34,18 +34,10 @@ import numpy as np
 from keel import evals
 from keel.errors import ConfigError
 from keel.experiments import stats, store
-from keel.experiments.common import (
-    ExperimentConfig,
-    corpus,
-    markdown_table,
-    pm,
-    pyplot,
-    save,
-    tiny_quick,
-    write_outputs,
-)
+from keel.experiments.common import corpus, markdown_table, pm, pyplot, save, write_outputs
 from keel.experiments.sweep import EXECUTION_FIELDS, Sweep, _differences, upgrade_recorded
 from keel.model.schemes import SCHEMES
+from keel_studies.common import ExperimentConfig, tiny_quick
 from keel_studies.downstream import DownstreamConfig, _chance, _mean, final, key, point
 
 # downstream's fields this experiment has no use for: it trains `arm` and `reference` only

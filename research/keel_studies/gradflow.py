@@ -39,7 +39,6 @@ from keel.data import eval_batches
 from keel.errors import ConfigError
 from keel.experiments import store
 from keel.experiments.common import (
-    ExperimentConfig,
     corpus,
     experiment_model,
     experiment_run,
@@ -49,7 +48,6 @@ from keel.experiments.common import (
     pyplot,
     save,
     splits,
-    tiny_quick,
     train_curve,
     write_outputs,
 )
@@ -58,6 +56,7 @@ from keel.experiments.sweep import Sweep
 from keel.model import ModelConfig
 from keel.model.transformer import TransformerLM
 from keel.scale.fused_junction import apply_fused_junction
+from keel_studies.common import ExperimentConfig, tiny_quick
 
 INITS = ("default", "matched")
 STYLES = ("-", "--", "-.", ":")  # schemes that coincide (DeepNorm and Keel near 1) stay visible

@@ -15,18 +15,26 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from keel.config import GuardConfig, OptimConfig, RunConfig
+from keel.data import DataConfig
 from keel.experiments import common
 from keel.experiments.partial import Partial, partial_dir
 from keel.experiments.surgery import branches_off, plain, residual_sizes
-from keel.model import TransformerLM
+from keel.model import ModelConfig, TransformerLM
 from keel.model.counting import count_params
 from keel.runtime import autocast_for
 
 
 @dataclass
-class BudgetConfig(common.ExperimentConfig):
-    """`run.steps` steps of `run.batch_size x run.seq_len` tokens; `run.eval_batches` batches per validation half."""
+class BudgetConfig:
+    """keel train's sections and the curve and probe: `run.steps` steps of `run.batch_size x run.seq_len` tokens;
+    `run.eval_batches` batches per validation half."""
 
+    model: ModelConfig
+    data: DataConfig
+    optim: OptimConfig
+    guard: GuardConfig
+    run: RunConfig
     curve_every: int = 50  # report-half loss on `curve_batches` batches every this many steps (0: off)
     curve_batches: int = 2
     probe: bool = False
@@ -95,11 +103,5 @@ def probe(model, batches: list, autocast) -> dict:
             "f_over_ax": [f / a if a > 0 else float("inf") for f, a in zip(sizes["rms_f"], sizes["rms_ax"])]}
 
 
-def unigram_level(cfg: BudgetConfig) -> float:
-    run = cfg.run
-    batches = common.fixed_batches(common.splits(cfg.data)["report"], run.seq_len, run.batch_size, run.eval_batches)
-    return common.unigram_loss(common.corpus(cfg.data).train, batches)
-
-
 def tokens(cfg: BudgetConfig) -> int:
-    return cfg.run.steps * cfg.tokens_per_step()
+    return cfg.run.steps * cfg.run.batch_size * cfg.run.seq_len

@@ -125,11 +125,3 @@ def grid_note(g: dict) -> str:
     """"; added ...; bound at the ... edge" for a Grid.describe(), empty for a grid that did not grow."""
     return "".join([f"; added {', '.join(f'{v:g}' for v in g['added'])}" if g["added"] else "",
                     f"; bound at the {g['bound']} edge" if g["bound"] else ""])
-
-
-def grown_note(grow: int, grown: list[tuple[str, dict]]) -> str:
-    """A report's sentence on grids grown past an edge: `grown` (arm, Grid.describe()) for the arms that grew."""
-    each = "; ".join(f"{arm} added {', '.join(f'{v:g}' for v in g['added'])}"
-                     + (f" (still at the {g['bound']} edge: a bound)" if g["bound"] else "") for arm, g in grown)
-    return (f"Grids grown past an edge choice (by the same factor, every seed, until interior or {grow} "
-            f"values added on that side): {each or 'none needed'}.")
