@@ -85,14 +85,14 @@ def point_config(cfg, model_cfg: ModelConfig, seed: int, **optim) -> TrainConfig
     return config
 
 
-def train_curve(config: TrainConfig, eval_batches: int = 8, after_backward: Callable | None = None,
-                model: TransformerLM | None = None, on_step: Callable | None = None,
-                eval_tokens: np.ndarray | None = None, partial: Partial | None = None) -> tuple[Curve, torch.nn.Module]:
+def train_curve(config: TrainConfig, eval_batches: int = 8, model: TransformerLM | None = None,
+                on_step: Callable | None = None, eval_tokens: np.ndarray | None = None,
+                partial: Partial | None = None) -> tuple[Curve, torch.nn.Module]:
     """Train `config` from scratch (or from `model`) as `keel train` would, without run directories: the loss of
     every step, then the validation loss on `eval_tokens` (default: the whole validation split). A step the guard
-    rejects ends the curve (`stopped_at`), and so does `on_step(i, model, result)` returning True; `after_backward`
-    sees each step's gradients. With `partial` (keel.experiments.partial), progress is saved as it trains and a
-    point killed earlier continues from its last save (`model` must then be None; `seconds` add the time before)."""
+    rejects ends the curve (`stopped_at`), and so does `on_step(i, model, result)` returning True. With `partial`
+    (keel.experiments.partial), progress is saved as it trains and a point killed earlier continues from its last
+    save (`model` must then be None; `seconds` add the time before)."""
     if partial is not None and model is not None:
         raise ValueError("train_curve: a point that keeps its progress is built from its seed, not given a model")
     c = config
@@ -111,7 +111,7 @@ def train_curve(config: TrainConfig, eval_batches: int = 8, after_backward: Call
         except Discarded:
             continue
     step = TrainStep(built, optimizer, grad_accum=c.run.grad_accum, grad_clip=c.optim.grad_clip, autocast=autocast,
-                     guard=guard, after_backward=after_backward)
+                     guard=guard)
     done, losses, lrs, before = progress or (0, [], [], 0.0)
     stopped, start = None, time.time()
     # a point that keeps its progress takes SIGINT/SIGTERM at the next step boundary and saves there first, so a

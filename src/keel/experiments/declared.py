@@ -1,314 +1,40 @@
-"""A study declared as data: `keel sweep STUDY.yaml` where the file names `arms:` instead of a study kind. Its keys
-(`KEYS`; a tune step's `STEP`, `MAX_LR`) are documented in docs/experiments.md#your-own-study.
-
-The measurement: `loss` (keel.experiments.budget; each `tune` step chooses its field per arm and cell by the mean
-select-half loss over the choosing seeds, the grid grown past an edge choice: keel.experiments.grid; optionally the
-bf16-stream measurement, keel.experiments.stream), `max_lr` (keel.experiments.maxlr, nothing chosen) or `redundancy`
-(keel.experiments.redundancy, one cell, nothing chosen; its pairs name ARM.MODE.PART). Each pair is a paired
-two-sided t-test per cell, Holm over every test of the study; a marginal one gets `marginal_seeds` on both
-arms and every test runs again on all seeds. The whole study is checked before any point trains (every arm, axis and
-grid value through keel's one merge: one line naming the field); points are kept by keel.experiments.sweep."""
+"""A declared study run (`run`), each cell whole in turn, and its report. Its measurement (`point`): `loss`
+(keel.experiments.budget, each `tune` step choosing its field per arm and cell on the select half:
+keel.experiments.grid; optionally the bf16 stream, keel.experiments.stream), `max_lr` (keel.experiments.maxlr) or
+`redundancy` (keel.experiments.redundancy). Each pair is a paired two-sided t-test per cell, Holm over every test of
+the study; a marginal one gets `marginal_seeds` on both arms and every test runs again on all seeds. The study file
+is read and checked by keel.experiments.study_file; points are kept by keel.experiments.sweep."""
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import re
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from keel.config import OptimConfig, RunConfig, TrainConfig, merge, validate
-from keel.config.reads import Reads
-from keel.data.corpus import DataConfig
-from keel.errors import ConfigError
+from keel.config import TrainConfig
 from keel.experiments import common, maxlr, redundancy, stats, stream
 from keel.experiments.budget import BudgetConfig, budget_point
-from keel.experiments.detect import FailureRules
 from keel.experiments.grid import Grid, LadderGrid, _finite, grid_note, run_searches, search_grid
+from keel.experiments.study_file import DeclaredStudy, _cell_name, _get, _leaves, _pinned, key, read, smoke
 from keel.experiments.sweep import Sweep
 
-KEYS = ("question", "answer", "rule", "base", "arms", "axes", "tune", "seeds", "marginal_seeds", "compare", "measure",
-        "curve_every", "curve_batches", "select_seeds", "best_of", "untested", "probe", "max_lr", "crossing", "stream")
-STEP = {"arms": "some of the arms, the ones this step tunes", "below": "values falling from below the grid's lowest, "
-        "grown through in order", "above": "values rising from above the grid's highest, grown through in order",
-        "ties": "low or high: which of equal scores wins"}  # a tune step's optional keys
-MEASURES = ("loss", "max_lr", "redundancy")  # the budget measurement (final loss on the select and report halves)
-LOSS_ONLY = ("tune", "best_of", "untested", "select_seeds", "marginal_seeds", "probe", "curve_every", "curve_batches",
-             "crossing", "stream")
-MAX_LR = {"eval_every": "select-half evaluations every this many steps (an integer >= 1; default 2)", "rules":
-          f"{', '.join(vars(FailureRules()))} (keel.experiments.detect.FailureRules) -> positive numbers, integers for "
-          "counts", "scale": "lr or log: what the compare pairs' t-tests compare (default lr)", "published": "arm/arm "
-          "-> a published ratio of their max LRs (a positive number)"}
-PER_POINT = {"run.seed": "set per point from seeds", "run.out_dir": "a study point writes no run directory",
-             "run.name": "a study point writes no run directory"}
+__all__ = ["DeclaredStudy", "key", "point", "read", "run", "smoke"]  # the engine, as keel.cli calls it
 MARGINAL_BELOW = 0.20
-_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.]*")
 
 
-@dataclass
-class DeclaredStudy:
-    """A declared study, as read and checked (`read`); recorded in points/config.json, so a study file changed in
-    anything but its seeds is refused on the points of the old one."""
+class _Grid(Grid):
+    """A grid of an integer field grows by whole numbers; a value the rounding repeats is a bound."""
 
-    base: dict = field(default_factory=dict)
-    arms: dict = field(default_factory=dict)
-    axes: dict = field(default_factory=dict)
-    tune: list = field(default_factory=list)
-    seeds: list = field(default_factory=lambda: [0])
-    marginal_seeds: list = field(default_factory=list)
-    compare: list = field(default_factory=list)
-    measure: str = "loss"
-    curve_every: int = 0
-    curve_batches: int = 2
-    select_seeds: list = field(default_factory=list)  # empty: every seed chooses
-    best_of: dict = field(default_factory=dict)  # name -> arms (`read`)
-    untested: list = field(default_factory=list)
-    probe: bool = False
-    max_lr: dict = field(default_factory=dict)  # the max-LR measurement's settings (MAX_LR)
-    crossing: float = 0.0  # 0: the curves are not compared
-    stream: dict = field(default_factory=dict)  # empty: every stream in float32, no arithmetic measured
-    smoke: dict = field(default_factory=dict)  # fields set on every point last (`smoke`); empty for a real study
-
-    @property
-    def run(self) -> RunConfig:  # how points are computed (Sweep.execution records it)
-        return self.config({}).run
-
-    def config(self, fields: dict) -> TrainConfig:
-        """The base with `fields` ({dotted field: value}) set, through keel's one merge."""
-        base = TrainConfig(model=common.experiment_model(), data=DataConfig(), optim=OptimConfig(warmup_steps=40),
-                           guard=common.experiment_guard(), run=common.experiment_run())
-        refuse = PER_POINT | ({f: "the max-LR ramp sets it (0 -> optim.lr over run.steps)" for f in maxlr.RAMP_FIELDS}
-                              if self.measure == "max_lr" else {})
-        smoke = {k: v for k, v in self.smoke.items() if k not in self.tuned() and k not in refuse}
-        overrides = [f"{k}={json.dumps(v)}" for k, v in {**dotted(self.base), **fields, **smoke}.items()]
-        config = merge(base, None, overrides, Reads(refuse=refuse))
-        config = replace(config, model=replace(config.model, max_seq_len=config.run.seq_len))
-        config = maxlr.ramp(config) if self.measure == "max_lr" else config
-        validate(config)
-        return config
-
-    def tuned(self) -> list[str]:
-        return list(dict.fromkeys(step["field"] for step in self.tune))
-
-    def cells(self) -> list[dict]:
-        return [dict(zip(self.axes, values)) for values in itertools.product(*self.axes.values())]
-
-    def choosers(self) -> list[int]:
-        return self.select_seeds or self.seeds
-
-
-SMOKE = {"model.d_model": 32, "model.n_heads": 2, "model.n_kv_heads": 1, "model.n_blocks": 2, "run.steps": 6,
-         "run.batch_size": 4, "run.seq_len": 32, "run.eval_batches": 1, "run.compile": False, "optim.warmup_steps": 2}
-
-
-def smoke(study: DeclaredStudy) -> DeclaredStudy:
-    """The study at a smoke-test size (`keel experiment NAME --quick`): every point `SMOKE` (a field it tunes
-    excepted), its first two seeds, no marginal seeds, a stream study's init at SMOKE's depth; seconds on a CPU."""
-    seeds, init = study.seeds[:2], study.stream.get("init_blocks")
-    return replace(study, smoke=SMOKE, seeds=seeds, select_seeds=[s for s in study.select_seeds if s in seeds],
-                   marginal_seeds=[], curve_every=min(study.curve_every, 2), curve_batches=1,
-                   stream=study.stream | ({"init_blocks": [SMOKE["model.n_blocks"]]} if init else {}))
-
-
-def dotted(fields: dict, prefix: str = "") -> dict:
-    """{"run": {"steps": 2}} as {"run.steps": 2}."""
-    out = {}
-    for k, v in fields.items():
-        if isinstance(v, dict):
-            out |= dotted(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def read(doc: dict, where: str) -> DeclaredStudy:
-    """The study in `doc` (a study file's mapping), checked whole: every arm, axis value and grid value merged
-    into the base; one ConfigError naming `where` and the field."""
-    bad = lambda what: ConfigError(f"{where}: {what}")
-    unknown = sorted(set(map(str, doc)) - set(KEYS))
-    if unknown:
-        raise bad(f"unknown key {unknown[0]!r} (allowed: {', '.join(KEYS)})")
-    for key in ("base", "arms", "axes"):
-        if not isinstance(doc.get(key) or {}, dict):
-            raise bad(f"{key}: a mapping")
-    arms = {str(k): dotted(v or {}) if isinstance(v, dict) else v for k, v in (doc.get("arms") or {}).items()}
-    if len(arms) < 2:
-        raise bad("arms: at least two arms to compare (name -> the fields it sets)")
-    for name, fields in arms.items():
-        if not _NAME.fullmatch(name) or not isinstance(fields, dict):
-            raise bad(f"arms.{name}: an arm is a name (letters, digits, _ and .) -> a mapping of fields")
-    axes = {str(k): v for k, v in (doc.get("axes") or {}).items()}
-    for name, values in axes.items():
-        if not isinstance(values, list) or not values or len({json.dumps(v) for v in values}) < len(values):
-            raise bad(f"axes.{name}: a list of distinct values")
-    tune = doc.get("tune") or []
-    if not isinstance(tune, list):
-        raise bad("tune: a list of {field, grid, grow}")
-    for i, step in enumerate(tune):
-        if not isinstance(step, dict) or set(step) - {"field", "grid", "grow", *STEP} or "field" not in step:
-            raise bad(f"tune[{i}]: a mapping with field, grid and grow, and optionally {', '.join(STEP)} "
-                      f"(got {step!r})")
-        grid, grow = step.get("grid"), step.get("grow", 2)
-        if not isinstance(grid, list) or len(grid) < 2 or not all(_positive(v) for v in grid) \
-                or len(set(grid)) < len(grid):
-            raise bad(f"tune[{i}].grid: at least two distinct positive numbers (got {grid!r})")
-        if not isinstance(grow, int) or isinstance(grow, bool) or not 0 <= grow <= 8:
-            raise bad(f"tune[{i}].grow: values added past an edge, an integer in [0, 8] (got {grow!r})")
-        oks = {"arms": lambda v: isinstance(v, list) and v and set(map(str, v)) <= set(arms), "ties": ("low", "high")
-               .__contains__, "below": lambda v, g=grid: _ladder(v, min(g), -1), "above": lambda v, g=grid: _ladder(
-                   v, max(g), 1)}
-        for name in STEP.keys() & step.keys():
-            if not oks[name](step[name]):
-                raise bad(f"tune[{i}].{name}: {STEP[name]} (got {step[name]!r})")
-    seeds, marginal, select = doc.get("seeds", [0, 1, 2]), doc.get("marginal_seeds") or [], doc.get("select_seeds")
-    for key, value in (("seeds", seeds), ("marginal_seeds", marginal), ("select_seeds", select or [])):
-        if not isinstance(value, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                                  for s in value) or len(set(value)) < len(value):
-            raise bad(f"{key}: distinct integers >= 0 (got {value!r})")
-    if not seeds:
-        raise bad("seeds: empty; give at least one seed (two for a test)")
-    if set(seeds) & set(marginal):
-        raise bad("marginal_seeds: must be new seeds, not in seeds")
-    if select is not None and (not select or not set(select) <= set(seeds)):
-        raise bad(f"select_seeds: some of seeds {seeds}, the ones that choose (got {select!r})")
-    best_of, cells = doc.get("best_of") or {}, [_cell_name(dict(zip(axes, v))) for v in itertools.product(
-        *axes.values())] if axes else []
-    pinned = {f"{a}@{c}" for a in arms for c in cells}  # an arm at one cell
-    for name, among in best_of.items() if isinstance(best_of, dict) else [("", None)]:
-        if not _NAME.fullmatch(str(name)) or name in arms or not isinstance(among, list) or len(among) < 2 \
-                or len(set(map(str, among))) < len(among) or not (set(map(str, among)) <= set(arms)
-                                                                  or set(map(str, among)) <= pinned):
-            raise bad(f"best_of: a mapping of new names -> lists of two or more distinct arms, or of arm@cell "
-                      f"(got {best_of!r})")
-    names, measure = [*arms, *best_of], doc.get("measure", "loss")
-    if measure not in MEASURES:
-        raise bad(f"measure: {measure!r}; allowed: {', '.join(MEASURES)}")
-    removal = {f"{a}.{m}.{p}" for a in arms for m in redundancy.MODES for p in redundancy.PARTS}
-    if measure == "redundancy" and (given := [k for k in (*LOSS_ONLY, "axes", "untested") if doc.get(k)]):
-        raise bad(f"{given[0]}: not used by measure redundancy (one cell, nothing chosen, no curve)")
-    compare = doc.get("compare") or ([] if measure == "redundancy" else [[names[0], o] for o in list(arms)[1:]])
-    def pair(p, nested: bool = True) -> bool:  # two different arms; a side may be a pair itself (its difference)
-        return isinstance(p, list) and len(p) == 2 and p[0] != p[1] and all(
-            x in {*names, *pinned} if isinstance(x, str) else nested and pair(x, False) for x in p)
-    if measure == "redundancy" and not (isinstance(compare, list) and all(isinstance(p, list) and len(p) == 2 and p[
-            0] != p[1] and all(isinstance(x, str) and x in removal for x in p) for p in compare)):
-        raise bad(f"compare: pairs of two different ARM.MODE.PART (an arm; {' or '.join(redundancy.MODES)}; "
-                  f"{', '.join(redundancy.PARTS)}) (got {compare!r})")
-    arm_pairs = [] if measure == "redundancy" else compare
-    for key_, pairs in (("compare", arm_pairs), ("untested", doc.get("untested") or [])):
-        if not isinstance(pairs, list) or not all(pair(p) and len({_pinned(best_of, a) for a in _leaves(p)}) == 1
-                                                  for p in pairs):
-            raise bad(f"{key_}: pairs of two different arms out of {', '.join(names)} (or of two such pairs), or of "
-                      f"arm@cell on both sides (a cell of {', '.join(cells) or 'none: no axes'}) (got {pairs!r})")
-    if measure == "max_lr":
-        _check_max_lr(doc, arms, bad)
-    elif "max_lr" in doc:
-        raise bad("max_lr: the max-LR measurement's settings; set measure: max_lr")
-    got = doc.get("stream") or {}
-    bf16, init = (got.get("bf16"), got.get("init_blocks", [])) if isinstance(got, dict) else (None, None)
-    if got and (set(got) - {"bf16", "init_blocks"} or axes or not (isinstance(bf16, list) and bf16 and set(map(
-            str, bf16)) < set(arms)) or not (isinstance(init, list) and all(_positive(n) and type(n) is int for n in
-                                                                               init) and len(set(init)) == len(init))):
-        raise bad(f"stream: keel.experiments.stream's bf16 (some of the arms) and init_blocks (distinct positive "
-                  f"integers), in a study without axes (got {got!r})")
-    if not isinstance(doc.get("probe", False), bool):
-        raise bad(f"probe: true or false (got {doc['probe']!r})")
-    curve_every, curve_batches = doc.get("curve_every", 0), doc.get("curve_batches", 2)
-    for key, value, least in (("curve_every", curve_every, 0), ("curve_batches", curve_batches, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise bad(f"{key}: an integer >= {least} (got {value!r})")
-    crossing = doc.get("crossing", 0)
-    if crossing and not (_positive(crossing) and crossing < 1 and curve_every and all(
-            isinstance(x, str) and x in arms for p in compare for x in p)):
-        raise bad(f"crossing: a fraction of the run, in (0, 1), with curve_every and compare pairs of two arms "
-                  f"(got {crossing!r})")
-    study = DeclaredStudy(base=doc.get("base") or {}, arms=arms, axes=axes, tune=[
-        {"field": s["field"], "grid": sorted(s["grid"]), "grow": s.get("grow", 2), **{k: s[k] for k in STEP if k in s}}
-        for s in tune], seeds=seeds, marginal_seeds=marginal, compare=compare, measure=measure, curve_every=curve_every,
-        curve_batches=curve_batches, select_seeds=select or [], best_of=best_of, untested=doc.get("untested") or [],
-        probe=doc.get("probe", False), max_lr=doc.get("max_lr") or {}, crossing=crossing, stream=got)
-    _check_configs(study, bad)
-    return study
-
-
-def _check_max_lr(doc: dict, arms: dict, bad) -> None:
-    """The max-LR measurement's keys: none of the loss measurement's, and its own `max_lr` mapping (MAX_LR)."""
-    if given := [k for k in LOSS_ONLY if doc.get(k)]:
-        raise bad(f"{given[0]}: the loss measurement's; measure max_lr chooses nothing and keeps no loss curve")
-    got = doc.get("max_lr") or {}
-    if not isinstance(got, dict) or set(map(str, got)) - set(MAX_LR):
-        raise bad(f"max_lr: a mapping of {', '.join(MAX_LR)} (got {got!r})")
-    every, rules, published, counts = got.get("eval_every", 2), got.get("rules", {}), got.get("published", {}), {
-        k for k, v in vars(FailureRules()).items() if isinstance(v, int)}
-    ok = {"eval_every": isinstance(every, int) and not isinstance(every, bool) and every >= 1, "rules": isinstance(
-        rules, dict) and all(k in vars(FailureRules()) and _positive(v) and (k not in counts or isinstance(v, int))
-                             for k, v in rules.items()), "scale": got.get("scale", "lr") in ("lr", "log"),
-          "published": isinstance(published, dict) and all(len(p := str(k).split("/")) == 2 and set(p) <= set(arms)
-                                                           and _positive(v) for k, v in published.items())}
-    if wrong := next((k for k, fine in ok.items() if not fine), None):
-        raise bad(f"max_lr.{wrong}: {MAX_LR[wrong]} (got {got[wrong]!r})")
-
-
-def _positive(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-
-
-def _ladder(values, edge: float, sign: int) -> bool:
-    """Written-out values past a grid's edge: positive, moving away from it (sign -1: falling below it)."""
-    steps = [edge, *values] if isinstance(values, list) else []
-    return bool(values) and all(map(_positive, values)) and all(sign * (b - a) > 0 for a, b in zip(steps, steps[1:]))
-
-
-def _check_configs(study: DeclaredStudy, bad) -> None:
-    """Every arm, axis value and grid value through the merge, alone and then together, before any point trains."""
-    def check(where: str, fields: dict) -> TrainConfig:
-        try:
-            return study.config(fields)
-        except ConfigError as err:
-            raise bad(f"{where}: {err}") from None
-    for name in study.tuned():
-        owners = [f"axes.{name}"] * (name in study.axes) + [f"arms.{a}" for a, f in study.arms.items() if name in f]
-        if owners:
-            raise bad(f"tune: {name} is chosen per arm and cell, so {owners[0]} may not set it")
-    check("base", {})
-    for arm, fields in study.arms.items():
-        check(f"arms.{arm}", fields)
-    for name, values in study.axes.items():
-        for value in values:
-            check(f"axes.{name}", {name: value})
-    for i, step in enumerate(study.tune):
-        for value in [*step["grid"], *step.get("below", []), *step.get("above", [])]:
-            if isinstance(_get(check(f"tune[{i}]", {step["field"]: value}), step["field"]), bool | str):
-                raise bad(f"tune[{i}]: {step['field']} is not a number")
-    for arm, fields in study.arms.items():
-        for cell in study.cells():
-            for step in study.tune or [{"field": None, "grid": [None]}]:
-                for value in step["grid"]:
-                    check(f"arms.{arm} at {_cell_name(cell) or 'the base'}",
-                          {**fields, **cell, **({} if step["field"] is None else {step["field"]: value})})
-
-
-def _get(config, key: str):
-    for part in key.split("."):
-        config = getattr(config, part)
-    return config
-
-
-def _leaves(side) -> list:
-    """The arms a side of a pair names (a side may be a pair: its difference)."""
-    return [a for x in side for a in _leaves(x)] if isinstance(side, list) else [side]
+    def beyond(self, edge: str, grown: int) -> float | None:
+        value = super().beyond(edge, grown)
+        value = None if value is None else int(round(value))
+        return value if value and value not in self.values else None
 
 
 def _label(side) -> str:
     return f"({_label(side[0])} - {_label(side[1])})" if isinstance(side, list) else side
-
-
-def _pinned(best_of: dict, name: str) -> bool:
-    """Whether `name` (an arm, arm@cell or a best_of) is at one cell whatever the cell a test is in."""
-    return "@" in name or "@" in best_of.get(name, [""])[0]
 
 
 def _at(side: str, cell_name: str) -> tuple[str, str]:
@@ -319,24 +45,6 @@ def _at(side: str, cell_name: str) -> tuple[str, str]:
 
 def _cell(study: DeclaredStudy, name: str) -> dict:
     return next(c for c in study.cells() if _cell_name(c) == name)
-
-
-def _cell_name(cell: dict) -> str:
-    return "-".join(f"{k.rsplit('.', 1)[-1]}{v}" for k, v in cell.items())
-
-
-def key(arm: str, cell: dict, hp: dict, seed: int) -> str:
-    parts = [arm, _cell_name(cell), *(f"{k.rsplit('.', 1)[-1]}{v:g}" for k, v in hp.items()), f"seed{seed}"]
-    return re.sub(r"[^A-Za-z0-9._-]", "_", "-".join(p for p in parts if p))
-
-
-class _Grid(Grid):
-    """A grid of an integer field grows by whole numbers; a value the rounding repeats is a bound."""
-
-    def beyond(self, edge: str, grown: int) -> float | None:
-        value = super().beyond(edge, grown)
-        value = None if value is None else int(round(value))
-        return value if value and value not in self.values else None
 
 
 def point(study: DeclaredStudy, arm: str, cell: dict, hp: dict, seed: int) -> dict:
@@ -461,6 +169,17 @@ def _best_of(study: DeclaredStudy, points: dict, choices: dict, cell_name: str, 
     return {"arm": min(among, key=select.get), "select": select}
 
 
+def _curves(study, points, cell_name, choice, arm, seeds) -> tuple[list[int], np.ndarray]:  # seeds not diverged
+    runs = [points[key(arm, _cell(study, cell_name), choice[arm]["hp"], s)] for s in seeds]
+    runs = [r for r in runs if not r["diverged"]]
+    return runs[0]["evals"]["step"], np.array([r["evals"]["loss"] for r in runs])
+
+
+def _marginal(t: dict) -> bool:
+    p, ph = t["p"], t["p_holm"]
+    return p is not None and ph is not None and ph >= stats.ALPHA and (p < stats.ALPHA or ph < MARGINAL_BELOW)
+
+
 def _losses(study, points, cell_name, choice, arm, seeds, value: str = "report_loss") -> list:
     cell = _cell(study, cell_name)
     return [points[k][value] if (k := key(arm, cell, choice[arm]["hp"], s)) in points else None for s in seeds]
@@ -492,17 +211,6 @@ def _tests(study: DeclaredStudy, points: dict, choices: dict, picks: dict, seeds
         t["verdict"] = "inconclusive" if adjusted is None or adjusted >= stats.ALPHA else (
             f"{_label(t['pair'][(t['mean'] < 0) != (better == 'lower')])} {better}")
     return tests
-
-
-def _curves(study, points, cell_name, choice, arm, seeds) -> tuple[list[int], np.ndarray]:  # seeds not diverged
-    runs = [points[key(arm, _cell(study, cell_name), choice[arm]["hp"], s)] for s in seeds]
-    runs = [r for r in runs if not r["diverged"]]
-    return runs[0]["evals"]["step"], np.array([r["evals"]["loss"] for r in runs])
-
-
-def _marginal(t: dict) -> bool:
-    p, ph = t["p"], t["p_holm"]
-    return p is not None and ph is not None and ph >= stats.ALPHA and (p < stats.ALPHA or ph < MARGINAL_BELOW)
 
 
 def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: dict, question: str,
@@ -674,4 +382,3 @@ def _plot(study: DeclaredStudy, out: Path, results: dict) -> str:
     ax.set_ylabel("report-half loss (mean over seeds)")
     ax.legend()
     return common.save(fig, out, "study.png")
-

@@ -211,5 +211,5 @@ def plot(arms: dict[str, list[tuple[dict, dict]]], seeds: list, title: str, out,
 
 
 def settings(doc: dict) -> tuple[int, FailureRules]:
-    """(eval_every, rules) of a study's `max_lr` mapping (read and checked by keel.experiments.declared)."""
+    """(eval_every, rules) of a study's `max_lr` mapping (read and checked by keel.experiments.study_file)."""
     return doc.get("eval_every", 2), replace(FailureRules(), **doc.get("rules", {}))
