@@ -10,6 +10,7 @@ bench's and each experiment's beside them); the merge refuses any other field a 
 the same way from either, in one line naming the field and why.
 """
 
+from keel.config.merge import add_config_arguments, load_run_config, merge, to_config, to_yaml
 from keel.config.presets import DEFAULT_PRESET, PRESETS, load_config, train_preset
 from keel.config.reads import Reads
 from keel.config.schema import (
@@ -22,12 +23,7 @@ from keel.config.schema import (
     OptimConfig,
     RunConfig,
     TrainConfig,
-    add_config_arguments,
-    load_run_config,
-    merge,
     optimizer_implementation,
-    to_config,
-    to_yaml,
     validate,
     validate_runtime,
 )

@@ -7,8 +7,9 @@ model (and bench its batch shape).
 
 from __future__ import annotations
 
+from keel.config.merge import merge
 from keel.config.reads import TRAIN, Reads
-from keel.config.schema import OptimConfig, RunConfig, TrainConfig, merge
+from keel.config.schema import OptimConfig, RunConfig, TrainConfig
 from keel.data.corpus import DataConfig
 from keel.errors import ConfigError
 from keel.model.sizes import PRESETS as MODEL_PRESETS

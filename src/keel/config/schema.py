@@ -1,20 +1,14 @@
-"""The dataclasses for model / data / optimiser / guard / run, and the one merge every command uses."""
+"""The dataclasses for optimiser / guard / run (model and data have theirs beside their code), the checks of
+their values, and the range of every number a run reads (`LIMITS`)."""
 
 from __future__ import annotations
 
-import difflib
 import re
-from dataclasses import dataclass, field, fields, is_dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from keel.config.reads import TRAIN, Reads
 from keel.data.corpus import DataConfig
 from keel.errors import ConfigError
 from keel.model.architecture import ModelConfig
-from keel.model.sizes import PRESETS as MODEL_PRESETS
 from keel.model.sizes import cpu_demo
 from keel.runtime import DEVICES, DTYPES
 from keel.scale import FUSED_JUNCTION, FUSED_JUNCTION_DEFAULT, PP_SCHEDULES, check_pipeline
@@ -112,171 +106,6 @@ class TrainConfig:
     resume: str = ""  # a run directory to continue
 
 
-def merge(base, config_file: str | None = None, overrides=(), reads: Reads | None = None):
-    """The one config merge, for every command: `base` (a dataclass instance: a preset, an experiment's
-    defaults, a run's own config) < a YAML file < dotted `key=value` overrides. OmegaConf checks every key and
-    type against the dataclasses; a wrong key, type or value is one ConfigError naming the field. A field set
-    that the command does not read (`reads`; default: the merged config's own `reads()`, else every field) is
-    refused the same way, whether the file or an override set it."""
-    declared = reads or (base.reads() if hasattr(base, "reads") else TRAIN)
-    layers = [OmegaConf.structured(base)]
-    if config_file:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError(f"config file {path}: not found")
-        try:
-            loaded = OmegaConf.load(path)
-        except Exception as err:
-            raise ConfigError(f"config file {path}: not valid YAML ({str(err).splitlines()[0]})") from None
-        if not OmegaConf.is_dict(loaded):
-            raise ConfigError(f"config file {path}: expected a mapping of sections at the top level")
-        try:  # an interpolation (${...}) to a key that is not there, or one that loops
-            OmegaConf.to_container(loaded, resolve=True)
-        except OmegaConfBaseException as err:
-            raise ConfigError(f"config file {path}: {str(err).splitlines()[0]}") from None
-        for key in loaded:
-            section = getattr(base, str(key), None)
-            if is_dataclass(section) and not OmegaConf.is_dict(loaded[key]):
-                raise ConfigError(f"config file {path}: {key}: expected a mapping of {type(section).__name__} "
-                                  f"fields, got {loaded[key]!r}")
-        layers.append(loaded)
-    given = list(_leaves(loaded, "")) if config_file else []
-    for item in overrides:
-        if "=" not in item or item.startswith("="):
-            raise ConfigError(f"override {item!r}: expected key=value, e.g. {_example(base)}")
-        if not item.isprintable():
-            raise ConfigError(f"{item.split('=', 1)[0]}: the value holds control characters; allowed: printable text")
-    short = getattr(base, declared.shorthand, None)  # a bare field of that section: `scheme=pre_ln`
-    if is_dataclass(short):
-        bare = {f.name for f in fields(short)} - {f.name for f in fields(base)}
-        overrides = [f"{declared.shorthand}.{o}" if o.split("=", 1)[0] in bare else o for o in overrides]
-    overrides = [_as_list(base, _sublayers(base, o)) for o in overrides]
-    try:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
-    except Exception as err:  # OmegaConf's own errors, and YAML's for values it cannot read
-        raise ConfigError(f"overrides: {str(err).splitlines()[0]}") from None
-    given += [o.split("=", 1)[0] for o in overrides]
-    config = to_config(layers, type(base))
-    reads = reads or (config.reads() if hasattr(config, "reads") else TRAIN)
-    for key in dict.fromkeys(given):
-        refused = reads.refusal(key, base, config)
-        if refused:
-            raise ConfigError(refused)
-    return config
-
-
-def _sublayers(base, item: str) -> str:
-    """`model.n_sublayers=32` (or bare `n_sublayers=32`), depth in the unit every command counts it in, is
-    `model.n_blocks=16`: the named field that holds it."""
-    key, value = item.split("=", 1)
-    if key not in ("n_sublayers", "model.n_sublayers") or not is_dataclass(getattr(base, "model", None)):
-        return item
-    try:
-        n = int(value.strip())
-    except ValueError:
-        n = None
-    if n is None or n < 2 or n % 2:
-        raise ConfigError(f"model.n_sublayers: got {value!r}; allowed: an even number >= 2 (one attention and one "
-                          "FFN sub-layer a block; model.n_blocks = n_sublayers / 2)")
-    return f"model.n_blocks={n // 2}"
-
-
-def _leaves(node, prefix: str):
-    """The dotted keys a YAML file sets: `run: {steps: 5}` sets run.steps."""
-    for key, value in node.items():
-        if OmegaConf.is_dict(value):
-            yield from _leaves(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}"
-
-
-# words YAML 1.1 (what OmegaConf parses an override's value with) reads as a boolean or null
-YAML_WORDS = {"on", "off", "yes", "no", "y", "n", "true", "false", "null", "~"}
-
-
-def _as_list(base, item: str) -> str:
-    """`run.log_to=tensorboard` for a list field means `run.log_to=[tensorboard]` (and `a,b` means `[a,b]`):
-    the brackets are easy to forget, and unquoted they are a glob to zsh. For a text field, a word YAML would
-    read as a boolean or null is kept as the text typed: `run.fused_junction=off` is "off", not False."""
-    key, value = item.split("=", 1)
-    node, parts = base, key.split(".")
-    for part in parts[:-1]:
-        node = getattr(node, part, None)
-    if not is_dataclass(node) or value.lstrip().startswith("["):
-        return item
-    kind = str({f.name: f.type for f in fields(node)}.get(parts[-1], ""))  # "list[str]", or the type itself
-    if kind.removeprefix("typing.").lower().startswith("list[") and value.strip():
-        return f"{key}=[{value}]"
-    if kind in ("str", "<class 'str'>") and value.strip().lower() in YAML_WORDS:
-        return f"{key}='{value.strip()}'"
-    return item
-
-
-def _example(base) -> str:
-    return "model.n_blocks=8" if isinstance(base, TrainConfig) else "run.steps=100"
-
-
-def _suggest(key: str, schema) -> str:
-    """' (did you mean run.steps?)': for a section-less key, the sections that have such a field; for any
-    other unknown key, the closest field names of its section."""
-    default = schema()
-    if "." not in key:
-        hits = [f"{f.name}.{key}" for f in fields(default)
-                if is_dataclass(getattr(default, f.name)) and key in {g.name for g in fields(getattr(default, f.name))}]
-        if not hits:  # a typo: the closest top-level or section field
-            nested = {g.name: f"{f.name}.{g.name}" for f in fields(default) if is_dataclass(getattr(default, f.name))
-                      for g in fields(getattr(default, f.name))}
-            top = [f.name for f in fields(default)]
-            hits = [nested.get(m, m) for m in difflib.get_close_matches(key, [*top, *nested], n=2)]
-    else:
-        section, leaf = key.rsplit(".", 1)
-        node = default
-        for part in section.split("."):
-            node = getattr(node, part, None)
-        names = [f.name for f in fields(node)] if is_dataclass(node) else []
-        hits = [f"{section}.{n}" for n in difflib.get_close_matches(leaf, names, n=2)]
-    return f" (did you mean {' or '.join(hits)}?)" if hits else ""
-
-
-def _short(text: str, limit: int = 60) -> str:
-    """A key as an error message shows it: a file that is not a config (YAML reads `/etc/passwd` as one long
-    key) is not echoed back whole."""
-    text = str(text)
-    return text if len(text) <= limit else f"{text[:limit - 3]}..."
-
-
-def to_config(layers, schema=None):
-    schema = schema or TrainConfig
-    try:
-        config = OmegaConf.to_object(OmegaConf.merge(*layers))
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None)
-        first = str(err).splitlines()[0]
-        unknown = re.match(r"Key '(.+)' not in '(\w+)'", first)
-        if unknown:  # the wording keel uses everywhere, plus the section a bare key probably belongs to
-            first = f"{unknown[2]} has no field {_short(unknown[1])!r}{_suggest(key, schema)}"
-        raise ConfigError(f"{_short(key)}: {first}" if key else _short(first, 300)) from None
-    except ValueError as err:  # ModelConfig's own validation, which names its field ("ModelConfig.alpha: ...")
-        raise ConfigError(str(err)) from None
-    if isinstance(config, TrainConfig):
-        validate(config)
-    elif isinstance(getattr(config, "run", None), RunConfig):  # an experiment: its points validate the rest
-        check_limits(config)
-        validate_runtime(config.run)
-    return config
-
-
-def add_config_arguments(p) -> None:
-    """--preset, --config and key=value overrides: the same three layers, with the same meaning, everywhere."""
-    p.add_argument("--preset", choices=list(MODEL_PRESETS),  # keel.config.presets: one for each
-                   help="cpu-demo (default: the README's main job), tiny (tests), or a paper-sized model "
-                        "(paper-64 .. paper-2048) with the paper's recipe (paper-1024/2048: sized for one GPU)")
-    p.add_argument("--config", help="a YAML file with any of model/data/optim/guard/run")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="dotted overrides, e.g. model.n_blocks=8 run.steps=500 (a bare model field such as "
-                        "scheme=pre_ln means model.scheme)")
-
-
 def optimizer_implementation(cfg: OptimConfig, device) -> str:
     """torch's AdamW kernel: "fused" (one kernel over all parameters, no temporaries: 16 bytes a parameter at
     the step) or "foreach" (a few multi-tensor ops, with one float32 temporary per parameter: 20 bytes a
@@ -287,21 +116,25 @@ def optimizer_implementation(cfg: OptimConfig, device) -> str:
     return cfg.implementation
 
 
+def _fail(name: str, got, allowed: str):
+    raise ConfigError(f"{name}: got {got!r}; allowed: {allowed}")
+
+
+def _one_of(name: str, value, choices, note: str = "") -> None:
+    if value not in choices:
+        _fail(name, value, ", ".join(choices) + note)
+
+
 def validate_runtime(run) -> None:
     """Where and how a model trains: the run fields an experiment point also uses."""
     if run.device.split(":")[0] not in DEVICES:
-        raise ConfigError(f"run.device: got {run.device!r}; allowed: {', '.join(DEVICES)} (or cuda:<index>)")
-    if run.dtype not in DTYPES:
-        raise ConfigError(f"run.dtype: got {run.dtype!r}; allowed: {', '.join(DTYPES)}")
-    if run.fused_junction not in FUSED_JUNCTION:
-        yaml = " (YAML reads an unquoted on or off as a boolean: write 'off')" if run.fused_junction in (
-            "True", "False") else ""
-        raise ConfigError(f"run.fused_junction: got {run.fused_junction!r}; allowed: {', '.join(FUSED_JUNCTION)}"
-                          + yaml)
+        _fail("run.device", run.device, f"{', '.join(DEVICES)} (or cuda:<index>)")
+    _one_of("run.dtype", run.dtype, DTYPES)
+    _one_of("run.fused_junction", run.fused_junction, FUSED_JUNCTION, " (YAML reads an unquoted on or off as a "
+            "boolean: write 'off')" if run.fused_junction in ("True", "False") else "")
     for name in ("grad_accum", "ac_every", "threads"):
         LIMITS[f"run.{name}"].check(f"run.{name}", getattr(run, name))
-    if run.weights not in WEIGHTS:
-        raise ConfigError(f"run.weights: got {run.weights!r}; allowed: {', '.join(WEIGHTS)}")
+    _one_of("run.weights", run.weights, WEIGHTS)
     if run.weights == "bfloat16" and run.dtype == "float32":
         raise ConfigError("run.weights=bfloat16 computes in bf16: set run.dtype=auto (bf16 on CUDA) or bfloat16, "
                           "or keep run.weights=float32")
@@ -311,42 +144,33 @@ def validate_runtime(run) -> None:
 
 
 def validate(c: TrainConfig) -> None:
-    def fail(name, got, allowed):
-        raise ConfigError(f"{name}: got {got!r}; allowed: {allowed}")
-
     check_limits(c)  # every number in its range first: the checks below compare in-range values
-    if c.run.pp_schedule not in PP_SCHEDULES:
-        fail("run.pp_schedule", c.run.pp_schedule, ", ".join(PP_SCHEDULES))
+    _one_of("run.pp_schedule", c.run.pp_schedule, PP_SCHEDULES)
     check_pipeline(c.model, c.run)  # whether this PyTorch has the schedule: checked when the pipeline is built
     for tracker in c.run.log_to:
-        if tracker not in TRACKERS:
-            fail("run.log_to", tracker, ", ".join(TRACKERS))
+        _one_of("run.log_to", tracker, TRACKERS)
     if c.run.eval_tasks:  # names only: a bad one fails here, before any data or model work
         from keel.evals import resolve  # noqa: PLC0415
 
         resolve(c.run.eval_tasks, "run.eval_tasks")
         if c.run.pp > 1:
-            fail("run.eval_tasks", c.run.eval_tasks, "[] under run.pp > 1 (a pipeline stage holds no whole model)")
+            _fail("run.eval_tasks", c.run.eval_tasks, "[] under run.pp > 1 (a pipeline stage holds no whole model)")
     if c.run.seq_len > c.model.max_seq_len:
-        fail("run.seq_len", c.run.seq_len, f"<= model.max_seq_len ({c.model.max_seq_len})")
+        _fail("run.seq_len", c.run.seq_len, f"<= model.max_seq_len ({c.model.max_seq_len})")
     if c.run.name and (c.run.name in (".", "..") or any(ch in c.run.name for ch in "/\\")
                        or not c.run.name.isprintable() or len(c.run.name.encode()) > 255):
-        fail("run.name", c.run.name[:60] + ("..." if len(c.run.name) > 60 else ""),
-             "a plain directory name: printable characters, no '/', not '.' or '..', at most 255 bytes")
+        _fail("run.name", c.run.name[:60] + ("..." if len(c.run.name) > 60 else ""),
+              "a plain directory name: printable characters, no '/', not '.' or '..', at most 255 bytes")
     validate_runtime(c.run)
-    if c.optim.schedule not in SCHEDULES:
-        fail("optim.schedule", c.optim.schedule, ", ".join(SCHEDULES))
-    if c.optim.implementation not in ("auto", "fused", "foreach"):
-        fail("optim.implementation", c.optim.implementation, "auto, fused, foreach")
-    if c.optim.state not in ("float32", "8bit"):
-        fail("optim.state", c.optim.state, "float32, 8bit")
-    if c.guard.policy not in GUARD_POLICIES:
-        fail("guard.policy", c.guard.policy, ", ".join(GUARD_POLICIES))
+    _one_of("optim.schedule", c.optim.schedule, SCHEDULES)
+    _one_of("optim.implementation", c.optim.implementation, ("auto", "fused", "foreach"))
+    _one_of("optim.state", c.optim.state, ("float32", "8bit"))
+    _one_of("guard.policy", c.guard.policy, GUARD_POLICIES)
     if c.optim.min_lr > c.optim.lr:
-        fail("optim.min_lr", c.optim.min_lr, f"a number in [0, optim.lr] (optim.lr is {c.optim.lr:g})")
+        _fail("optim.min_lr", c.optim.min_lr, f"a number in [0, optim.lr] (optim.lr is {c.optim.lr:g})")
     if c.guard.spike_min_history > c.guard.spike_window:
-        fail("guard.spike_min_history", c.guard.spike_min_history,
-             f"an integer in [0, guard.spike_window] (guard.spike_window is {c.guard.spike_window}; 0 disables)")
+        _fail("guard.spike_min_history", c.guard.spike_min_history,
+              f"an integer in [0, guard.spike_window] (guard.spike_window is {c.guard.spike_window}; 0 disables)")
 
 
 @dataclass(frozen=True)
@@ -447,22 +271,3 @@ def limits() -> dict[str, str]:
               "model.alpha": f'"L", "sqrtL", or {Limit(0, SCHEMES["keel"].max_alpha, open_low=True).allowed()}',
               "model.mix_ln_fraction": Limit(0, 1).allowed()}
     return model | {name: limit.allowed() for name, limit in LIMITS.items()}
-
-
-def to_yaml(config: TrainConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
-
-
-def load_run_config(run_dir: Path) -> TrainConfig:
-    """A run's config.yaml; a damaged one is blamed on the file, not on whatever field it broke."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise ConfigError(f"{run_dir}: not a Keel run directory (no config.yaml)")
-    try:
-        loaded = OmegaConf.load(path)
-        if not OmegaConf.is_dict(loaded):
-            raise ConfigError("expected a mapping of sections at the top level")
-        return to_config([OmegaConf.structured(TrainConfig()), loaded])
-    except Exception as err:  # YAML syntax, bytes that are not UTF-8, fields: all mean a damaged file
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ConfigError(f"{path}: damaged run config ({reason})") from None
