@@ -234,6 +234,16 @@ def trainer_for(args):
     return make
 
 
+@pytest.fixture
+def no_curves(monkeypatch):
+    """Trainer.run without drawing curves.png at its end (in this process): the plot is about half of a tiny run's
+    time, for tests that check something else. curves.png itself is checked by tests/test_runs.py,
+    tests/test_interrupts.py, tests/test_eval_tasks.py and tests/test_plot_readable.py."""
+    from keel.train.trainer import Trainer
+
+    monkeypatch.setattr(Trainer, "draw_curves", lambda self, quiet=False: None)
+
+
 # seconds one training step takes on the fake clock, per sub-layer, by scheme
 COST_PER_SUBLAYER = {"keel": 0.05, "pre_ln": 0.04, "deepnorm": 0.06}
 

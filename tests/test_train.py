@@ -19,6 +19,8 @@ from keel.config import load_config
 from keel.runs import checkpoint
 from keel.train.trainer import Trainer
 
+pytestmark = pytest.mark.usefixtures("no_curves")  # none of these checks curves.png: each run skips its plot
+
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
