@@ -170,6 +170,9 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     ({"measure": "redundancy", "axes": {}, "tune": [], "compare": [[["keel.branch.1", "keel.branch.0"], "x"]]},
      "compare: pairs of two different ARM.MODE.PART"),
     ({"measure": "redundancy", "axes": {}, "tune": [], "max_lr": {"eval_every": 2}}, "max_lr: the max-LR measurement"),
+    ({"measure": "redundancy", "axes": {}, "tune": [], "base": TINY | {"model": {**TINY["model"], "n_blocks": 4,
+                                                                              "loop_blocks": 2}}},
+     "arms.keel: model.loop_blocks: measure redundancy takes out one sub-layer of its own"),
 ])
 def test_a_bad_declared_study_is_one_line_before_any_point(change, needle, tmp_path, capsys):
     path = write(tmp_path, study(**change))

@@ -4,6 +4,7 @@ a tune step's `STEP`, `MAX_LR`) are documented in docs/experiments.md#your-own-s
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -261,7 +262,8 @@ def _check_configs(study: DeclaredStudy, bad) -> None:
             raise bad(f"tune: {name} is chosen per arm and cell, so {owners[0]} may not set it")
     check("base", {})
     for arm, fields in study.arms.items():
-        check(f"arms.{arm}", fields)
+        if check(f"arms.{arm}", fields).model.loop_blocks and study.measure == "redundancy":  # blocks are shared
+            raise bad(f"arms.{arm}: model.loop_blocks: measure redundancy takes out one sub-layer of its own")
     for name, values in study.axes.items():
         for value in values:
             check(f"axes.{name}", {name: value})
@@ -278,9 +280,7 @@ def _check_configs(study: DeclaredStudy, bad) -> None:
 
 
 def _get(config, key: str):
-    for part in key.split("."):
-        config = getattr(config, part)
-    return config
+    return functools.reduce(getattr, key.split("."), config)
 
 
 def _leaves(side) -> list:
