@@ -103,7 +103,7 @@ def test_a_chosen_hf_hub_offline_is_left_alone_and_nothing_is_asked(monkeypatch)
 
 
 @pytest.mark.slow
-def test_lm_eval_offline_without_the_variable_is_one_line_and_no_retries(tmp_path):
+def test_lm_eval_offline_without_the_variable_is_one_line_and_no_retries(tmp_path, no_curves):
     """keel lm-eval with the probe first (as cmd_lm_eval calls it), HF_HUB_OFFLINE unset and a Hub that refuses
     connections: exit 2, one error line naming the task that cannot be fetched offline and --include-path, no
     "Retrying" lines (before: ten of them and 35 s to 55 s). cmd_lm_eval's own probe then finds HF_HUB_OFFLINE set

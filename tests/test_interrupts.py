@@ -112,7 +112,8 @@ def test_a_signal_inside_an_import_ends_the_process_there_with_one_line(tmp_path
 
 
 @pytest.mark.slow  # over a second in tests/durations.json
-def test_a_swallowed_signal_still_stops_a_run_at_its_first_step_with_a_checkpoint(tmp_path, monkeypatch, capsys):
+def test_a_swallowed_signal_still_stops_a_run_at_its_first_step_with_a_checkpoint(tmp_path, monkeypatch, capsys,
+                                                                                  no_curves):
     _swallowed_signal(monkeypatch)
     code = main(["train", "--preset", "tiny", "run.steps=50", "run.progress=false", f"run.out_dir={tmp_path}",
                  "run.name=r"])
@@ -129,7 +130,7 @@ def test_a_swallowed_signal_makes_any_other_command_exit_130(tmp_path, monkeypat
 
 
 @pytest.mark.slow  # two tiny runs
-def test_resumed_run_counts_wall_time_of_all_segments(tmp_path, capsys, monkeypatch):
+def test_resumed_run_counts_wall_time_of_all_segments(tmp_path, capsys, monkeypatch, no_curves):
     """On a clock only the callbacks move, segment one takes 100 s and is interrupted (as by Ctrl-C) at step 3, the
     resumed segment 7 s: the resumed run's summary says 107 s. Before: wall_seconds of the last segment only."""
     import types

@@ -204,7 +204,7 @@ def losses(run_dir: Path, key: str = "loss") -> list[float]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_torchrun_pp_trains_like_one_process_and_resumes_in_one(tmp_path, corpus, torchrun):
+def test_torchrun_pp_trains_like_one_process_and_resumes_in_one(tmp_path, corpus, torchrun, no_curves):
     def train(*overrides):  # a resumed run continues with its own config: no --preset with resume=
         preset = [] if any(o.startswith("resume=") for o in overrides) else ["--preset", "tiny"]
         torchrun("keel.cli", "train", *preset, *common(tmp_path, corpus), "run.pp=2", *overrides, timeout=TIMEOUT)

@@ -184,7 +184,7 @@ def _ecosystem_block(after: str, lang: str) -> str:
 
 
 @pytest.mark.slow
-def test_readme_lm_eval_task_yaml_runs_offline(tmp_path, monkeypatch, capsys):
+def test_readme_lm_eval_task_yaml_runs_offline(tmp_path, monkeypatch, capsys, no_curves):
     """docs/ecosystem.md's task YAML and data lines, written where it says, score with `keel lm-eval` offline."""
     pytest.importorskip("lm_eval")
     from keel.cli import main
