@@ -49,7 +49,7 @@ def test_run_status_running_then_new(args):
 
 
 @pytest.mark.slow
-def test_print_config_round_trips_and_resume_latest(args, tmp_path, capsys):
+def test_print_config_round_trips_and_resume_latest(args, tmp_path, capsys, no_curves):
     assert main(["train", "--preset", "tiny", "--print-config", *args("run.steps=3", name="a")]) == 0
     text = capsys.readouterr().out
     (tmp_path / "printed.yaml").write_text(text)
