@@ -1,7 +1,5 @@
 """The `keel` command: a thin dispatcher. Each sub-command parses its arguments and calls the library
-(keel.train, keel.experiments, keel.hf); nothing in the library imports this package. `support` holds what
-every command shares (signals, threads, argparse, checks of paths named on the command line); `hf` the Hugging
-Face commands (export-hf, import-hf, lm-eval); `data` the corpus into token shards (data prepare).
+(keel.train, keel.experiments, keel.hf); nothing in the library imports this package.
 
 A `KeelError` (bad input: a config field, a file, a checkpoint) is printed as one line with exit code 2;
 any other exception is a bug and keeps its traceback.
@@ -10,6 +8,7 @@ any other exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -35,8 +34,7 @@ from keel.launch import launcher_environment
 from keel.runs.trust import trusting
 
 
-def _no_preset(args, why: str) -> None:
-    """--preset names a whole config; where a run's own config is used instead it is refused, not dropped."""
+def _no_preset(args, why: str) -> None:  # --preset names a whole config: refused, not dropped, where a run's is used
     if getattr(args, "preset", None):
         raise ConfigError(f"--preset: not used with {why}")
 
@@ -275,22 +273,8 @@ def add_tokenizer_command(sub) -> None:
     p.set_defaults(func=cmd_tokenizer)
 
 
-def add_experiment_command(sub) -> None:
-    from keel.cli.experiment import register
-
-    register(sub)
-
-
-def add_sweep_command(sub) -> None:
-    from keel.cli.experiment import register_sweep
-
-    register_sweep(sub)
-
-
-def add_bench_command(sub) -> None:
-    from keel.cli.bench import register
-
-    register(sub)
+def _registered_in(module: str, register: str = "register"):  # imported only when its command runs
+    return lambda sub: getattr(importlib.import_module(f"keel.cli.{module}"), register)(sub)
 
 
 # Every command and its one line of help. Only the command being run gets its arguments built (train's and
@@ -311,9 +295,9 @@ COMMANDS = {
 }
 _BUILDERS = {"train": add_train_command, "eval": add_eval_command, "runs": add_runs_command,
              "plot": add_plot_command, "generate": add_generate_command, "summary": add_summary_command,
-             "tokenizer": add_tokenizer_command, **data.BUILDERS, **hf.BUILDERS, "experiment": add_experiment_command,
-             "sweep": add_sweep_command,
-             "bench": add_bench_command}
+             "tokenizer": add_tokenizer_command, **data.BUILDERS, **hf.BUILDERS,
+             "experiment": _registered_in("experiment"), "sweep": _registered_in("experiment", "register_sweep"),
+             "bench": _registered_in("bench")}
 
 
 def build_parser(command: str | None = "all") -> argparse.ArgumentParser:

@@ -34,11 +34,8 @@ MODEL_RUN_FIELDS = ("batch_size", "seq_len", "dtype", "ac_every")
 def reads(args) -> Reads:
     """What this `keel bench` reads of the merged config, by mode: a field set in --config or an override that
     it does not read is refused by the merge. Every mode reads run.threads (applied before it times anything)."""
-    def fixed(why: str, *fields: str) -> Reads:
-        return Reads("keel bench", ("run.threads", *fields), why)
-
     if args.validate_model:
-        return fixed("--validate-model runs fixed shapes")
+        return Reads("keel bench", ("run.threads",), "--validate-model runs fixed shapes")
     if args.model_gpu:
         return Reads("keel bench", ("model", "run.threads", *(f"run.{f}" for f in MODEL_RUN_FIELDS)),
                      f"it reads model.* and run.{{{','.join(MODEL_RUN_FIELDS)}}}",
@@ -71,16 +68,15 @@ def run_model(args) -> str:
         result = validate(args.steps, args.warmup)
         text, name = validation_markdown(result), "validation"
     else:
-        run_cfg = config.run
-        result, name = None, f"predicted-{args.model_gpu}"
         import torch  # noqa: PLC0415
 
         from keel.reporting.plan import memory_plan  # noqa: PLC0415
 
+        r, result, name = config.run, None, f"predicted-{args.model_gpu}"
         memory = memory_plan(config, device=torch.device("cuda"))["total"]
         spec = calibrated(args.model_gpu) or DEVICES[args.model_gpu]  # the dry run's model: one prediction
-        text = prediction_markdown(config.model, run_cfg.batch_size, run_cfg.seq_len, spec,
-                                   bf16=run_cfg.dtype != "float32", ac_every=run_cfg.ac_every, memory=memory)
+        text = prediction_markdown(config.model, r.batch_size, r.seq_len, spec, bf16=r.dtype != "float32",
+                                   ac_every=r.ac_every, memory=memory)
     print(text)
     if args.out:
         out = Path(args.out)
@@ -93,7 +89,7 @@ def run_model(args) -> str:
 
 def run(args) -> dict:
     """The comparison at the merged config's shape, then the depth series of the first scheme."""
-    if getattr(args, "model_gpu", None) or getattr(args, "validate_model", False):
+    if args.model_gpu or args.validate_model:
         return run_model(args)
     config = bench_config(args)  # a bad field answers at once, before torch loads
     from keel.bench.core import check_schemes, compare, depth_series, to_markdown
@@ -108,7 +104,7 @@ def run(args) -> dict:
         "dtype": "bfloat16 autocast" if use_bf16(device, run_cfg.dtype) else "float32", "model": asdict(model),
         "run": {k: getattr(run_cfg, k) for k in RUN_FIELDS},
         "optim": {k: getattr(config.optim, k) for k in OPTIM_FIELDS}}}
-    depths = parse_depths(args.depths) if isinstance(args.depths, str) else args.depths
+    depths = args.depths  # parsed by cmd_bench
     fitting = fitting_depths(config, schemes, depths, device)  # by the memory plan, before anything is built
     result["compare"] = compare(model, run_cfg, schemes, args.steps, args.warmup, config.optim, device)
     result["depth"] = depth_series(with_scheme(model, schemes[0]), run_cfg, fitting, args.depth_steps,
@@ -195,7 +191,7 @@ def write_out(out: Path, name: str, text: str) -> Path:
 
 def cmd_bench(args) -> int:
     check_moved(args)
-    args.depths = parse_depths(args.depths) if isinstance(args.depths, str) else args.depths
+    args.depths = parse_depths(args.depths)
     args.out = output_dir(args.out, "--out")
     run(args)
     return 0

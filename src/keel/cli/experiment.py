@@ -103,29 +103,40 @@ def _dotted(fields: dict, prefix: str = "") -> dict:
 
 
 def cmd_sweep(args) -> int:
-    from keel import runtime
     from keel.experiments.sweep import report_only
 
     out = Path(args.out) if args.out else Path(args.study).parent
     where = "--out" if args.out else "the study file's folder"
-    out_flag = [f"--out {shlex.quote(args.out)}"] if args.out else []
-    command = " ".join(["keel sweep", shlex.quote(args.study), *out_flag, *map(shlex.quote, args.overrides)])
+    command = _command(["keel sweep", shlex.quote(args.study)], args.out, args.overrides)
     doc = load_study(args.study)
     if "arms" in doc and "study" not in doc:  # a study declared as data (keel.experiments.declared)
         with report_only(args.report_only):
             run_declared(args.study, doc, args.overrides, out, where, command,
                          out.resolve().name or Path(args.study).stem)
-        print(f"wrote {out}/results.json, {out}/report.md and plots")
-        return 0
+        return _wrote(out)
+    kind, fields = read_study(args.study)
+    _run_kind(kind, build(kind, False, [*fields, *args.overrides]), out, where, command, report_only(args.report_only))
+    return _wrote(out)
+
+
+def _command(words: list[str], out: str | None, overrides: list[str]) -> str:  # as a report's "Produced by" shows it
+    return " ".join([*words, *([f"--out {shlex.quote(out)}"] if out else []), *map(shlex.quote, overrides)])
+
+
+def _run_kind(kind: str, cfg, out: Path, where: str, command: str, around) -> None:
+    from keel import runtime
     from keel.experiments import EXPERIMENTS
 
-    kind, fields = read_study(args.study)
-    cfg = build(kind, False, [*fields, *args.overrides])
-    runtime.set_threads(cfg.run.threads)
+    runtime.set_threads(cfg.run.threads)  # once, from the merged config (a YAML file's run.threads too)
     output_dir(str(out), where)
-    with report_only(args.report_only):
+    with around:
         EXPERIMENTS[kind][1](cfg, out, command)
+
+
+def _wrote(out: Path, report: bool = False) -> int:
     print(f"wrote {out}/results.json, {out}/report.md and plots")
+    if report:
+        print((out / "report.md").read_text())
     return 0
 
 
@@ -160,20 +171,12 @@ def build(name: str, quick: bool, overrides: list[str], config_file: str | None 
         raise ConfigError(f"{name}: {err}") from None
 
 
-def default_out(name: str, quick: bool) -> str:
-    """Where a run goes without --out: never results/<name>, whose committed points belong to the configuration
-    that produced them (a new run with other settings would be refused there)."""
-    return f"runs/quick/{name}" if quick else f"runs/experiments/{name}"
-
-
 def cmd_experiment(args) -> int:
-    from keel import runtime
     from keel.experiments.common import smoke_test
 
-    out = Path(args.out or default_out(args.name, args.quick))
-    command = " ".join(["keel experiment", args.name] + (["--quick"] if args.quick else [])
-                       + ([f"--out {shlex.quote(args.out)}"] if args.out else [])
-                       + [shlex.quote(o) for o in args.overrides])
+    # never results/<name> without --out: its points belong to the configuration that produced them
+    out = Path(args.out or (f"runs/quick/{args.name}" if args.quick else f"runs/experiments/{args.name}"))
+    command = _command(["keel experiment", args.name, *(["--quick"] if args.quick else [])], args.out, args.overrides)
     files = study_files()
     if args.name in files:  # a study written as a study file: run that file, as it is
         given = [o.split("=", 1)[0] for o in args.overrides] + (list(_dotted(load_study(args.config)))
@@ -186,16 +189,7 @@ def cmd_experiment(args) -> int:
         with smoke_test(args.quick):
             run_declared(str(files[args.name]), load_study(str(files[args.name])), [], out, "--out", command,
                          args.name, quick=args.quick)
-        print(f"wrote {out}/results.json, {out}/report.md and plots")
-        print((out / "report.md").read_text())
-        return 0
-    from keel.experiments import EXPERIMENTS
-
+        return _wrote(out, report=True)
     cfg = build(args.name, args.quick, args.overrides, args.config)
-    runtime.set_threads(cfg.run.threads)  # once, from the merged config (a YAML file's run.threads too)
-    output_dir(str(out), "--out")
-    with smoke_test(args.quick):
-        EXPERIMENTS[args.name][1](cfg, out, command)
-    print(f"wrote {out}/results.json, {out}/report.md and plots")
-    print((out / "report.md").read_text())
-    return 0
+    _run_kind(args.name, cfg, out, "--out", command, smoke_test(args.quick))
+    return _wrote(out, report=True)

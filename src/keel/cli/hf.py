@@ -39,8 +39,7 @@ def cmd_lm_eval(args) -> int:
     tasks = [t for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ConfigError(f"--tasks: got {args.tasks!r}; allowed: comma-separated task names, e.g. hellaswag,arc_easy")
-    if args.device != "auto":
-        check_device(args.device, "--device")
+    check_device(args.device, "--device")
     needs("eval", "transformers")
     needs("eval", "lm_eval")
     from keel.evals.offline import hub_offline_unless_reachable

@@ -36,25 +36,25 @@ def run_interruptible(work: Callable[[], int]) -> int:
         if runtime.PENDING_SIGNALS and code == 0:  # a signal whose KeyboardInterrupt was swallowed on the way
             raise KeyboardInterrupt
         return code
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the message short
-        print("keel: interrupted", file=sys.stderr)
-        return INTERRUPTED_EXIT
     except BrokenPipeError:  # `keel ... | head` closed the pipe: stop quietly, as other command-line tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
         return BROKEN_PIPE_EXIT
-    except Exception:
-        if not runtime.PENDING_SIGNALS:
-            raise
-        # the signal's KeyboardInterrupt came out as another exception: Python wraps one raised inside a class
+    except (KeyboardInterrupt, Exception) as err:
+        # a signal's KeyboardInterrupt can come out as another exception: Python wraps one raised inside a class
         # body's __set_name__ in a RuntimeError (seen when SIGTERM landed in triton's import), and an import it cut
         # short can fail later. The user asked to stop: one line, exit 130, as for the plain KeyboardInterrupt
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        print("keel: interrupted", file=sys.stderr)
-        return INTERRUPTED_EXIT
+        if not isinstance(err, KeyboardInterrupt) and not runtime.PENDING_SIGNALS:
+            raise
+        return _interrupted()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _interrupted() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the message short
+    print("keel: interrupted", file=sys.stderr, flush=True)
+    return INTERRUPTED_EXIT
 
 
 def _raise_interrupt(signum, frame):
@@ -63,14 +63,11 @@ def _raise_interrupt(signum, frame):
         # raised inside an import, the KeyboardInterrupt can cross a native module's initialiser, which aborts the
         # process (SIGABRT, seen with torch's imports under load); an import writes nothing of the user's, so stop
         # here: one line, exit 130
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        print("keel: interrupted", file=sys.stderr, flush=True)
-        os._exit(INTERRUPTED_EXIT)
+        os._exit(_interrupted())
     raise KeyboardInterrupt
 
 
-def _importing(frame) -> bool:
-    """Whether `frame` runs inside an import (a frame of importlib's bootstrap below it)."""
+def _importing(frame) -> bool:  # a frame of importlib's bootstrap below `frame`
     while frame is not None:
         if frame.f_code.co_filename.startswith("<frozen importlib"):
             return True
@@ -78,7 +75,7 @@ def _importing(frame) -> bool:
     return False
 
 
-# ---- threads --------------------------------------------------------------------------------------------
+# ---- argparse ----------------------------------------------------------------------------------------------
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one `keel: error:` line and exit 2 (sub-commands inherit it)."""
 
@@ -142,10 +139,9 @@ def _can_write(directory: Path, flag: str, shown: Path) -> None:
         raise ConfigError(f"{flag} {shown}: cannot write in {directory} ({err.strerror or err})") from None
 
 
-# Every number a `keel` command takes as a flag, in its range: checked (check_flags) right after the command line is
-# parsed, before any file is read or torch loads. docs/training.md#allowed-values lists them with the config's.
 def flag_limits() -> dict:
-    """{"<command> --flag": Limit} for every numeric flag of every `keel` command."""
+    """{"<command> --flag": Limit} for every numeric flag of every `keel` command, checked (`check_flags`) right
+    after the command line is parsed, before any file is read or torch loads (docs/training.md#allowed-values)."""
     from keel.config.schema import Limit, count  # noqa: PLC0415
 
     return {
@@ -268,12 +264,10 @@ def needs(extra: str, module: str) -> None:
 def error_line(message) -> str:
     """`keel: error: <message>` as one line: an argument's newline or escape sequence (echoed back in the
     message) is shown escaped, never acted on by the terminal."""
-    return "keel: error: " + "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
-                                     for ch in str(message))
+    return "keel: error: " + printable(str(message), keep="")
 
 
-def printable(text: str) -> str:
-    """`text` with control characters other than newline and tab escaped (`\\r`, `\\x1b`): a model's output
+def printable(text: str, keep: str = "\n\t") -> str:
+    """`text` with control characters other than those in `keep` escaped (`\\r`, `\\x1b`): a model's output
     must not move the cursor, clear the screen or retitle the terminal."""
-    return "".join(ch if ch.isprintable() or ch in "\n\t" else ch.encode("unicode_escape").decode("ascii")
-                   for ch in text)
+    return "".join(ch if ch.isprintable() or ch in keep else ch.encode("unicode_escape").decode("ascii") for ch in text)
