@@ -3,11 +3,8 @@
 Precedence: preset (or an experiment's defaults) < YAML file < dotted `key=value` overrides. OmegaConf checks
 every key and type against the dataclasses; `ModelConfig` and `validate` then check values. A bare model
 field (`scheme=pre_ln`) is short for `model.scheme=pre_ln`; any other section-less key is refused with the
-section it probably belongs to (`steps=10`: did you mean run.steps?).
-
-Each command declares the fields it reads (`keel.config.reads.Reads`: TRAIN, RESUME, SUMMARY, TOKENIZER there;
-bench's and each experiment's beside them); the merge refuses any other field a YAML file or an override sets,
-the same way from either, in one line naming the field and why.
+section it probably belongs to (`steps=10`: did you mean run.steps?). Each command declares the fields it reads
+(`keel.config.reads.Reads`); the merge refuses any other a YAML file or an override sets, in one line saying why.
 """
 
 from keel.config.merge import add_config_arguments, load_run_config, merge, to_config, to_yaml

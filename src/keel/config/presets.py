@@ -16,9 +16,9 @@ from keel.model.sizes import PRESETS as MODEL_PRESETS
 from keel.model.sizes import cpu_demo, tiny
 
 
+# the README's main job: a 32-sub-layer Keel on the standard library's source, ~5 min on 2 cores. Its model is
+# keel.cpu_demo() itself; it trains on sequences of 128 of the 256 that model takes
 def _cpu_demo_train() -> TrainConfig:
-    """The README's main job: a 32-sub-layer Keel on the standard library's source, ~5 min on 2 cores. Its model is
-    `keel.cpu_demo()` itself; it trains on sequences of 128 of the 256 that model takes."""
     return TrainConfig(
         model=cpu_demo(),
         optim=OptimConfig(lr=2e-3, warmup_steps=30),
@@ -26,8 +26,7 @@ def _cpu_demo_train() -> TrainConfig:
     )
 
 
-def _tiny_train() -> TrainConfig:
-    """For tests: seconds on a CPU."""
+def _tiny_train() -> TrainConfig:  # for tests: seconds on a CPU
     return TrainConfig(
         model=tiny(max_seq_len=32),
         optim=OptimConfig(lr=3e-3, warmup_steps=5),
@@ -49,12 +48,10 @@ PAPER_LR = {64: 9e-3, 128: 9e-3, 512: 6e-3, 1024: 4.5e-3, 2048: 4.5e-3}  # 2048:
 PAPER_DATA = "data.source=hf:HuggingFaceFW/fineweb-edu data.hf_config=sample-10BT"
 
 
+# `one_gpu` (paper-1024, paper-2048): AdamW's moments in 8 bits (torchao), so that by keel.scale.memory's plan
+# 1024 sub-layers fit one 80 GB GPU and 2048 one 141 GB GPU (`--dry-run` prints it). The LR is the paper's for Keel
+# at the depth: another scheme at a paper shape keeps it unless optim.lr is set (the paper trained Pre-LN at 3e-3)
 def _paper_recipe(name: str, one_gpu: bool = False):
-    """A paper shape with the paper's recipe. `one_gpu` (paper-1024, paper-2048): AdamW's moments in 8 bits
-    (torchao), so that by keel.scale.memory's plan (validated on CPU against torch's storage tracker) 1024
-    sub-layers fit one 80 GB GPU and 2048 one 141 GB GPU; `--dry-run` prints it. The LR is the paper's for Keel at
-    the depth: another scheme at a paper shape (`model.scheme=pre_ln`) keeps it unless optim.lr is set (the paper
-    trained Pre-LN at 3e-3 at 512 and 1024 sub-layers)."""
     def build() -> TrainConfig:
         model = MODEL_PRESETS[name]()
         return TrainConfig(model=model, data=DataConfig(tokenizer=f"bpe:{model.vocab_size}"),
@@ -66,9 +63,6 @@ def _paper_recipe(name: str, one_gpu: bool = False):
 
 
 PAPER_PRESETS = ("paper-64", "paper-128", "paper-512", "paper-1024", "paper-2048")
-
-
-# `paper-1024` and `paper-2048` with 8-bit moments, to fit one GPU
 PRESETS = {name: _paper_recipe(name, one_gpu=name in ("paper-1024", "paper-2048")) for name in PAPER_PRESETS} \
     | {"cpu-demo": _cpu_demo_train, "tiny": _tiny_train}
 

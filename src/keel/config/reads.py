@@ -1,8 +1,5 @@
-"""Which fields of its merged config each command reads (`Reads`), and the declarations of keel's own commands.
-
-`keel.config.merge` refuses any field a YAML file or an override sets that the command does not read, in
-one line naming the field and why; bench and each experiment declare their own `Reads` beside their code.
-"""
+"""Which fields of its merged config each command reads (`Reads`), and the declarations of keel's own commands
+(bench and each experiment declare theirs beside their code)."""
 
 from __future__ import annotations
 
