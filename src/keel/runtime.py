@@ -23,18 +23,16 @@ from keel.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-# SIGINT/SIGTERM received by the `keel` command before a run took the signals over (keel.cli records them): the
-# KeyboardInterrupt such a signal raises can be swallowed, since Python only prints an exception raised inside a
-# callback (one lands in importlib's module-lock callback when the signal arrives during an import), and the
-# command would then go on as if nothing had happened. The trainer stops at its first step boundary when one is here.
+# SIGINT/SIGTERM received by the `keel` command before a run took the signals over (keel.cli records them): Python
+# only prints an exception raised inside a callback (importlib's module-lock callback during an import, a `__del__`
+# or weakref callback while a finished point's model is freed), so the KeyboardInterrupt such a signal raises can be
+# swallowed and the command go on. The trainer stops at its first step boundary when one is here.
 PENDING_SIGNALS: list[int] = []
 
 
 def stop_if_signalled() -> None:
     """Raise the KeyboardInterrupt of a signal whose own was swallowed (PENDING_SIGNALS), at a safe boundary: a
-    sweep between points, an experiment's training loop between steps. One lands in a `__del__` or a weakref
-    callback, which Python runs while it frees a finished point's model and only prints what they raise (the likely
-    reason a sweep killed just after a point finished went on training for an hour)."""
+    sweep between points, an experiment's training loop between steps."""
     if PENDING_SIGNALS:
         raise KeyboardInterrupt
 

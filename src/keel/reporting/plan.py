@@ -142,13 +142,12 @@ def gpu_fit_lines(config) -> list[str]:
               ("with optim.state=8bit run.ac_every=1", "fused", "8bit", 1, w),
               ("with run.weights=bfloat16 optim.state=8bit run.ac_every=1", "fused", "8bit", 1, "bfloat16")]
     out = []
-    for gpu, have in GPU_MEMORY.items():
-        usable = have  # GPU_MEMORY is what a process can use, the CUDA context taken off
+    for gpu, have in GPU_MEMORY.items():  # what a process can use, the CUDA context taken off
         for text, impl, state, ac, weights in steps:
             need = estimate_memory(config.model, r.batch_size, r.seq_len, ac_every=ac, bf16_autocast=True,
                                    grad_accum=r.grad_accum, optim_impl=impl, state=state, weights=weights,
                                    compiled=hands_on_sums(r, config.model, torch.device("cuda"), True))["total"]
-            if need <= usable:
+            if need <= have:
                 out.append(f"  {gpu}: fits {text} ({format_bytes(need)} of {format_bytes(have)})")
                 break
         else:

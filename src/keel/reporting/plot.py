@@ -43,8 +43,7 @@ def _series(records: list[dict], key: str) -> tuple[list, list]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def _task_series(runs) -> tuple[list, set]:
-    """[(label, steps, accuracies)] of every task every run scored, and the tasks' chance levels."""
+def _task_series(runs) -> tuple[list, set]:  # [(label, steps, accuracies)] of every task scored, chance levels
     lines, chances = [], set()
     for r in runs:
         series: dict[str, tuple[list, list]] = {}
@@ -59,8 +58,7 @@ def _task_series(runs) -> tuple[list, set]:
     return lines, chances
 
 
-def _line_panels(runs) -> tuple[list, list[str]]:
-    """The panels that have data, each a function drawing into an axes, and a note for each that has none."""
+def _line_panels(runs) -> tuple[list, list[str]]:  # a drawing function per panel with data, a note per one without
     panels, notes, records = [], [], [r.metrics() for r in runs]
     for key, title, log in (("loss", "training loss", False), ("val_loss", "validation loss", False),
                             ("lr", "learning rate", False), ("grad_norm", "gradient norm", True)):
@@ -117,8 +115,7 @@ def _heatmap_panels(r: RunDir, telemetry: list[dict]) -> list:
     return panels
 
 
-def _rows(panels: list, per_row: int = 3) -> list[list]:
-    """`panels` in rows of at most `per_row`, as even as possible (4 -> 2 + 2, 5 -> 3 + 2)."""
+def _rows(panels: list, per_row: int = 3) -> list[list]:  # as even as possible: 4 -> 2 + 2, 5 -> 3 + 2
     n_rows = math.ceil(len(panels) / per_row)
     sizes = [len(panels) // n_rows + (i < len(panels) % n_rows) for i in range(n_rows)]
     rows, start = [], 0
@@ -164,8 +161,7 @@ def build_figure(run_dirs):
     return fig
 
 
-def _fit_titles(fig, axes) -> None:
-    """Wrap each panel's title until it is no wider than its panel (a long run name would run past it)."""
+def _fit_titles(fig, axes) -> None:  # wrapped until no wider than its panel (a long run name would run past it)
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     for ax in axes:

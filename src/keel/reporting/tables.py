@@ -27,7 +27,7 @@ def table(rows: list[dict], columns: list[str] | None = None) -> str:
     if not rows:
         return "(none)"
     columns = columns or list(rows[0])
-    text = [[c for c in columns]] + [[cell(r.get(c)) for c in columns] for r in rows]
+    text = [list(columns)] + [[cell(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(row[i]) for row in text) for i in range(len(columns))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in text]
     lines.insert(1, "  ".join("-" * w for w in widths))
