@@ -20,6 +20,7 @@ from keel.cli.support import (
     PLOT_FORMATS,
     DefaultsShown,
     Parser,
+    add_data_arguments,
     check_config_file,
     check_device,
     check_flags,
@@ -266,10 +267,7 @@ def add_tokenizer_command(sub) -> None:
     p = sub.add_parser("tokenizer", help=COMMANDS["tokenizer"])
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--out", default="tokenizer.json")
-    p.add_argument("--config", help="a YAML file; its data section is read")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="data.* fields, as keel train spells them, e.g. data.source=corpus.txt (a bare field such "
-                        "as source=corpus.txt means data.source)")
+    add_data_arguments(p, "data.source=corpus.txt")
     p.set_defaults(func=cmd_tokenizer)
 
 

@@ -3,7 +3,7 @@ The corpus and tokenizer are named with the `data.*` fields `keel train` takes."
 
 from __future__ import annotations
 
-from keel.cli.support import DefaultsShown, output_dir
+from keel.cli.support import DefaultsShown, add_data_arguments, output_dir
 from keel.config.reads import Reads
 
 COMMANDS = {"data": "tokenise a corpus into token shards for training (keel data prepare)"}
@@ -48,10 +48,7 @@ def add_data_command(sub) -> None:
                    help="tokens per shard (default: 100,000,000, or the directory's own)")
     q.add_argument("--bpe-sample", type=int, default=DEFAULT_BPE_SAMPLE,
                    help="data.tokenizer=bpe[:N]: train documents the BPE is trained on, drawn with a fixed seed")
-    q.add_argument("--config", help="a YAML file; its data section is read")
-    q.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="data.* fields, as keel train spells them, e.g. data.source=corpus.jsonl "
-                        "data.tokenizer=bpe:32000 (a bare field such as source=corpus.jsonl means data.source)")
+    add_data_arguments(q, "data.source=corpus.jsonl data.tokenizer=bpe:32000")
     q.set_defaults(func=cmd_prepare)
 
 

@@ -119,9 +119,8 @@ def output_path(value: str, flag: str, suffixes, owned=()) -> Path:
 
 
 def writable(out: Path, flag: str) -> Path:
-    """`out` (an output file, checked by `output_path`), once a file can be made beside it: a read-only file
-    system, /proc or a directory without write permission is one line before any work, not an OSError after
-    it; a link at `out` is refused (keel.safe_io writes the file and never follows one)."""
+    """`out` (an output file, checked by `output_path`) once a file can be made beside it and no link is there: one
+    line before any work, not an OSError after it (keel.safe_io writes the file and never follows a link)."""
     if out.is_symlink():
         raise ConfigError(f"{flag} {out}: is a symbolic link; give the file itself")
     _can_write(out.parent, flag, out)
@@ -166,6 +165,12 @@ def flag_limits() -> dict:
     }
 
 
+def add_data_arguments(p, example: str) -> None:  # --config and data.* overrides, as keel train spells them
+    p.add_argument("--config", help="a YAML file; its data section is read")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help=f"data.* fields, as keel train spells them, e.g. "
+                   f"{example} (a bare field such as {example.split()[0].removeprefix('data.')} means data.source)")
+
+
 def check_flags(args) -> None:
     """The parsed command line's numeric flags, each in its range (`flag_limits`): one ConfigError naming the first
     that is not. A flag left out (None) is the command's own default."""
@@ -180,8 +185,6 @@ def check_flags(args) -> None:
 def output_dir(value: str | None, flag: str, empty: bool = False, make: bool = True) -> Path | None:
     """An output directory named on the command line (made if missing), checked before any work: never a link, a
     file, a device or a directory this user cannot write (/proc, read-only), and, with `empty`, new or empty.
-    Every file a command writes outside a run directory goes inside the directory (or beside the file,
-    `output_path`) the user named, through keel.safe_io: whole, atomic, never through a link planted there.
     `make=False`: checked, not made (the command makes it once its work is done, as export-hf does)."""
     if not value:
         return None

@@ -165,8 +165,7 @@ def memory_lines(config) -> list[str]:
     if device.type == "cuda":
         return [f"memory per process, this run's peak on {device}: {memory_line(config, device=device)}", *fits]
     dtype = "bf16 autocast" if use_bf16(device, r.dtype) else "float32"
-    return [f"memory per process, this run's peak here on the CPU ({dtype}): "
-            f"{memory_line(config)}",
+    return [f"memory per process, this run's peak here on the CPU ({dtype}): {memory_line(config)}",
             "on one GPU instead (PREDICTED by the memory plan with bf16 autocast; validated on CPU within 10%):",
             *fits]
 

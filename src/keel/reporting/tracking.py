@@ -30,13 +30,12 @@ def check(names) -> None:
 
 class Trackers:
     def __init__(self, names, run_dir, config):
-        self.writers = []
+        self.tensorboard = self.wandb = None
         if "tensorboard" in names:
             from torch.utils.tensorboard import SummaryWriter
 
             # a planted link would send the event files outside the run directory
             self.tensorboard = SummaryWriter(log_dir=str(check_dir(run_dir, Path(run_dir) / "tensorboard")))
-            self.writers.append(self._tensorboard)
         if "wandb" in names:
             import wandb
 
@@ -45,24 +44,20 @@ class Trackers:
             self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "keel"), name=run_dir.name,
                                     id=run_dir.name.replace("/", "-"), resume="allow", dir=str(run_dir),
                                     config=asdict(config), mode=os.environ.get("WANDB_MODE", "offline"))
-            self.writers.append(self._wandb)
 
     def log(self, record: dict) -> None:
         scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))
                    and not isinstance(v, bool)}
-        if scalars and "step" in record:
-            for write in self.writers:
-                write(record["step"], scalars)
-
-    def _tensorboard(self, step: int, scalars: dict) -> None:
-        for key, value in scalars.items():
-            self.tensorboard.add_scalar(key, value, step)
-
-    def _wandb(self, step: int, scalars: dict) -> None:
-        self.wandb.log(scalars, step=step)
+        if not scalars or "step" not in record:
+            return
+        if self.tensorboard is not None:
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=record["step"])
 
     def close(self) -> None:
-        if hasattr(self, "tensorboard"):
+        if self.tensorboard is not None:
             self.tensorboard.close()
-        if hasattr(self, "wandb"):
+        if self.wandb is not None:
             self.wandb.finish()
