@@ -180,6 +180,44 @@ def test_a_full_disk_is_one_line_and_the_same_command_then_resumes(jsonl, tmp_pa
     assert contents(out) == contents(tmp_path / "straight")
 
 
+FULL = [  # (the file whose write finds the disk full, which write of it, data.tokenizer)
+    ("manifest.json", 1, "bytes"), ("manifest.json", 4, "bytes"), ("train-000002.idx", 1, "bytes"),
+    ("tokenizer.json", 1, "FILE"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,nth,tokenizer", FULL, ids=[f"{n} {k}" for n, k, _ in FULL])
+def test_a_disk_full_at_the_manifest_an_index_or_the_tokenizer_says_to_resume(name, nth, tokenizer, jsonl, tmp_path,
+                                                                               monkeypatch, capsys):
+    """keel.safe_io writes these files; a full disk there is the same one line as during a shard (free space, run
+    the command again), and the same command then ends with the bytes of an uninterrupted prepare."""
+    import keel.safe_io as safe_io
+
+    if tokenizer == "FILE":
+        tokenizer = str(train_bpe([jsonl.read_text()], 300, tmp_path / "bpe" / "tokenizer.json").path)
+    assert prepare_cli(tmp_path / "straight", jsonl, tokenizer=tokenizer, workers=1) == 0
+    temporary, seen = safe_io.temporary, []
+
+    def fills_up(path):
+        seen.extend([path.name] if path.name == name else [])
+        if seen.count(name) == nth:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return temporary(path)
+
+    monkeypatch.setattr(safe_io, "temporary", fills_up)
+    out = tmp_path / "full"
+    capsys.readouterr()
+    assert prepare_cli(out, jsonl, tokenizer=tokenizer, workers=1) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"{out / name}: cannot write: no space left" in err, err
+    assert err.rstrip().endswith("free space and run the command again to resume"), err
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    monkeypatch.undo()
+    assert prepare_cli(out, jsonl, tokenizer=tokenizer, workers=1) == 0
+    assert contents(out) == contents(tmp_path / "straight")
+
+
 @pytest.mark.slow
 def test_appended_documents_go_into_new_shards_and_the_old_ones_stay(jsonl, tmp_path):
     import pathlib
@@ -254,6 +292,59 @@ def test_a_bpe_of_another_size_than_data_tokenizer_names_is_refused_before_token
     assert snapshot(plain) == kept
     monkeypatch.undo()
     assert prepare_cli(out, source, tokenizer="bpe:300", workers=1) == 0 and snapshot(out) == before
+
+
+@pytest.mark.slow
+def test_a_bpe_that_came_out_smaller_than_asked_takes_the_same_command_again(tmp_path, capsys):
+    """On a sample too small for the 4,096 tokens data.tokenizer=bpe asks, the trainer stops short; the identical
+    command then checks, resumes and appends, and another size is refused in one line. A manifest from before the
+    size asked was recorded takes a BPE of at most the size named."""
+    import argparse
+    import pathlib
+
+    from tokenizers import Tokenizer
+
+    source = write_jsonl(tmp_path / "corpus.jsonl", paragraphs(argparse)[:120])
+    out, again = tmp_path / "shards", ("--bpe-sample", "20")
+    assert prepare_cli(out, source, *again, tokenizer="bpe", workers=1) == 0
+    bpe = Tokenizer.from_file(str(out / "tokenizer.json"))
+    size, eos = bpe.get_vocab_size(), bpe.token_to_id("<|endoftext|>")
+    assert 300 < size < 4096 and len(list(out.glob("train-*.bin"))) > 1
+    before = snapshot(out)
+    assert prepare_cli(out, source, *again, tokenizer="bpe", workers=1) == 0
+    assert snapshot(out) == before  # checked, nothing written
+    last = sorted(out.glob("train-*.bin"))[-1]
+    last.unlink()  # as a prepare killed before its last shard leaves it
+    assert prepare_cli(out, source, *again, tokenizer="bpe", workers=1) == 0
+    assert contents(out) == contents_of(before)
+    before = snapshot(out)
+    write_jsonl(source, paragraphs(pathlib)[:20], mode="a")
+    assert prepare_cli(out, source, *again, tokenizer="bpe", workers=1) == 0
+    assert all(snapshot(out)[n] == before[n] for n in before if n != "manifest.json")  # bytes and mtimes
+    for split, texts in split_texts(source).items():  # the appended documents too, by the BPE's own encoding
+        assert split_ids(out, split).tolist() == [i for t in texts for i in [*bpe.encode(t).ids, eos]]
+    now = snapshot(out)
+    capsys.readouterr()
+    assert prepare_cli(out, source, tokenizer="bpe:512", workers=1) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "data.tokenizer: bpe:512 names 512 tokens" in err, err
+    assert f"has {size:,} (trained for 4,096); name data.tokenizer=bpe:4096" in err, err
+    assert snapshot(out) == now
+
+    # an older keel's manifest, without the size asked: bpe (4,096) holds this BPE, bpe:512 does not
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["bpe_sample"]["vocab_size"]
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    now = snapshot(out)
+    assert prepare_cli(out, source, tokenizer="bpe", workers=1) == 0 and snapshot(out) == now
+    assert prepare_cli(out, source, tokenizer="bpe:512", workers=1) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"has {size:,}; name data.tokenizer=bpe:{size}" in err, err
+    assert snapshot(out) == now
+
+
+def contents_of(snap: dict[str, tuple[bytes, int]]) -> dict[str, bytes]:
+    return {name: data for name, (data, _) in snap.items()}
 
 
 def _sources(tmp_path: Path, texts: list[str]) -> dict[str, Path]:
@@ -370,6 +461,95 @@ def test_a_document_in_pieces_gets_the_tokenizers_bos_and_eos_once(tmp_path, mon
     shard_writer.prepare_shards(cfg, tmp_path / "shards", workers=1, shard_tokens=SHARD_TOKENS, progress=False)
     assert split_ids(tmp_path / "shards", "train").tolist() == want
     assert np.asarray(prepare(cfg).train).tolist() == want
+
+
+def _strip_piece_rule(manifest_path: Path) -> None:
+    """The manifest as an older keel wrote it, which gave a post-processor's BOS/EOS to every piece of a long
+    document and recorded nothing of it."""
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["tokenizer"].pop("piece_rule") == "post-processor-once-per-document"
+    manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+@pytest.mark.slow
+def test_shards_an_older_keel_made_with_a_bos_eos_tokenizer_are_not_added_to(tmp_path, capsys):
+    """The manifest of shards made with a tokenizer whose post-processor adds ids records how a long document's
+    pieces got them; without that record (an older keel) an unchanged corpus is still checked, but resuming or
+    appending is one line saying to prepare into a new --out, and nothing is written. Bytes and a BPE keel trains
+    (no post-processor) write the tokenizer record as before: name, vocab_size, eos_id."""
+    import argparse
+
+    texts = paragraphs(argparse)[:80]
+    _bos_eos_tokenizer("\n\n".join(texts), tmp_path / "tok.json")
+    source, out = write_jsonl(tmp_path / "docs.jsonl", texts[:60]), tmp_path / "shards"
+    assert prepare_cli(out, source, tokenizer=str(tmp_path / "tok.json"), workers=1) == 0
+    _strip_piece_rule(out / "manifest.json")
+    before = snapshot(out)
+    assert prepare_cli(out, source, tokenizer=str(tmp_path / "tok.json"), workers=1) == 0
+    assert snapshot(out) == before
+    last = sorted(out.glob("train-*.idx"))[-1]
+    for change in ("append", "resume"):
+        if change == "append":
+            write_jsonl(source, texts[60:], mode="a")
+        else:
+            write_jsonl(source, texts[:60])
+            last.unlink()  # as a prepare killed before its last shard leaves it
+        capsys.readouterr()
+        assert prepare_cli(out, source, tokenizer=str(tmp_path / "tok.json"), workers=1) == 2, change
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and str(out / "manifest.json") in err, err
+        assert "older keel" in err and err.rstrip().endswith("prepare into a new --out"), err
+        assert snapshot(out) == {k: v for k, v in before.items() if change == "append" or k != last.name}
+    for tokenizer in ("bytes", "bpe:300"):
+        made = tmp_path / tokenizer.replace(":", "")
+        assert prepare_cli(made, source, "--bpe-sample", "20", tokenizer=tokenizer, workers=1) == 0
+        assert set(json.loads((made / "manifest.json").read_text())["tokenizer"]) == {"name", "vocab_size", "eos_id"}
+
+
+@pytest.mark.slow
+def test_a_token_cache_an_older_keel_made_with_a_bos_eos_tokenizer_is_made_again_beside_it(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """A tokenizer whose post-processor adds ids gets a token cache of its own key: the cache an older keel made
+    under the key of corpus and tokenizer alone (a long document's pieces each with BOS/EOS) is named in one line,
+    left as it is, and not read. Bytes and a BPE keel trains keep that key: SHA-256(fingerprint + name)."""
+    import argparse
+
+    import keel.data.tokenizer as tokenizer
+    from keel.data import build_corpus
+
+    texts = paragraphs(argparse)[:40]
+    long = "\n\n".join(texts[:30])
+    whole = _bos_eos_tokenizer(long, tmp_path / "tok.json")
+    eos = whole.token_to_id("<|endoftext|>")
+    write_jsonl(tmp_path / "docs.jsonl", [long, texts[30]])
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 1000)
+
+    def cfg(cache, tok=str(tmp_path / "tok.json")):
+        return DataConfig(source=str(tmp_path / "docs.jsonl"), tokenizer=tok, val_fraction=0,
+                          cache_dir=str(tmp_path / cache))
+
+    fingerprint = build_corpus(cfg("a")).fingerprint
+    first = prepare(cfg("a"))
+    plain = hashlib.sha256((fingerprint + first.tokenizer.name).encode()).hexdigest()[:16]  # the older keel's key
+    assert first.cache_path.name != plain
+    old = tmp_path / "b" / "shards" / plain
+    shutil.copytree(first.cache_path, old)
+    _strip_piece_rule(old / "manifest.json")
+    kept = contents(old)
+    capsys.readouterr()
+    data = prepare(cfg("b"))
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and str(old) in lines[0] and "older keel" in lines[0] and str(data.cache_path) in lines[0]
+    assert data.cache_path == tmp_path / "b" / "shards" / first.cache_path.name != old
+    assert np.asarray(data.train).tolist() == [i for doc in (long, texts[30]) for i in [*whole.encode(doc).ids, eos]]
+    assert contents(old) == kept
+    prepare(cfg("b"))
+    assert capsys.readouterr().err == ""
+    for tok in ("bytes", "bpe:300"):  # no post-processor: the key and manifest every existing cache has
+        data = prepare(cfg("c", tok))
+        assert data.cache_path.name == hashlib.sha256((fingerprint + data.tokenizer.name).encode()).hexdigest()[:16]
+        assert set(json.loads((data.cache_path / "manifest.json").read_text())["tokenizer"]) == {
+            "name", "vocab_size", "eos_id"}
 
 
 PREPARE_RSS_SCRIPT = textwrap.dedent("""

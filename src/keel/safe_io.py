@@ -116,7 +116,7 @@ def write_bytes(root, path, data: bytes, fsync: bool = False) -> Path:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-        raise _refuse(path, err, "write") from None
+        raise _refuse(path, err, "write") from err  # the cause: keel data prepare tells a full disk by its errno
     return path
 
 

@@ -63,10 +63,13 @@ def prepare(cfg: DataConfig, tokenizer=None) -> Prepared:
     root = cache_root(cfg)
     corpus = build_corpus(cfg)
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer, root, corpus)
-    key = hashlib.sha256((corpus.fingerprint + tokenizer.name).encode()).hexdigest()[:16]
+    plain = hashlib.sha256((corpus.fingerprint + tokenizer.name).encode()).hexdigest()[:16]  # also an older keel's
+    key = plain if tokenizer.piece_rule is None else hashlib.sha256(
+        f"{corpus.fingerprint}{tokenizer.name}\0{tokenizer.piece_rule}".encode()).hexdigest()[:16]
     path = root / CACHE / key
     if _whole(path) is None:
-        _build(corpus, tokenizer, path, root / OLD_CACHE / key)
+        _note_older(root, plain, path)
+        _build(corpus, tokenizer, path)
     return _open_shards(path, tokenizer, root, f"the token cache is damaged: delete {path} to rebuild it")
 
 
@@ -78,8 +81,8 @@ def _prepared_elsewhere(cfg: DataConfig, tokenizer=None) -> Prepared | None:
         return None
     path = Path(cfg.source).expanduser()
     if os.path.lexists(path / shards.MANIFEST):
-        tokenizer = tokenizer or (directory_bpe(cfg.tokenizer, path) if is_bpe(cfg.tokenizer) else
-                                  load_tokenizer(cfg.tokenizer, path))
+        tokenizer = tokenizer or (directory_bpe(cfg.tokenizer, path, shards.read_manifest(path))
+                                  if is_bpe(cfg.tokenizer) else load_tokenizer(cfg.tokenizer, path))
         ready = _open_shards(path, tokenizer, cache_root(cfg))
         ready.corpus_info["shards"] = str(path)
         return ready
@@ -124,11 +127,22 @@ def _whole(path: Path) -> dict | None:
     return manifest if all(manifest["splits"][s]["complete"] for s in SPLITS) else None
 
 
-def _build(corpus: Corpus, tokenizer, final: Path, old: Path) -> None:
+def _note_older(root: Path, plain: str, final: Path) -> None:
+    """One line naming the token cache an older keel made of this corpus and tokenizer, which is never read (and
+    left as it is: that keel may still read it): one in its layout (train.bin, val.bin), or, where the tokenizer's
+    post-processor adds ids (`piece_rule`), one whose long documents got them on every piece."""
+    if os.path.lexists(root / OLD_CACHE / plain / "meta.json"):
+        old, how = root / OLD_CACHE / plain, "in the layout of an older keel (train.bin, val.bin)"
+    elif final.name != plain and _whole(root / CACHE / plain) is not None:
+        old, how = root / CACHE / plain, "an older keel made, whose long documents got the BOS/EOS on every piece"
+    else:
+        return
+    print(f"keel: note: {old} is a token cache {how}; tokenising the corpus again into {final} (delete the old one "
+          "once no older keel reads it)", file=sys.stderr)
+
+
+def _build(corpus: Corpus, tokenizer, final: Path) -> None:
     """The token cache of `corpus` at `final`, built whole under a temporary name and renamed into place."""
-    if os.path.lexists(old / "meta.json"):
-        print(f"keel: note: {old} is a token cache in the layout of an older keel (train.bin, val.bin); tokenising "
-              f"the corpus again into {final} (delete the old one once no older keel reads it)", file=sys.stderr)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", suffix=".tmp", dir=final.parent))

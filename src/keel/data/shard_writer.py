@@ -12,9 +12,11 @@ shards; on an unchanged corpus it checks the shards and writes nothing.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from keel.data.shards import (
     SPLITS,
     check_files,
     check_tokenizer,
+    is_count,
     read_manifest,
     shard_dtype,
     shard_name,
@@ -51,6 +54,7 @@ DEFAULT_SHARD_TOKENS = 100_000_000  # nanoGPT's and modded-nanogpt's shard: 200 
 DEFAULT_BPE_SAMPLE = 100_000  # documents a BPE is trained on (sentencepiece's input_sentence_size, in documents)
 BPE_SEED = 0
 TOKENIZER_FILE = "tokenizer.json"
+RESUME = "free space and run the command again to resume"
 
 
 def prepare_shards(cfg: DataConfig, out, workers: int = 1, shard_tokens: int | None = None,
@@ -68,19 +72,23 @@ def prepare_shards(cfg: DataConfig, out, workers: int = 1, shard_tokens: int | N
         raise DataError(f"--bpe-sample: got {bpe_sample}; allowed: an integer >= 1 (documents)")
     manifest = _existing(out)
     corpus = build_corpus(cfg)
-    tokenizer = _tokenizer(cfg.tokenizer, out, manifest, corpus, bpe_sample)
-    if manifest is None:
-        sample = {"documents": bpe_sample, "seed": BPE_SEED} if is_bpe(cfg.tokenizer) else None
-        manifest = _new_manifest(tokenizer, shard_tokens, sample, corpus)
-        _write_manifest(out, manifest)
-    else:
-        check_tokenizer(manifest, tokenizer, out)
-        if shard_tokens is not None and shard_tokens != manifest["shard_tokens"]:
-            raise DataError(f"--shard-tokens: {out} holds shards of {manifest['shard_tokens']:,} tokens, not "
-                            f"{shard_tokens:,}; leave the option out, or prepare into a new --out")
+    with _resumable():
+        tokenizer = _tokenizer(cfg.tokenizer, out, manifest, corpus, bpe_sample)
+        if manifest is None:  # the size asked is kept: the trainer stops short of it on a small sample
+            sample = ({"documents": bpe_sample, "seed": BPE_SEED, "vocab_size": planned_vocab_size(cfg.tokenizer)}
+                      if is_bpe(cfg.tokenizer) else None)
+            manifest = _new_manifest(tokenizer, shard_tokens, sample, corpus)
+            _write_manifest(out, manifest)
+        else:
+            check_tokenizer(manifest, tokenizer, out)
+            if shard_tokens is not None and shard_tokens != manifest["shard_tokens"]:
+                raise DataError(f"--shard-tokens: {out} holds shards of {manifest['shard_tokens']:,} tokens, not "
+                                f"{shard_tokens:,}; leave the option out, or prepare into a new --out")
     _remove_temporaries(out)
     for split in SPLITS:
         _drop_missing_tail(out, manifest, split)
+    if _todo(manifest, corpus):  # before the shards are hashed: nothing to add to them is refused at once
+        _check_piece_rule(out, manifest, tokenizer)
     check_files(out, manifest)  # what is kept is whole: a damaged shard is named, never written over
     before = {s: len(manifest["splits"][s]["shards"]) for s in SPLITS}
     up_to_date = _fill(out, manifest, corpus, tokenizer, workers, progress)
@@ -102,9 +110,11 @@ def write_shards(corpus: Corpus, tokenizer, out: Path) -> None:
 
 
 def _new_manifest(tokenizer, shard_tokens: int | None, bpe_sample: dict | None, corpus: Corpus) -> dict:
+    made = {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
+    if tokenizer.piece_rule is not None:  # only then: every other manifest stays as an older keel wrote it
+        made["piece_rule"] = tokenizer.piece_rule
     return {"format": FORMAT, "dtype": shard_dtype(tokenizer.vocab_size).name,
-            "shard_tokens": shard_tokens or DEFAULT_SHARD_TOKENS,
-            "tokenizer": {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
+            "shard_tokens": shard_tokens or DEFAULT_SHARD_TOKENS, "tokenizer": made,
             "bpe_sample": bpe_sample, "corpus": _corpus_info(corpus),
             "splits": {s: {"complete": False, "documents": 0, "tokens": 0, "shards": []} for s in SPLITS}}
 
@@ -112,21 +122,38 @@ def _new_manifest(tokenizer, shard_tokens: int | None, bpe_sample: dict | None, 
 def _fill(out: Path, manifest: dict, corpus: Corpus, tokenizer, workers: int, progress: bool | None) -> bool:
     """Tokenise what `out`'s shards lack of `corpus` (its tokenizer.json, or bytes) and check the splits; True when
     nothing was missing."""
-    same = manifest["corpus"]["fingerprint"] == corpus.fingerprint
-    todo = [s for s in SPLITS if not (same and manifest["splits"][s]["complete"])]  # complete: a dropped tail aside
+    todo = _todo(manifest, corpus)
     try:
-        if todo:
-            with encoder("bytes" if tokenizer.name == "bytes" else str(out / TOKENIZER_FILE),
-                         shard_dtype(tokenizer.vocab_size), workers) as encode:
-                for split in todo:
-                    _extend(out, manifest, split, corpus, encode, progress)
-            manifest["corpus"] = _corpus_info(corpus)
-            _write_manifest(out, manifest)  # unchanged bytes (a touched but unchanged corpus file aside): not rewritten
+        with _resumable():  # the manifest and the indices, written by safe_io
+            if todo:
+                with encoder("bytes" if tokenizer.name == "bytes" else str(out / TOKENIZER_FILE),
+                             shard_dtype(tokenizer.vocab_size), workers) as encode:
+                    for split in todo:
+                        _extend(out, manifest, split, corpus, encode, progress)
+                manifest["corpus"] = _corpus_info(corpus)
+                _write_manifest(out, manifest)  # unchanged bytes (a touched but unchanged file aside): not rewritten
     except OSError as err:  # a full disk: the shards finished so far are kept, and the same command resumes
-        raise DataError(f"{out}: cannot write a shard ({err.strerror}); free space and run the command again to "
-                        "resume") from None
+        raise DataError(f"{out}: cannot write a shard ({err.strerror}); {RESUME}") from None
     _check_splits(manifest, corpus)
     return not todo
+
+
+def _todo(manifest: dict, corpus: Corpus) -> list[str]:
+    """The splits `corpus` may have documents of that the shards lack."""
+    same = manifest["corpus"]["fingerprint"] == corpus.fingerprint
+    return [s for s in SPLITS if not (same and manifest["splits"][s]["complete"])]  # complete: a dropped tail aside
+
+
+@contextmanager
+def _resumable():
+    """A disk that fills up while safe_io writes a file (its refusal keeps the OSError as its cause) is named with
+    the resume line, as one that fills up during a shard is."""
+    try:
+        yield
+    except DataError as err:
+        if isinstance(err.__cause__, OSError) and err.__cause__.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DataError(f"{err}; {RESUME}") from None
+        raise
 
 
 # ---- the directory and its tokenizer ----------------------------------------------------------------------
@@ -160,23 +187,38 @@ def _tokenizer(spec: str, out: Path, manifest: dict | None, corpus: Corpus, bpe_
         if not os.path.lexists(target):
             raise DataError(f"data.tokenizer: {spec} names the BPE in {target}, but there is none; the shards in "
                             f"{out} were made by {manifest['tokenizer']['name']!r}: name that tokenizer")
-        return directory_bpe(spec, out, exact=True)
+        return directory_bpe(spec, out, manifest, exact=True)
     tok = load_tokenizer(spec, out)
     if manifest is not None:  # checked before the copy below could replace the directory's own
         check_tokenizer(manifest, tok, out)
     return _keep(tok, out)
 
 
-def directory_bpe(spec: str, directory: Path, exact: bool = False) -> HFTokenizer:
-    """The BPE trained in shard directory `directory`, which data.tokenizer `spec` names there: bpe:<N> one of N
-    tokens, bpe one of any size (training reads the shards), or with `exact` the size bpe trains (prepare adds to
-    them)."""
+def directory_bpe(spec: str, directory: Path, manifest: dict, exact: bool = False) -> HFTokenizer:
+    """The BPE trained in shard directory `directory` (whose manifest is `manifest`), which data.tokenizer `spec`
+    names there: bpe:<N> one trained for N tokens, bpe one of any size (training reads the shards), or with `exact`
+    one trained for the size bpe trains (prepare adds to them). A BPE has the size it was trained for, or fewer on a
+    small sample; a manifest that does not record that size is taken to hold any size up to the one named."""
     tok = HFTokenizer(directory / TOKENIZER_FILE, follow_links=False)
-    if (exact or spec != "bpe") and tok.vocab_size != planned_vocab_size(spec):
-        raise DataError(f"data.tokenizer: {spec} names {planned_vocab_size(spec):,} tokens, but the BPE in "
-                        f"{directory / TOKENIZER_FILE} that made the shards has {tok.vocab_size:,}; name "
-                        f"data.tokenizer=bpe:{tok.vocab_size}")
+    asked, sample = planned_vocab_size(spec), manifest.get("bpe_sample")
+    trained_for = sample.get("vocab_size") if isinstance(sample, dict) else None
+    trained_for = trained_for if is_count(trained_for) else None  # not recorded (an older keel), or damaged
+    fits = tok.vocab_size <= asked if trained_for is None else asked == trained_for
+    if (exact or spec != "bpe") and not (fits or asked == tok.vocab_size):
+        raise DataError(f"data.tokenizer: {spec} names {asked:,} tokens, but the BPE in {directory / TOKENIZER_FILE} "
+                        f"that made the shards has {tok.vocab_size:,}"
+                        + (f" (trained for {trained_for:,})" if trained_for not in (None, tok.vocab_size) else "")
+                        + f"; name data.tokenizer=bpe:{trained_for or tok.vocab_size}")
     return tok
+
+
+def _check_piece_rule(out: Path, manifest: dict, tokenizer) -> None:
+    """Refuse to add to shards whose long documents got a post-processor's BOS/EOS on every piece (an older keel):
+    new ids would be counted otherwise than those kept."""
+    if manifest["tokenizer"].get("piece_rule") != tokenizer.piece_rule:
+        raise DataError(f"{out / MANIFEST}: the shards were made by an older keel, which gave each million-character "
+                        f"piece of a long document the BOS/EOS {tokenizer.name!r} adds, not each document once; "
+                        "prepare into a new --out")
 
 
 def _keep(tok, out: Path):

@@ -5,14 +5,15 @@ vocabulary fits, else uint32), each of `shard_tokens` ids except the last of eac
 `<split>-<k>.idx` (uint32: the offsets at which documents start in that shard), and `manifest.json`:
 
     {"format": "keel-shards-1", "dtype": "uint16", "shard_tokens": N,
-     "tokenizer": {"name", "vocab_size", "eos_id"}, "corpus": {"source", "kind", "fingerprint", ...},
-     "bpe_sample": {"documents", "seed"} or null,
+     "tokenizer": {"name", "vocab_size", "eos_id"[, "piece_rule"]}, "corpus": {"source", "kind", "fingerprint", ...},
+     "bpe_sample": {"documents", "seed", "vocab_size" (the size asked)} or null,
      "splits": {"train": {"complete", "documents", "tokens", "shards": [
          {"file", "tokens", "sha256", "index", "index_sha256", "documents",
           "end": {"document", "offset", "digest"}}, ...]}, "val": {...}}}
 
 A split is the corpus's documents of that split in its order, tokenised (each followed by the tokenizer's eos_id
-when it has one) and cut into shards. A shard's `end` is where the next one starts: token `offset` of document
+when it has one) and cut into shards; `piece_rule` is there only for a tokenizer whose post-processor adds ids
+(keel.data.tokenizer.HFTokenizer.piece_rule). A shard's `end` is where the next one starts: token `offset` of document
 `document`, and `digest`, the SHA-256 over the SHA-256s of every document with tokens in this shard or an
 earlier one; prepare resumes and appends from it, and checks with it that those documents did not change.
 

@@ -1,8 +1,8 @@
 """Tokenizers: raw UTF-8 bytes, or a byte-level BPE from Hugging Face `tokenizers`, trained and cached per corpus.
 
 Every tokenizer has `vocab_size`, `eos_id` (None when it has none), `name` (an identity string that
-cache keys are built from), `encode`, `decode`, `encode_batch` (bulk, to numpy), `encode_pieces` (consecutive
-pieces of long documents) and `save(directory)`.
+cache keys are built from), `piece_rule` (HFTokenizer.piece_rule), `encode`, `decode`, `encode_batch` (bulk, to
+numpy), `encode_pieces` (consecutive pieces of long documents) and `save(directory)`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from keel.errors import DataError
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>")
 DEFAULT_BPE_VOCAB = 4096
+PIECE_RULE = "post-processor-once-per-document"  # what encode_pieces does with a post-processor's BOS/EOS
 SPEC_HELP = "'bytes', 'bpe', 'bpe:<vocab_size>' or a path to a tokenizer.json"
 
 
@@ -34,6 +35,7 @@ class ByteTokenizer:
     vocab_size = 256
     eos_id = None
     name = "bytes"
+    piece_rule = None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -95,13 +97,22 @@ class HFTokenizer:
         it adds after (an EOS) on its last only, so a document cut where the pre-tokenizer splits anyway
         (`text_pieces`) gets the ids of the whole."""
         texts = [text for text, _, _ in pieces]
-        if all(first and last for _, first, last in pieces) or self._around == ([], []):
+        if all(first and last for _, first, last in pieces) or self.piece_rule is None:
             return self.encode_batch(texts)
         before, after = self._around
         bare = self._tok.encode_batch_fast(texts, add_special_tokens=False)
         return [np.asarray(self._tok.post_process(e).ids if first and last else
                            (before if first else []) + e.ids + (after if last else []), dtype=np.int64)
                 for (_, first, last), e in zip(pieces, bare)]
+
+    @cached_property
+    def piece_rule(self) -> str | None:
+        """None when the post-processor adds no ids, so a long document's pieces (`text_pieces`) join to the ids of
+        the whole whatever is done with them; else PIECE_RULE (encode_pieces adds them once a document). A token
+        cache's key and a shard manifest carry it: an older keel added them to every piece, and its ids are not
+        mixed with these."""
+        post = self._tok.post_processor
+        return None if post is None or post.num_special_tokens_to_add(False) == 0 else PIECE_RULE
 
     @cached_property
     def _around(self) -> tuple[list[int], list[int]]:
