@@ -17,11 +17,9 @@ from norm_window import (
     MIX_ENV,
     MODELS_1024,
     PARTNERS_2048,
-    ROUNDS,
-    ROUNDS_2048,
     SLACK,
-    STEPS,
-    STEPS_2048,
+    TOY_ROUNDS,
+    TOY_STEPS,
     reduction_counts,
 )
 
@@ -57,25 +55,27 @@ def test_the_window_at_toy_size_measures_every_arm_in_every_round(tmp_path):
         else:  # the arm is what it says: all of its junction norm pairs one-pass, or all chained
             assert pairs[m.junction] > 0 and sum(pairs.values()) == pairs[m.junction]
 
+    settings = r["settings"]  # at toy size: two rounds (the order reversed in the second) of two timed steps
+    assert [settings[k] for k in ("rounds", "steps", "rounds_2048", "steps_2048")] == [TOY_ROUNDS, TOY_STEPS] * 2
     rounds = r["rounds"]["1024"]
-    assert [row["round"] for row in rounds] == list(range(ROUNDS))
+    assert [row["round"] for row in rounds] == list(range(TOY_ROUNDS)) == [0, 1]
     for row in rounds:
         assert row["order"] == (keys if row["round"] % 2 == 0 else keys[::-1])
-        assert all(len(row["times"][k]["times_s"]) == STEPS for k in keys)
+        assert all(len(row["times"][k]["times_s"]) == TOY_STEPS for k in keys)
     assert set(r["profile"]) == set(keys)
     assert all(p["by_name"] and set(p["counts"]) >= {"reductions", "norm_backward"} for p in r["profile"].values())
 
     d2048 = r["rounds"]["2048"]
-    assert [row["partner"] for row in d2048] == [p.key for p in PARTNERS_2048 for _ in range(ROUNDS_2048)]
+    assert [row["partner"] for row in d2048] == [p.key for p in PARTNERS_2048 for _ in range(TOY_ROUNDS)]
     for row in d2048:
         assert set(row["times"]) == {HELD_2048.key, row["partner"]}
-        assert all(len(t["times_s"]) == STEPS_2048 for t in row["times"].values())
+        assert all(len(t["times_s"]) == TOY_STEPS for t in row["times"].values())
     assert set(r["models"]["2048"]) == {HELD_2048.key} | {p.key for p in PARTNERS_2048}
 
     ratios = r["summary"]["1024"]["ratios"]
     assert all(f"{m.key} / pre_ln:{m.setting}" in ratios for m in MODELS_1024 if m.scheme == "keel")
     assert len(r["summary"]["2048"]["ratios"]) == len(PARTNERS_2048) + 2
-    assert r["summary"]["1024"]["n_steps"] == dict.fromkeys(keys, ROUNDS * STEPS)
+    assert r["summary"]["1024"]["n_steps"] == dict.fromkeys(keys, TOY_ROUNDS * TOY_STEPS)
     table = (tmp_path / "norm_window.md").read_text()
     assert "## d=1024 (measured)" in table and "## d=2048 (measured)" in table and "RMSNorm backward" in table
     assert "PREDICTED" in table

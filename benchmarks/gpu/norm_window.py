@@ -59,6 +59,9 @@ MIX_ENV = "TORCHINDUCTOR_MIX_ORDER_REDUCTION"
 SETTINGS = {"mix_on": "1", "mix_off": "0"}  # worker -> the variable's value (1: torch's default outside fbcode)
 ROUNDS, STEPS = 5, 3  # d=1024: rounds, timed steps per model per round (after one untimed step)
 ROUNDS_2048, STEPS_2048 = 3, 2  # d=2048: per partner
+# --toy: the fewest that still reverse the order between rounds and time more than one step (each round is every
+# model's steps on a CPU)
+TOY_ROUNDS, TOY_STEPS = 2, 2
 WARMUP, PROFILE_STEPS = 2, 2
 # seconds; the parts run in this order, each box plus what earlier parts left; with SLACK for starting and ending,
 # within the 8 minutes a command is given
@@ -324,10 +327,13 @@ def run_window(out: Path, seconds: float, toy: bool) -> dict:
     start = time.monotonic()
     end = start + seconds
     result = {"command": sys.argv, "seconds": seconds, "toy": toy, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "plan": planned(), "settings": {"rounds": ROUNDS, "steps": STEPS, "rounds_2048": ROUNDS_2048,
-              "steps_2048": STEPS_2048, "warmup": WARMUP, "profile_steps": PROFILE_STEPS, "boxes": BOXES},
+              "plan": planned(), "settings": {"rounds": TOY_ROUNDS if toy else ROUNDS, "steps": TOY_STEPS if toy
+              else STEPS, "rounds_2048": TOY_ROUNDS if toy else ROUNDS_2048, "steps_2048": TOY_STEPS if toy else
+              STEPS_2048, "warmup": WARMUP, "profile_steps": PROFILE_STEPS, "boxes": BOXES},
               "status": {}, "workers": {}, "models": {}, "rounds": {},
               "profile": {}, "summary": {}, "part_s": {}}
+
+    counts = result["settings"]
 
     def save() -> None:
         summarize(result)
@@ -401,8 +407,8 @@ def run_window(out: Path, seconds: float, toy: bool) -> dict:
             tell(w, {"op": "reset"})
         status = build([HELD_2048], 2048, over)
         for p in PARTNERS_2048:
-            status = status or build([p], 2048, over) or rounds(2048, [HELD_2048, p], ROUNDS_2048, STEPS_2048, over,
-                                                                partner=p.key)
+            status = status or build([p], 2048, over) or rounds(2048, [HELD_2048, p], counts["rounds_2048"],
+                                                                counts["steps_2048"], over, partner=p.key)
             ask(p, {"op": "free"})
         return status
 
@@ -414,7 +420,7 @@ def run_window(out: Path, seconds: float, toy: bool) -> dict:
         result["start_s"] = time.monotonic() - start
         save()
         part("build", lambda over: build(MODELS_1024, 1024, over))
-        part("rounds", lambda over: rounds(1024, MODELS_1024, ROUNDS, STEPS, over))
+        part("rounds", lambda over: rounds(1024, MODELS_1024, counts["rounds"], counts["steps"], over))
         part("profile", profile)
         part("d2048", d2048)
     except WorkerLost as err:
