@@ -158,7 +158,7 @@ def test_readme_library_example_trains_a_next_token_model():
 
 
 @pytest.mark.slow  # over a second in tests/durations.json
-def test_readme_train_evaluate_generate_from_python(tmp_path, monkeypatch):
+def test_readme_train_evaluate_generate_from_python(tmp_path, monkeypatch, no_curves):
     """The second block, alone, trains a run into ./runs, evaluates it and samples from it: the same numbers the
     run's own summary and a next-token evaluation of the saved model give."""
     monkeypatch.chdir(tmp_path)
