@@ -15,7 +15,6 @@ from pathlib import Path
 
 from keel import runtime
 from keel._version import __version__
-from keel.cli import data, hf
 from keel.cli.support import (
     PLOT_FORMATS,
     DefaultsShown,
@@ -285,15 +284,19 @@ COMMANDS = {
     "generate": "sample text from a run's checkpoint",
     "summary": "print a model's shape, counts and sub-layer layout (a preset's or a run's)",
     "tokenizer": "train a byte-level BPE tokenizer on a corpus",
-    **data.COMMANDS,
-    **hf.COMMANDS,
+    "data": "tokenise a corpus into token shards for training (keel data prepare)",
+    "export-hf": "write a run's checkpoint as a Hugging Face transformers model directory",
+    "import-hf": "convert a Llama transformers checkpoint into a pre_ln run directory",
+    "lm-eval": "run lm-evaluation-harness tasks on a run or transformers directory",
     "experiment": "run one of the paper's experiments (results.json, plots, report.md)",
     "sweep": "run a study file (results/<study>/study.yaml or your own): its points, then its report",
     "bench": "time Keel against Pre-LN at identical shapes, and against depth",
 }
 _BUILDERS = {"train": add_train_command, "eval": add_eval_command, "runs": add_runs_command,
              "plot": add_plot_command, "generate": add_generate_command, "summary": add_summary_command,
-             "tokenizer": add_tokenizer_command, **data.BUILDERS, **hf.BUILDERS,
+             "tokenizer": add_tokenizer_command, "data": _registered_in("data", "add_data_command"),
+             **{name: _registered_in("hf", f"add_{name.replace('-', '_')}_command")
+                for name in ("export-hf", "import-hf", "lm-eval")},
              "experiment": _registered_in("experiment"), "sweep": _registered_in("experiment", "register_sweep"),
              "bench": _registered_in("bench")}
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from keel import runtime, safe_io
 from keel.bench import MODELLED_GPUS
+from keel.cli import COMMANDS
 from keel.cli.support import output_dir
 from keel.config import add_config_arguments, load_config
 from keel.config.presets import DEFAULT_PRESET
@@ -104,7 +105,7 @@ def run(args) -> dict:
         "dtype": "bfloat16 autocast" if use_bf16(device, run_cfg.dtype) else "float32", "model": asdict(model),
         "run": {k: getattr(run_cfg, k) for k in RUN_FIELDS},
         "optim": {k: getattr(config.optim, k) for k in OPTIM_FIELDS}}}
-    depths = args.depths  # parsed by cmd_bench
+    depths = args.depths
     fitting = fitting_depths(config, schemes, depths, device)  # by the memory plan, before anything is built
     result["compare"] = compare(model, run_cfg, schemes, args.steps, args.warmup, config.optim, device)
     result["depth"] = depth_series(with_scheme(model, schemes[0]), run_cfg, fitting, args.depth_steps,
@@ -200,7 +201,7 @@ def cmd_bench(args) -> int:
 def register(subparsers) -> None:
     """Add `keel bench` to the `keel` command's subparsers."""
     p = subparsers.add_parser(
-        "bench", help="time Keel against Pre-LN at identical shapes, and against depth",
+        "bench", help=COMMANDS["bench"],
         description="Alternating training steps of each scheme after warm-up; JSON and a table. The shape, device, "
                     "dtype, compile, checkpointing and optimiser are the merged config's (run.batch_size, "
                     "run.seq_len, run.dtype, ...): an override bench does not read is refused.")

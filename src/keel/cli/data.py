@@ -3,10 +3,9 @@ The corpus and tokenizer are named with the `data.*` fields `keel train` takes."
 
 from __future__ import annotations
 
+from keel.cli import COMMANDS
 from keel.cli.support import DefaultsShown, add_data_arguments, output_dir
 from keel.config.reads import Reads
-
-COMMANDS = {"data": "tokenise a corpus into token shards for training (keel data prepare)"}
 
 PREPARE = Reads("keel data prepare", ("data.source", "data.text_field", "data.hf_split", "data.hf_config",
                                       "data.tokenizer", "data.val_fraction"),
@@ -51,5 +50,3 @@ def add_data_command(sub) -> None:
     add_data_arguments(q, "data.source=corpus.jsonl data.tokenizer=bpe:32000")
     q.set_defaults(func=cmd_prepare)
 
-
-BUILDERS = {"data": add_data_command}

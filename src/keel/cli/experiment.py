@@ -8,6 +8,7 @@ import shlex
 import stat
 from pathlib import Path
 
+from keel.cli import COMMANDS
 from keel.cli.support import output_dir
 from keel.config import merge
 from keel.errors import ConfigError
@@ -15,7 +16,7 @@ from keel.experiments import WHERE, studies, study_files
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("experiment", help="run one of the paper's experiments (results.json, plots, report.md)",
+    p = subparsers.add_parser("experiment", help=COMMANDS["experiment"],
                               description="Overrides set the experiment's own fields and keel train's sections, "
                                           "e.g. depths=[16,64] schemes=[keel,pre_ln] run.steps=200 "
                                           "model.d_model=64 data.source=stdlib; a field the experiment sets per "
@@ -35,8 +36,7 @@ def register(subparsers) -> None:
 
 
 def register_sweep(subparsers) -> None:
-    s = subparsers.add_parser("sweep", help="run a study file: its points (two processes may share them), then its "
-                                            "report; with every point in, it only rebuilds the report",
+    s = subparsers.add_parser("sweep", help=COMMANDS["sweep"],
                               description="STUDY.yaml declares a study as data (`arms:`, `axes:`, `tune:`, `seeds:`, "
                                           "`compare:`; docs/experiments.md#your-own-study) or names a study kind "
                                           "(`study:`, one of keel experiment's names) and its fields (`fields:`); "

@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import json
 
+from keel.cli import COMMANDS
 from keel.cli.support import check_device, needs, output_dir
 from keel.errors import ConfigError
-
-COMMANDS = {
-    "export-hf": "write a run's checkpoint as a Hugging Face transformers model directory",
-    "import-hf": "convert a Llama transformers checkpoint into a pre_ln run directory",
-    "lm-eval": "run lm-evaluation-harness tasks on a run or transformers directory",
-}
 
 
 def cmd_export_hf(args) -> int:
@@ -87,5 +82,3 @@ def add_lm_eval_command(sub) -> None:
     p.add_argument("--checkpoint", help="for a run directory: a checkpoint directory (default: newest intact)")
     p.set_defaults(func=cmd_lm_eval)
 
-
-BUILDERS = {"export-hf": add_export_hf_command, "import-hf": add_import_hf_command, "lm-eval": add_lm_eval_command}
