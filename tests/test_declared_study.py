@@ -201,6 +201,7 @@ def test_the_documented_study_is_a_valid_one():
     assert [c.model.n_blocks for c in (study.config({"model.n_blocks": n}) for n in (4, 8))] == [4, 8]
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_a_marginal_test_gets_the_marginal_seeds_on_both_arms_and_all_tests_run_again(tmp_path, monkeypatch):
     """Points with written-out losses (no training): keel - pre_ln on seeds 0-2 is marginal (raw p 0.037 < 0.05,
     lifted by Holm over two tests to 0.075); seeds 3 and 4 are added to both arms at their chosen LR (the other
@@ -349,6 +350,7 @@ def test_a_pair_or_best_of_pinned_to_cells_is_one_test_across_them(tmp_path, mon
     assert "| - | keel_best (keel@lr2e-05) - pre_ln_best (pre_ln@lr1e-05) |" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_a_tune_step_of_some_arms_grows_through_written_out_values_and_may_give_ties_to_the_high_value(
         tmp_path, monkeypatch):
     """Rule 21's search on written-out losses: every arm's LR; then Post-LN's warm-up alone at its LR, every warm-up

@@ -102,6 +102,7 @@ def test_sublayers_are_listed_in_order():
     assert model.get_submodule(subs[3].path) is model.blocks[1].ffn_res
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_1024_sublayer_keel_trains_a_step_with_finite_values():
     config = ModelConfig(vocab_size=64, d_model=32, n_blocks=512, n_heads=2, d_ffn=64, max_seq_len=16)
     torch.manual_seed(0)
