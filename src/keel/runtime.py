@@ -92,11 +92,8 @@ def default_threads() -> int:
 
 def set_threads(threads: int = 0) -> int:
     """Use `threads` CPU threads (0: `default_threads()`) in this process and in the processes it starts; returns
-    the number. Call it before any work: torch, if not loaded yet, then starts with it (OMP_NUM_THREADS).
-
-    OpenMP's wait policy is made passive (unless OMP_WAIT_POLICY is set) by the `keel` command before torch
-    loads: an idle OpenMP thread then sleeps instead of spinning, which on a machine other jobs share takes CPU
-    from them and from the thread that has work."""
+    the number. Call it before any work: torch, if not loaded yet, then starts with it (OMP_NUM_THREADS). OpenMP's
+    wait policy is keel.launch's (passive under keel's commands)."""
     n = threads if threads >= 1 else default_threads()
     os.environ["OMP_NUM_THREADS"] = str(n)
     if "torch" in sys.modules:

@@ -199,7 +199,6 @@ def cmd_bench(args) -> int:
 
 
 def register(subparsers) -> None:
-    """Add `keel bench` to the `keel` command's subparsers."""
     p = subparsers.add_parser(
         "bench", help=COMMANDS["bench"],
         description="Alternating training steps of each scheme after warm-up; JSON and a table. The shape, device, "

@@ -16,16 +16,14 @@ import math
 import textwrap
 from pathlib import Path
 
-import matplotlib
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.colors import LogNorm  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from keel import safe_io  # noqa: E402
-from keel.reporting.tables import cell, task_scores  # noqa: E402
-from keel.runs.run_dir import RunDir  # noqa: E402
+from keel import safe_io
+from keel.reporting.tables import cell, task_scores
+from keel.runs.run_dir import RunDir
 
 X_LABEL = "step"
 HEATMAPS = (("grad_norm", "gradient norm"), ("stream_rms", "stream RMS after the sub-layer"),
@@ -138,7 +136,8 @@ def build_figure(run_dirs):
             continue
         rows += _rows(_heatmap_panels(r, telemetry))
     rows = [row for row in rows if row]
-    fig = plt.figure(figsize=(3 * PANEL_WIDTH, PANEL_HEIGHT * max(1, len(rows)) + 0.4), layout="constrained")
+    fig = Figure(figsize=(3 * PANEL_WIDTH, PANEL_HEIGHT * max(1, len(rows)) + 0.4), layout="constrained")
+    FigureCanvasAgg(fig)  # without pyplot: importing this module picks no backend for the process
     # six columns, so a row of 1, 2 or 3 panels spans the whole width
     grid, axes = fig.add_gridspec(max(1, len(rows)), 6), []
     for i, row in enumerate(rows):
@@ -182,6 +181,5 @@ def plot_runs(run_dirs, out) -> Path:
     out = Path(out)
     png = io.BytesIO()  # drawn in memory, then written without following a link planted at `out`
     fig.savefig(png, dpi=100, format=out.suffix.lstrip(".").lower() or "png")
-    plt.close(fig)
     safe_io.write_bytes(out.parent, out, png.getvalue())
     return out
