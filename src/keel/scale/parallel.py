@@ -33,8 +33,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from keel.scale import FUSED_JUNCTION, FUSED_JUNCTION_DEFAULT  # noqa: F401 (FUSED_JUNCTION: re-exported)
 from keel.scale.fused_junction import apply_fused_junction, handed_norms
@@ -92,6 +90,8 @@ def apply_fsdp(module: nn.Module, mesh, param_dtype: torch.dtype | None = None, 
     them, and the root's end-of-backward callback reduce-scatters their gradients and reshards them, as it does for
     the root's own parameters.
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # a second of import: FSDP runs only
+
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     handed = handed_norms(module)
     if handed:
@@ -138,6 +138,8 @@ def parallelize(model: nn.Module, *, fused_junction: str = FUSED_JUNCTION_DEFAUL
                 apply_fsdp(stage, pipeline.mesh["dp"], param_dtype, fsdp_group, reshard_after_forward=False)
         return pipeline.assemble(model, stages)
     if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
         mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
         apply_fsdp(model, mesh, param_dtype, fsdp_group)
     return model

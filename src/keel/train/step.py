@@ -21,7 +21,6 @@ from keel.model import ModelConfig, TransformerLM
 from keel.runtime import autocast_for, resolve_device, use_bf16
 from keel.scale import distributed
 from keel.scale.parallel import parallelize
-from keel.scale.pipeline import plan_pipeline
 from keel.train.guard import DivergenceGuard
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -42,7 +41,11 @@ def build_model(config: ModelConfig, run, device: torch.device, fsdp: bool = Fal
     replicas) applied from outside by keel.scale.parallel.parallelize, in its one order. `run` is a RunConfig.
     `compile_backend` is for tests and benchmarks that time Dynamo without code generation."""
     # the pipeline's plan first: its errors come before any allocation
-    pipeline = plan_pipeline(config, run, device) if getattr(run, "pp", 1) > 1 else None
+    pipeline = None
+    if getattr(run, "pp", 1) > 1:  # torch.distributed.pipelining takes seconds to import: only pipelines pay for it
+        from keel.scale.pipeline import plan_pipeline
+
+        pipeline = plan_pipeline(config, run, device)
     model = (model if model is not None else TransformerLM(config)).to(device)
     if getattr(run, "weights", "float32") == "bfloat16":
         hold_bf16_weights(model, run, device, fsdp)

@@ -34,7 +34,6 @@ from keel.scale import distributed
 from keel.train.evaluate import bytes_per_token, evaluate
 from keel.train.guard import Diverged, DivergenceGuard, handle_divergence
 from keel.train.optim import build_optimizer, lr_at
-from keel.train.pipeline_step import PipelineStep
 from keel.train.step import TrainStep, build_model, on_device
 from keel.train.stop import DeferredStop
 from keel.train.task_eval import score_tasks
@@ -104,6 +103,8 @@ class Trainer:
                                      rank=self.replica, world_size=self.replicas, vocab_size=c.model.vocab_size,
                                      source=getattr(self.data.train, "filename", None) or self.data.cache_path)
         self.guard = DivergenceGuard(c.guard, c.model.vocab_size)
+        if pp:  # torch.distributed.pipelining takes seconds to import: only a pipelined run pays for it
+            from keel.train.pipeline_step import PipelineStep
         self.train_step = (PipelineStep if pp else TrainStep)(
             self.model, self.optimizer, grad_accum=c.run.grad_accum, grad_clip=c.optim.grad_clip,
             autocast=self.autocast, guard=self.guard, world=self.world)
