@@ -12,6 +12,8 @@ from keel.cli.support import DIVERGED_EXIT
 from keel.runs import checkpoint
 from keel.train.trainer import Trainer
 
+pytestmark = pytest.mark.usefixtures("no_curves")  # none of these checks curves.png: each run skips its plot
+
 
 def nan_at(step_to_break, times=1):
     state = {"left": times}
