@@ -26,6 +26,8 @@ from keel.data import DataConfig, DataError, WindowSampler, eval_batches, prepar
 from keel.data.shards import TokenShards
 from keel.data.tokenizer import train_bpe
 
+pytestmark = pytest.mark.usefixtures("no_curves")  # none of these checks curves.png: each in-process run skips its plot
+
 VAL_FRACTION = 0.1
 SHARD_TOKENS = 4000
 
