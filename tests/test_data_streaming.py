@@ -21,6 +21,8 @@ from keel.cli import main
 from keel.data import DataConfig, DataError, WindowSampler, prepare
 from keel.data.tokenizer import train_bpe
 
+pytestmark = pytest.mark.usefixtures("no_curves")  # none of these checks curves.png: each in-process run skips its plot
+
 pytest.importorskip("datasets")
 
 VAL_FRACTION = 0.1  # every 10th document of the head is held out
