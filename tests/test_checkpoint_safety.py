@@ -14,6 +14,9 @@ from damage import Warnings, ckpt, rehash, same_weights, sharded_run, single_run
 from keel.runs import checkpoint, resume
 from keel.runs.checkpoint import CheckpointError
 
+# none of these checks curves.png: a test's own in-process runs skip it (the session's trained_run still draws it)
+pytestmark = pytest.mark.usefixtures("no_curves")
+
 
 def fifo(path: Path) -> None:
     path.unlink()
