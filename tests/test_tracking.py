@@ -6,6 +6,8 @@ import pytest
 from keel.cli import main
 from keel.runs.run_dir import RunDir
 
+pytestmark = pytest.mark.usefixtures("no_curves")  # none of these checks curves.png: each in-process run skips its plot
+
 
 @pytest.mark.slow  # over a second in tests/durations.json
 def test_tensorboard_gets_the_same_scalars(args, tmp_path):
