@@ -16,6 +16,10 @@ import yaml
 from damage import refused, tiny_run, victim
 from keel.cli import main
 
+# none of these checks curves.png: a test's own in-process runs skip it (the module's trained run and the `keel`
+# subprocesses still draw it)
+pytestmark = pytest.mark.usefixtures("no_curves")
+
 
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory) -> Path:
