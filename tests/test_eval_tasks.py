@@ -146,23 +146,19 @@ def test_scores_at_the_steps_in_every_output_and_equal_to_scoring_the_checkpoint
 
     # keel plot: the task panel beside the losses, one line per task, chance dotted
     figures = []
-    real_close = plot.plt.close
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plot.plt, "close", lambda fig: figures.append(fig))
+    build = plot.build_figure
+    with pytest.MonkeyPatch.context() as mp:  # keep each figure keel plot draws (a Figure of its own, no pyplot)
+        mp.setattr(plot, "build_figure", lambda runs: figures.append(build(runs)) or figures[-1])
         assert main(["plot", str(tasks_dir)]) == 0
         assert main(["plot", str(plain_dir)]) == 0
-    try:
-        panel = next(a for a in figures[0].axes if a.get_title().startswith("task accuracy"))
-        assert not [a for a in figures[1].axes if a.get_title().startswith("task accuracy")]  # no empty panel
-        assert sorted(line.get_label() for line in panel.get_lines() if line.get_linestyle() == "-") == TASKS
-        assert [line.get_ydata()[0] for line in panel.get_lines() if line.get_linestyle() == ":"] == [0.25]
-        for line in panel.get_lines():
-            if line.get_label() in TASKS:
-                accs = [scores[line.get_label()]["acc"] for _, scores in history]
-                assert list(line.get_xdata()) == [10, 20, 25] and list(line.get_ydata()) == accs
-    finally:
-        for fig in figures:
-            real_close(fig)
+    panel = next(a for a in figures[0].axes if a.get_title().startswith("task accuracy"))
+    assert not [a for a in figures[1].axes if a.get_title().startswith("task accuracy")]  # no empty panel
+    assert sorted(line.get_label() for line in panel.get_lines() if line.get_linestyle() == "-") == TASKS
+    assert [line.get_ydata()[0] for line in panel.get_lines() if line.get_linestyle() == ":"] == [0.25]
+    for line in panel.get_lines():
+        if line.get_label() in TASKS:
+            accs = [scores[line.get_label()]["acc"] for _, scores in history]
+            assert list(line.get_xdata()) == [10, 20, 25] and list(line.get_ydata()) == accs
     # and in the pixels: coloured curves in the top-right panel, where the task panel sits
     image = matplotlib.image.imread(tasks_dir / "curves.png")[..., :3]  # (H, W, 3)
     h, w = image.shape[:2]
