@@ -1,4 +1,4 @@
-"""The fast tier stays a minute-scale loop on a shared machine (issue 35.2, docs/development.md#tests)."""
+"""The fast tier stays a minute-scale loop on a shared machine (docs/development.md#tests)."""
 
 import os
 

@@ -341,7 +341,7 @@ def test_a_full_disk_at_start_leaves_nothing_that_blocks_a_retry(args, tmp_path,
 
 @pytest.mark.slow
 def test_a_signal_during_the_last_step_says_the_run_is_complete(capsys, trainer_for):
-    """Issue 36.7: SIGINT inside the last step (after the loop's last look at the flag) used to end the run with
+    """SIGINT inside the last step (after the loop's last look at the flag) used to end the run with
     exit 0 and no line at all. Now the run, complete and saved, says so in one line on stderr."""
     import signal
 
