@@ -5,6 +5,7 @@ against the fit before them (out of sample), calibrated.md is what the code gene
 package ships (keel.bench.perf_model.calibrated) are the fit of each device's newest fitted run."""
 
 import json
+import math
 from pathlib import Path
 
 import calibrate as cal
@@ -90,7 +91,7 @@ def test_the_host_term_is_the_larger_of_host_and_device_in_each_pass_written_out
         rate = spec.launch_s[impl]
         passes = [[o for o in ops if o.phase == "fwd"], [o for o in ops if o.phase in ("bwd", "recompute")],
                   [o for o in ops if o.phase == "step"]]
-        device = [sum(pm.op_time(o, spec, True) for o in p) for p in passes]
+        device = [sum(op_time(o, spec, True) for o in p) for p in passes]
         host = [c + rate * sum(o.launches if o.group != "optimizer" else -(-o.launches // spec.foreach_batch)
                                for o in p) for c, p in zip(calls, passes)]
         assert host[0] > device[0] and host[2] < device[2]  # the forward host-bound at batch 1, AdamW not
@@ -119,6 +120,33 @@ def test_a_window_not_fitted_is_checked_out_of_sample_against_the_fit_before_it(
     assert row["error"] == pytest.approx(model["step_time_s"] / 0.8928 - 1, rel=1e-6)
 
 
+def op_time(op, device, bf16):
+    """Device seconds of one op group: the roofline bound."""
+    peak = device.bf16_flops if bf16 else device.fp32_flops
+    eff = device.matmul_eff if op.kind == "matmul" else device.attention_eff
+    bandwidth = device.bandwidth * device.memory_eff
+    if op.kind == "fused" and device.fused_junction_bw:  # the kernel as measured, not the roofline
+        bandwidth = device.fused_junction_bw
+    return max(op.flops / (peak * eff), op.bytes / bandwidth)
+
+
+def host_time(op, device, impl):
+    """Host seconds of one op group: its kernel launches (a multi-tensor op launches once per `foreach_batch`)."""
+    launches = math.ceil(op.launches / device.foreach_batch) if op.group == "optimizer" else op.launches
+    return launches * device.launch_s["eager" if impl == "eager" else "compiled"]
+
+
+def test_roofline_bound_switches_and_launches_are_host_time():
+    dev = pm.DeviceSpec("toy", 100.0, 100.0, 10.0, 1.0, "test", matmul_eff=1.0, memory_eff=1.0,
+                        launch_s={"eager": 3.0, "compiled": 1.0})
+    compute_bound = pm.Op("matmul", "fwd", 1000.0, 50.0, 1, "matmul")  # 10 s of FLOPs, 5 s of bytes
+    memory_bound = compute_bound._replace(bytes=500.0)  # 50 s of bytes
+    assert op_time(compute_bound, dev, True) == 10.0
+    assert op_time(memory_bound, dev, True) == 50.0
+    tiny = pm.Op("casts", "fwd", 0.0, 10.0, 2)  # 1 s of bytes, 2 launches
+    assert host_time(tiny, dev, "eager") == 6.0 and host_time(tiny, dev, "compiled") == 2.0
+
+
 def _loop_predict(ops, config, batch, seq, device, impl, bf16, ac_every):
     """predict as one loop over the ops, op_time and host_time each op in turn: how the model was first written."""
     groups = {}
@@ -128,8 +156,8 @@ def _loop_predict(ops, config, batch, seq, device, impl, bf16, ac_every):
     device_s = [0.0, 0.0, 0.0]
     for op in ops:
         g = groups.setdefault(op.group, {"time_s": 0.0, "flops": 0.0, "bytes": 0.0, "memory_bound_s": 0.0})
-        t = pm.op_time(op, device, bf16)
-        host[pm.PHASES[op.phase]] += pm.host_time(op, device, impl)
+        t = op_time(op, device, bf16)
+        host[pm.PHASES[op.phase]] += host_time(op, device, impl)
         device_s[pm.PHASES[op.phase]] += t
         g["time_s"] += t
         g["flops"] += op.flops

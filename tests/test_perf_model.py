@@ -143,17 +143,6 @@ def test_checkpointed_recompute_skips_the_last_matmul_where_the_partitioner_does
     assert recompute("peri_ln", "compiled") == full  # and Peri-LN's the branch norm's
 
 
-def test_roofline_bound_switches_and_launches_are_host_time():
-    dev = pm.DeviceSpec("toy", 100.0, 100.0, 10.0, 1.0, "test", matmul_eff=1.0, memory_eff=1.0,
-                        launch_s={"eager": 3.0, "compiled": 1.0})
-    compute_bound = pm.Op("matmul", "fwd", 1000.0, 50.0, 1, "matmul")  # 10 s of FLOPs, 5 s of bytes
-    memory_bound = compute_bound._replace(bytes=500.0)  # 50 s of bytes
-    assert pm.op_time(compute_bound, dev, True) == 10.0
-    assert pm.op_time(memory_bound, dev, True) == 50.0
-    tiny = pm.Op("casts", "fwd", 0.0, 10.0, 2)  # 1 s of bytes, 2 launches
-    assert pm.host_time(tiny, dev, "eager") == 6.0 and pm.host_time(tiny, dev, "compiled") == 2.0
-
-
 def test_the_junctions_second_norm_backward_is_a_kernel_of_its_own_unless_the_pair_is_one_op():
     """The H100 profile (benchmarks/gpu/h100-2026-11-26-c.md) counted 126 RMSNorm-backward kernels a step for Keel
     against Pre-LN's 64 at 64 sub-layers, compiled default: 62 more, one per junction. The model charges each

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -388,22 +387,6 @@ def _table(config: ModelConfig, batch: int, seq: int, bf16: bool, impl: str, ac_
                   flops_per_token(config, seq))
 
 
-def op_time(op: Op, device: DeviceSpec, bf16: bool) -> float:
-    """Device seconds of one op group: the roofline bound."""
-    peak = device.bf16_flops if bf16 else device.fp32_flops
-    eff = device.matmul_eff if op.kind == "matmul" else device.attention_eff
-    bandwidth = device.bandwidth * device.memory_eff
-    if op.kind == "fused" and device.fused_junction_bw:  # the kernel as measured, not the roofline
-        bandwidth = device.fused_junction_bw
-    return max(op.flops / (peak * eff), op.bytes / bandwidth)
-
-
-def host_time(op: Op, device: DeviceSpec, impl: str) -> float:
-    """Host seconds of one op group: its kernel launches (a multi-tensor op launches once per `foreach_batch`)."""
-    launches = math.ceil(op.launches / device.foreach_batch) if op.group == "optimizer" else op.launches
-    return launches * device.launch_s["eager" if impl == "eager" else "compiled"]
-
-
 def _in_order(values: np.ndarray) -> float:
     """values[0] + values[1] + ... left to right (np.sum pairs them up), so a sum is the op-by-op loop's to the
     last bit."""
@@ -413,9 +396,10 @@ def _in_order(values: np.ndarray) -> float:
 def predict(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, impl: str, bf16: bool = True,
             ac_every: int = 0, code: Code = Code()) -> dict:
     """Predicted step time, tokens/s and MFU of one training step of `code` (today's unless a measured run's), and
-    time, FLOPs and bytes per op group: op_time and host_time summed over step_ops, pass by pass."""
+    time, FLOPs and bytes per op group: each op's roofline bound and its host's kernel launches (a multi-tensor op
+    launches once per `foreach_batch`), summed over step_ops pass by pass."""
     t = _table(config, batch, seq, bf16, impl, ac_every, code)
-    # op_time and host_time over every op at once (the same operations on the same numbers, element by element)
+    # every op at once: the same operations on the same numbers as tests/test_gpu_calibration.py's op-by-op loop
     peak = device.bf16_flops if bf16 else device.fp32_flops
     bandwidth = np.full(len(t.bytes), device.bandwidth * device.memory_eff)
     if device.fused_junction_bw:
