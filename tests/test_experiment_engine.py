@@ -217,11 +217,11 @@ def test_committed_sweeps_are_this_configuration_in_todays_spelling(folder):
     from the one the sweep recorded: so more seeds can be added to it, and today's defaults are the ones its
     points ran with."""
     from keel.cli.experiment import read_study
-    from keel.experiments.sweep import ADDS_POINTS, EXECUTION_FIELDS, _differences, upgrade_recorded
+    from keel.experiments.sweep import ADDS_POINTS, EXECUTION_FIELDS, _differences
 
     name, overrides = read_study(str(RESULTS / folder / "study.yaml"))
     cfg = build(name, False, overrides)
-    recorded = upgrade_recorded(json.loads((RESULTS / folder / "points" / "config.json").read_text()))
+    recorded = json.loads((RESULTS / folder / "points" / "config.json").read_text())
     assert "shape" not in recorded and "steps" not in recorded
     mine = json.loads(json.dumps(asdict(cfg)))
     defaults = json.loads(json.dumps(asdict(type(cfg)())))

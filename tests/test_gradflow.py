@@ -2,7 +2,6 @@
 from a leaf tensor (the blocks run by hand), and the shortcut-only factor against the Jacobian of
 norm_out(alpha x + F) written out (RMSNorm, F held fixed)."""
 
-import json
 import math
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from keel import TransformerLM, tiny
 from keel.errors import ConfigError
+from keel.experiments import store
 from keel.experiments.surgery import branches_off
 from keel.model import lm_loss
 from keel_studies.gradflow import _refuse_points_without_backward_factors, measure, predicted_factor, summary
@@ -145,6 +145,6 @@ def test_predicted_factor_is_eq15_and_eq19():
 
 def test_points_measured_before_the_backward_factors_are_refused(tmp_path):
     (tmp_path / "points").mkdir()
-    (tmp_path / "points" / "keel-4-default-seed0.json").write_text(json.dumps({"at_init": {"factor": [1.0]}}))
+    store.write(tmp_path / "points", "keel-4-default-seed0", {"at_init": {"factor": [1.0]}})
     with pytest.raises(ConfigError, match="backward factors"):
         _refuse_points_without_backward_factors(tmp_path, {"keel-4-default-seed0": None})

@@ -35,7 +35,7 @@ def test_a_reports_command_parses_and_merges_to_the_configuration_its_points_rec
     import keel.cli
     import keel.cli.experiment as experiment_cli
     from keel.experiments import declared
-    from keel.experiments.sweep import ADDS_POINTS, EXECUTION_FIELDS, _differences, upgrade_recorded
+    from keel.experiments.sweep import ADDS_POINTS, EXECUTION_FIELDS, _differences
 
     text = (RESULTS / folder / "report.md").read_text()
     command = re.search(r"Produced by:\n\n```bash\n(.*?)\n```", text, re.S).group(1)
@@ -55,7 +55,7 @@ def test_a_reports_command_parses_and_merges_to_the_configuration_its_points_rec
     monkeypatch.setattr(experiment_cli, "cmd_sweep", merge_only)
     assert keel.cli._main(words[1:]) == 0
     cfg = seen["cfg"]
-    recorded = upgrade_recorded(json.loads((RESULTS / folder / "points" / "config.json").read_text()))
+    recorded = json.loads((RESULTS / folder / "points" / "config.json").read_text())
     mine, defaults = json.loads(json.dumps(asdict(cfg))), json.loads(json.dumps(asdict(type(cfg)())))
     assert [k for k in _differences(mine, recorded, defaults) if k not in EXECUTION_FIELDS + ADDS_POINTS] == []
     # a field that only adds points (more seeds, a grid grown further by a rule running now) may have grown since

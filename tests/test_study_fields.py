@@ -1,6 +1,7 @@
 """A study's own fields are checked whole before any point trains: a bad depth, seed list or scheme is one line
 naming the field, exit 2, and the output directory stays empty."""
 
+import gzip
 import shutil
 from pathlib import Path
 
@@ -81,15 +82,17 @@ def test_equal_tuning_reuses_points_recorded_before_a_field_was_added_while_that
 
 
 @pytest.mark.parametrize("content,why", [
-    (b"\x00\xff garbage", "damaged point file"), (b"", "damaged point file"), (b"[1, 2]", "not a mapping"),
-    (b"[" * 100_000 + b"]" * 100_000, "damaged point file"), (b'{"select_loss": "low"}', "select_loss is str"),
-    (b'{"report_loss": ' + b"9" * 5000 + b"}", "damaged point file"),
+    (b"\x00\xff garbage", "damaged point file"), (gzip.compress(b"\x00\xff"), "damaged point file"),
+    (gzip.compress(b""), "damaged point file"), (gzip.compress(b"[1, 2]"), "not a mapping"),
+    (gzip.compress(b"[" * 100_000 + b"]" * 100_000), "damaged point file"),
+    (gzip.compress(b'{"select_loss": "low"}'), "select_loss is str"),
+    (gzip.compress(b'{"report_loss": ' + b"9" * 5000 + b"}"), "damaged point file"),
 ])
 def test_a_damaged_point_file_is_one_line_naming_it(content, why, tmp_path):
     from keel.errors import ConfigError
     from keel.experiments import store
 
-    (tmp_path / "p.json").write_bytes(content)
+    (tmp_path / "p.json.gz").write_bytes(content)
     with pytest.raises(ConfigError, match=why) as err:
         store.load(tmp_path, "p")
-    assert str(tmp_path / "p.json") in str(err.value) and "\n" not in str(err.value)
+    assert str(tmp_path / "p.json.gz") in str(err.value) and "\n" not in str(err.value)

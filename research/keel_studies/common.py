@@ -14,7 +14,6 @@ from keel.errors import ConfigError
 from keel.experiments.common import (
     corpus,
     experiment_guard,
-    experiment_model,
     experiment_run,
     fixed_batches,
     splits,
@@ -23,6 +22,7 @@ from keel.experiments.common import (
 from keel.model import ModelConfig
 from keel.model.architecture import with_scheme
 from keel.model.schemes import SCHEME_OPTIONS, SCHEMES
+from keel.model.sizes import science
 
 # run.* fields a sweep point has no use for (it writes no run directory, checkpoint or log of its own)
 _NO_RUN_DIR = ("run.out_dir", "run.name", "run.log_every", "run.eval_every", "run.ckpt_every", "run.keep_checkpoints",
@@ -55,7 +55,7 @@ class ExperimentConfig:
     starts from, each point setting its scheme and depth. `reads()` is what the config merge enforces: a file or
     override setting a field a point sets itself (`fixed_fields()`), or a scheme option no arm reads, is refused."""
 
-    model: ModelConfig = field(default_factory=experiment_model)
+    model: ModelConfig = field(default_factory=science)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(warmup_steps=40))
     guard: GuardConfig = field(default_factory=experiment_guard)

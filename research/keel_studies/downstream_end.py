@@ -35,7 +35,7 @@ from keel import evals
 from keel.errors import ConfigError
 from keel.experiments import stats, store
 from keel.experiments.common import corpus, markdown_table, pm, pyplot, save, write_outputs
-from keel.experiments.sweep import EXECUTION_FIELDS, Sweep, _differences, upgrade_recorded
+from keel.experiments.sweep import EXECUTION_FIELDS, Sweep, _differences
 from keel.model.schemes import SCHEMES
 from keel_studies.common import ExperimentConfig, tiny_quick
 from keel_studies.downstream import DownstreamConfig, _chance, _mean, final, key, point
@@ -122,7 +122,7 @@ def reference_points(cfg: DownstreamEndConfig) -> dict[str, dict]:
                           "(reference_dir=null trains the reference arm here)")
     sections = ("model", "data", "optim", "guard", "run")
     mine, defaults = json.loads(json.dumps(asdict(cfg))), json.loads(json.dumps(asdict(type(cfg)())))
-    theirs = upgrade_recorded(json.loads(recorded.read_text()))
+    theirs = json.loads(recorded.read_text())
     ignore = set(cfg.fixed_fields()) | set(EXECUTION_FIELDS)
     differ = [k for k in _differences({s: mine[s] for s in sections}, {s: theirs.get(s, {}) for s in sections},
                                       {s: defaults[s] for s in sections}) if k not in ignore]

@@ -40,7 +40,6 @@ from keel.errors import ConfigError
 from keel.experiments import store
 from keel.experiments.common import (
     corpus,
-    experiment_model,
     experiment_run,
     markdown_table,
     pm,
@@ -54,6 +53,7 @@ from keel.experiments.common import (
 from keel.experiments.surgery import residual_sizes
 from keel.experiments.sweep import Sweep
 from keel.model import ModelConfig
+from keel.model.sizes import science
 from keel.model.transformer import TransformerLM
 from keel.scale.fused_junction import apply_fused_junction
 from keel_studies.common import ExperimentConfig, tiny_quick
@@ -66,7 +66,7 @@ STYLES = ("-", "--", "-.", ":")  # schemes that coincide (DeepNorm and Keel near
 class GradflowConfig(ExperimentConfig):
     """The trained seeds train `run.steps` steps at `optim.lr`; d=32 so that 256 sub-layers stay cheap."""
 
-    model: ModelConfig = field(default_factory=lambda: replace(experiment_model(), d_model=32, n_heads=2,
+    model: ModelConfig = field(default_factory=lambda: replace(science(), d_model=32, n_heads=2,
                                                                n_kv_heads=1))
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20))
     run: RunConfig = field(default_factory=lambda: experiment_run(steps=100, batch_size=4, compile=False))

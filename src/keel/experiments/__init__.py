@@ -15,9 +15,7 @@ WHERE = ("the studies live beside the library in a Keel checkout's research/ fol
          "keel experiment / keel sweep from inside a clone of the Keel repository")
 
 
-def _checkout(near: str | Path | None = None) -> Path | None:
-    """The Keel checkout (the folder holding research/keel_studies) at or above `near`, the working directory or
-    this package, or None."""
+def _checkout(near: str | Path | None = None) -> Path | None:  # at or above `near`, the working directory or here
     starts = [Path(near).resolve() if near else None, Path.cwd(), Path(__file__).resolve()]
     for start in filter(None, starts):
         for folder in (start, *start.parents):

@@ -30,18 +30,12 @@ from keel.data import eval_batches as spaced_batches
 from keel.data.shards import token_counts
 from keel.experiments.partial import Discarded, Partial
 from keel.model import ModelConfig, TransformerLM
-from keel.model.sizes import science
 from keel.runtime import autocast_for, machine, resolve_device
 from keel.train.evaluate import evaluate, nll_sum
 from keel.train.guard import DivergenceGuard
 from keel.train.optim import build_optimizer, lr_at
 from keel.train.step import TrainStep, build_model, on_device
 from keel.train.stop import DeferredStop
-
-
-def experiment_model() -> ModelConfig:
-    """The science experiments' base model (keel.model.sizes.science: d=64, 4 query / 2 KV heads, bytes)."""
-    return science()
 
 
 def experiment_guard() -> GuardConfig:

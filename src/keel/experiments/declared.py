@@ -24,9 +24,7 @@ __all__ = ["DeclaredStudy", "key", "point", "read", "run", "smoke"]  # the engin
 MARGINAL_BELOW = 0.20
 
 
-class _Grid(Grid):
-    """A grid of an integer field grows by whole numbers; a value the rounding repeats is a bound."""
-
+class _Grid(Grid):  # an integer field's: grows by whole numbers; a value the rounding repeats is a bound
     def beyond(self, edge: str, grown: int) -> float | None:
         value = super().beyond(edge, grown)
         value = None if value is None else int(round(value))
@@ -37,8 +35,7 @@ def _label(side) -> str:
     return f"({_label(side[0])} - {_label(side[1])})" if isinstance(side, list) else side
 
 
-def _at(side: str, cell_name: str) -> tuple[str, str]:
-    """(arm, cell name) of a side of a pair: "arm@cell" is at that cell, a plain arm at the test's."""
+def _at(side: str, cell_name: str) -> tuple[str, str]:  # "arm@cell" is at that cell, a plain arm at the test's
     arm, at, cell = side.partition("@")
     return arm, cell if at else cell_name
 
@@ -159,8 +156,7 @@ def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, bas
 
 
 def _best_of(study: DeclaredStudy, points: dict, choices: dict, cell_name: str, among: list) -> dict:
-    """The arm of `among` with the lowest mean select-half loss over the choosing seeds at its choices (ties: the
-    first listed), and each one's mean."""
+    # the arm of `among` with the lowest mean select-half loss over the choosing seeds (ties: the first listed)
     select = {}
     for side in among:
         arm, c = _at(side, cell_name)
@@ -187,8 +183,8 @@ def _losses(study, points, cell_name, choice, arm, seeds, value: str = "report_l
 
 def _tests(study: DeclaredStudy, points: dict, choices: dict, picks: dict, seeds: list, pairs: list,
            tested: bool = True, value: str = "report_loss", better: str = "lower") -> list[dict]:
-    """Each pair per cell (one pinned to cells once, last; a best_of as its pick; a side that is a pair as its
-    difference): paired t-tests of `value`, Holm over all (`tested`; else mean and SD only), verdicts by `better`."""
+    # each pair per cell (one pinned to cells once, last; a best_of as its pick; a pair of pairs as its difference):
+    # paired t-tests of `value`, Holm over all (`tested`; else mean and SD only), verdicts by `better`
     def side(a, cell_name: str):  # (the arms it names, as they resolve in the cell; its report losses per seed)
         if isinstance(a, list):
             (ra, la), (rb, lb) = side(a[0], cell_name), side(a[1], cell_name)
@@ -260,8 +256,7 @@ def _report(study: DeclaredStudy, out: Path, command: str, name: str, results: d
                          notes)
 
 
-def _asks(question: str, rule: str) -> str:
-    """A report's opening: the question and the rule's links."""
+def _asks(question: str, rule: str) -> str:  # a report's opening: the question and the rule's links
     links = ", ".join(f"[{r.rsplit('#', 1)[-1]}]({r})" if "#" in r or r.endswith(".md") else r
                       for r in (x.strip() for x in rule.split(",")) if r)
     return (f"**Question:** {question}\n\n" if question else "") + (f"**Rule:** {links}\n\n" if links else "")
@@ -281,8 +276,7 @@ def _tests_table(results: dict, d: int = 3) -> str:  # d: digits
 
 
 def _max_lr(study: DeclaredStudy, out: Path, command: str, name: str, points: dict, choices: dict, asks: str) -> dict:
-    """The max-LR verdicts (a cell and seed judged whole: stagnation compares its arms), the compare pairs' tests on
-    the max LRs (or their logs), the report."""
+    # the verdicts (a cell and seed judged whole: stagnation compares its arms), the tests on the max LRs (or logs)
     every, rules = maxlr.settings(study.max_lr)
     verdicts = {}
     for cell in study.cells():
@@ -308,7 +302,7 @@ def _max_lr(study: DeclaredStudy, out: Path, command: str, name: str, points: di
 
 
 def _redundancy(study: DeclaredStudy, out: Path, command: str, name: str, points: dict, asks: str) -> dict:
-    """Each arm's deltas summarised over its seeds; the compare pairs' paired tests of ARM.MODE.PART; the report."""
+    # each arm's deltas summarised over its seeds; the compare pairs' paired tests of ARM.MODE.PART
     arms = {arm: [points[key(arm, {}, {}, s)] for s in study.seeds] for arm in study.arms}
     summary, table = redundancy.report(arms)
     sides = {side: [p[side.rsplit(".", 1)[1]] for p in summary["-".join(side.rsplit(".", 2)[:2])]]
@@ -325,8 +319,6 @@ def _redundancy(study: DeclaredStudy, out: Path, command: str, name: str, points
 
 
 def _probe_table(study: DeclaredStudy, results: dict) -> str:
-    """The effective-depth probe per cell and arm at its choices, over the seeds: the loss added when only
-    sub-layers 0-1, or the lower half, keep their branches, and the mean rms(F)/rms(alpha x) of sub-layers 2..L-1."""
     rows = []
     for cell_name, choice in results["choices"].items():
         for arm in study.arms:
@@ -345,7 +337,7 @@ def _probe_table(study: DeclaredStudy, results: dict) -> str:
 
 
 def _profiles(study: DeclaredStudy, results: dict) -> dict:
-    """stream.report's input: per arm its stream, sub-layers, init profiles (float32 arms) and trained profiles."""
+    # stream.report's input: per arm its stream, sub-layers, init profiles (float32 arms) and trained profiles
     points, seeds, out = results["points"], results["seeds"], {}
     for arm in study.arms:
         bf16 = arm in study.stream["bf16"]

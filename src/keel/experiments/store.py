@@ -1,7 +1,6 @@
-"""A study's points on disk: one gzip-compressed JSON file per point, `points/<key>.json.gz` (an older `<key>.json`
-is read as it is). Scalars are kept exactly; per-step training losses (`STEP_SERIES`), which no report reads, to
-`SERIES_DIGITS` significant digits, far below their step-to-step noise. No gzip timestamp: the same point, the same
-bytes."""
+"""A study's points on disk: one gzip-compressed JSON file per point, `points/<key>.json.gz`. Scalars are kept exactly;
+per-step training losses (`STEP_SERIES`), which no report reads, to `SERIES_DIGITS` significant digits, far below
+their step-to-step noise. No gzip timestamp: the same point, the same bytes."""
 
 from __future__ import annotations
 
@@ -10,19 +9,17 @@ import json
 from pathlib import Path
 
 from keel import safe_io
+from keel.errors import ConfigError
 
-SUFFIX, LEGACY = ".json.gz", ".json"
+SUFFIX = ".json.gz"
 STEP_SERIES = ("losses", "train_losses")  # per-step training losses: kept to SERIES_DIGITS
 SERIES_DIGITS = 6
 
 
 def path_of(points: Path, key: str) -> Path | None:
     """The file holding point `key` in the folder `points`, or None if it is not there."""
-    for suffix in (SUFFIX, LEGACY):
-        path = points / f"{key}{suffix}"
-        if path.is_file():
-            return path
-    return None
+    path = points / f"{key}{SUFFIX}"
+    return path if path.is_file() else None
 
 
 def exists(points: Path, key: str) -> bool:
@@ -34,7 +31,7 @@ def read(path: Path) -> dict:
     a number) is one ConfigError naming it, never a traceback in the report that reads it."""
     try:
         data = path.read_bytes()
-        point = json.loads(gzip.decompress(data) if path.name.endswith(".gz") else data)
+        point = json.loads(gzip.decompress(data))
     except (OSError, EOFError, UnicodeDecodeError, ValueError, RecursionError) as err:
         raise _damaged(path, type(err).__name__) from None
     if not isinstance(point, dict):
@@ -45,17 +42,13 @@ def read(path: Path) -> dict:
     return point
 
 
-def _losses(value, depth: int = 2) -> bool:
-    """A loss field holds a number (None: not measured), or lists and mappings of them two deep at most
-    (redundancy's `delta_loss`: per way of removal, one delta per sub-layer)."""
+def _losses(value, depth: int = 2) -> bool:  # a number or None, in lists and mappings two deep at most
     if isinstance(value, (list, dict)) and depth > 0:
         return all(_losses(v, depth - 1) for v in (value.values() if isinstance(value, dict) else value))
     return value is None or type(value) in (int, float)
 
 
-def _damaged(path: Path, why: str):
-    from keel.errors import ConfigError  # noqa: PLC0415
-
+def _damaged(path: Path, why: str) -> ConfigError:
     return ConfigError(f"{path}: damaged point file ({why}); delete it and the sweep runs that point again")
 
 
@@ -67,10 +60,8 @@ def load(points: Path, key: str) -> dict:
 
 
 def keys(points: Path) -> list[str]:
-    """Every point saved in the folder (its recorded config.json is not a point)."""
-    names = {p.name[: -len(SUFFIX)] for p in points.glob(f"*{SUFFIX}")}
-    names |= {p.stem for p in points.glob(f"*{LEGACY}")} - {"config"}
-    return sorted(names)
+    """Every point saved in the folder."""
+    return sorted(p.name.removesuffix(SUFFIX) for p in points.glob(f"*{SUFFIX}"))
 
 
 def load_all(points: Path) -> dict[str, dict]:
@@ -87,13 +78,8 @@ def encode(point: dict) -> bytes:
 
 
 def write(points: Path, key: str, point: dict) -> Path:
-    """Writes point `key` whole (a reader never sees half a point) and returns its path; a legacy file of the
-    same point is replaced by it."""
-    path = safe_io.write_bytes(points, points / f"{key}{SUFFIX}", encode(point), fsync=True)  # never through a link
-    legacy = points / f"{key}{LEGACY}"
-    if legacy.is_file():
-        legacy.unlink()
-    return path
+    """Writes point `key` whole (a reader never sees half a point) and returns its path."""
+    return safe_io.write_bytes(points, points / f"{key}{SUFFIX}", encode(point), fsync=True)  # never through a link
 
 
 def read_results(folder: Path) -> dict:

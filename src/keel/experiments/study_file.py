@@ -17,6 +17,7 @@ from keel.data.corpus import DataConfig
 from keel.errors import ConfigError
 from keel.experiments import common, maxlr, redundancy
 from keel.experiments.detect import FailureRules
+from keel.model.sizes import science
 
 KEYS = ("question", "answer", "rule", "base", "arms", "axes", "tune", "seeds", "marginal_seeds", "compare", "measure",
         "curve_every", "curve_batches", "select_seeds", "best_of", "untested", "probe", "max_lr", "crossing", "stream")
@@ -65,7 +66,7 @@ class DeclaredStudy:
 
     def config(self, fields: dict) -> TrainConfig:
         """The base with `fields` ({dotted field: value}) set, through keel's one merge."""
-        base = TrainConfig(model=common.experiment_model(), data=DataConfig(), optim=OptimConfig(warmup_steps=40),
+        base = TrainConfig(model=science(), data=DataConfig(), optim=OptimConfig(warmup_steps=40),
                            guard=common.experiment_guard(), run=common.experiment_run())
         refuse = PER_POINT | ({f: "the max-LR ramp sets it (0 -> optim.lr over run.steps)" for f in maxlr.RAMP_FIELDS}
                               if self.measure == "max_lr" else {})
@@ -222,7 +223,7 @@ def read(doc: dict, where: str) -> DeclaredStudy:
 
 
 def _check_max_lr(doc: dict, arms: dict, bad) -> None:
-    """The max-LR measurement's keys: none of the loss measurement's, and its own `max_lr` mapping (MAX_LR)."""
+    # none of the loss measurement's keys, and its own `max_lr` mapping (MAX_LR)
     if given := [k for k in LOSS_ONLY if doc.get(k)]:
         raise bad(f"{given[0]}: the loss measurement's; measure max_lr chooses nothing and keeps no loss curve")
     got = doc.get("max_lr") or {}
@@ -243,14 +244,13 @@ def _positive(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
-def _ladder(values, edge: float, sign: int) -> bool:
-    """Written-out values past a grid's edge: positive, moving away from it (sign -1: falling below it)."""
+def _ladder(values, edge: float, sign: int) -> bool:  # positive values moving away from the edge (-1: below it)
     steps = [edge, *values] if isinstance(values, list) else []
     return bool(values) and all(map(_positive, values)) and all(sign * (b - a) > 0 for a, b in zip(steps, steps[1:]))
 
 
 def _check_configs(study: DeclaredStudy, bad) -> None:
-    """Every arm, axis value and grid value through the merge, alone and then together, before any point trains."""
+    # every arm, axis value and grid value through the merge, alone and then together, before any point trains
     def check(where: str, fields: dict) -> TrainConfig:
         try:
             return study.config(fields)
@@ -283,13 +283,12 @@ def _get(config, key: str):
     return functools.reduce(getattr, key.split("."), config)
 
 
-def _leaves(side) -> list:
-    """The arms a side of a pair names (a side may be a pair: its difference)."""
+def _leaves(side) -> list:  # the arms a side of a pair names (a side may be a pair: its difference)
     return [a for x in side for a in _leaves(x)] if isinstance(side, list) else [side]
 
 
 def _pinned(best_of: dict, name: str) -> bool:
-    """Whether `name` (an arm, arm@cell or a best_of) is at one cell whatever the cell a test is in."""
+    # whether `name` (an arm, arm@cell or a best_of) is at one cell whatever the cell a test is in
     return "@" in name or "@" in best_of.get(name, [""])[0]
 
 

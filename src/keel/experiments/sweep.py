@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,17 +32,14 @@ ADDS_POINTS = ("seeds", "grow", "warmup_schemes", "warmup_from", "warmups", "war
                "lrs_from_previous")
 
 
-def _eager_fallbacks() -> int:
-    """How many frames Dynamo gave up compiling (recompile limit) during the point just run: 0 means it ran as
-    compiled as `run.compile` says."""
+def _eager_fallbacks() -> int:  # frames Dynamo gave up compiling (recompile limit) in the point just run
     from torch._dynamo.utils import counters
 
     return sum(n for k, n in counters["unimplemented"].items() if "recompile limit" in k.lower())
 
 
 def _fresh_compile(fn: Callable[[], dict]) -> dict:
-    """Runs a point from an empty Dynamo cache: the models of earlier points in this process would otherwise count
-    against Dynamo's recompile limit and, past it, leave later points running eagerly."""
+    # from an empty Dynamo cache: earlier points' models would count against its recompile limit (then run eagerly)
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -91,7 +88,7 @@ class Sweep:
         # a `points` link (or file) planted in the output directory is refused, never written through
         safe_io.check_dir(self.out, self.out / "points").mkdir(parents=True, exist_ok=True)
         recorded, mine = self.out / "points" / "config.json", json.loads(json.dumps(asdict(self.config)))
-        theirs = upgrade_recorded(json.loads(recorded.read_text())) if recorded.exists() else None
+        theirs = json.loads(recorded.read_text()) if recorded.exists() else None
         if theirs is not None:
             changed = [k for k in _differences(mine, theirs, json.loads(json.dumps(asdict(type(self.config)()))))
                        if k not in ADDS_POINTS and k not in EXECUTION_FIELDS]
@@ -147,16 +144,13 @@ class Sweep:
         return {key: results[key] for key in points}
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    # a fresh temporary name per write (two writers may write the same file at once), never through a link
+def _write_atomic(path: Path, text: str) -> None:  # a fresh temporary name per write, never through a link
     safe_io.write_text(path.parent, path, text, fsync=True)
 
 
 def _claim(path: Path) -> bool:
-    """Take the point `path` names for this process (a file holding host and pid), so two processes running one
-    sweep never train the same point; a claim of a dead process on this host, or from before this machine booted,
-    is taken over; one from another host is respected. Written under a private name and linked into place (os.link
-    fails if the name exists): an exclusive create, then a write, let another process take the empty claim."""
+    # host and pid; a dead process's claim on this host, or one from before it booted, is taken over. Linked into
+    # place from a private name (os.link fails if the name exists): a create-then-write would leave an empty claim
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     tmp.write_text(_owner())
     try:
@@ -170,8 +164,7 @@ def _claim(path: Path) -> bool:
 
 
 def _take_over(path: Path, mine: Path) -> bool:
-    """Replace a dead owner's claim with `mine` under the directory's lock, only if still dead (two processes that
-    both found it dead used to both replace it, the second deleting the first one's fresh claim)."""
+    # under the directory's lock, only if still dead: else two processes that found it dead would both replace it
     with _directory_lock(path.parent):
         if _claim_alive(path):
             return False
@@ -184,20 +177,15 @@ def _take_over(path: Path, mine: Path) -> bool:
 
 
 def _release(path: Path) -> None:
-    """Remove this process's claim `path`, under the lock `_take_over` holds: a claim another process took over
-    (it judged this one dead) is left to its new owner."""
-    with _directory_lock(path.parent):
-        try:
-            if path.read_text() == _owner():
-                path.unlink()
-        except FileNotFoundError:
-            pass
+    # under `_take_over`'s lock: a claim another process took over (it judged this one dead) is left to it
+    with _directory_lock(path.parent), suppress(FileNotFoundError):
+        if path.read_text() == _owner():
+            path.unlink()
 
 
 @contextmanager
 def _directory_lock(directory: Path):
-    """An exclusive flock(2) on `directory` itself: no lock file is left behind, and the kernel drops the lock if
-    the process dies. POSIX only; taken on the claims' rare paths (a take-over, a release)."""
+    # flock(2) on the directory itself: no lock file left behind, dropped by the kernel if the process dies
     import fcntl  # noqa: PLC0415
 
     fd = os.open(directory, os.O_RDONLY)
@@ -208,8 +196,7 @@ def _directory_lock(directory: Path):
         os.close(fd)
 
 
-def _owner() -> str:
-    """What a claim of this process holds: host and pid."""
+def _owner() -> str:  # what a claim of this process holds
     return f"{socket.gethostname()} {os.getpid()}"
 
 
@@ -232,8 +219,7 @@ def _claim_alive(path: Path) -> bool:
 BOOT_SLACK_SECONDS = 60
 
 
-def _boot_time() -> float:
-    """When this machine booted (seconds since the epoch; Linux's /proc/stat), or 0 where that is not known."""
+def _boot_time() -> float:  # seconds since the epoch (Linux's /proc/stat), or 0 where that is not known
     try:
         with open("/proc/stat") as f:
             return float(next(line.split()[1] for line in f if line.startswith("btime ")))
@@ -246,36 +232,13 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 
-# Where each field of the configs recorded before experiments took keel train's sections now lives
-_MOVED = {"steps": "run.steps", "warmup_steps": "optim.warmup_steps", "eval_batches": "run.eval_batches",
-          "lr": "optim.lr", "peak": "optim.lr", "shape.d_model": "model.d_model", "shape.n_heads": "model.n_heads",
-          "shape.n_kv_heads": "model.n_kv_heads", "shape.vocab_size": "model.vocab_size",
-          "shape.seq_len": "run.seq_len", "shape.batch_size": "run.batch_size"}
-
-
-def upgrade_recorded(recorded: dict) -> dict:
-    """A sweep's recorded config in today's layout: configs written before experiments took `keel train`'s sections
-    kept `steps`, `shape.*`, `lr` ... at the top level (`_MOVED`); their points are the same runs."""
-    if "shape" not in recorded and "steps" not in recorded:
-        return recorded
-    out = {k: v for k, v in recorded.items() if k not in ("shape", *_MOVED)}
-    flat = {k: v for k, v in recorded.items() if k in _MOVED}
-    flat |= {f"shape.{k}": v for k, v in recorded.get("shape", {}).items()}
-    for old, value in flat.items():
-        if old in _MOVED:
-            section, name = _MOVED[old].split(".")
-            out.setdefault(section, {})[name] = value
-    return out
-
-
 def _differences(mine: dict, theirs: dict, defaults: dict, prefix: str = "") -> list[str]:
-    """Dotted names of the fields in which two recorded configs differ. A field `theirs` lacks (added to the
-    code after it was recorded) is no difference while `mine` holds its default, which keeps the old behaviour."""
+    # dotted fields that differ; a field `theirs` lacks (newer code) is none while `mine` holds its default
     out = []
     for k in sorted(mine.keys() | theirs.keys()):
         a, b, default = mine.get(k), theirs.get(k), defaults.get(k)
