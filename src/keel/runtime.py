@@ -38,6 +38,15 @@ def stop_if_signalled() -> None:
 
 
 DEVICES = ("auto", "cpu", "cuda")
+
+
+def check_device(value: str, name: str) -> None:
+    """auto, cpu, cuda or cuda:N; another device torch knows (meta, a GPU of another kind) would fail deep inside a
+    command, e.g. `meta` at the first `.item()`."""
+    kind, _, index = value.partition(":")
+    if value not in DEVICES and not (kind == "cuda" and index.isdigit()):
+        raise ConfigError(f"{name}: got {value!r}; allowed: auto, cpu, cuda, cuda:N")
+
 DTYPES = ("auto", "float32", "bfloat16")
 
 # dense bf16 peak FLOP/s by GPU part (vendor datasheets), for MFU and the performance model
@@ -122,14 +131,12 @@ def resolve_device(name: str) -> torch.device:
     """`auto` is CUDA when present, else CPU; `cuda` without a GPU is a config error, not a crash later."""
     import torch
 
+    check_device(name, "run.device")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.split(":")[0] == "cuda" and not torch.cuda.is_available():
+    if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"run.device: {name!r} requested but no CUDA device is available; allowed: auto, cpu")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"run.device: got {name!r}; allowed: {', '.join(DEVICES)}") from None
+    return torch.device(name)
 
 
 def use_bf16(device: torch.device, dtype: str) -> bool:

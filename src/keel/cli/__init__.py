@@ -20,8 +20,6 @@ from keel.cli.support import (
     DefaultsShown,
     Parser,
     add_data_arguments,
-    check_config_file,
-    check_device,
     check_flags,
     error_line,
     output_path,
@@ -137,7 +135,7 @@ def cmd_plot(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    check_device(args.device, "--device")
+    runtime.check_device(args.device, "--device")
     from keel.reporting.tables import EVAL_KEYS, key_values
     from keel.train.evaluate import evaluate_run
 
@@ -333,8 +331,6 @@ def _main(argv: list[str] | None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         check_flags(args)  # every numeric flag in its range (support.flag_limits), before any file is read
-        if getattr(args, "config", None):
-            check_config_file(args.config)
         if not getattr(args, "sets_threads", False):  # train, bench and experiments: from their merged config
             runtime.set_threads(0)
         with trusting(getattr(args, "trust_config", False)):  # --trust-config: as KEEL_TRUST_CONFIG=1, this call only

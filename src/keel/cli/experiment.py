@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import stat
 from pathlib import Path
 
 from keel.cli import COMMANDS
 from keel.cli.support import output_dir
 from keel.config import merge
+from keel.config.merge import load_yaml
 from keel.errors import ConfigError
 from keel.experiments import WHERE, studies, study_files
 
@@ -56,19 +55,9 @@ STUDY_KEYS = {"study": "the study kind", "fields": "the kind's fields this study
 
 def load_study(path: str) -> dict:
     """A study file's mapping; one ConfigError naming the file when it is not one."""
-    import yaml  # noqa: PLC0415
-    from omegaconf import OmegaConf  # noqa: PLC0415 (its YAML reads 1e-3 as a number, as keel's configs do)
+    from omegaconf import OmegaConf  # noqa: PLC0415
 
-    try:  # a FIFO or a device would block the read, or never end
-        regular = stat.S_ISREG(os.stat(path).st_mode)
-    except OSError as err:
-        raise ConfigError(f"{path}: {(err.strerror or str(err)).lower()}") from None
-    if not regular:
-        raise ConfigError(f"{path}: not a regular file; a study file is a YAML file")
-    try:
-        doc = OmegaConf.to_container(OmegaConf.load(path))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, ValueError) as err:
-        raise ConfigError(f"{path}: not a readable study file ({type(err).__name__})") from None
+    doc = OmegaConf.to_container(load_yaml(path, path))
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: a study file is a mapping: `arms:` (a declared study) or `study:` and `fields:`")
     return doc

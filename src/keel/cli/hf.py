@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 from keel.cli import COMMANDS
-from keel.cli.support import check_device, needs, output_dir
+from keel.cli.support import needs, output_dir
 from keel.errors import ConfigError
+from keel.runtime import check_device
 
 
 def cmd_export_hf(args) -> int:

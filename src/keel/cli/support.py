@@ -209,50 +209,6 @@ def output_dir(value: str | None, flag: str, empty: bool = False, make: bool = T
     return out
 
 
-def check_config_file(value: str) -> None:
-    """--config: a regular YAML file of sane size, without duplicate keys (YAML would keep the last one)."""
-    import stat
-
-    import yaml
-
-    try:
-        info = os.stat(value)
-    except OSError as err:
-        raise ConfigError(f"config file {value}: {err.strerror.lower()}") from None
-    if not stat.S_ISREG(info.st_mode):
-        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a device, FIFO or socket"
-        raise ConfigError(f"config file {value}: not a regular file ({kind})")
-    if info.st_size > 16 << 20:
-        raise ConfigError(f"config file {value}: larger than 16 MiB, refused")
-
-    class Loader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            seen = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=True)
-                if key in seen:
-                    raise ConfigError(f"config file {value}: line {key_node.start_mark.line + 1}: "
-                                      f"duplicate key {key!r}")
-                seen.add(key)
-            return super().construct_mapping(node, deep)
-
-    try:
-        with open(value, "rb") as f:
-            yaml.load(f, Loader=Loader)
-    except (yaml.YAMLError, TypeError):  # TypeError: a mapping used as a key
-        pass  # the config layer reports a YAML error in its own words
-    except RecursionError:  # YAML's composer recurses once per level: `[[[...]]]` 100,000 deep
-        raise ConfigError(f"config file {value}: nested too deeply to be a config") from None
-
-
-def check_device(value: str, flag: str) -> None:
-    """A device named on the command line: auto, cpu, cuda or cuda:N. Others torch knows (meta, a GPU of
-    another kind) would fail deep inside a command, e.g. `meta` at the first `.item()`."""
-    kind, _, index = value.partition(":")
-    if value != "auto" and not (kind == "cpu" and not index or kind == "cuda" and (not index or index.isdigit())):
-        raise ConfigError(f"{flag}: got {value!r}; allowed: auto, cpu, cuda, cuda:N")
-
-
 def needs(extra: str, module: str) -> None:
     """Fail with the install line of the extra that provides `module` unless it imports."""
     import importlib

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import difflib
+import os
 import re
+import stat
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -26,12 +29,7 @@ def merge(base, config_file: str | None = None, overrides=(), reads: Reads | Non
     layers = [OmegaConf.structured(base)]
     if config_file:
         path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError(f"config file {path}: not found")
-        try:
-            loaded = OmegaConf.load(path)
-        except Exception as err:
-            raise ConfigError(f"config file {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        loaded = load_yaml(path, f"config file {path}")
         if not OmegaConf.is_dict(loaded):
             raise ConfigError(f"config file {path}: expected a mapping of sections at the top level")
         try:  # an interpolation (${...}) to a key that is not there, or one that loops
@@ -67,6 +65,33 @@ def merge(base, config_file: str | None = None, overrides=(), reads: Reads | Non
         if refused:
             raise ConfigError(refused)
     return config
+
+
+def load_yaml(path, name: str):
+    """A YAML file a user named, as OmegaConf reads it (1e-3 is a number); `name` starts each ConfigError: not a
+    regular file of at most 16 MiB (a FIFO would block, /dev/zero never end), not YAML, a key given twice (YAML
+    would keep the last), or nested too deeply (YAML's composer recurses once per level)."""
+    try:
+        info = os.stat(path)
+    except OSError as err:
+        raise ConfigError(f"{name}: {(err.strerror or str(err)).lower()}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"{name}: not a regular file")
+    if info.st_size > 16 << 20:
+        raise ConfigError(f"{name}: larger than 16 MiB, refused")
+    try:
+        with open(path, "rb") as f:  # in Python first: OmegaConf's C loader overflows the C stack on deep nesting
+            yaml.compose(f, Loader=yaml.SafeLoader)
+        return OmegaConf.load(path)
+    except RecursionError:
+        raise ConfigError(f"{name}: nested too deeply to be a config") from None
+    except yaml.MarkedYAMLError as err:
+        where = f"line {err.problem_mark.line + 1}: " if err.problem_mark else ""
+        duplicate = (err.problem or "").removeprefix("found duplicate key ")
+        problem = f"duplicate key {duplicate!r}" if duplicate != err.problem else f"not valid YAML ({err.problem})"
+        raise ConfigError(f"{name}: {where}{problem}") from None
+    except Exception as err:  # bytes that are not UTF-8, a mapping used as a key
+        raise ConfigError(f"{name}: not valid YAML ({str(err).splitlines()[0]})") from None
 
 
 # `model.n_sublayers=32` (or bare `n_sublayers=32`), depth in the unit every command counts it in, is model.n_blocks=16

@@ -10,7 +10,7 @@ from keel.data.corpus import DataConfig
 from keel.errors import ConfigError
 from keel.model.architecture import ModelConfig
 from keel.model.sizes import cpu_demo
-from keel.runtime import DEVICES, DTYPES
+from keel.runtime import DTYPES, check_device
 from keel.scale import FUSED_JUNCTION, FUSED_JUNCTION_DEFAULT, PP_SCHEDULES, check_pipeline
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -127,8 +127,7 @@ def _one_of(name: str, value, choices, note: str = "") -> None:
 
 def validate_runtime(run) -> None:
     """Where and how a model trains: the run fields an experiment point also uses."""
-    if run.device.split(":")[0] not in DEVICES:
-        _fail("run.device", run.device, f"{', '.join(DEVICES)} (or cuda:<index>)")
+    check_device(run.device, "run.device")
     _one_of("run.dtype", run.dtype, DTYPES)
     _one_of("run.fused_junction", run.fused_junction, FUSED_JUNCTION, " (YAML reads an unquoted on or off as a "
             "boolean: write 'off')" if run.fused_junction in ("True", "False") else "")
