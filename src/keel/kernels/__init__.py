@@ -8,5 +8,5 @@ from keel._lazy import lazy_names
 
 __getattr__, __dir__, __all__ = lazy_names(__name__, {
     "junction": ("available", "can_fuse", "junction_reference", "keel_junction"),
-    "norm_pair": ("rms_norm_pair", "rms_norm_pair_reference"),
+    "norm_pair": ("rms_norm_pair",),
 })

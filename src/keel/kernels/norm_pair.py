@@ -72,9 +72,3 @@ def rms_norm_pair(z: torch.Tensor, w_out: torch.Tensor, w_in: torch.Tensor, eps_
     """
     return _RMSNormPair.apply(z, w_out, w_in, eps_out, eps_in, u_dtype)
 
-
-def rms_norm_pair_reference(z: torch.Tensor, w_out: torch.Tensor, w_in: torch.Tensor, eps_out: float,
-                            eps_in: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same pair as two plain RMSNorms for autograd to differentiate: what `rms_norm_pair` is tested against."""
-    y = w_out * (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps_out))
-    return y, w_in * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps_in))
