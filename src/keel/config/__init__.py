@@ -12,7 +12,6 @@ from keel.config.presets import DEFAULT_PRESET, PRESETS, load_config, train_pres
 from keel.config.reads import Reads
 from keel.config.schema import (
     GUARD_POLICIES,
-    INT_LIMITS,
     SCHEDULES,
     TRACKERS,
     WEIGHTS,
@@ -27,7 +26,7 @@ from keel.config.schema import (
 from keel.data.corpus import DataConfig
 from keel.errors import ConfigError
 
-__all__ = ["DEFAULT_PRESET", "GUARD_POLICIES", "INT_LIMITS", "PRESETS", "SCHEDULES", "TRACKERS", "WEIGHTS",
+__all__ = ["DEFAULT_PRESET", "GUARD_POLICIES", "PRESETS", "SCHEDULES", "TRACKERS", "WEIGHTS",
            "ConfigError", "DataConfig", "GuardConfig", "OptimConfig", "Reads", "RunConfig", "TrainConfig",
            "add_config_arguments", "load_config", "load_run_config", "merge", "optimizer_implementation", "to_config",
            "to_yaml", "train_preset", "validate", "validate_runtime"]

@@ -244,8 +244,6 @@ LIMITS = {
     "guard.max_rollbacks": count(0, 2**20), "guard.rollback_lr_factor": Limit(0, 1, open_low=True),
     "data.val_fraction": Limit(0, 1, open_high=True),
 }
-# The largest value of each count a run reads (LIMITS' integer rows), for those who only need the bound
-INT_LIMITS = {name: limit.high for name, limit in LIMITS.items() if limit.integer}
 
 
 def check_limits(c) -> None:
