@@ -1,28 +1,9 @@
-"""Which run configs keel obeys: the trust model for run directories from elsewhere.
-
-A run directory travels (downloaded, shared, copied from a colleague), and its config.yaml names files:
-data.source (read), data.cache_dir (written: the token cache), data.tokenizer (read) and, in run.eval_tasks,
-lm-evaluation-harness task files (`lm_eval:<path>.yaml`). Obeying a stranger's config as if the user had typed
-it would let it read any file the user can (data.source=~/.ssh/id_rsa), write its bytes, as token ids, wherever
-it likes (data.cache_dir=/a/shared/dir), and run its own Python: a task file is code (`!function evil.f` imports
-evil.py beside it; `include` and Python metrics likewise). As `trust_remote_code` does for transformers, keel
-therefore follows those names only when one of these holds:
-- the run's config was written by keel for this user: keel signs each config.yaml it writes with a key only
-  this user can read (HMAC-SHA256, key in $KEEL_CONFIG_DIR or ~/.config/keel), so a run trained or imported
-  here is trusted and a downloaded, copied-in or hand-edited one, whose signature no key here matches, is not;
-- for data paths only: the path lies inside the run directory itself, or is the built-in corpus ("stdlib"),
-  a built-in tokenizer ("bytes", "bpe", "bpe:N"), or empty (the user's own default cache). A task file gets no
-  such exception: inside the run directory it is the sender's code all the same;
-- the user names it: a task given on the command line (`run.eval_tasks=lm_eval:my.yaml`) runs as asked. On a
-  resume a `--config` file does not name tasks (it may be the run's own config.yaml); a new run's config, from
-  a file or not, is the user's own;
-- the user trusts the config explicitly: KEEL_TRUST_CONFIG=1, `--trust-config` on `keel eval` or on
-  `keel train resume=RUN` (`trusting()`), or `trust=True` to `evaluate_run`.
-Anything else is refused in one line naming the field, before a byte is read or written and before any task
-is loaded. The other fields that name a module are closed lists checked whatever the trust (run.log_to:
-tensorboard, wandb; model.scheme; run.pp_schedule), and a task registered with the harness by name
-(`lm_eval:hellaswag`) is the installed harness's own code. The model's sizes are checked whatever the trust
-(keel.runs.untrusted.check_model_fits): a checkpoint is data, not a config.
+"""Which run configs keel obeys: a run directory travels, and its config.yaml names files to read
+(data.source, data.tokenizer), to write (data.cache_dir) and code to run (task files in run.eval_tasks). As
+`trust_remote_code` does for transformers, keel follows them only for a config it wrote for this user (signed
+with HMAC-SHA256, a key only this user can read), for data paths inside the run or built in, for what the user
+names on the command line, or when the user trusts the config (KEEL_TRUST_CONFIG=1, --trust-config,
+`trusting()`). Anything else is one line naming the field. The rules in full: docs/reliability.md, "Trust".
 """
 
 from __future__ import annotations

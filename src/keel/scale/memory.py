@@ -1,31 +1,14 @@
-"""How much memory a training run needs per process, from its config alone, before anything is built.
+"""How much memory a training run needs per process, from its config alone, before anything is built
+(docs/scale.md, "Memory model"): the largest of the forward, backward and optimizer phases (`estimate_memory`),
+each the sum of its parts (params, grads, optimizer, activations, autocast_cache, optimizer_temp).
+tests/test_memory.py holds the plan to torch's tracker of tensor storages (MemTracker) on a real step.
 
-A training step passes through three phases, and the plan is the largest of them (`estimate_memory`):
-  forward    the states below, the activations autograd keeps for the backward pass (counted per token from
-             the model's own operations: tests/test_memory.py checks the count against what autograd saves;
-             with checkpointing only each checkpointed block's float32 input, plus the FFN projections of the
-             block running), and under bf16 autocast the
-             bf16 copies of the weight matrices (autocast casts each once and the matmuls keep them);
-  backward   gradients appear from the last layer down while activations are freed, so the phase peaks at
-             one of its ends: all activations plus the logits' gradient, or all gradients; with
-             checkpointing one block is recomputed at a time on top of either;
-  optimizer  weights, gradients and AdamW's two moments, plus, for torch's foreach AdamW, one temporary as
-             large as its biggest parameter group (`_foreach_sqrt` of the second moments): 20 bytes per
-             parameter in float32, 16 with the fused AdamW (`optim_temp_bytes`);
-where the states are the float32 master weights (bf16 weights and gradients with run.weights=bfloat16; sharded
-over ranks under FSDP2, plus the unsharded copies
-FSDP2 all-gathers for the units in use: the root and about two block groups) and AdamW's moments (after the
-first step); gradients have the weights' layout. The parts (params, grads, optimizer, activations,
-autocast_cache, optimizer_temp) and each phase's total are returned with the peak phase.
-tests/test_memory.py measures the same phases on a real model with torch's own tracker of tensor storages
-(torch.distributed._tools.mem_tracker.MemTracker), on a CPU too, and holds the plan to it.
-Blocks are counted by keel.model.counting.block_params, the one layer counter: a looped model holds its
-distinct blocks' states once and keeps activations for every pass. Under a pipeline (`pp` > 1) each rank holds
-its stages' states (sharded over the dp replicas, and then all gathered from a stage's first forward to its
-last backward), and the activations of the micro-batches it has in flight: all of them under GPipe, at most
-as many as there are stages from its own to the last under the 1F1B-like schedules; a pipeline rank's plan is
-the sum of its parts (not phased). Not included: allocator slack and fragmentation, the CUDA context, the
-compiler's workspace, temporaries inside one kernel: leave ~10-20%.
+Activations are counted per token from the model's own operations; with checkpointing only each checkpointed
+block's float32 input, plus the block being recomputed. Blocks are counted by keel.model.counting.block_params,
+the one layer counter (a looped model's states once, its activations for every pass). A pipeline rank (`pp` > 1)
+holds its stages' states and the micro-batches it has in flight (all of them under GPipe, at most the stages from
+its own to the last under 1F1B-like schedules), summed, not phased. Not included: allocator slack and
+fragmentation, the CUDA context, the compiler's workspace, temporaries inside one kernel: leave ~10-20%.
 """
 
 from __future__ import annotations

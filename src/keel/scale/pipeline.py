@@ -1,32 +1,15 @@
 """Pipeline parallelism: the blocks split into contiguous stages, one (or two) per rank, run by PyTorch's own
-schedules (`torch.distributed.pipelining`).
+schedules (`torch.distributed.pipelining`); docs/scale.md says what a user sees.
 
-`plan_pipeline` reads a run's pipeline settings and the process group into a `PipelinePlan`: which blocks each
-stage holds (`split_blocks` balances cost; the embedding goes with the first stage, the final norm and LM head
-with the last) and which stages are this rank's. keel.scale.parallel.parallelize builds the model with it, in
-its one order: the whole `TransformerLM` is built on every rank (same seed, same weights as one process), the
-fused junction, activation checkpointing and compile are applied to it, `PipelinePlan.cut` keeps this rank's
-stages, FSDP2 shards them over their data-parallel replicas, and `PipelinePlan.assemble` returns the
-`PipelineModel`. A stage runs `TransformerLM`'s own pieces (`embed_tokens`, `run_blocks`, `head`), and the
-`PipelineModel` holds the kept modules under the full model's names, so the optimiser, `state_dict` and DCP
-checkpoints (keel.runs.checkpoint.save_sharded) see the same parameter names as in one process: a checkpoint
-written by the stages loads in one process, and the reverse.
+`plan_pipeline` reads a run's settings into a `PipelinePlan`; keel.scale.parallel.parallelize builds the whole
+model on every rank (same seed, same weights), applies the junction, AC and compile, then `PipelinePlan.cut`
+keeps this rank's stages, FSDP2 shards them over their dp replicas, and `PipelinePlan.assemble` returns the
+`PipelineModel`, which holds the kept modules under the full model's names: optimiser, state dict and DCP
+checkpoints see one process's parameter names, so checkpoints move between the two.
 
-One step (`PipelineModel.forward_backward`) is one `schedule.step()` over the batch, split into micro-batches.
-Each micro-batch's loss is its mean token cross-entropy (keel.model.lm_loss) and the schedule divides the summed
-gradients by the number of micro-batches (`scale_grads`), so with equal-sized micro-batches (training windows
-never hold ignored tokens) loss and gradients are the full batch's mean, as in one process. The training step
-itself is keel.train.step.TrainStep (keel.train.pipeline_step.PipelineStep), which clips by
-`PipelineModel.grad_norm`, the norm over every stage and shard.
-
-With more processes than stages, pipeline and data parallelism compose, as torchtitan composes them: the
-world_size = pp x dp ranks form a 2-D DeviceMesh ("pp", "dp"), pp outermost, so rank = pp_coord * dp +
-dp_coord. Each row of ranks with one dp coordinate runs the whole pipeline for its data-parallel replica (its
-share of the global batch); each column with one pp coordinate holds the same stages, sharded with FSDP2
-(keel.scale.parallel.apply_fsdp over the "dp" sub-mesh) before PyTorch's PipelineStage wraps them. Putting pp
-outermost keeps each FSDP group on consecutive ranks (one node, where its all-gathers and reduce-scatters of
-every block run), and sends only the activations between nodes. FSDP2 averages the gradients over the dp
-replicas, so a step's gradients are the global batch's mean, as in one process.
+With more processes than stages the ranks form a 2-D DeviceMesh ("pp", "dp"), pp outermost (rank = pp_coord * dp
++ dp_coord), as torchtitan composes them: each FSDP group is consecutive ranks (one node, where its collectives
+run every block), and only activations cross nodes.
 """
 
 from __future__ import annotations
