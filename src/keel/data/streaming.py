@@ -1,20 +1,9 @@
 """Streaming (data.streaming=true): documents tokenised as training reads them, each rank reading its own part of
-the stream, its position in every checkpoint.
-
-A stream is a Hugging Face dataset on the hub (hf:NAME with data.hf_config and data.hf_split: read over the
-network as training goes, nothing downloaded whole), a local one (hf:DIR: saved with `save_to_disk`, or a
-folder of data files as on the hub), or a JSONL or Parquet file, read as a `datasets.IterableDataset`.
-
-Validation is the stream's head: every k-th document (k = round(1 / data.val_fraction)) until VAL_TOKENS ids,
-tokenised once, kept in memory and the same on every rank. Training reads every other document (a document is
-known by the SHA-256 of its text). Each rank reads the part `datasets.distributed.split_dataset_by_node` gives it
-(whole shards when the ranks divide their number, else every world_size-th document), tokenises it DOC_BATCH
-documents at a time, each followed by the tokenizer's eos_id, and cuts its ids into consecutive rows: row i of a
-batch is ids [i*T, (i+1)*T + 1), and the next batch begins with the last id of this one. At the end of its part
-a rank reads it again from the start.
+the stream (`datasets.distributed.split_dataset_by_node`), its position in every checkpoint. What streams, the
+validation head, the rows each rank cuts and how a resume goes on bit for bit: docs/data.md, "Streaming".
 
 A rank's position is (epoch, the dataset's state_dict before it read its last batch of documents, ids of that
-batch used); resuming reads that batch again and drops the ids used, so the batches go on bit for bit.
+batch used); resuming reads that batch again and drops the ids used.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ Face cache directory is made of them.
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from dataclasses import replace
@@ -85,15 +86,8 @@ def _weight_count(files: list[Path]) -> int:
                 shapes = safetensors_shapes(f, path.name)
         except Damaged as err:
             raise ExportError(f"{path.parent}{os.sep}{err}") from None
-        total += sum(_numel(s) for s in shapes.values())
+        total += sum(math.prod(s) for s in shapes.values())
     return total
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def read_llama_weights(hf_dir: Path) -> dict:
