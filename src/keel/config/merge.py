@@ -214,11 +214,11 @@ def load_run_config(run_dir: Path) -> TrainConfig:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"{run_dir}: not a Keel run directory (no config.yaml)")
+    loaded = load_yaml(path, f"{path}: damaged run config")
     try:
-        loaded = OmegaConf.load(path)
         if not OmegaConf.is_dict(loaded):
             raise ConfigError("expected a mapping of sections at the top level")
         return to_config([OmegaConf.structured(TrainConfig()), loaded])
-    except Exception as err:  # YAML syntax, bytes that are not UTF-8, fields: all mean a damaged file
+    except Exception as err:  # a field of the wrong type or value: a damaged file too
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ConfigError(f"{path}: damaged run config ({reason})") from None
