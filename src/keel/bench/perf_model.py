@@ -27,6 +27,7 @@ from keel.bench import MODELLED_GPUS
 from keel.kernels.junction import MAX_FUSED_WIDTH
 from keel.model import ModelConfig, count_params, flops_per_token
 from keel.model.counting import count_param_tensors
+from keel.model.sizes import paper
 from keel.model.transformer import build_scheme
 from keel.runtime import CUDA_NAMES, GPU_MEMORY, PEAK_BF16
 
@@ -451,10 +452,8 @@ def gpu_spec(name: str) -> DeviceSpec | None:
 
 
 def paper_config(d_model: int, n_sublayers: int, scheme: str = "keel") -> ModelConfig:
-    """The paper's Table 8 shape: 16 query heads, 8 KV heads, SwiGLU FFN 3d; vocabulary 32000 as the GPU
-    campaign uses (the paper does not state one)."""
-    return ModelConfig(vocab_size=32000, d_model=d_model, n_blocks=n_sublayers // 2, n_heads=16, n_kv_heads=8,
-                       max_seq_len=4096, scheme=scheme)
+    """The paper's Table 8 shape (keel.model.sizes.paper) at width `d_model`, its SwiGLU FFN 3 x d_model."""
+    return paper(n_sublayers, d_model=d_model, d_ffn=None, scheme=scheme)
 
 
 def fits(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, ac_every: int = 0, **plan) -> bool:

@@ -1,7 +1,7 @@
-"""Named model sizes, one function each; every function takes field overrides as keywords.
+"""Named model sizes; every function takes field overrides as keywords.
 
 The paper's shapes follow its Table 8 (d=1024, 16 query heads, 8 KV heads, FFN 3x). The paper names
-its models by sub-layers (L), so `paper_512` has 512 sub-layers = 256 blocks. Its vocabulary is not
+its models by sub-layers (L), so `paper(512)` (`paper_512`) has 512 sub-layers = 256 blocks. Its vocabulary is not
 stated; 32000 (a Llama-2-sized BPE vocabulary) is the default here.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 from keel.model.architecture import ModelConfig
 
@@ -31,46 +32,18 @@ def science(**overrides) -> ModelConfig:
     return replace(ModelConfig(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, max_seq_len=64), **overrides)
 
 
-def _paper(n_sublayers: int, overrides: dict) -> ModelConfig:
+def paper(n_sublayers: int, **overrides) -> ModelConfig:
+    """The paper's model of `n_sublayers` sub-layers (n_sublayers / 2 blocks), d=1024: its own depths are 64, 128,
+    512 (its main model, about 3B parameters) and 1024 (its deepest); 2048 (about 13B) is twice that."""
     base = ModelConfig(vocab_size=32000, d_model=1024, n_blocks=n_sublayers // 2, n_heads=16,
                        n_kv_heads=8, d_ffn=3072, max_seq_len=4096)
     return replace(base, **overrides)
 
 
-def paper_64(**overrides) -> ModelConfig:
-    """The paper's 64-sub-layer model (32 blocks), d=1024."""
-    return _paper(64, overrides)
-
-
-def paper_128(**overrides) -> ModelConfig:
-    """The paper's 128-sub-layer model (64 blocks), d=1024."""
-    return _paper(128, overrides)
-
-
-def paper_512(**overrides) -> ModelConfig:
-    """The paper's main 512-sub-layer model (256 blocks), d=1024, about 3B parameters."""
-    return _paper(512, overrides)
-
-
-def paper_1024(**overrides) -> ModelConfig:
-    """The paper's deepest 1024-sub-layer model (512 blocks), d=1024."""
-    return _paper(1024, overrides)
-
-
-def paper_2048(**overrides) -> ModelConfig:
-    """2048 sub-layers (1024 blocks), d=1024: twice the paper's deepest, about 13B parameters."""
-    return _paper(2048, overrides)
-
-
-PRESETS: dict[str, Callable[..., ModelConfig]] = {
-    "tiny": tiny,
-    "cpu-demo": cpu_demo,
-    "paper-64": paper_64,
-    "paper-128": paper_128,
-    "paper-512": paper_512,
-    "paper-1024": paper_1024,
-    "paper-2048": paper_2048,
-}
+PAPER = {n: partial(paper, n) for n in (64, 128, 512, 1024, 2048)}  # each preset at the top level too: keel.paper_512
+paper_64, paper_128, paper_512, paper_1024, paper_2048 = PAPER.values()
+PRESETS: dict[str, Callable[..., ModelConfig]] = {"tiny": tiny, "cpu-demo": cpu_demo,
+                                                  **{f"paper-{n}": fn for n, fn in PAPER.items()}}
 
 
 def preset(name: str, **overrides) -> ModelConfig:
