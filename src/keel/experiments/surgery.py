@@ -31,18 +31,15 @@ def _slot(index: int) -> tuple[int, str]:
 
 
 @contextmanager
-def removed(model, index: int, unit: str = "sublayer"):
-    """The model with sub-layer `index` (or block `index`) replaced by the identity, restored after."""
-    kinds = ["attn", "ffn"] if unit == "block" else [_slot(index)[1]]
-    block = model.blocks[index if unit == "block" else index // 2]
-    saved = {k: getattr(block, f"{k}_res") for k in kinds}
-    for k in kinds:
-        setattr(block, f"{k}_res", Identity())
+def removed(model, index: int):
+    """The model with sub-layer `index` replaced by the identity, restored after."""
+    b, kind = _slot(index)
+    saved = getattr(model.blocks[b], f"{kind}_res")
+    setattr(model.blocks[b], f"{kind}_res", Identity())
     try:
         yield
     finally:
-        for k, module in saved.items():
-            setattr(block, f"{k}_res", module)
+        setattr(model.blocks[b], f"{kind}_res", saved)
 
 
 @contextmanager
@@ -111,11 +108,7 @@ def residual_terms(model, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Ten
 def residual_sizes(model, x: torch.Tensor) -> dict[str, list[float]]:
     """Per sub-layer, on the batch `x`: rms of the branch output F, of the scaled shortcut alpha*x, and of
     their sum (before norm_out)."""
-    def rms(t):
-        return t.pow(2).mean().sqrt().item()
-    out = {"rms_f": [], "rms_ax": [], "rms_sum": []}
-    for ax, h in residual_terms(model, x):
-        out["rms_f"].append(rms(h))
-        out["rms_ax"].append(rms(ax))
-        out["rms_sum"].append(rms(ax + h))
-    return out
+    terms = residual_terms(model, x)
+    rms = lambda ts: [t.pow(2).mean().sqrt().item() for t in ts]
+    return {"rms_f": rms(h for _, h in terms), "rms_ax": rms(ax for ax, _ in terms),
+            "rms_sum": rms(ax + h for ax, h in terms)}
