@@ -28,9 +28,10 @@ class Killed(Exception):
     """Stands for the process dying: nothing runs on the way out but `finally` blocks."""
 
 
-@pytest.fixture
-def cfg(corpus, tmp_path):
-    return build("frontier", True, [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+@pytest.fixture(scope="module")
+def cfg(corpus, tmp_path_factory):
+    """The quick frontier study's configuration, its token cache shared by the module's tests (none damages it)."""
+    return build("frontier", True, [f"data.source={corpus}", f"data.cache_dir={tmp_path_factory.mktemp('cache')}",
                                     f"run.steps={STEPS}", "curve_every=2", "curve_batches=1"])
 
 
@@ -59,13 +60,22 @@ def save_every_step(monkeypatch):
     monkeypatch.setattr(partial_module, "EVERY_SECONDS", 0.0)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(cfg, tmp_path_factory):
+    """The point uninterrupted (saving its progress after every step, as the killed ones do), run once for the
+    module's tests that compare a continued or restarted point with it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(partial_module, "EVERY_SECONDS", 0.0)
+        point = run_point(cfg, tmp_path_factory.mktemp("whole"))
+    assert "resumed_at" not in point
+    return point
+
+
 def partial_of(out):
     return out / "points" / "p.partial"
 
 
-def test_a_killed_point_continues_to_the_uninterrupted_points_numbers(cfg, tmp_path, capsys):
-    whole = run_point(cfg, tmp_path / "whole")
-    assert "resumed_at" not in whole
+def test_a_killed_point_continues_to_the_uninterrupted_points_numbers(cfg, uninterrupted, tmp_path, capsys):
     with pytest.raises(Killed):
         run_point(cfg, tmp_path / "killed", kill_after=7)
     assert not store.exists(tmp_path / "killed" / "points", "p")
@@ -75,7 +85,7 @@ def test_a_killed_point_continues_to_the_uninterrupted_points_numbers(cfg, tmp_p
     resumed = run_point(cfg, tmp_path / "killed")
     assert "keel: p: continued from step 7 (its saved progress)" in capsys.readouterr().err.splitlines()
     assert resumed["resumed_at"] == [7]
-    assert numbers(resumed) == numbers(whole)  # losses of every step, curve, select and report losses: exact
+    assert numbers(resumed) == numbers(uninterrupted)  # losses of every step, curve, select and report losses: exact
     assert len(resumed["losses"]) == STEPS and resumed["seconds"] > 0
     assert not partial_of(tmp_path / "killed").exists()  # gone once the point's file is written
 
@@ -93,9 +103,8 @@ def signalled_at(n_calls, signum=signal.SIGTERM):
     return check
 
 
-def test_sigterm_saves_the_points_progress_at_the_next_step_boundary(cfg, tmp_path, monkeypatch, capsys):
+def test_sigterm_saves_the_points_progress_at_the_next_step_boundary(cfg, uninterrupted, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(partial_module, "EVERY_SECONDS", 1e9)  # no save on the clock: only the signal's
-    whole = run_point(cfg, tmp_path / "whole")
     before = signal.getsignal(signal.SIGTERM)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(runtime, "stop_if_signalled", signalled_at(1 + 7))  # during step 7 of 12 (index 6)
@@ -105,7 +114,7 @@ def test_sigterm_saves_the_points_progress_at_the_next_step_boundary(cfg, tmp_pa
     assert "keel: p: progress saved at step 7" in capsys.readouterr().err.splitlines()
     assert sorted(p.name for p in (partial_of(tmp_path / "stopped") / "checkpoints").iterdir()) == ["step_00000007"]
     resumed = run_point(cfg, tmp_path / "stopped")
-    assert resumed["resumed_at"] == [7] and numbers(resumed) == numbers(whole)
+    assert resumed["resumed_at"] == [7] and numbers(resumed) == numbers(uninterrupted)
 
 
 def test_a_signal_in_the_last_step_finishes_the_point_and_stops_the_sweep_before_the_next(cfg, tmp_path,
@@ -125,16 +134,15 @@ def test_a_signal_in_the_last_step_finishes_the_point_and_stops_the_sweep_before
     assert len(store.load(tmp_path / "points", "a")["losses"]) == STEPS
 
 
-def test_a_point_killed_twice_records_both_continuations(cfg, tmp_path):
-    whole = run_point(cfg, tmp_path / "whole")
+def test_a_point_killed_twice_records_both_continuations(cfg, uninterrupted, tmp_path):
     for steps in (3, 2):  # the second process dies two steps after it continued from step 3
         with pytest.raises(Killed):
             run_point(cfg, tmp_path / "killed", kill_after=steps)
     resumed = run_point(cfg, tmp_path / "killed")
-    assert resumed["resumed_at"] == [3, 5] and numbers(resumed) == numbers(whole)
+    assert resumed["resumed_at"] == [3, 5] and numbers(resumed) == numbers(uninterrupted)
 
 
-def test_progress_of_another_configuration_is_discarded_and_the_point_starts_over(cfg, tmp_path, capsys):
+def test_progress_of_another_configuration_is_discarded_and_the_point_starts_over(cfg, uninterrupted, tmp_path, capsys):
     with pytest.raises(Killed):
         run_point(cfg, tmp_path / "a", lr=1e-2, kill_after=6)
     other = tmp_path / "b"
@@ -142,10 +150,10 @@ def test_progress_of_another_configuration_is_discarded_and_the_point_starts_ove
     partial_of(tmp_path / "a").rename(partial_of(other))  # lr 1e-2's progress where the lr 3e-3 point looks
     point = run_point(cfg, other)
     assert "another configuration" in capsys.readouterr().err and "resumed_at" not in point
-    assert numbers(point) == numbers(run_point(cfg, tmp_path / "fresh"))
+    assert numbers(point) == numbers(uninterrupted)
 
 
-def test_a_damaged_save_is_discarded_with_one_line_and_the_point_starts_over(cfg, tmp_path, capsys):
+def test_a_damaged_save_is_discarded_with_one_line_and_the_point_starts_over(cfg, uninterrupted, tmp_path, capsys):
     with pytest.raises(Killed):
         run_point(cfg, tmp_path / "killed", kill_after=6)
     weights = next(partial_of(tmp_path / "killed").glob("checkpoints/*/model.safetensors"))
@@ -153,7 +161,7 @@ def test_a_damaged_save_is_discarded_with_one_line_and_the_point_starts_over(cfg
     point = run_point(cfg, tmp_path / "killed")
     err = [line for line in capsys.readouterr().err.splitlines() if "not continued" in line]
     assert len(err) == 1 and "p.partial" in err[0] and "resumed_at" not in point
-    assert numbers(point) == numbers(run_point(cfg, tmp_path / "fresh"))
+    assert numbers(point) == numbers(uninterrupted)
 
 
 def test_progress_computed_with_another_thread_count_is_discarded(cfg, tmp_path, monkeypatch, capsys):
