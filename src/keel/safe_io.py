@@ -86,8 +86,8 @@ def _regular(fd: int, path: Path) -> None:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
-        raise DataError(f"{path}: is {kind}; keel reads and writes only regular files in a run directory")
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+        raise DataError(f"{path}: not a regular file ({kind}); keel reads and writes only regular files")
 
 
 def temporary(path: Path):
@@ -148,24 +148,30 @@ def open_lock(root, path):
     return os.fdopen(fd, "r+b")
 
 
+def read_regular(path, cap: int, follow_links: bool = False) -> bytes:
+    """The bytes of `path`: a regular file (a FIFO is refused, never waited on) of at most `cap` bytes, refused
+    before a byte is read; a symbolic link is refused (ELOOP) unless `follow_links`. OSError as os.open's."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW))
+    _regular(fd, path)
+    with os.fdopen(fd, "rb") as f:
+        if os.fstat(f.fileno()).st_size > cap:
+            raise DataError(f"{path}: larger than {cap / MiB:g} MiB, refused")
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        raise DataError(f"{path}: larger than {cap / MiB:g} MiB, refused")
+    return data
+
+
 def read_bytes(root, path, cap: int) -> bytes | None:
     """The bytes of `path` (under `root`), None if it does not exist. Refuses a link, a non-regular file, or
     one larger than `cap`, before reading it."""
     path = inside(root, path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        return read_regular(path, cap)
     except FileNotFoundError:
         return None
     except OSError as err:
         raise _refuse(path, err, "read it") from None
-    _regular(fd, path)
-    with os.fdopen(fd, "rb") as f:
-        if os.fstat(f.fileno()).st_size > cap:
-            raise DataError(f"{path}: larger than {cap // MiB} MiB, refused")
-        data = f.read(cap + 1)
-    if len(data) > cap:
-        raise DataError(f"{path}: larger than {cap // MiB} MiB, refused")
-    return data
 
 
 def read_text(root, path, cap: int) -> str | None:

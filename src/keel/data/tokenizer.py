@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import re
-import stat
 from collections.abc import Iterable, Iterator
 from functools import cached_property
 from pathlib import Path
@@ -273,20 +272,12 @@ def read_capped(path: Path, follow_links: bool = True) -> bytes:
     """The bytes of a tokenizer file: a regular file (a FIFO is refused, not waited on) of at most
     MAX_TOKENIZER_BYTES, checked before reading. Without `follow_links` a symlink is refused (a run
     directory's files: keel never writes a link there)."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW)
     try:
-        fd = os.open(path, flags)
+        return safe_io.read_regular(path, MAX_TOKENIZER_BYTES, follow_links)
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise DataError(f"{path}: is a symbolic link; keel does not follow links inside a run directory") from None
         raise
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise DataError(f"{path}: not a regular file")
-        if info.st_size > MAX_TOKENIZER_BYTES:
-            raise DataError(f"{path}: larger than {MAX_TOKENIZER_BYTES >> 20} MiB, refused")
-        return f.read(MAX_TOKENIZER_BYTES)
 
 
 def load_saved_tokenizer(directory):

@@ -12,10 +12,8 @@ import difflib
 import hashlib
 import importlib.util
 import json
-import os
 import random
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,13 +159,5 @@ def _harness_task(name: str, field: str) -> HarnessTask:
 
 
 def _read_task_file(path: Path) -> str:
-    """The text of a task YAML: a regular file (a FIFO is refused, not waited on) of at most TASK_FILE_CAP
-    bytes. A run's config names it, so it is read whenever that config is loaded (`keel runs` too)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise ValueError("not a regular file")
-        data = f.read(TASK_FILE_CAP + 1)
-    if len(data) > TASK_FILE_CAP:
-        raise ValueError(f"larger than {TASK_FILE_CAP >> 10} KiB")
-    return data.decode("utf-8")
+    # a run's config names it, so it is read whenever that config is loaded (`keel runs` too): never waited on
+    return safe_io.read_regular(path, TASK_FILE_CAP, follow_links=True).decode("utf-8")
