@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from keel.data.shards import is_count
 from keel.safe_io import loads_json
 
 FILES = ("model.safetensors", "state.pt", "meta.json")  # format "safetensors": exactly these
@@ -68,11 +69,8 @@ def open_regular(path: Path):
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open_regular(path) as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _read_small(path: Path) -> bytes:
@@ -244,10 +242,6 @@ def check_shards(path: Path, manifest: dict, metadata) -> None:
 # content. Each field a resume restores is checked here for type (and the optimiser's tensors for shape),
 # so a bad one is refused at load in one line, never as a TypeError at restore or a RuntimeError at the
 # first step. Fields are checked when present: checkpoints without training state (keel import-hf) load.
-def _count(v) -> bool:
-    return type(v) is int and v >= 0
-
-
 _CPU_RNG_BYTES = torch.Generator().get_state().numel()  # 5056: the Mersenne Twister's state, seed and offset
 _CUDA_RNG_BYTES = 16  # Philox: seed and offset
 
@@ -258,12 +252,12 @@ def _rng(v, size: int = _CPU_RNG_BYTES) -> bool:
 
 
 _META = {
-    "draws": (_count, "an integer >= 0"),
-    "rollbacks": (_count, "an integer >= 0"),
-    "global_batch": (_count, "an integer >= 0"),
-    "world_size": (_count, "an integer >= 0"),
+    "draws": (is_count, "an integer >= 0"),
+    "rollbacks": (is_count, "an integer >= 0"),
+    "global_batch": (is_count, "an integer >= 0"),
+    "world_size": (is_count, "an integer >= 0"),
     "lr_scale": (lambda v: type(v) in (int, float) and 0 < v < float("inf"), "a positive number"),
-    "skip_draws": (lambda v: isinstance(v, list) and all(map(_count, v)), "a list of integers >= 0"),
+    "skip_draws": (lambda v: isinstance(v, list) and all(map(is_count, v)), "a list of integers >= 0"),
     "guard": (lambda v: isinstance(v, dict) and isinstance(v.get("history", []), list)
               and all(type(x) in (int, float) for x in v.get("history", [])), "an object with a list of numbers"),
 }
@@ -281,7 +275,7 @@ def check_training_state(state: dict, meta: dict, model) -> None:
             raise Damaged(f"state.pt: {key} is not a random-generator state (a 1-D uint8 tensor of {size} bytes)")
     if "sampler" in state:
         sampler = state["sampler"]
-        if not (isinstance(sampler, dict) and _rng(sampler.get("generator")) and _count(sampler.get("step"))):
+        if not (isinstance(sampler, dict) and _rng(sampler.get("generator")) and is_count(sampler.get("step"))):
             raise Damaged(f"state.pt: sampler is not {{generator: uint8 tensor of {_CPU_RNG_BYTES} bytes, "
                           "step: integer >= 0}")
     if "optimizer" in state:
