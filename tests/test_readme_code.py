@@ -9,6 +9,9 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,17 +58,135 @@ def fenced_blocks(path: Path) -> list[Block]:
     return blocks
 
 
-def run_block(block: Block, cwd: Path) -> subprocess.CompletedProcess:
-    """The block as a script in `cwd`, with this interpreter's `keel`/`torchrun` first on PATH, offline."""
+def run_block(block: Block, cwd: Path, server: tuple[Path, Path] | None = None) -> subprocess.CompletedProcess:
+    """The block as a script in `cwd`, with this interpreter's `keel`/`torchrun` first on PATH, offline; with a
+    `server` (keel_server below: its client's folder and socket), `keel` is that client."""
     script = cwd / ("block.py" if block.lang == "python" else "block.sh")
     script.write_text(block.code)
     argv = [*RUNNERS[block.lang], script.name]
     if argv[0] == "python":
         argv[0] = sys.executable
-    env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-                        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "MPLBACKEND": "Agg",
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = os.environ | {"PATH": path, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "MPLBACKEND": "Agg",
                         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if server is not None:
+        env |= {"PATH": f"{server[0]}{os.pathsep}{path}", "KEEL_DOCS_SERVER": str(server[1])}
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+# ---- `keel` in a page's shell blocks: forked from one interpreter that has imported what the commands import ----
+# Each `keel` command of a page is otherwise a fresh interpreter paying 2 to 4 CPU seconds of imports (torch,
+# dynamo, matplotlib) before a tiny run of about one. For a page's blocks, `keel` on PATH is a small client
+# (CLIENT): it hands its arguments, working directory, environment and standard streams to a server started
+# with the blocks' environment, which forks and runs keel.cli.main() there, as the console script does
+# (`sys.exit(main())`), and answers with its exit status. What a fresh process would read from the environment
+# as torch loads (OMP_NUM_THREADS, OMP_WAIT_POLICY, MPLBACKEND) is the server's, which is the blocks' own: the
+# pages set none. The installed console script itself is run by test_a_block_that_drifted_fails (no server).
+CLIENT = """\
+import json, os, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(os.environ["KEEL_DOCS_SERVER"])
+request = json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+socket.send_fds(s, [request], [0, 1, 2])
+s.shutdown(socket.SHUT_WR)
+reply = b"".join(iter(lambda: s.recv(64), b""))
+sys.exit(int(reply) if reply else 70)  # no reply: the forked command died without a status
+"""
+PREIMPORT = ("keel.cli", "keel.train.trainer", "keel.train.evaluate", "keel.reporting.plan", "keel.reporting.plot",
+             "keel.reporting.tables", "keel.generate", "keel.runs.run_dir")
+
+
+def serve(path: str) -> None:
+    """The server: import what the commands import, then fork one child per client; runs until killed."""
+    import importlib
+    import socket
+
+    from keel.launch import launcher_environment
+
+    launcher_environment()  # as keel.cli.main does, before torch loads
+    for module in PREIMPORT:
+        importlib.import_module(module)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path + ".new")
+    listener.listen()
+    os.rename(path + ".new", path)  # the client's socket exists only once it listens
+    while True:
+        conn, _ = listener.accept()
+        data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+        while chunk := conn.recv(1 << 16):
+            data += chunk
+        request = json.loads(data)
+        if os.fork() == 0:  # the command; this process ends here whatever happens
+            rc = 70
+            try:
+                listener.close()
+                rc = _command(request, fds)
+                conn.sendall(str(rc).encode())
+            finally:
+                os._exit(rc)
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            pass
+
+
+def _command(request: dict, fds: list[int]) -> int:
+    """In the forked child: the client's streams, directory, environment and arguments, then the console script's
+    `sys.exit(main())`; returns the exit status the interpreter would give."""
+    import traceback
+
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = ["keel", *request["argv"]]
+    try:
+        sys.exit(sys.modules["keel.cli"].main())
+    except SystemExit as stop:  # as the interpreter turns sys.exit's argument into a status
+        code = stop.code
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
+        rc = 0 if code is None else code if isinstance(code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+    return rc
+
+
+@contextmanager
+def keel_server(directory: Path):
+    """A server for one page's blocks (in their environment); yields its `keel` client's folder and its socket."""
+    bin_dir, log = directory / "bin", directory / "keel-server.log"
+    bin_dir.mkdir()
+    (bin_dir / "keel").write_text(f"#!{sys.executable} -S\n{CLIENT}")
+    (bin_dir / "keel").chmod(0o755)
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "MPLBACKEND": "Agg",
+                        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    with tempfile.TemporaryDirectory(prefix="keel-") as short, log.open("w") as err:  # a socket path: < 108 bytes
+        socket_path = Path(short) / "sock"
+        code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_readme_code as t; "
+                f"t.serve({str(socket_path)!r})")
+        server = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            deadline = time.monotonic() + TIMEOUT_S
+            while not socket_path.exists():  # it appears once the server listens
+                assert server.poll() is None, f"the keel server ended: {log.read_text()[-3000:]}"
+                assert time.monotonic() < deadline, "the keel server did not start"
+                time.sleep(0.05)
+            yield bin_dir, socket_path
+        finally:
+            server.kill()
+            server.wait()
 
 
 def _page(path: Path):
@@ -79,14 +200,20 @@ def test_every_page_runs_in_order_as_written(page, tmp_path):
     """A page's blocks one after the other in one empty directory, as a reader pastes them going down the page
     (a later block may use what an earlier one made; none may trip over it); a block with a `not run` line is
     passed over, its reason printed."""
-    for block in (b for b in fenced_blocks(page) if b.lang in RUNNERS):
-        if block.not_run:
-            print(f"{block.where}: not run: {block.not_run}")
-            continue
-        proc = run_block(block, tmp_path)
-        assert proc.returncode == 0, (f"{block.where} ({block.lang}) exited {proc.returncode}, after the page's "
-                                      f"blocks above it:\n{block.code}\n--- stdout ---\n{proc.stdout[-3000:]}\n"
-                                      f"--- stderr ---\n{proc.stderr[-3000:]}")
+    work = tmp_path / "page"
+    work.mkdir()
+    with ExitStack() as stack:
+        server = None
+        for block in (b for b in fenced_blocks(page) if b.lang in RUNNERS):
+            if block.not_run:
+                print(f"{block.where}: not run: {block.not_run}")
+                continue
+            if server is None and block.lang == "bash" and re.search(r"^keel ", block.code, flags=re.M):
+                server = stack.enter_context(keel_server(tmp_path))
+            proc = run_block(block, work, server)
+            assert proc.returncode == 0, (f"{block.where} ({block.lang}) exited {proc.returncode}, after the "
+                                          f"page's blocks above it:\n{block.code}\n--- stdout ---\n"
+                                          f"{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}")
 
 
 def test_every_block_is_run_or_says_why_not():
@@ -111,6 +238,26 @@ def test_a_block_that_drifted_fails(tmp_path):
                        ("bash", "keel train --preset tiny run.no_such_field=1\necho not reached\n")):
         proc = run_block(Block(README, 0, lang, code, None), tmp_path)
         assert proc.returncode != 0 and "not reached" not in proc.stdout, (lang, proc.stdout, proc.stderr)
+
+
+@pytest.mark.slow  # a server importing torch
+def test_keel_through_the_server_answers_as_the_console_script(tmp_path):
+    """The pages' `keel` (a client of keel_server) exits, prints and fails as the installed command does: a refused
+    option stops the block with the command's one error line, output reaches a pipe."""
+    blocks = {"refused": "keel train --preset tiny run.no_such_field=1\necho not reached\n",
+              "version": "keel --version | tr a-z A-Z\n",
+              "missing": "keel eval no-such-run-dir\n"}
+    work = tmp_path / "work"
+    work.mkdir()
+    real = {name: run_block(Block(README, 0, "bash", code, None), work) for name, code in blocks.items()}
+    with keel_server(tmp_path) as server:
+        served = {name: run_block(Block(README, 0, "bash", code, None), work, server)
+                  for name, code in blocks.items()}
+    for name in blocks:
+        assert (served[name].returncode, served[name].stdout) == (real[name].returncode, real[name].stdout), name
+        assert served[name].stderr.splitlines()[-1:] == real[name].stderr.splitlines()[-1:], name
+    assert real["refused"].returncode == 2 and "no_such_field" in real["refused"].stderr
+    assert real["version"].stdout.startswith("KEEL ") and real["missing"].returncode == 2
 
 
 # ---- the README's Python API, checked against independent numbers ---------------------------------------
