@@ -15,6 +15,10 @@ from keel.experiments import common
 from keel.reporting.plot import build_figure
 from keel_studies import frontier
 
+# every test here draws on a trained run or the tiny study's points (module fixtures of 2 to 3 CPU s each), and
+# each figure drawn costs about a CPU second: the whole module is in the slow tier (CI)
+pytestmark = pytest.mark.slow
+
 TRAIN = ["--preset", "tiny", "run.steps=12", "run.telemetry_every=4", "run.eval_every=1000", "run.progress=false"]
 
 
@@ -45,7 +49,6 @@ def has_data(ax) -> bool:
     return any(len(line.get_xdata()) for line in ax.lines) or bool(ax.images) or bool(ax.collections)
 
 
-@pytest.mark.slow  # over a second in tests/durations.json
 def test_a_run_without_validation_has_no_empty_panel_and_says_why(runs):
     fig = build_figure([runs[1]])
     assert [ax.get_title() for ax in data_axes(fig) if not has_data(ax)] == []
@@ -61,8 +64,7 @@ def test_every_panel_is_against_the_step_over_one_range(runs):
     assert len({tuple(round(x, 6) for x in ax.get_xlim()) for ax in axes}) == 1
 
 
-# case 0 took over a second in tests/durations.json; 1 and 2 keep the check in the fast tier
-@pytest.mark.parametrize("which", [pytest.param(0, marks=pytest.mark.slow), 1, 2])
+@pytest.mark.parametrize("which", [0, 1, 2])
 def test_the_figure_fills_the_canvas_and_every_title_fits(runs, which):
     fig = build_figure([runs[which]])
     renderer = fig.canvas.get_renderer()
@@ -120,7 +122,6 @@ def _run_study(corpus, points, out, quick: bool, monkeypatch):
     return figures
 
 
-@pytest.mark.slow  # over a second in tests/durations.json
 def test_a_quick_report_and_its_figures_say_smoke_test(corpus, study_points, tmp_path, monkeypatch):
     figures = _run_study(corpus, study_points, tmp_path / "quick", True, monkeypatch)
     report = (tmp_path / "quick" / "report.md").read_text()
@@ -150,7 +151,6 @@ def test_a_full_report_carries_no_banner(corpus, study_points, tmp_path, monkeyp
 
 
 # ---- heatmaps of short runs ----------------------------------------------------------------------------------
-@pytest.mark.slow  # over a second in tests/durations.json
 def test_heatmap_columns_are_centred_on_their_steps(runs):
     images = [im for ax in build_figure([runs[0]]).axes for im in ax.images]
     assert len(images) == 3  # gradient norm, stream RMS, |F| / |alpha x|

@@ -100,6 +100,7 @@ class _Plan:
         return stages
 
 
+@pytest.mark.slow  # 1.3 CPU s in the fast tier
 def test_pipeline_stages_hand_sums_on_inside_a_stage_but_not_across_one():
     """A stage's first block cannot normalise a sum the previous stage handed on (that norm lives on another rank):
     every junction is fused but the one into the second stage, the stages chain to the plain model's logits, and

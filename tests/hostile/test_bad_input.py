@@ -108,6 +108,7 @@ def test_bad_command_line_values_are_refused_before_any_work(argv, needle, tmp_p
     assert not (tmp_path / "tok.json").exists() and not list((tmp_path / "run").glob("lm_eval-*"))
 
 
+@pytest.mark.slow  # about a second: 0.8 CPU s in the fast tier, over a second on an idle core before
 def test_a_config_file_nested_100000_deep_is_one_line(args, tmp_path, capsys):
     """YAML's composer recurses once per level: was a RecursionError traceback from the --config check."""
     (tmp_path / "deep.yaml").write_text("model:\n  scheme: " + "[" * 100_000 + "]" * 100_000 + "\n")

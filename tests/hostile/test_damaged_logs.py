@@ -49,12 +49,12 @@ DAMAGE = {
 }
 
 
-# one damage in the fast tier (each costs a plot and a resumed run: about 2 s); every damage in the slow one
-FAST_DAMAGE = ("torn summary",)
+# one damage also draws the resumed run's curves (the others skip that second plot of the same logs)
+DRAWS_AGAIN = ("torn summary",)
 
 
-@pytest.mark.parametrize("damage", [d if d in FAST_DAMAGE else pytest.param(d, marks=pytest.mark.slow)
-                                    for d in DAMAGE])
+@pytest.mark.slow  # the module's tiny run, then a plot and a resumed run per damage: 6 CPU s for the first
+@pytest.mark.parametrize("damage", list(DAMAGE))
 def test_damaged_logs_are_skipped_with_one_note(trained, tmp_path, capsys, monkeypatch, damage):
     """keel runs, keel plot and keel train resume= on a run whose logs were damaged: no traceback; a damaged
     record is skipped with one note naming the file, an unusable file is ignored (runs, plot) or refused in
@@ -63,8 +63,8 @@ def test_damaged_logs_are_skipped_with_one_note(trained, tmp_path, capsys, monke
 
     from keel.train.trainer import Trainer
 
-    if damage not in FAST_DAMAGE:  # the resumed run's curves are `keel plot`'s figure of the same damaged logs,
-        # drawn just before it: the fast case draws them again, the others skip that second plot
+    if damage not in DRAWS_AGAIN:  # the resumed run's curves are `keel plot`'s figure of the same damaged logs,
+        # drawn just before it: one case draws them again, the others skip that second plot
         monkeypatch.setattr(Trainer, "draw_curves", lambda self, quiet=False: None)
     runs = tmp_path / "runs"
     run = runs / "clean"
@@ -103,7 +103,7 @@ _lines = st.lists(st.one_of(st.dictionaries(_keys, _values, max_size=5).map(json
                             st.text(max_size=12)), max_size=6)
 
 
-@pytest.mark.slow  # 80 examples; the damaged-log tests above keep the readers in the fast tier
+@pytest.mark.slow  # 80 examples
 @settings(max_examples=80, deadline=None)
 @given(metrics=_lines, telemetry=_lines, summary=st.one_of(_values.map(json.dumps), st.text(max_size=12)))
 def test_log_readers_never_raise_on_any_lines(trained, metrics, telemetry, summary):

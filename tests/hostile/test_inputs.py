@@ -162,7 +162,7 @@ TOKENIZER_CASES = {
                             + [f"data.source={corpus_file(tmp)}"], "--vocab-size"),
 }
 TOKENIZER_WORKS = {
-    "directory 1,500 levels deep": lambda tmp, mp: tok(deep_dir(tmp / "in", 1500)),
+    "directory 1,500 levels deep": lambda tmp, mp: tok(deep_dir(tmp / "in", 1500)),  # slow (2 CPU s)
     "a line of millions of characters": long_line,
     "3 GB sparse file in a directory": sparse_in_directory,
 }
@@ -225,7 +225,8 @@ def test_refused_in_one_line(case, tmp_path, monkeypatch, capsys):
     assert snapshot(tmp_path, tmp_path / "out") == before
 
 
-@pytest.mark.parametrize("case", list(TOKENIZER_WORKS))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if "1,500" in c else c
+                                  for c in TOKENIZER_WORKS])
 def test_tokenizer_reads_what_it_can_in_bounded_memory(case, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     try:

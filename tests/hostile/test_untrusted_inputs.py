@@ -242,6 +242,7 @@ def test_deeply_nested_run_files_are_noted_not_tracebacks(run, name, capsys):
     assert "Traceback" not in err and f"{name}: not valid JSON (nested too deeply)" in err
 
 
+@pytest.mark.slow  # 1.1 CPU s in the fast tier (the plot)
 def test_a_deep_or_huge_metrics_line_is_skipped_by_runs_and_plot(run, tmp_path, capsys):
     with open(run / "metrics.jsonl", "a") as f:
         f.write(DEEP + "\n" + json.dumps({"step": 10**30, "loss": 1.0}) + "\n")
