@@ -148,12 +148,17 @@ def open_lock(root, path):
     return os.fdopen(fd, "r+b")
 
 
-def read_regular(path, cap: int, follow_links: bool = False) -> bytes:
-    """The bytes of `path`: a regular file (a FIFO is refused, never waited on) of at most `cap` bytes, refused
-    before a byte is read; a symbolic link is refused (ELOOP) unless `follow_links`. OSError as os.open's."""
+def open_regular(path, follow_links: bool = False):
+    """`path` opened for binary reading if it is a regular file (DataError otherwise): a FIFO is opened non-blocking
+    and refused, never waited on; a symbolic link is refused (ELOOP) unless `follow_links`. OSError as os.open's."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW))
     _regular(fd, path)
-    with os.fdopen(fd, "rb") as f:
+    return os.fdopen(fd, "rb")
+
+
+def read_regular(path, cap: int, follow_links: bool = False) -> bytes:
+    """The bytes of `path` (`open_regular`), of at most `cap` bytes, refused before a byte is read."""
+    with open_regular(path, follow_links) as f:
         if os.fstat(f.fileno()).st_size > cap:
             raise DataError(f"{path}: larger than {cap / MiB:g} MiB, refused")
         data = f.read(cap + 1)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from keel import safe_io
 from keel.errors import DataError
 
 BLOCK = 1 << 20  # bytes read at a time
@@ -72,13 +73,11 @@ def walk(root: Path, suffixes, prune=()) -> list[tuple[str, int, int]]:
 def open_file(path: Path):
     """`path` opened for reading if it is a regular file (a FIFO is not waited on; a device is refused)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        return safe_io.open_regular(path, follow_links=True)
+    except DataError:
+        raise NotText("not a regular file") from None
     except OSError as err:
         raise DataError(f"{path}: cannot read ({err.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise NotText("not a regular file")
-    return os.fdopen(fd, "rb")
 
 
 def scan(path: Path) -> list[Block]:

@@ -29,13 +29,14 @@ import json
 import os
 import pickle
 import re
-import stat
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from keel import safe_io
 from keel.data.shards import is_count
+from keel.errors import DataError
 from keel.safe_io import loads_json
 
 FILES = ("model.safetensors", "state.pt", "meta.json")  # format "safetensors": exactly these
@@ -52,20 +53,17 @@ class Damaged(Exception):
 
 # ---- reading files that may be hostile -------------------------------------------------------------
 def open_regular(path: Path):
-    """`path` opened for reading only if it is a regular file: a symlink is not followed, and a FIFO is
-    opened non-blocking and refused rather than waited on forever."""
+    """`path` opened for reading by keel.safe_io.open_regular (no link, no FIFO waited on), a refusal `Damaged`."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        return safe_io.open_regular(path)
+    except DataError:
+        raise Damaged(f"{path.name} is not a regular file") from None
     except OSError as err:
         if err.errno == errno.ENOENT:
             raise Damaged(f"{path.name} missing") from None
         if err.errno == errno.ELOOP:
             raise Damaged(f"{path.name} is a symbolic link") from None
         raise Damaged(f"{path.name} unreadable ({err.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise Damaged(f"{path.name} is not a regular file")
-    return os.fdopen(fd, "rb")
 
 
 def sha256(path: Path) -> str:
