@@ -43,7 +43,6 @@ from torch import nn
 from keel.errors import CheckpointError
 from keel.runs.paths import checkpoint_dir, list_checkpoints
 from keel.runs.untrusted import (
-    FILES,
     Damaged,
     check_optimizer,
     check_training_state,
@@ -220,9 +219,7 @@ def save(run_dir: Path, step: int, model: nn.Module, state: dict, meta: dict, ke
     try:
         _fresh(tmp)
         save_model(model, str(tmp / "model.safetensors"))
-        torch.save(state, tmp / "state.pt")
-        (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
-        _commit(tmp, final, "safetensors", FILES)
+        _commit(tmp, final, "safetensors", step, state, meta)
     except BaseException as err:  # whatever it was, the half-written directory goes
         shutil.rmtree(tmp, ignore_errors=True)
         if (reason := _write_failure(err)) is None:
@@ -264,14 +261,8 @@ def save_sharded(run_dir: Path, step: int, model: nn.Module, optimizer, state: d
     model_sd, optim_sd = get_state_dict(model, optimizer)
     # DCP gathers every rank's write result, so when one rank fails, it raises on all of them
     failed = _attempt(lambda: dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp)))
-
-    def finish():
-        torch.save(state, tmp / "state.pt")
-        (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
-        _commit(tmp, final, "dcp", sorted(p.name for p in tmp.iterdir()))
-
     if main and failed is None:
-        failed = _attempt(finish)
+        failed = _attempt(lambda: _commit(tmp, final, "dcp", step, state, meta))
     if main and failed is not None:
         shutil.rmtree(tmp, ignore_errors=True)
     _raise_on_every_rank(failed, final)
@@ -336,8 +327,12 @@ def _fresh(tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _commit(tmp: Path, final: Path, fmt: str, names) -> None:
-    """Checksum `names` in `tmp` into its manifest, fsync everything, then rename `tmp` to `final`."""
+def _commit(tmp: Path, final: Path, fmt: str, step: int, state: dict, meta: dict) -> None:
+    """Add state.pt and meta.json to the weights in `tmp`, checksum every file into its manifest, fsync everything,
+    then rename `tmp` to `final`."""
+    torch.save(state, tmp / "state.pt")
+    (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
+    names = sorted(p.name for p in tmp.iterdir())
     manifest = {"format": fmt, **{name: sha256(tmp / name) for name in names}}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     for name in (*names, "manifest.json", "."):
