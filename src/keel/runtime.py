@@ -47,6 +47,7 @@ def check_device(value: str, name: str) -> None:
     if value not in DEVICES and not (kind == "cuda" and index.isdigit()):
         raise ConfigError(f"{name}: got {value!r}; allowed: auto, cpu, cuda, cuda:N")
 
+
 DTYPES = ("auto", "float32", "bfloat16")
 
 # dense bf16 peak FLOP/s by GPU part (vendor datasheets), for MFU and the performance model
