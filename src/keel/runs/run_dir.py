@@ -239,15 +239,8 @@ class RunDir(os.PathLike):
         damaged, a string where a number belongs, no integer step) is skipped with one note naming the file
         and lines; an unreadable file (a directory, no permission) is skipped with one note."""
         path = self.path / name
-        try:
-            text = safe_io.read_text(self.path, path, safe_io.CAP_LOG)  # a link, FIFO or oversized log: one line
-            if text is None:
-                return []
-        except DataError as err:  # a planted link, FIFO or directory: noted, never followed or waited on
-            _note(f"{str(err).removeprefix('keel: ')}; skipped")
-            return []
-        except OSError as err:
-            _note(f"{path}: cannot read ({err.strerror or err}); skipped")
+        text = _read_or_note(path, safe_io.CAP_LOG, "skipped")
+        if text is None:
             return []
         out, bad = [], []
         for n, line in enumerate((line for line in text.splitlines() if line.strip()), 1):
@@ -451,19 +444,25 @@ def _valid_record(record, name: str) -> bool:
     return all(v is None or _number(v) or (k in _TEXT_FIELDS and isinstance(v, str)) for k, v in values)
 
 
+def _read_or_note(path: Path, cap: int, then: str) -> str | None:
+    # None when absent, or refused by keel.safe_io (a planted link, FIFO or directory: never followed or waited on)
+    # or unreadable, which is noted with what is done `then`
+    try:
+        return safe_io.read_text(path.parent, path, cap)
+    except DataError as err:
+        _note(f"{str(err).removeprefix('keel: ')}; {then}")
+    except OSError as err:
+        _note(f"{path}: cannot read ({err.strerror or err}); {then}")
+    return None
+
+
 def _read_json_object(path: Path) -> dict | None:
     """A JSON object file, or None if absent; one that is unreadable, torn or not an object is noted, None."""
-    try:  # a link, FIFO or oversized file is refused in one line (keel.safe_io)
-        text = safe_io.read_text(path.parent, path, safe_io.CAP_SMALL)
-        if text is None:
-            return None
+    text = _read_or_note(path, safe_io.CAP_SMALL, "ignored")
+    if text is None:
+        return None
+    try:
         value = safe_io.loads_json(text)
-    except DataError as err:  # a planted link, FIFO or directory: noted, never followed or waited on
-        _note(f"{err}; ignored")
-        return None
-    except OSError as err:
-        _note(f"{path}: cannot read ({err.strerror or err}); ignored")
-        return None
     except ValueError as err:
         _note(f"{path}: not valid JSON ({str(err).splitlines()[0]}); ignored")
         return None
