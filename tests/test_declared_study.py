@@ -54,7 +54,7 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     assert main(["sweep", str(path)]) == 0
     out = path.parent
     results = json.loads((out / "results.json").read_text())["results"]
-    points = store.load_all(out / "points")
+    points = {k: store.load(out / "points", k) for k in store.keys(out / "points")}
     for cell, depth in (("n_blocks1", 1), ("n_blocks2", 2)):
         for arm in ("keel", "pre_ln", "post_ln"):
             run = {k: p for k, p in points.items() if p["arm"] == arm and p["cell"] == {"model.n_blocks": depth}}
@@ -501,7 +501,7 @@ def test_a_max_lr_point_trains_on_the_ramp_and_its_study_rebuilds_from_its_point
     assert main(["sweep", str(path)]) == 0
     out = path.parent
     results = json.loads((out / "results.json").read_text())["results"]
-    points = store.load_all(out / "points")
+    points = {k: store.load(out / "points", k) for k in store.keys(out / "points")}
     assert sorted(points) == sorted(f"{a}-seed{s}" for a in ("keel", "pre_ln", "pre_ln_noclip") for s in (0, 1))
     for k, p in points.items():
         e, v = p["evals"], results["verdicts"][k]
@@ -560,7 +560,7 @@ def test_a_redundancy_point_takes_out_each_sub_layer_both_ways(tmp_path):
                 "n_blocks": 2}}, arms={"pre_ln": {"model.scheme": "pre_ln"}, "keel": {"model.scheme": "keel"}})
     path = write(tmp_path, doc)
     assert main(["sweep", str(path)]) == 0
-    points = store.load_all(path.parent / "points")
+    points = {k: store.load(path.parent / "points", k) for k in store.keys(path.parent / "points")}
     assert sorted(points) == ["keel-seed0", "keel-seed1", "pre_ln-seed0", "pre_ln-seed1"]
     for k, p in points.items():
         d = p["delta_loss"]

@@ -119,6 +119,11 @@ class ExperimentConfig:
         return self.run.batch_size * self.run.seq_len
 
 
+def tokens(cfg) -> int:
+    """The tokens one point of `cfg` trains on: run.steps x run.batch_size x run.seq_len."""
+    return cfg.run.steps * cfg.run.batch_size * cfg.run.seq_len
+
+
 def tiny_quick(cls, steps: int, optim: dict | None = None, **fields):
     """An experiment's --quick config: its defaults at d=32 (2 heads), 4 x 32 tokens per step, `steps` steps,
     warm-up 2 (or `optim`'s fields), one evaluation batch, eager (compiling would take longer than the run)."""

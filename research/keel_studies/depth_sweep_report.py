@@ -10,9 +10,9 @@ import tempfile
 from pathlib import Path
 
 from keel.experiments import stats
-from keel.experiments.budget import tokens
 from keel.experiments.common import markdown_table, mean_sd, pm, pyplot, save, write_outputs
 from keel.experiments.grid import grid_note
+from keel_studies.common import tokens
 from keel_studies.depth_sweep import MARGINAL_BELOW, NAMES, REF, DepthSweepConfig
 
 COLLAPSE_NATS = 0.1  # a report loss this close to the unigram level (or above it) is marked: max-lr's collapse margin

@@ -25,12 +25,12 @@ from typing import ClassVar
 
 from keel.errors import ConfigError
 from keel.experiments import stats, store
-from keel.experiments.budget import budget_point, tokens
+from keel.experiments.budget import budget_point
 from keel.experiments.common import markdown_table, mean_sd, pm, pyplot, save, write_outputs
 from keel.experiments.grid import Grid, run_searches, search_grid
 from keel.experiments.sweep import EXECUTION_FIELDS, Sweep, _differences
 from keel_studies import depth_sweep as ds
-from keel_studies.common import tiny_quick, unigram_level
+from keel_studies.common import tiny_quick, tokens, unigram_level
 
 TUNED = "keel_tuned"  # the Keel arm whose alpha is tuned too
 OTHERS = ("post_ln", "deepnorm", "pre_ln")  # every test is Keel - X or Keel tuned - X

@@ -40,11 +40,11 @@ import numpy as np
 from keel.config import OptimConfig, RunConfig
 from keel.errors import ConfigError
 from keel.experiments import stats
-from keel.experiments.budget import budget_point, tokens
+from keel.experiments.budget import budget_point
 from keel.experiments.common import experiment_run, markdown_table, pm, pyplot, save, write_outputs
 from keel.experiments.grid import Grid, LadderGrid, Search, _finite, grid_note, run_searches, search_grid
 from keel.experiments.sweep import Sweep
-from keel_studies.common import ExperimentConfig, grown_note, tiny_quick, unigram_level
+from keel_studies.common import ExperimentConfig, grown_note, tiny_quick, tokens, unigram_level
 from keel_studies.gradflow import measure
 
 

@@ -72,7 +72,7 @@ def budget_point(cfg: BudgetConfig, model_cfg, lr: float, seed: int,
            "alpha": model_cfg.alpha, "first_layer": model_cfg.first_layer, "lr": lr, "seed": seed,
            "select_loss": curve.val_loss, "report_loss": None, "losses": curve.losses, "evals": evals,
            "n_params": count_params(model_cfg), "diverged": curve.stopped_at is not None,
-           "seconds": curve.seconds, "tokens": tokens(cfg)}
+           "seconds": curve.seconds, "tokens": cfg.run.steps * cfg.run.batch_size * cfg.run.seq_len}
     if partial is not None and partial.resumed_at:  # continued after its process was killed, from these steps
         out["resumed_at"] = partial.resumed_at
     if curve.stopped_at is not None:
@@ -101,7 +101,3 @@ def probe(model, batches: list, autocast) -> dict:
     sizes = residual_sizes(model, batches[0][0])
     return {"loss_branches_above_k_off": loss_above_off,
             "f_over_ax": [f / a if a > 0 else float("inf") for f, a in zip(sizes["rms_f"], sizes["rms_ax"])]}
-
-
-def tokens(cfg: BudgetConfig) -> int:
-    return cfg.run.steps * cfg.run.batch_size * cfg.run.seq_len

@@ -134,6 +134,3 @@ class Partial:
 class Discarded(Exception):
     """The saved progress was discarded: the caller builds the point again from its seed (the objects it passed
     to `restore` may hold part of what was loaded)."""
-
-
-__all__ = ["EVERY_SECONDS", "Discarded", "Partial", "discard", "keeping_progress_in", "partial_dir"]

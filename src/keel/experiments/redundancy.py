@@ -9,6 +9,8 @@ over the lower half (2..L/2-1) and the upper half (L/2..L-1)."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from keel.config import TrainConfig
 from keel.experiments.common import fixed_batches, loss_on, markdown_table, pm, pyplot, save, splits, train_curve
 from keel.experiments.surgery import branches_off, plain, removed
@@ -65,8 +67,6 @@ def notes(configs: list[TrainConfig], seeds: list[int]) -> str:
 
 
 def plot(arms: dict[str, list[dict]], out) -> str:
-    import numpy as np
-
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, mode in zip(axes, MODES):

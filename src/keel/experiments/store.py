@@ -64,10 +64,6 @@ def keys(points: Path) -> list[str]:
     return sorted(p.name.removesuffix(SUFFIX) for p in points.glob(f"*{SUFFIX}"))
 
 
-def load_all(points: Path) -> dict[str, dict]:
-    return {k: load(points, k) for k in keys(points)}
-
-
 def encode(point: dict) -> bytes:
     """The point's bytes on disk: its step series rounded, compact JSON, gzip without a timestamp."""
     out = dict(point)
