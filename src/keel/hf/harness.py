@@ -17,6 +17,7 @@ from keel.errors import ExportError
 from keel.evals.in_memory_lm import fetch_failure, fetch_message, find_tasks
 from keel.hf import register
 from keel.hf.export import export_run
+from keel.hf.import_hf import read_json
 
 
 def _evaluate(hf_dir: Path, tasks: list[str], include_path: str | None, device: str, batch_size: int,
@@ -72,15 +73,9 @@ def run_lm_eval(path, tasks: list[str], include_path: str | None = None, device:
 
 def _tokenizer_config(path: Path) -> dict:
     """tokenizer_config.json as an object ({} when absent): a regular file of bounded size and depth."""
-    from keel.data.tokenizer import read_capped
-
     if not os.path.lexists(path):
         return {}
-    try:
-        config = safe_io.loads_json(read_capped(path))
-    except (OSError, ValueError) as err:  # DataError is a ValueError: not a regular file, too large
-        reason = str(err).removeprefix("keel: ")[:120]
-        raise ExportError(f"{path}: cannot be read as a JSON object ({reason})") from None
+    config = read_json(path, "a tokenizer config")
     if not isinstance(config, dict):
         raise ExportError(f"{path}: holds a JSON {type(config).__name__}, not an object")
     return config

@@ -30,7 +30,8 @@ _KEEL_FIELD = {"vocab_size": "vocab_size", "hidden_size": "d_model", "num_hidden
                "max_position_embeddings": "max_seq_len"}
 
 
-def _read_json(path: Path, what: str):
+def read_json(path: Path, what: str):
+    """JSON from a directory that may come from anywhere (keel.safe_io's bounds); one ExportError naming it."""
     from keel.data.tokenizer import read_capped
 
     try:
@@ -52,7 +53,7 @@ def _weight_files(hf_dir: Path) -> list[Path]:
     if os.path.lexists(single):
         files = [single]
     elif os.path.lexists(index):
-        raw = _read_json(index, "a safetensors index")
+        raw = read_json(index, "a safetensors index")
         weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
         if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
             raise ExportError(f"{index}: not a safetensors index (no weight_map of file names)")
@@ -175,7 +176,7 @@ def import_llama(hf_dir, run_dir, data_source: str = "stdlib") -> Path:
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     config_path, tokenizer_path = hf_dir / "config.json", hf_dir / "tokenizer.json"
     _check_new_run_dir(run_dir)
-    hf = _read_json(config_path, "a transformers model directory")
+    hf = read_json(config_path, "a transformers model directory")
     model_config = _model_config(hf, config_path)
     _check_size(model_config, _weight_count(_weight_files(hf_dir)), config_path)
     if not tokenizer_path.is_file():
