@@ -221,6 +221,16 @@ def trained_run(tmp_path_factory) -> Path:
     return tmp / "runs" / "run"
 
 
+@pytest.fixture(scope="session")
+def tiny_two_step_run(corpus, tmp_path_factory) -> Path:
+    """damage.tiny_run for 2 steps with its checkpoint and an evaluation at step 2, on `corpus` with its token cache
+    outside the run (runs/base under a folder of its own; cache/ beside runs/): the run that tests/hostile/'s
+    test_run_dir, test_untrusted_inputs and test_trust each trained alike, made once. Tests copy it (damage.victim)
+    before changing it; one that edits its cache in place restores it."""
+    from damage import tiny_run
+
+    return tiny_run(tmp_path_factory.mktemp("trained"), corpus, "run.steps=2", "run.ckpt_every=2", "run.eval_every=2")
+
 
 @pytest.fixture
 def trainer_for(args):

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from damage import rechecksum, refused, tiny_run, victim
+from damage import rechecksum, refused, victim
 from keel.cli import main
 
 
 @pytest.fixture(scope="module")
-def trained(corpus, tmp_path_factory) -> Path:
+def trained(tiny_two_step_run) -> Path:
     """A tiny run trained for 2 steps (config, run.json, tokenizer/, metrics, one checkpoint with state)."""
-    return tiny_run(tmp_path_factory.mktemp("trained"), corpus, "run.steps=2", "run.ckpt_every=2", "run.eval_every=2")
+    return tiny_two_step_run  # made once for the session (tests/conftest.py)
 
 
 @pytest.fixture

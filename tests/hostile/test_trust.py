@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from damage import refused, tiny_run, victim
+from damage import refused, victim
 from keel.cli import main
 from keel.runs import trust
 
@@ -23,8 +23,8 @@ RESUME = ("run.steps=3", "run.progress=false", "run.eval_every=0")
 
 
 @pytest.fixture(scope="module")
-def trained(corpus, tmp_path_factory) -> Path:
-    return tiny_run(tmp_path_factory.mktemp("trained"), corpus, "run.steps=2", "run.ckpt_every=2", "run.eval_every=2")
+def trained(tiny_two_step_run) -> Path:
+    return tiny_two_step_run  # made once for the session (tests/conftest.py)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from damage import refused, tiny_run, victim
+from damage import refused, victim
 from keel.cli import main
 
 # none of these checks curves.png: a test's own in-process runs skip it (the module's trained run and the `keel`
@@ -22,9 +22,9 @@ pytestmark = pytest.mark.usefixtures("no_curves")
 
 
 @pytest.fixture(scope="module")
-def trained(corpus, tmp_path_factory) -> Path:
+def trained(tiny_two_step_run) -> Path:
     """A tiny run trained for 2 steps on a corpus outside it, with its token cache outside it."""
-    return tiny_run(tmp_path_factory.mktemp("trained"), corpus, "run.steps=2", "run.ckpt_every=2", "run.eval_every=2")
+    return tiny_two_step_run  # made once for the session (tests/conftest.py)
 
 
 @pytest.fixture
