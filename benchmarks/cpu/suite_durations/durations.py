@@ -1,7 +1,8 @@
 """Turn `python -m pytest --durations=0` output into tests/durations.json: seconds per test file, and every test
 that took a second or more (setup, call and teardown together), with the load the machine was under.
 
-    OMP_NUM_THREADS=1 python -m pytest -q -m "not gpu" --durations=0 -p no:cacheprovider > durations.txt
+    PYTEST_ADDOPTS=--durations=0 python -m pytest -q -m "not gpu" -n 2 --dist loadfile --no-loadscope-reorder \
+        > durations.txt     # CI's command (.ci/run); `CI=true PYTEST_ADDOPTS=--durations=0 bash .ci/run` in a clone
     python benchmarks/cpu/suite_durations/durations.py durations.txt --load 4.2 6.9 > tests/durations.json
 
 --load takes the 1-minute load averages seen during the run (sample /proc/loadavg); tests/test_test_tiers.py
@@ -23,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 LINE = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(\S+)$")
+COMMAND = 'PYTEST_ADDOPTS=--durations=0 python -m pytest -q -m "not gpu" -n 2 --dist loadfile --no-loadscope-reorder'
 RESULT = re.compile(r"^=*\s*(\d+ (?:passed|failed).*) in ([\d.]+)s")
 
 
@@ -42,6 +44,7 @@ def main() -> None:
     parser.add_argument("--load", type=float, nargs="+", required=True, help="1-minute load averages during the run")
     parser.add_argument("--moved", action="store_true", help="file tests of renamed files where they live today")
     parser.add_argument("--commit", help="the commit the run measured (default: HEAD)")
+    parser.add_argument("--command", default=COMMAND, help="the command that made the output, as recorded")
     args = parser.parse_args()
     per_test: dict[str, float] = defaultdict(float)
     result, seconds = "", None
@@ -70,7 +73,7 @@ def main() -> None:
                                            cwd=ROOT).stdout
     json.dump({
         "measured": {
-            "command": 'OMP_NUM_THREADS=1 python -m pytest -q -m "not gpu" --durations=0 -p no:cacheprovider',
+            "command": args.command,
             "commit": commit.strip(), "cores": os.cpu_count(), "result": result, "pytest_seconds": seconds,
             "load_average": {"min": min(args.load), "mean": round(sum(args.load) / len(args.load), 2),
                              "max": max(args.load)},
