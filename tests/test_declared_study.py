@@ -15,6 +15,7 @@ from keel.experiments import store
 TINY = {"model": {"d_model": 32, "n_heads": 2, "n_kv_heads": 1},
         "run": {"steps": 6, "batch_size": 4, "seq_len": 32, "eval_batches": 1, "compile": False},
         "optim": {"warmup_steps": 2}, "data": {"source": "stdlib"}}
+TASKS = TINY | {"run": {**TINY["run"], "eval_tasks": ["brackets"]}}  # what measure downstream scores
 
 
 def study(**fields) -> dict:
@@ -173,6 +174,15 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     ({"measure": "redundancy", "axes": {}, "tune": [], "base": TINY | {"model": {**TINY["model"], "n_blocks": 4,
                                                                               "loop_blocks": 2}}},
      "arms.keel: model.loop_blocks: measure redundancy takes out one sub-layer of its own"),
+    ({"measure": "downstream", "axes": {}, "tune": []}, "run.eval_tasks: measure downstream scores tasks"),
+    ({"measure": "downstream", "axes": {}, "tune": [], "base": TASKS, "curve_every": 2},
+     "curve_every: not used by measure downstream"),
+    ({"measure": "downstream", "axes": {}, "tune": [], "base": TASKS, "rank": ["keel"]}, "rank: measure downstream's"),
+    ({"measure": "downstream", "axes": {}, "tune": [], "base": TASKS, "rank": ["keel", "nope"]}, "rank: measure"),
+    ({"measure": "downstream", "axes": {}, "tune": [], "base": TASKS, "rank": ["keel", "keel"]}, "rank: measure"),
+    ({"rank": ["keel", "pre_ln"]}, "rank: measure downstream's two or more distinct arms"),
+    ({"measure": "downstream", "axes": {}, "tune": [], "base": TINY | {"run": {**TINY["run"], "eval_tasks": [
+        "bracket"]}}}, "did you mean 'brackets'"),
 ])
 def test_a_bad_declared_study_is_one_line_before_any_point(change, needle, tmp_path, capsys):
     path = write(tmp_path, study(**change))

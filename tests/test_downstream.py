@@ -1,5 +1,6 @@
-"""keel experiment downstream (rule 18): the report's numbers recomputed from the points' JSON by other means
-(numpy's interpolation, scipy's paired t-test), and the default config is the committed runs' configuration."""
+"""The downstream measurement (keel.experiments.downstream, results/downstream/study.yaml, rule 18): the report's
+numbers recomputed from the points' JSON by other means (numpy's interpolation, scipy's paired t-test), and the
+study file's runs are the committed depth-long runs."""
 
 import argparse
 import ast
@@ -19,12 +20,12 @@ import textwrap
 
 import numpy as np
 import pytest
+import yaml
 from scipy import stats as scipy_stats
 
-from keel.cli.experiment import build
-from keel.experiments import EXPERIMENTS, store
+from keel.experiments import declared, store
 from keel.experiments.common import point_config, train_curve
-from keel_studies.downstream import WIDE, score_at
+from keel.experiments.downstream import CHANCE_MARGIN, score_at
 
 
 def test_score_at_reads_the_curve_where_the_loss_first_reaches_the_level():
@@ -46,51 +47,54 @@ def independent_score_at(losses, scores, level):
     return float(np.interp(level, [losses[k], losses[k - 1]], [scores[k], scores[k - 1]]))
 
 
+STUDY = pathlib.Path(__file__).parent.parent / "results" / "downstream" / "study.yaml"
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """The --quick experiment on a directory of standard-library modules (a quarter of them validation)."""
+    """The study at smoke size (keel.experiments.declared.smoke: 6 steps, seeds 0 and 1) on a directory of
+    standard-library modules (a quarter of them validation), its tasks scored at steps 0, 4 and 6 on 8 items each."""
     root = tmp_path_factory.mktemp("downstream")
     tree = root / "tree"
     tree.mkdir()
     for m in (argparse, ast, calendar, configparser, csv, dataclasses, difflib, fractions, gettext, json, pathlib,
               shlex, string, textwrap):
         (tree / f"{m.__name__.replace('.', '_')}.py").write_text(inspect.getsource(m))
-    cfg = build("downstream", True, [f"data.source={tree}", "data.val_fraction=0.25",
-                                     f"data.cache_dir={root / 'cache'}"])
+    doc = yaml.safe_load(STUDY.read_text())
+    doc["base"]["data"] = {"source": str(tree), "val_fraction": 0.25, "cache_dir": str(root / "cache")}
+    doc["base"]["run"] |= {"eval_tasks_every": 4, "eval_tasks_items": 8}
+    study = declared.smoke(declared.read(doc, str(STUDY)))
     out = root / "out"
-    out.mkdir()
-    EXPERIMENTS["downstream"][1](cfg, out, "keel experiment downstream --quick")
-    return cfg, out, store.read_results(out)["results"]
+    declared.run(study, out, "keel experiment downstream --quick", "downstream")
+    return study, out, store.read_results(out)["results"]
 
 
 @pytest.mark.slow
 def test_quick_points_are_every_arm_and_seed_with_curves(quick):
-    cfg, out, res = quick
-    arms = [f"{s}-{d}" for s in ("post_ln", "pre_ln", "keel") for d in (4, 8)] + [WIDE]  # written out
-    assert set(res["points"]) == {f"{a}-lr0.003-seed{s}" for a in arms for s in (0, 1)}
+    study, out, res = quick
+    arms = [f"{s}-{d}" for d in (32, 64) for s in ("post_ln", "pre_ln", "keel")] + ["wide-pre_ln"]  # written out
+    assert set(res["points"]) == {f"{a}-seed{s}" for a in arms for s in (0, 1)}
     assert set(store.keys(out / "points")) == set(res["points"])
     for p in res["points"].values():
         c = p["curve"]
-        assert c["step"] == [0, 4, 8]
+        assert c["step"] == [0, 4, 6]
         assert set(c["acc"]) == {"brackets", "indent", "identifiers", "next_line"}
         assert c["score"] == pytest.approx([np.mean([c["acc"][t][i] for t in c["acc"]]) for i in range(3)])
         # 8 items per task: every accuracy is a count over 8
         assert all(abs(a * 8 - round(a * 8)) < 1e-9 for accs in c["acc"].values() for a in accs)
-    wide = res["points"][f"{WIDE}-lr0.003-seed0"]
-    assert (wide["n_sublayers"], wide["d_model"]) == (2, 64)
     assert "![downstream.png](downstream.png)" in (out / "report.md").read_text()
 
 
 @pytest.mark.slow
 def test_equal_loss_comparisons_match_an_independent_recomputation(quick):
-    cfg, out, res = quick
+    study, out, res = quick
     report = (out / "report.md").read_text()
     points = res["points"]
-    assert set(res["equal_loss"]) == {f"keel-{d} vs {o}-{d}" for d in (4, 8) for o in ("pre_ln", "post_ln")}
+    assert set(res["equal_loss"]) == {f"keel-{d} vs {o}-{d}" for d in (32, 64) for o in ("pre_ln", "post_ln")}
     tested = 0
     for name, c in {**res["equal_loss"], **res["deep_vs_wide_equal_loss"]}.items():
         a, b = name.split(" vs ")
-        runs = {arm: [points[f"{arm}-lr0.003-seed{s}"] for s in (0, 1)] for arm in (a, b)}
+        runs = {arm: [points[f"{arm}-seed{s}"] for s in (0, 1)] for arm in (a, b)}
         level = max(p["curve"]["loss"][-1] for arm in (a, b) for p in runs[arm])
         assert c["level"] == pytest.approx(level)
         at = {arm: [independent_score_at(p["curve"]["loss"], p["curve"]["score"], level) for p in runs[arm]]
@@ -107,7 +111,7 @@ def test_equal_loss_comparisons_match_an_independent_recomputation(quick):
             p = scipy_stats.ttest_rel(at[a], at[b]).pvalue
             assert c["test"]["p"] == pytest.approx(p, rel=1e-6)
             assert f"p={p:.2g}" in report
-            chance_moot = all(np.mean(at[x]) < 0.25 + cfg.chance_margin for x in (a, b))
+            chance_moot = all(np.mean(at[x]) < 0.25 + CHANCE_MARGIN for x in (a, b))
             expected = ("inconclusive (both at chance)" if chance_moot else "inconclusive" if p >= 0.05
                         else "agrees (scores higher)" if diffs.mean() > 0 else "disagrees (scores lower)")
             assert c["verdict"] == expected
@@ -121,16 +125,16 @@ def test_equal_loss_comparisons_match_an_independent_recomputation(quick):
 
 @pytest.mark.slow
 def test_deep_vs_wide_rankings_match_scipy(quick):
-    cfg, out, res = quick
+    study, out, res = quick
     points = res["points"]
     pairs = res["deep_vs_wide"]["pairs"]
-    assert set(pairs) == {"keel-4 vs pre_ln-4", f"keel-4 vs {WIDE}", f"pre_ln-4 vs {WIDE}"}
+    assert set(pairs) == {"keel-32 vs pre_ln-32", "keel-32 vs wide-pre_ln", "pre_ln-32 vs wide-pre_ln"}
     reversed_any = False
     for name, v in pairs.items():
         a, b = name.split(" vs ")
         for what, sign in (("loss", -1), ("score", 1)):
-            xa = [points[f"{a}-lr0.003-seed{s}"]["curve"][what][-1] for s in (0, 1)]
-            xb = [points[f"{b}-lr0.003-seed{s}"]["curve"][what][-1] for s in (0, 1)]
+            xa = [points[f"{a}-seed{s}"]["curve"][what][-1] for s in (0, 1)]
+            xb = [points[f"{b}-seed{s}"]["curve"][what][-1] for s in (0, 1)]
             p = scipy_stats.ttest_rel(xa, xb).pvalue if np.ptp(np.subtract(xa, xb)) > 0 else None
             assert (v[what]["p"] is None) == (p is None) and (p is None or v[what]["p"] == pytest.approx(p))
             rank = 0 if p is None or p >= 0.05 else sign * int(np.sign(np.mean(np.subtract(xa, xb))))
@@ -146,29 +150,14 @@ def test_deep_vs_wide_rankings_match_scipy(quick):
 
 
 @pytest.mark.slow
-def test_the_default_runs_are_the_committed_depth_long_runs():
-    """Keel at 32 sub-layers, seed 0, as this experiment's defaults configure it, logs the first losses that
+def test_the_study_files_runs_are_the_committed_depth_long_runs():
+    """Keel at 32 sub-layers, seed 0, as the study file configures it, logs the first losses that
     results/depth-long-32 committed for the same run (same LR, steps, warm-up, batches): the LRs are the committed
     sweeps' and the runs are comparable with them."""
-    from pathlib import Path
-
-    cfg = build("downstream", False, [])
-    assert cfg.lrs["keel-32"] == 3e-3 and cfg.lrs["pre_ln-64"] == 1e-3 and cfg.seeds == [0, 1, 2, 3, 4]
-    recorded = store.load(Path(__file__).parent.parent / "results" / "depth-long-32" / "points",
-                          "keel-seed0")
-    config = point_config(cfg, cfg.point_model("keel", 32), 0, lr=cfg.lrs["keel-32"])
-    curve, _ = train_curve(config, eval_batches=0, on_step=lambda i, model, result: i == 3)
+    study = declared.read(yaml.safe_load(STUDY.read_text()), str(STUDY))
+    c = study.config(study.arms["keel-32"])
+    assert c.optim.lr == 3e-3 and study.config(study.arms["pre_ln-64"]).optim.lr == 1e-3
+    assert study.seeds == [0, 1, 2, 3, 4]
+    recorded = store.load(STUDY.parent.parent / "depth-long-32" / "points", "keel-seed0")
+    curve, _ = train_curve(point_config(c, c.model, 0), eval_batches=0, on_step=lambda i, model, result: i == 3)
     assert curve.losses == pytest.approx(recorded["losses"][:4], rel=1e-5)
-
-
-def test_downstream_takes_the_task_fields_and_refuses_a_bad_task():
-    cfg = build("downstream", False, ["run.eval_tasks=[brackets,indent]", "run.eval_tasks_items=50"])
-    assert cfg.run.eval_tasks == ["brackets", "indent"] and cfg.run.eval_tasks_items == 50
-    with pytest.raises(ValueError, match="set per point from lrs"):
-        build("downstream", False, ["optim.lr=1e-3"])
-    bad = build("downstream", True, ["run.eval_tasks=[bracket]"])
-    with pytest.raises(ValueError, match="did you mean 'brackets'"):
-        EXPERIMENTS["downstream"][1](bad, None, "")
-    no_lr = build("downstream", True, ["depths=[4,16]"])
-    with pytest.raises(ValueError, match="lrs: no LR for post_ln-16, pre_ln-16, keel-16"):
-        EXPERIMENTS["downstream"][1](no_lr, None, "")

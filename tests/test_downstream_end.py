@@ -120,26 +120,26 @@ def test_the_default_reference_is_the_committed_pre_ln_runs():
     cfg = build("downstream-end", False, [])
     assert (cfg.arm, cfg.reference, cfg.lrs["keel-64"], cfg.lrs["pre_ln-64"]) == ("keel-64", "pre_ln-64", 3e-3, 1e-3)
     points = reference_points(cfg)
-    files = [k for k in store.keys(COMMITTED / "points") if k.startswith("pre_ln-64-lr0.001-seed")]
-    assert sorted(points) == files and len(files) == 5
+    files = [k for k in store.keys(COMMITTED / "points") if k.startswith("pre_ln-64-seed")]  # the study file's keys
+    assert sorted(points) == [f"pre_ln-64-lr0.001-seed{s}" for s in range(5)] and len(files) == 5
     assert all(p["curve"]["step"][-1] == cfg.run.steps for p in points.values())  # read at the end of their run
     # trained with another warm-up than this config's: not this config's reference
-    with pytest.raises(ConfigError, match="trained with another optim.warmup_steps"):
+    with pytest.raises(ConfigError, match="trains pre_ln-64 with another optim.warmup_steps"):
         reference_points(build("downstream-end", False, ["optim.warmup_steps=50"]))
 
 
 def test_a_missing_reference_point_is_one_error_naming_it_before_any_training(tmp_path):
     ref = tmp_path / "ref"
     (ref / "points").mkdir(parents=True)
-    shutil.copy(COMMITTED / "points" / "config.json", ref / "points")
+    shutil.copy(COMMITTED / "study.yaml", ref)
     for s in range(4):  # seed 4 missing
-        shutil.copy(store.path_of(COMMITTED / "points", f"pre_ln-64-lr0.001-seed{s}"), ref / "points")
+        shutil.copy(store.path_of(COMMITTED / "points", f"pre_ln-64-seed{s}"), ref / "points")
     cfg = build("downstream-end", False, [f"reference_dir={ref}"])
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(ConfigError) as err:
         EXPERIMENTS["downstream-end"][1](cfg, out, "")
-    assert str(ref / "points" / f"pre_ln-64-lr0.001-seed4{store.SUFFIX}") in str(err.value)
+    assert str(ref / "points" / f"pre_ln-64-seed4{store.SUFFIX}") in str(err.value)
     assert "seed3" not in str(err.value) and list(out.iterdir()) == []
 
 

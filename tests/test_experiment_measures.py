@@ -14,11 +14,11 @@ import torch
 from keel import TransformerLM, tiny
 from keel.config import TrainConfig
 from keel.data import DataConfig
+from keel.evals.surgery import branches_off, removed, residual_sizes
 from keel.experiments.common import fixed_batches, mean_sd, splits, unigram_loss
 from keel.experiments.detect import FailureRules
 from keel.experiments.maxlr import judge, ratio_verdict, references, verdict
 from keel.experiments.stats import crossing
-from keel.experiments.surgery import branches_off, removed, residual_sizes
 from keel_studies.gradflow import measure
 
 

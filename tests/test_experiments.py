@@ -19,8 +19,6 @@ TINY = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_le
 QUICK = {
     "gradflow": ["schemes=[post_ln,keel]", "depths=[4]", "run.steps=3"],
     "frontier": ["depths=[2,4]", "run.steps=3"],
-    # the one-file corpus has no second document for identifiers/next_line
-    "downstream": ["run.steps=3", "run.eval_tasks=[brackets,indent]"],
     # one search value (a bound): the points are known before the run
     "downstream-end": ["run.steps=3", "run.eval_tasks=[brackets,indent]", "search_start=2", "search_max=1"],
     "depth-sweep": [],
@@ -44,8 +42,6 @@ QUICK_POINTS = {
     "gradflow": [f"{s}-4-{init}-seed{k}" for s in ("post_ln", "keel") for init in ("default", "matched") for k in _K],
     "frontier": [f"{s}-{d}-lr{lr}-seed{k}" for s, grid in (("post_ln", (0.001, 0.003)), ("keel", (0.003, 0.01)))
                  for d in (2, 4) for lr in grid for k in _K],  # every LR with every seed
-    "downstream": [f"{arm}-lr0.003-seed{k}" for arm in [f"{s}-{d}" for s in _S3 for d in (4, 8)] + ["wide-pre_ln"]
-                   for k in _K],
     "downstream-end": [f"pre_ln-4-lr0.003-seed{k}" for k in _K]  # the reference, trained here
     + [f"keel-4-steps2-lr0.003-seed{k}" for k in (90, *_K)],  # the search's one value, then the final runs
     # every LR of the starting grid with every seed at each budget (an edge choice adds more)
@@ -124,7 +120,8 @@ def test_a_study_file_runs_by_name_at_its_smoke_test_size(name, tmp_path, monkey
     assert main(["experiment", name, "--quick", "--out", str(out)]) == 0, capsys.readouterr().err
     report = (out / "report.md").read_text()
     study = declared.smoke(declared.read(yaml.safe_load(study_files()[name].read_text()), name))
-    plots = {"loss": ["study.png"], "redundancy": ["redundancy.png"]}.get(study.measure) or [
+    plots = {"loss": ["study.png"], "redundancy": ["redundancy.png"], "downstream": ["downstream.png"]}.get(
+        study.measure) or [
         p.name for p in out.glob("maxlr-*.png")]  # one per cell
     assert report.startswith("> **SMOKE TEST, NOT A RESULT**") and all((out / p).stat().st_size > 0 for p in plots)
     assert len(plots) == (len(study.cells()) if study.measure == "max_lr" else 1)
@@ -135,9 +132,15 @@ def test_a_study_file_runs_by_name_at_its_smoke_test_size(name, tmp_path, monkey
         assert all(p["depth"] == 4 and 1 <= len(p["train_losses"]) <= 6 for p in points.values())
     elif study.measure == "redundancy":  # each of the 4 sub-layers taken out both ways
         assert all(len(p["delta_loss"]["sublayer"]) == len(p["delta_loss"]["branch"]) == 4 for p in points.values())
+    elif study.measure == "downstream":  # scored at step 0 and at the end of its 6 steps
+        assert all(p["n_sublayers"] == 4 and p["curve"]["step"] == [0, 6] for p in points.values())
     else:
         assert all(p["n_sublayers"] == 4 and p["d_model"] == 32 and len(p["losses"]) == 6 for p in points.values())
     results = store.read_results(out)["results"]
+    if study.measure == "downstream":  # each pair read at equal loss, the rankings of `rank`
+        assert list(results["equal_loss"]) == [" vs ".join(p) for p in study.compare]
+        assert len(results["deep_vs_wide"]["pairs"]) == len(study.rank) * (len(study.rank) - 1) // 2
+        return
     across = [p for p in study.compare if declared._pinned(study.best_of, declared._leaves(p)[0])]  # once, last
     assert [t["pair"] for t in results["tests"]] == [p for c in study.cells() for p in study.compare
                                                      if p not in across] + across

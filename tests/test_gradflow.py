@@ -9,8 +9,8 @@ import torch
 
 from keel import TransformerLM, tiny
 from keel.errors import ConfigError
+from keel.evals.surgery import branches_off
 from keel.experiments import store
-from keel.experiments.surgery import branches_off
 from keel.model import lm_loss
 from keel_studies.gradflow import _refuse_points_without_backward_factors, measure, predicted_factor, summary
 

@@ -60,8 +60,9 @@ def test_committed_arms_are_their_point_files_at_the_lr_the_rule_chooses(folder)
 
 
 DECLARED = sorted(p.parent.name for p in RESULTS.glob("*/study.yaml") if re.search(r"^arms:", p.read_text(), re.M)
-                  and not re.search(r"^measure: (max_lr|redundancy)", p.read_text(), re.M))  # max LR:
-# max_lr_from_points; redundancy chooses nothing and its deltas are read from the point files by `half`
+                  and not re.search(r"^measure: (max_lr|redundancy|downstream)", p.read_text(), re.M))  # max LR:
+# max_lr_from_points; redundancy chooses nothing and its deltas are read from the point files by `half`; downstream
+# chooses nothing and its scores are read from the point files by `downstream_inputs`
 
 
 @pytest.mark.parametrize("folder", DECLARED)
@@ -132,8 +133,7 @@ def score_at(losses_: list[float], scores: list[float], level: float) -> float:
 
 def downstream_inputs(what: str) -> tuple[list, list]:
     r = res("downstream")["results"]
-    lrs = {a: arm["lr"] for a, arm in r["arms"].items()}
-    curves = {a: [point("downstream", f"{a}-lr{lr:g}-seed{s}")["curve"] for s in range(5)] for a, lr in lrs.items()}
+    curves = {a: [point("downstream", f"{a}-seed{s}")["curve"] for s in range(5)] for a in r["arms"]}
     names = {"deep Keel": "keel-32", "deep Pre-LN": "pre_ln-32", "wide Pre-LN": "wide-pre_ln"}
     if m := re.match(r"probe score at equal loss \(l\* [\d.]+\), Keel - (\S+), (\d+) sub-layers", what):
         pair = (f"keel-{m[2]}", f"{SCHEME[m[1]]}-{m[2]}")
@@ -218,7 +218,7 @@ def rebuilt(t) -> tuple[list, list]:
     if fam in ("downstream-end", "downstream-end-bisect"):
         chosen, key = res(fam)["results"]["search"]["chosen"], "score" if "score" in what else "loss"
         arm = [point(fam, f"keel-64-steps{chosen}-lr0.003-seed{s}")["curve"][key][-1] for s in range(5)]
-        return arm, [point("downstream", f"pre_ln-64-lr0.001-seed{s}")["curve"][key][-1] for s in range(5)]
+        return arm, [point("downstream", f"pre_ln-64-seed{s}")["curve"][key][-1] for s in range(5)]
     return arm_inputs(fam, what)
 
 

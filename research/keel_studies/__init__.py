@@ -9,7 +9,6 @@ does not.
 STUDIES = {
     "gradflow": ("gradflow", "GradflowConfig", "run"),
     "frontier": ("frontier", "FrontierConfig", "run"),
-    "downstream": ("downstream", "DownstreamConfig", "run"),
     "downstream-end": ("downstream_end", "DownstreamEndConfig", "run"),
     "depth-sweep": ("depth_sweep", "DepthSweepConfig", "run"),
     "equal-tuning": ("equal_tuning", "EqualTuningConfig", "run"),

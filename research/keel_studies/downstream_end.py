@@ -22,7 +22,6 @@ trains every point, with its curve every `run.eval_tasks_every` steps).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -30,22 +29,56 @@ from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
+import yaml
 
 from keel import evals
+from keel.config import OptimConfig, RunConfig
 from keel.errors import ConfigError
-from keel.experiments import stats, store
-from keel.experiments.common import corpus, markdown_table, pm, pyplot, save, write_outputs
-from keel.experiments.sweep import EXECUTION_FIELDS, Sweep, _differences
+from keel.experiments import declared, downstream, stats, store
+from keel.experiments.common import (
+    corpus,
+    experiment_run,
+    markdown_table,
+    pm,
+    point_config,
+    pyplot,
+    save,
+    write_outputs,
+)
+from keel.experiments.downstream import final
+from keel.experiments.downstream import mean as _mean
+from keel.experiments.study_file import dotted
+from keel.experiments.sweep import EXECUTION_FIELDS, Sweep
 from keel.model.schemes import SCHEMES
 from keel_studies.common import ExperimentConfig, tiny_quick
-from keel_studies.downstream import DownstreamConfig, _chance, _mean, final, key, point
 
-# downstream's fields this experiment has no use for: it trains `arm` and `reference` only
+# fields recorded with this study's points (its config was downstream's before downstream became a study file) that it
+# has no use for: it trains `arm` and `reference` only
 _UNUSED = ("schemes", "depths", "deep_sublayers", "wide_sublayers", "wide_d_model", "wide_heads", "wide_kv_heads")
 
 
+def _lrs() -> dict[str, float]:  # downstream's LRs (results/downstream/study.yaml)
+    return {"post_ln-32": 3e-3, "pre_ln-32": 3e-3, "keel-32": 3e-3,
+            "post_ln-64": 3e-3, "pre_ln-64": 1e-3, "keel-64": 3e-3, "wide-pre_ln": 3e-3}
+
+
 @dataclass
-class DownstreamEndConfig(DownstreamConfig):
+class DownstreamEndConfig(ExperimentConfig):
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(warmup_steps=100))
+    # eager: the method was fixed for (and its cost measured on) eager runs that reproduce depth-long-32's losses
+    run: RunConfig = field(default_factory=lambda: experiment_run(
+        steps=2000, batch_size=8, seq_len=64, eval_batches=16, eval_tasks=list(evals.PROBES), eval_tasks_every=250,
+        eval_tasks_items=200, compile=False))
+    schemes: list[str] = field(default_factory=lambda: ["post_ln", "pre_ln", "keel"])
+    depths: list[int] = field(default_factory=lambda: [32, 64])
+    lrs: dict[str, float] = field(default_factory=_lrs)  # arm ("<scheme>-<sub-layers>") -> LR
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
+    deep_sublayers: int = 32
+    wide_sublayers: int = 8
+    wide_d_model: int = 128
+    wide_heads: int = 8
+    wide_kv_heads: int = 4
+    chance_margin: float = 0.05  # a comparison where neither arm's mean score exceeds chance by this is moot
     arm: str = "keel-64"  # "<scheme>-<sub-layers>": the arm whose schedule is searched
     reference: str = "pre_ln-64"  # the arm read at the end of its run.steps-step runs
     reference_dir: str | None = "results/downstream"  # the reference's points (read only); None: train them here
@@ -61,7 +94,9 @@ class DownstreamEndConfig(DownstreamConfig):
         "model.scheme": "arm and reference", "model.n_blocks": "arm and reference"}
 
     def fixed_fields(self) -> dict[str, str]:
-        return super().fixed_fields() | {name: "downstream-end trains `arm` and `reference` only" for name in _UNUSED}
+        fixed = {k: v for k, v in super().fixed_fields().items()
+                 if k not in ("run.eval_tasks", "run.eval_tasks_every", "run.eval_tasks_items")}  # its subject
+        return fixed | {name: "downstream-end trains `arm` and `reference` only" for name in _UNUSED}
 
     def arm_schemes(self) -> set[str]:
         return {self.arm.rsplit("-", 1)[0], self.reference.rsplit("-", 1)[0]}
@@ -107,29 +142,38 @@ def check(cfg: DownstreamEndConfig) -> None:
                           "search's seeds are never reported")
 
 
+def key(arm: str, lr: float, seed: int) -> str:  # a reference point trained here
+    return f"{arm}-lr{lr:g}-seed{seed}"
+
+
+def point(cfg: DownstreamEndConfig, model_cfg, lr: float, seed: int) -> dict:
+    return downstream.point(point_config(cfg, model_cfg, seed, lr=lr))
+
+
 def reference_points(cfg: DownstreamEndConfig) -> dict[str, dict]:
-    """The reference arm's committed points in `reference_dir`, after checking that they were trained with this
-    config's sections (model, data, optim, guard, run, but for the fields set per point or only how a point is
-    computed). A missing file is one ConfigError naming every missing path."""
-    folder = Path(cfg.reference_dir) / "points"
-    lr = cfg.lrs[cfg.reference]
-    paths = {key(cfg.reference, lr, s): store.path_of(folder, key(cfg.reference, lr, s)) for s in cfg.seeds}
-    recorded = folder / "config.json"
-    missing = [str(recorded)] if not recorded.is_file() else []
-    missing += [str(folder / f"{k}{store.SUFFIX}") for k, p in paths.items() if p is None]
+    """The reference arm's committed points in `reference_dir` (a study file's folder, keel.experiments.declared),
+    by seed, after checking that its study trains that arm as this config would (every TrainConfig field but how a
+    point is computed). A missing file is one ConfigError naming every missing path."""
+    folder, lr = Path(cfg.reference_dir), cfg.lrs[cfg.reference]
+    file = folder / "study.yaml"
+    study = declared.read(yaml.safe_load(file.read_text()), str(file)) if file.is_file() else None
+    if study is None or cfg.reference not in study.arms:
+        raise ConfigError(f"reference_dir: {file} is not a study file with an arm {cfg.reference} "
+                          "(reference_dir=null trains the reference arm here)")
+    paths = {s: store.path_of(folder / "points", declared.key(cfg.reference, {}, {}, s)) for s in cfg.seeds}
+    missing = [str(folder / "points" / f"{declared.key(cfg.reference, {}, {}, s)}{store.SUFFIX}")
+               for s, p in paths.items() if p is None]
     if missing:
         raise ConfigError(f"reference_dir: the reference arm's points are missing: {', '.join(missing)} "
                           "(reference_dir=null trains the reference arm here)")
-    sections = ("model", "data", "optim", "guard", "run")
-    mine, defaults = json.loads(json.dumps(asdict(cfg))), json.loads(json.dumps(asdict(type(cfg)())))
-    theirs = json.loads(recorded.read_text())
-    ignore = set(cfg.fixed_fields()) | set(EXECUTION_FIELDS)
-    differ = [k for k in _differences({s: mine[s] for s in sections}, {s: theirs.get(s, {}) for s in sections},
-                                      {s: defaults[s] for s in sections}) if k not in ignore]
+    theirs = study.config(study.arms[cfg.reference])
+    flat = lambda c: dotted(asdict(point_config(c, c.model, 0)))
+    mine, recorded = flat(point_config(cfg, cfg.arm_model(cfg.reference), 0, lr=lr)), flat(theirs)
+    differ = [k for k in mine if mine[k] != recorded.get(k) and k not in EXECUTION_FIELDS]
     if differ:
-        raise ConfigError(f"reference_dir: {recorded} was trained with another {', '.join(differ)}; set them as it "
-                          "did, or reference_dir=null to train the reference arm here")
-    return {k: store.read(p) for k, p in paths.items()}
+        raise ConfigError(f"reference_dir: {file} trains {cfg.reference} with another {', '.join(differ)}; set them "
+                          "as it does, or reference_dir=null to train the reference arm here")
+    return {key(cfg.reference, lr, s): store.read(p) for s, p in paths.items()}
 
 
 # ---- the search ----------------------------------------------------------------------------------------
@@ -252,7 +296,7 @@ def run(cfg: DownstreamEndConfig, out: Path, command: str) -> dict:
                str(s): [final(points[end_key(cfg.arm, s, lr, seed)], "loss") for seed in cfg.search_seeds]
                for s, _ in found["evaluated"]}},
            "reference_from": str(Path(cfg.reference_dir) / "points") if committed else "trained here",
-           "final": per, "comparison": judge(cfg, per["arm"], per["reference"], _chance(runs[0]))}
+           "final": per, "comparison": judge(cfg, per["arm"], per["reference"], downstream.chance(runs[0]))}
     res["search"]["evaluated"] = [[s, m if math.isfinite(m) else None] for s, m in found["evaluated"]]
     table, notes = _tables(cfg, res)
     plots = [_plot(cfg, res, runs, ref_runs, out)]

@@ -37,6 +37,7 @@ import torch
 from keel.config import OptimConfig, RunConfig
 from keel.data import eval_batches
 from keel.errors import ConfigError
+from keel.evals.surgery import residual_sizes
 from keel.experiments import store
 from keel.experiments.common import (
     corpus,
@@ -50,7 +51,6 @@ from keel.experiments.common import (
     train_curve,
     write_outputs,
 )
-from keel.experiments.surgery import residual_sizes
 from keel.experiments.sweep import Sweep
 from keel.model import ModelConfig
 from keel.model.sizes import science

@@ -2,7 +2,7 @@
 warm-up, cosine decay) for `run.steps` steps of `run.batch_size x run.seq_len` tokens; its loss on the *select* half
 of the validation split (where settings are chosen) and on the *report* half (every reported number); its training
 loss every step and the report-half loss every `curve_every` steps; with `probe`, the trained model probed
-(keel.experiments.surgery): the loss when every branch above sub-layer k is switched off (the effective-depth probe),
+(keel.evals.surgery): the loss when every branch above sub-layer k is switched off (the effective-depth probe),
 and per-sub-layer rms(F) / rms(alpha x)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from torch import nn
 
 from keel.config import GuardConfig, OptimConfig, RunConfig
 from keel.data import DataConfig
+from keel.evals.surgery import branches_off, plain, residual_sizes
 from keel.experiments import common
 from keel.experiments.partial import Partial, partial_dir
-from keel.experiments.surgery import branches_off, plain, residual_sizes
 from keel.model import ModelConfig, TransformerLM
 from keel.model.counting import count_params
 from keel.runtime import autocast_for

@@ -1,9 +1,10 @@
 """A declared study run (`run`), each cell whole in turn, and its report. Its measurement (`point`): `loss`
 (keel.experiments.budget, each `tune` step choosing its field per arm and cell on the select half:
-keel.experiments.grid; optionally the bf16 stream, keel.experiments.stream), `max_lr` (keel.experiments.maxlr) or
-`redundancy` (keel.experiments.redundancy). Each pair is a paired two-sided t-test per cell, Holm over every test of
-the study; a marginal one gets `marginal_seeds` on both arms and every test runs again on all seeds. The study file
-is read and checked by keel.experiments.study_file; points are kept by keel.experiments.sweep."""
+keel.experiments.grid; optionally the bf16 stream, keel.experiments.stream), `max_lr` (keel.experiments.maxlr),
+`redundancy` (keel.experiments.redundancy) or `downstream` (keel.experiments.downstream). Each pair is a paired two-
+sided t-test per cell, Holm over every test of the study; a marginal one gets `marginal_seeds` on both arms and every
+test runs again on all seeds. The study file is read and checked by keel.experiments.study_file; points are kept by
+keel.experiments.sweep."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from keel.config import TrainConfig
-from keel.experiments import common, maxlr, redundancy, stats, stream
+from keel.experiments import common, downstream, maxlr, redundancy, stats, stream
 from keel.experiments.budget import BudgetConfig, budget_point
 from keel.experiments.grid import Grid, LadderGrid, _finite, grid_note, run_searches, search_grid
 from keel.experiments.study_file import DeclaredStudy, _cell_name, _get, _leaves, _pinned, key, read, smoke
@@ -47,8 +48,9 @@ def _cell(study: DeclaredStudy, name: str) -> dict:
 def point(study: DeclaredStudy, arm: str, cell: dict, hp: dict, seed: int) -> dict:
     """One point: the study's measurement at this arm, cell and tuned values."""
     c = study.config({**study.arms[arm], **cell, **hp})
-    if study.measure == "redundancy":
-        return redundancy.point(common.point_config(c, c.model, seed))
+    if study.measure in ("redundancy", "downstream"):  # one point per arm and seed, as trained
+        return {"redundancy": redundancy, "downstream": downstream}[study.measure].point(
+            common.point_config(c, c.model, seed))
     if study.measure == "max_lr":
         return maxlr.point(common.point_config(c, c.model, seed), *maxlr.settings(study.max_lr)) | {"arm": arm,
                                                                                                     "cell": cell}
@@ -79,6 +81,8 @@ def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", ques
         return _max_lr(study, out, command, name, points, choices, _asks(question, rule))
     if study.measure == "redundancy":
         return _redundancy(study, out, command, name, points, _asks(question, rule))
+    if study.measure == "downstream":
+        return _downstream(study, out, command, name, points, _asks(question, rule))
     picks = {c: {pick: _best_of(study, points, choices, c, among) for pick, among in study.best_of.items()
                  if not _pinned(study.best_of, pick)} for c in choices}
     if across := {pick: _best_of(study, points, choices, "", among) for pick, among in study.best_of.items()
@@ -316,6 +320,26 @@ def _redundancy(study: DeclaredStudy, out: Path, command: str, name: str, points
     text = asks + table + ("\n\n" + _tests_table(results, 4) if tests else "")
     common.write_outputs(out, name, study, command, results, text, [redundancy.plot(arms, out)], notes)
     return results
+
+
+def _downstream(study: DeclaredStudy, out: Path, command: str, name: str, points: dict, asks: str) -> dict:
+    # the equal-loss pairs (compare tested, untested not), the rankings of `rank`; a panel per group of arms
+    runs = {arm: [points[key(arm, {}, {}, s)] for s in study.seeds] for arm in study.arms}
+    found = downstream.analyse(runs, study.compare, study.untested, study.rank)
+    table, notes = downstream.report(found, study.config({}), study.seeds)
+    panels = [[a for a in study.arms if a in group] for group in _linked(study.compare)] + [study.rank]
+    results = {"points": points, **found, "seeds": study.seeds}
+    plots = [downstream.plot(runs, found, panels, study.config({}), out)]
+    common.write_outputs(out, name, study, command, results, asks + table, plots, notes)
+    return results
+
+
+def _linked(pairs: list) -> list[set]:  # the arms of pairs that share an arm, together
+    groups = []
+    for pair in pairs:
+        joined = [g for g in groups if g & set(pair)]
+        groups = [g for g in groups if g not in joined] + [set(pair).union(*joined)]
+    return groups
 
 
 def _probe_table(study: DeclaredStudy, results: dict) -> str:

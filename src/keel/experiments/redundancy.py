@@ -1,5 +1,5 @@
 """The redundancy measurement (`measure: redundancy`, the paper's Appendix A): how much the report-half loss of a
-trained model rises when one sub-layer is taken out (keel.experiments.surgery), each sub-layer in turn, two ways:
+trained model rises when one sub-layer is taken out (keel.evals.surgery), each sub-layer in turn, two ways:
   - "sublayer": the whole sub-layer is the identity, x' = x (its norm_out goes too);
   - "branch": only its branch F is zero, x' = norm_out(alpha * x) (norms and alpha kept).
 For Keel the two differ by norm_out (for the last sub-layer that is the whole effect); for Pre-LN, which has no
@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from keel.config import TrainConfig
+from keel.evals.surgery import branches_off, plain, removed
 from keel.experiments.common import fixed_batches, loss_on, markdown_table, pm, pyplot, save, splits, train_curve
-from keel.experiments.surgery import branches_off, plain, removed
 from keel.runtime import autocast_for
 
 MODES = ("sublayer", "branch")

@@ -11,8 +11,8 @@ import statistics
 import torch
 
 from keel.config import TrainConfig
+from keel.evals.surgery import residual_terms
 from keel.experiments.common import fixed_batches, markdown_table, pm, splits
-from keel.experiments.surgery import residual_terms
 from keel.model import Residual, TransformerLM
 
 

@@ -20,11 +20,12 @@ from keel.experiments.detect import FailureRules
 from keel.model.sizes import science
 
 KEYS = ("question", "answer", "rule", "base", "arms", "axes", "tune", "seeds", "marginal_seeds", "compare", "measure",
-        "curve_every", "curve_batches", "select_seeds", "best_of", "untested", "probe", "max_lr", "crossing", "stream")
+        "curve_every", "curve_batches", "select_seeds", "best_of", "untested", "probe", "max_lr", "crossing", "stream",
+        "rank")
 STEP = {"arms": "some of the arms, the ones this step tunes", "below": "values falling from below the grid's lowest, "
         "grown through in order", "above": "values rising from above the grid's highest, grown through in order",
         "ties": "low or high: which of equal scores wins"}  # a tune step's optional keys
-MEASURES = ("loss", "max_lr", "redundancy")  # the budget measurement (final loss on the select and report halves)
+MEASURES = ("loss", "max_lr", "redundancy", "downstream")  # loss: the budget measurement (keel.experiments.budget)
 LOSS_ONLY = ("tune", "best_of", "untested", "select_seeds", "marginal_seeds", "probe", "curve_every", "curve_batches",
              "crossing", "stream")
 MAX_LR = {"eval_every": "select-half evaluations every this many steps (an integer >= 1; default 2)", "rules":
@@ -33,7 +34,7 @@ MAX_LR = {"eval_every": "select-half evaluations every this many steps (an integ
           "-> a published ratio of their max LRs (a positive number)"}
 PER_POINT = {"run.seed": "set per point from seeds", "run.out_dir": "a study point writes no run directory",
              "run.name": "a study point writes no run directory"}
-_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.]*")
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
 
 
 @dataclass
@@ -58,6 +59,7 @@ class DeclaredStudy:
     max_lr: dict = field(default_factory=dict)  # the max-LR measurement's settings (MAX_LR)
     crossing: float = 0.0  # 0: the curves are not compared
     stream: dict = field(default_factory=dict)  # empty: every stream in float32, no arithmetic measured
+    rank: list = field(default_factory=list)  # measure downstream: arms ranked by final loss and by final score
     smoke: dict = field(default_factory=dict)  # fields set on every point last (`smoke`); empty for a real study
 
     @property
@@ -127,7 +129,7 @@ def read(doc: dict, where: str) -> DeclaredStudy:
         raise bad("arms: at least two arms to compare (name -> the fields it sets)")
     for name, fields in arms.items():
         if not _NAME.fullmatch(name) or not isinstance(fields, dict):
-            raise bad(f"arms.{name}: an arm is a name (letters, digits, _ and .) -> a mapping of fields")
+            raise bad(f"arms.{name}: an arm is a name (letters, digits, _, . and -) -> a mapping of fields")
     axes = {str(k): v for k, v in (doc.get("axes") or {}).items()}
     for name, values in axes.items():
         if not isinstance(values, list) or not values or len({json.dumps(v) for v in values}) < len(values):
@@ -175,8 +177,13 @@ def read(doc: dict, where: str) -> DeclaredStudy:
     if measure not in MEASURES:
         raise bad(f"measure: {measure!r}; allowed: {', '.join(MEASURES)}")
     removal = {f"{a}.{m}.{p}" for a in arms for m in redundancy.MODES for p in redundancy.PARTS}
-    if measure == "redundancy" and (given := [k for k in (*LOSS_ONLY, "axes", "untested") if doc.get(k)]):
-        raise bad(f"{given[0]}: not used by measure redundancy (one cell, nothing chosen, no curve)")
+    if measure in ("redundancy", "downstream") and (given := [k for k in (*LOSS_ONLY, "axes") if doc.get(k) and (
+            k != "untested" or measure == "redundancy")]):
+        raise bad(f"{given[0]}: not used by measure {measure} (one cell, nothing chosen, no loss curve)")
+    rank = doc.get("rank") or []
+    if rank and (measure != "downstream" or not isinstance(rank, list) or len(rank) < 2
+                 or len(set(map(str, rank))) < len(rank) or not set(map(str, rank)) <= set(arms)):
+        raise bad(f"rank: measure downstream's two or more distinct arms, ranked by loss and by score (got {rank!r})")
     compare = doc.get("compare") or ([] if measure == "redundancy" else [[names[0], o] for o in list(arms)[1:]])
     def pair(p, nested: bool = True) -> bool:  # two different arms; a side may be a pair itself (its difference)
         return isinstance(p, list) and len(p) == 2 and p[0] != p[1] and all(
@@ -217,7 +224,7 @@ def read(doc: dict, where: str) -> DeclaredStudy:
         {"field": s["field"], "grid": sorted(s["grid"]), "grow": s.get("grow", 2), **{k: s[k] for k in STEP if k in s}}
         for s in tune], seeds=seeds, marginal_seeds=marginal, compare=compare, measure=measure, curve_every=curve_every,
         curve_batches=curve_batches, select_seeds=select or [], best_of=best_of, untested=doc.get("untested") or [],
-        probe=doc.get("probe", False), max_lr=doc.get("max_lr") or {}, crossing=crossing, stream=got)
+        probe=doc.get("probe", False), max_lr=doc.get("max_lr") or {}, crossing=crossing, stream=got, rank=rank)
     _check_configs(study, bad)
     return study
 
@@ -260,7 +267,8 @@ def _check_configs(study: DeclaredStudy, bad) -> None:
         owners = [f"axes.{name}"] * (name in study.axes) + [f"arms.{a}" for a, f in study.arms.items() if name in f]
         if owners:
             raise bad(f"tune: {name} is chosen per arm and cell, so {owners[0]} may not set it")
-    check("base", {})
+    if not check("base", {}).run.eval_tasks and study.measure == "downstream":
+        raise bad("run.eval_tasks: measure downstream scores tasks; name at least one (e.g. [brackets, indent])")
     for arm, fields in study.arms.items():
         if check(f"arms.{arm}", fields).model.loop_blocks and study.measure == "redundancy":  # blocks are shared
             raise bad(f"arms.{arm}: model.loop_blocks: measure redundancy takes out one sub-layer of its own")
