@@ -266,6 +266,7 @@ def test_select_seeds_choose_alone_and_the_other_seeds_run_at_the_choice(tmp_pat
     assert results["tests"][0]["n"] == 3 and results["tests"][0]["mean"] == pytest.approx(-0.09)
 
 
+@pytest.mark.slow  # over a CPU second in the fast tier
 def test_best_of_picks_the_arm_with_the_lowest_mean_select_loss_at_its_choices_and_untested_pairs_are_means(
         tmp_path, monkeypatch):
     """Points with written-out losses: each arm's LR is chosen by the mean select-half loss over every seed (seed 0
@@ -324,6 +325,7 @@ def test_best_of_ties_go_to_the_first_arm_listed(tmp_path, monkeypatch):
     assert results["picks"][""]["best"]["arm"] == "pre_ln"
 
 
+@pytest.mark.slow  # over a CPU second in the fast tier
 def test_a_pair_or_best_of_pinned_to_cells_is_one_test_across_them(tmp_path, monkeypatch):
     """LR as an axis, nothing tuned (Table 2's design): keel - pre_ln is judged in every cell; keel@lr4e-05 -
     keel@lr1e-05 once, across two cells; keel_best and pre_ln_best each pick the cell (LR) with the lowest mean
@@ -392,6 +394,7 @@ def test_a_tune_step_of_some_arms_grows_through_written_out_values_and_may_give_
     assert {lr for a, lr, wu in ran if a == "post_ln" and wu == 5} == {1e-5, 2e-5, 4e-5} == set(again["values"])
 
 
+@pytest.mark.slow  # over a CPU second in the fast tier
 def test_a_side_that_is_a_pair_is_its_difference_seed_by_seed(tmp_path, monkeypatch):
     """(keel - pre_ln at 2 blocks) - (at 1 block), per seed: the growth of a gap with depth, one test across cells,
     Holm over it and the per-cell tests."""
@@ -458,6 +461,7 @@ def ramp(**fields) -> dict:
         compare=[["keel", "pre_ln"], ["pre_ln_noclip", "pre_ln"]]) | fields
 
 
+@pytest.mark.slow  # over a CPU second in the fast tier
 def test_a_max_lr_study_takes_each_max_lr_where_its_curve_fails_and_tests_them(tmp_path, monkeypatch):
     """Curves built to collapse at a known evaluation (rules confirm 4, window 1: no lag): the max LR is the LR of the
     evaluation before, a curve that never fails has the peak; the compare pairs are t-tests of the log max LRs

@@ -164,6 +164,7 @@ def test_a_sweep_directory_refuses_points_of_another_configuration(corpus_cfg, t
         EXPERIMENTS["frontier"][1](longer, tmp_path, "keel experiment frontier --quick run.steps=5")
 
 
+@pytest.mark.slow  # over a CPU second in the fast tier
 def test_adding_seeds_to_a_sweep_runs_only_the_new_seeds(corpus_cfg, tmp_path, capsys):
     one = build("frontier", True, [*TINY, *ONE_LR, *corpus_cfg, "seeds=[0]"])
     EXPERIMENTS["frontier"][1](one, tmp_path, "keel experiment frontier --quick seeds=[0]")

@@ -415,6 +415,7 @@ def fmt(p: float) -> str:
     return f"{p:.2g}"
 
 
+@pytest.mark.slow  # over a CPU second in the fast tier
 def test_rejudge_md_is_every_test_recomputed(tests_):
     lines = [line for line in (RESULTS / "rejudge.md").read_text().splitlines() if re.match(r"\| \d+ \|", line)]
     # 74 closed tests; the tests so far of rule 21's sweep (its family grows as its depths finish) and of rule 25's
