@@ -10,7 +10,7 @@ import random
 import numpy as np
 import torch
 
-from keel.data.corpus import DataConfig
+from keel.data.corpus import DataConfig, build_corpus
 from keel.errors import DataError
 from keel.evals import in_memory_lm
 from keel.evals.scorer import Scorer, all_sum, world
@@ -61,10 +61,11 @@ def score_probe(scorer: Scorer, probe: Probe, items: list[dict]) -> dict:
 def prepare(tasks: list[Task], data_config: DataConfig, tokenizer) -> dict[str, list[dict]]:
     """Every probe's stored items, generated now on the first call, so that a corpus too small for a probe
     fails before training rather than at the first evaluation (harness tasks are loaded when scored)."""
-    items = {}
+    items, corpus = {}, None
     for task in tasks:
         if isinstance(task, Probe):
-            items[task.name] = task.items(data_config, tokenizer)
+            corpus = build_corpus(data_config) if corpus is None else corpus  # once for all the probes
+            items[task.name] = task.items(data_config, tokenizer, corpus)
             if not items[task.name]:
                 raise DataError(f"probe {task.name!r}: the validation split of {data_config.source!r} gives no "
                                 "items; use more validation text (data.val_fraction) or drop the probe")

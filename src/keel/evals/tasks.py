@@ -44,9 +44,10 @@ class Probe(Task):
     version: int = 1
     generate: object = None  # (validation docs, random.Random, cap) -> items; see keel.evals.probes
 
-    def items(self, data: DataConfig, tokenizer) -> list[dict]:
-        """Every stored item (generated and cached on the first call for this corpus and tokenizer)."""
-        corpus = build_corpus(data)
+    def items(self, data: DataConfig, tokenizer, corpus=None) -> list[dict]:
+        """Every stored item (generated and cached on the first call for this corpus and tokenizer); `corpus`:
+        `data`'s, when the caller has built it already (building one walks a directory source's files)."""
+        corpus = build_corpus(data) if corpus is None else corpus
         key = hashlib.sha256(f"{corpus.fingerprint}|{tokenizer.name}".encode()).hexdigest()[:16]
         path = cache_root(data) / "evals" / key / f"{self.name}-v{self.version}.jsonl"
         if (cached := _read_items(path, self)) is not None:

@@ -96,9 +96,11 @@ SMOKE = {"model.d_model": 32, "model.n_heads": 2, "model.n_kv_heads": 1, "model.
 
 def smoke(study: DeclaredStudy) -> DeclaredStudy:
     """The study at a smoke-test size (`keel experiment NAME --quick`): every point `SMOKE` (a field it tunes
-    excepted), its first two seeds, no marginal seeds, a stream study's init at SMOKE's depth; seconds on a CPU."""
+    excepted), its first two seeds, no marginal seeds, a stream study's init at SMOKE's depth, a downstream study's
+    tasks on 8 items; seconds on a CPU."""
     seeds, init = study.seeds[:2], study.stream.get("init_blocks")
-    return replace(study, smoke=SMOKE, seeds=seeds, select_seeds=[s for s in study.select_seeds if s in seeds],
+    probes = {"run.eval_tasks_items": 8} if study.measure == "downstream" else {}
+    return replace(study, smoke=SMOKE | probes, seeds=seeds, select_seeds=[s for s in study.select_seeds if s in seeds],
                    marginal_seeds=[], curve_every=min(study.curve_every, 2), curve_batches=1,
                    stream=study.stream | ({"init_blocks": [SMOKE["model.n_blocks"]]} if init else {}))
 
