@@ -24,7 +24,11 @@ def fmt(p: float) -> str:
 REPORTS = sorted(p.parent.name for p in RESULTS.glob("*/report.md"))
 
 
-@pytest.mark.parametrize("folder", REPORTS)
+SLOW_REPORTS = {"tuned-alpha"}  # over a CPU second in the fast tier (tests/durations.json)
+
+
+@pytest.mark.parametrize("folder", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_REPORTS else f
+                                    for f in REPORTS])
 def test_a_reports_command_parses_and_merges_to_the_configuration_its_points_recorded(folder, monkeypatch):
     """The "Produced by" command of every committed report, parsed by keel's own command line (keel.cli._main, up
     to the experiment's function, which is replaced here) and passed through the merge (no training), builds the

@@ -125,6 +125,7 @@ def test_a_quick_experiment_does_not_write_into_results(tmp_path, monkeypatch):
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.slow  # over a CPU second in the fast tier
 def test_an_imported_run_is_listed_as_imported_and_never_resumed_as_latest(trained_run, tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     from keel.data.tokenizer import train_bpe
