@@ -87,7 +87,7 @@ def test_equal_tuning_reuses_points_recorded_before_a_field_was_added_while_that
     (gzip.compress(b"[" * 100_000 + b"]" * 100_000), "damaged point file"),
     (gzip.compress(b'{"select_loss": "low"}'), "select_loss is str"),
     (gzip.compress(b'{"report_loss": ' + b"9" * 5000 + b"}"), "damaged point file"),
-])
+], ids=["not-gzip", "gzip-of-binary", "empty", "list", "nested-deep", "loss-as-text", "huge-number"])
 def test_a_damaged_point_file_is_one_line_naming_it(content, why, tmp_path):
     from keel.errors import ConfigError
     from keel.experiments import store
