@@ -22,11 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-# Under pytest-xdist (CI's `-n 2`) each worker is one of two processes on two cores: one torch thread each (before
-# torch loads, so OpenMP reads it too, and inherited by the tests' subprocesses), else each worker's thread pool
-# oversubscribes the cores the other worker is using.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["OMP_NUM_THREADS"] = "1"
+# One torch thread per test process (set before torch loads, so OpenMP reads it too, and inherited by the tests'
+# subprocesses). Under pytest-xdist (CI's `-n 2`) each worker is one of two processes on two cores, and a worker's
+# thread pool would oversubscribe the cores the other is using; in one process the tests' models are so small that a
+# second thread costs more in hand-offs than it saves (the fast tier on 2 idle cores at 331ffdb: 94.2 s with torch's
+# two threads, 76.7 s with one).
+os.environ["OMP_NUM_THREADS"] = "1"
 # before torch, as the `keel` command does: torch's idle OpenMP threads sleep (OMP_WAIT_POLICY=passive, inherited by
 # the tests' subprocesses). With them spinning, the fast tier took 497 s, not 133 s, on 2 cores at load 3 to 4.
 from keel.launch import launcher_environment
@@ -37,8 +38,7 @@ launcher_environment()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
+torch.set_num_threads(1)  # in case a plugin loaded torch before this file
 
 # cuBLAS is deterministic only with a fixed workspace, read when its handle is made: set before any CUDA use
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
