@@ -1,20 +1,5 @@
-"""Reading and writing files in a run directory that may come from someone else.
-
-Run directories travel (shared drives, downloaded runs), so every entry in one may be a planted symlink, a
-FIFO, a directory or a huge file. The rules, for every path under a run directory `root`:
-- nothing between `root` and the file may be a symlink (a symlinked `checkpoints/` or `tokenizer/` is
-  refused, not followed), and the path must stay inside `root` once resolved;
-- a write goes to a fresh temporary file created with O_EXCL|O_NOFOLLOW beside the target, renamed into
-  place (rename never follows a link); a target that is a symlink is refused, never written through;
-- an append opens with O_APPEND|O_NOFOLLOW and must land on a regular file;
-- a read opens with O_NOFOLLOW|O_NONBLOCK (a FIFO never blocks), requires a regular file, and refuses
-  one over its size cap before reading a byte.
-Symlinked files are refused, not read even when they point inside the run: keel never writes one, so a
-symlink there was planted. Every refusal is one `DataError` line naming the file.
-
-What such a file holds is parsed with `loads_json`, which bounds nesting and integers: JSON nested 100,000
-deep is a RecursionError in `json.loads` and a step of 10**30 an OverflowError wherever it meets numpy.
-"""
+"""Reading and writing files in a run directory that may come from someone else: no link followed, no FIFO waited
+on, sizes capped, writes atomic, JSON bounded (the rules: docs/internals.md#keelsafe_io)."""
 
 from __future__ import annotations
 

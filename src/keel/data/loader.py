@@ -165,19 +165,9 @@ def _build(corpus: Corpus, tokenizer, final: Path) -> None:
 # ---- batches ---------------------------------------------------------------------------------------
 
 class WindowSampler:
-    """Random windows of `seq_len + 1` tokens: `next_batch()` returns (x, y), int64 (batch_size, seq_len),
-    y being x shifted by one token.
-
-    Each call draws the starts of the whole global batch (batch_size * world_size windows) from one
-    generator seeded by `seed`, and rank r keeps windows [r * batch_size, (r + 1) * batch_size): the
-    global batch is the same whatever the world size. `state_dict()` holds only tensors and ints, and
-    `load_state_dict` makes the sampler draw exactly what the uninterrupted one would have.
-
-    With `vocab_size`, every batch is checked to hold only ids below it (`source`: the shard, for the message):
-    shards whose checksums match their manifest may still have been made for another vocabulary.
-
-    Given a stream (data.streaming=true), it is a keel.data.streaming.StreamSampler instead, which reads its
-    rank's part of the stream in order (the trainer builds every sampler by this one name)."""
+    """Random windows of `seq_len + 1` tokens: `next_batch()` returns (x, y), int64 (batch_size, seq_len); the global
+    batch is the same whatever the world size, and `load_state_dict` resumes it exactly. Given a stream it is a
+    keel.data.streaming.StreamSampler (docs/internals.md#keeldataloaderwindowsampler)."""
 
     def __new__(cls, tokens, *args, **kwargs):
         from keel.data.streaming import TokenStream

@@ -1,14 +1,5 @@
-"""`keel data prepare`: a corpus into token shards (the layout is keel.data.shards'), tokenised by worker processes.
-
-This process reads the documents in the corpus's order and N workers tokenise them (keel.data.encode_workers); the
-ids come back in that order, so the shards are the same bytes whatever N is. Nothing is read whole: a text file is
-read a block at a time and a document longer than a million characters goes out in pieces, so memory stays bounded
-whatever the size of a file. A shard is written to a
-temporary file and renamed into place once full, then the manifest is rewritten: a killed prepare resumes from
-its last whole shard and ends with what an uninterrupted one would have written. Run again on a corpus with new
-documents after the old ones (records appended, files sorting after the old), it tokenises only those, into new
-shards; on an unchanged corpus it checks the shards and writes nothing.
-"""
+"""`keel data prepare`: a corpus into token shards, tokenised by worker processes, resumable and extendable
+(docs/internals.md#keeldatashard_writer)."""
 
 from __future__ import annotations
 

@@ -1,29 +1,5 @@
-"""Token shards on disk, as `keel data prepare` writes them (keel.data.shard_writer) and training reads them.
-
-A shard directory holds, for each split, `<split>-<k>.bin` files of token ids (little-endian uint16 where the
-vocabulary fits, else uint32), each of `shard_tokens` ids except the last of each prepare, beside it
-`<split>-<k>.idx` (uint32: the offsets at which documents start in that shard), and `manifest.json`:
-
-    {"format": "keel-shards-1", "dtype": "uint16", "shard_tokens": N,
-     "tokenizer": {"name", "vocab_size", "eos_id"[, "piece_rule"]}, "corpus": {"source", "kind", "fingerprint", ...},
-     "bpe_sample": {"documents", "seed", "vocab_size" (the size asked)} or null,
-     "splits": {"train": {"complete", "documents", "tokens", "shards": [
-         {"file", "tokens", "sha256", "index", "index_sha256", "documents",
-          "end": {"document", "offset", "digest"}}, ...]}, "val": {...}}}
-
-A split is the corpus's documents of that split in its order, tokenised (each followed by the tokenizer's eos_id
-when it has one) and cut into shards; `piece_rule` is there only for a tokenizer whose post-processor adds ids
-(keel.data.tokenizer.HFTokenizer.piece_rule). A shard's `end` is where the next one starts: token `offset` of document
-`document`, and `digest`, the SHA-256 over the SHA-256s of every document with tokens in this shard or an
-earlier one; prepare resumes and appends from it, and checks with it that those documents did not change.
-
-`TokenShards` reads a split's shards as one sequence of ids through memory maps (nothing is read whole);
-`read_manifest`, `check_tokenizer` and `check_files` check a directory against its manifest first: names inside
-it, sizes, SHA-256s and the tokenizer. `keel train` caches a corpus it tokenises in this layout too
-(keel.data.loader). A nanoGPT-style `.bin` of uint16 ids (modded-nanogpt's 1 KiB header understood) is read by
-`open_bin`.
-This module needs no torch: `keel data prepare`'s workers import it.
-"""
+"""Token shards on disk, as `keel data prepare` writes them (keel.data.shard_writer) and training reads them; the
+layout and manifest: docs/internals.md#keeldatashards. Needs no torch: `keel data prepare`'s workers import it."""
 
 from __future__ import annotations
 

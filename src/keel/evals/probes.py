@@ -1,15 +1,5 @@
-"""The built-in probes: multiple-choice items cut from validation documents, one generator per probe.
-
-Each generator takes the validation documents (never the training ones) and a seeded `random.Random`, and
-returns items `{"context", "choices", "answer", "doc", "doc_sha"}`; `doc` is the document's index in the
-validation split and `doc_sha` the first 16 hex digits of its text's SHA-256, so an item can be traced back.
-
-Chance is the accuracy of a uniform random pick. A scorer with a fixed preference (an untrained model prefers
-shorter continuations, or one character over another) must also land at chance, so every probe balances what
-such a preference could exploit: the right answer is each candidate class (brackets) or each rank by length
-(indent, next_line) equally often, or the candidates have equal length (identifiers); and the answer's place in
-`choices` is shuffled, since an argmax breaks ties by position.
-"""
+"""The built-in probes: multiple-choice items cut from validation documents, one generator per probe, each balanced
+so that a scorer with a fixed preference lands at chance (docs/internals.md#keelevalsprobes)."""
 
 from __future__ import annotations
 

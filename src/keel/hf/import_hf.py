@@ -1,14 +1,5 @@
-"""`keel import-hf`: a Llama-architecture `transformers` checkpoint -> a `pre_ln` Keel run directory.
-
-The names map one to one (`keel.hf.llama`); the result is a run directory with config.yaml, tokenizer/ and
-checkpoints/step_00000000/, which `keel eval`, `keel generate` and `keel export-hf` accept.
-
-The directory may come from anywhere, so it is read as the run-directory readers read (keel.safe_io): only
-regular files (a FIFO is refused, not waited on) of bounded size, JSON of bounded depth, the files an index
-lists only inside the directory, every config field checked for type, and the model's size checked against
-the weights on disk and this machine's memory before anything is allocated. Symlinks are followed: a Hugging
-Face cache directory is made of them.
-"""
+"""`keel import-hf`: a Llama-architecture `transformers` checkpoint -> a `pre_ln` Keel run directory, the directory
+read as untrusted (docs/internals.md#keelhfimport_hf)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""`keel plot RUN [RUN ...]`: one PNG comparing runs, and each run's per-sub-layer telemetry as heatmaps.
-
-Every panel is against the training step (one x-axis for the whole figure, labelled "step"): training and
-validation loss, task accuracy for runs that scored `run.eval_tasks` (one line per task, chance dotted),
-learning rate and gradient norm. A panel with nothing to draw yet (validation before the first evaluation)
-is not drawn: a line in the title says so, and the other panels share the width. For every run with
-telemetry.jsonl, a row of depth x step heatmaps: per-sub-layer gradient norm, stream RMS and |F| / |alpha x|
-(log colour scale; sub-layer 0 at the bottom, as in the paper's figures). A run with one telemetry record (a
-50-step run at the default run.telemetry_every=50) gets a line in the title instead: one column is no heatmap.
-"""
+"""`keel plot RUN [RUN ...]`: one PNG comparing runs against the step, and each run's per-sub-layer telemetry as
+heatmaps (docs/internals.md#keelreportingplot)."""
 
 from __future__ import annotations
 

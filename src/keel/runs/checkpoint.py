@@ -1,28 +1,5 @@
-"""Checkpoints: atomic, checksummed, and never a way to run code.
-
-A checkpoint is a directory `checkpoints/step_XXXXXXXX/` holding
-  model.safetensors   the weights (safetensors: tensors only)
-  state.pt            optimiser, data-sampler and RNG state (tensors and plain containers only,
-                      loaded with `torch.load(weights_only=True)`)
-  meta.json           step, schedule and guard state
-  manifest.json       {"format": "safetensors", "<file>": "<SHA-256>", ...}, written last
-It is built under a temporary name, every file fsync'ed, then renamed into place, so a crash leaves
-either the complete checkpoint or none.
-
-Runs under torchrun write sharded checkpoints instead (`save_sharded`, format "dcp"): the weights and
-optimiser state are a `torch.distributed.checkpoint` (DCP) save, `.metadata` plus one `__<rank>_0.distcp`
-file per rank, in place of model.safetensors and the optimiser in state.pt. DCP reshards on load, so a
-checkpoint written by N ranks loads on M ranks, or in a single process (`load`, `load_sharded`), and
-`export_safetensors` turns one into a single safetensors file.
-
-Reading treats every file as untrusted: what a loader trusts (only the manifest) and what `verify`
-promises are written in `keel.runs.untrusted`, beside the checks themselves.
-
-Writing fails as one `CheckpointError` naming the checkpoint when the disk or filesystem does (full,
-read-only, quota); the temporary directory is removed and earlier checkpoints are untouched. What killed
-writers leave behind is removed by `clean_stale_tmp`, which every save calls and a run should call when it
-starts. One writer per run directory is assumed throughout.
-"""
+"""Checkpoints: atomic, checksummed, and never a way to run code; the layout, the sharded format and how writes
+fail: docs/internals.md#keelrunscheckpoint."""
 
 from __future__ import annotations
 

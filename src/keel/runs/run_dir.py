@@ -1,20 +1,5 @@
-"""The run directory, the project's central artefact, and the one object that owns it.
-
-  config.yaml      the resolved TrainConfig
-  run.json         provenance: versions, git commit, machine, seed, data fingerprint, tokenizer
-  tokenizer/       the tokenizer, so the run is self-contained
-  metrics.jsonl    one JSON object per logged step, evaluation and event
-  telemetry.jsonl  per-sub-layer gradient norm, stream RMS and |F| / |alpha x| every run.telemetry_every steps
-  curves.png       loss, validation, LR and gradient-norm curves (and telemetry heatmaps), drawn at the end
-  checkpoints/     see keel.runs.checkpoint
-  summary.json     written at the end (also after divergence or interruption)
-  diverged.json    the diagnostic, when a run stops on divergence
-
-`keel train` creates one (`RunDir.create`), `resume=` reopens it (`RunDir.open` + `resume_config`), `keel
-eval`, `generate`, `summary`, `export-hf` and `lm-eval` load its model (`load_model`), and `keel import-hf`
-writes one from a Hugging Face model (`RunDir.create_at`). A RunDir is path-like: `run_dir / "x"` and
-`Path(run_dir)` work.
-"""
+"""The run directory, the project's central artefact, and the one object that owns it (`RunDir`, path-like); its
+files: docs/internals.md#keelrunsrun_dir."""
 
 from __future__ import annotations
 

@@ -1,24 +1,5 @@
-"""The checks on checkpoint files, which may be damaged or hostile: nothing here runs code.
-
-What a loader trusts: only the manifest. Its "format" picks the loader (never the presence of some file:
-a stray `.metadata` once sent a safetensors checkpoint down the DCP path, which unpickles it), only the
-files it lists are opened, and each is checksummed against it before it is parsed. Manifests written
-before "format" existed are read by the files they list (`.metadata`: dcp, `model.safetensors`:
-safetensors). The checksums catch corruption; a hostile checkpoint with a consistent manifest is stopped
-by the parsers, none of which can run code: safetensors, JSON, `torch.load(weights_only=True)`, and, for
-DCP's pickled `.metadata` and the hyper-parameters DCP pickles into its shards, an unpickler that builds
-only DCP's own metadata classes and a weights-only load.
-
-What `verify` promises: after the checksums it parses every file's structure cheaply (the safetensors
-header, state.pt's archive and pickle with its tensors memory-mapped, meta.json, the DCP metadata and the
-shard extents it points to), so a checkpoint it passes loads unless it does not fit the model. That is
-what lets `latest_valid` fall back past a checkpoint whose checksums match content that is still broken
-(a writer that lost data without reporting it). Directories that are symlinks, and listed files that are
-not regular files (a FIFO would hang the reader), are refused, never followed.
-
-`Damaged` says what is wrong in a few words; `keel.runs.checkpoint` turns it into a `CheckpointError`
-naming the checkpoint.
-"""
+"""The checks on checkpoint files, which may be damaged or hostile: nothing here runs code. What a loader trusts and
+what `verify` promises: docs/internals.md#keelrunsuntrusted."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""Keel's junction computed in one piece, installed from outside the model by swapping modules.
-
-At a junction one sub-layer ends with `y = LN_out(alpha*x + h)` and the next begins with `u = LN_in'(y)`.
-`apply_fused_junction` swaps the two sub-layers' `Residual`s for `FusedResidual`s (as torchtitan's model
-converters swap modules) that hold the very norm modules they replace, so parameters and state-dict keys stay as
-they were and `Residual.forward` stays the paper's equation. The junction then runs as the fused Triton kernel of
-keel.kernels.junction (CUDA), composed inside a compiled block so Inductor fuses it (`ComposedJunction`), or, under
-activation checkpointing, as the sum `alpha*x + h` handed across the block boundary (`SumHandoff`). Which of these
-a run gets is decided by `junction_impl` and, for plans and benchmarks, `hands_on_sums`; keel.scale.parallel
-applies it first, before AC, compile and FSDP2. Where the compiler fuses it, a junction's two RMSNorms (`LN_out`,
-then the next `LN_in`) run as one op whose backward reads two independent row sums (`NormPair`,
-keel.kernels.norm_pair), so the compiler can compute both norms' gradients in one reduction pass.
-"""
+"""Keel's junction computed in one piece, installed from outside the model by swapping modules
+(docs/internals.md#keelscalefused_junction)."""
 
 from __future__ import annotations
 
@@ -29,18 +18,8 @@ from keel.scale import FUSED_JUNCTION_DEFAULT
 
 
 class FusedResidual(Residual):
-    """A `Residual` at a fused junction, swapped in by `apply_fused_junction`: the same alpha and the same norm
-    modules (so the same parameters, under the same state-dict keys), and the same equation, with the junction
-    between two sub-layers computed in one piece.
-
-    `x` is the stream, or the pair (stream, norm_in(stream)) a previous `FusedResidual` computed, whose norm_in
-    it then skips, or (with `incoming` set) the sum `alpha*x + h` the previous sub-layer handed on, which it
-    normalises with that sub-layer's norm_out and then its own norm_in (`incoming`, a `NormPair`). With
-    `junction` set, a callable `(x, h) -> (y, u)` computing this sub-layer's `y = norm_out(alpha * x + h)` and the
-    next sub-layer's branch input `u = norm_in'(y)`, it returns that pair (or, a `SumHandoff`, the sum alone);
-    without, the stream. Code that hooks or replaces single sub-layers (analysis tools) should use a model without
-    it (`apply_fused_junction(model, "off")`).
-    """
+    """A `Residual` at a fused junction, swapped in by `apply_fused_junction`: the same alpha, norm modules and
+    equation, with the junction between two sub-layers computed in one piece (docs/internals.md#fusedresidual)."""
 
     junction: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None = None
     hands_head = False  # the stack's last sub-layer, whose u goes unused (apply_fused_junction): not a junction
@@ -83,15 +62,7 @@ class StreamOfPair(nn.Identity):
 
 
 class FusedJunction:
-    """`FusedResidual.junction` with the Triton kernel: `(x, h) -> (norm_out(alpha*x + h), next_norm_in(...))`.
-
-    It holds the two norm modules, not their weights, so it reads whatever tensor each holds at call time
-    (FSDP2 swaps the sharded and the gathered parameter in and out). A plain object, not an nn.Module, so
-    the next sub-layer's norm is not registered twice and state dicts stay as they were. It writes u in the
-    dtype the branch u feeds computes in: autocast's where autocast is on, else that of the next norm's gain,
-    which is the branch weights' (FSDP2's mixed precision and run.weights=bfloat16 cast whole blocks); a bf16 u
-    halves those bytes and the branch's own cast is a no-op.
-    """
+    """`FusedResidual.junction` with the Triton kernel: `(x, h) -> (norm_out(alpha*x + h), next_norm_in(...))`."""
 
     def __init__(self, alpha: float, norm_out: RMSNorm, next_norm_in: RMSNorm):
         from keel.kernels.junction import keel_junction  # noqa: PLC0415 (triton: only when fusing)
@@ -150,17 +121,7 @@ class ComposedJunction:
 
 
 class SumHandoff:
-    """`FusedResidual.junction` at a junction between two compiled blocks: `(x, h) -> alpha*x + h`, the sum before
-    `norm_out`, which the next block normalises (its first sub-layer's `incoming` `NormPair`), so `norm_out` and the
-    next `LN_in` compile into the next block's graph, fused there. One tensor crosses each boundary, the sum.
-
-    Why the sum: under activation checkpointing a block keeps only its input and recomputes the rest in the
-    backward pass. A block that ends with `norm_out` needs that norm's input, `alpha*x + h`, for its backward,
-    so its recomputation runs the block's last matmul again (the FFN's down projection, whose output is h); a
-    block that ends with the sum needs only h's gradient, which is the sum's (as a Pre-LN block, whose output
-    `x + h` is not needed either). Without checkpointing too, Inductor's kernels move fewer bytes than with the
-    pair (stream, LN_in(stream)) handed across: per block Keel/Pre-LN 1.020 against 1.047 (its own count, CPU,
-    float32, d=256 and d=512), the forward graph's bytes equal to Pre-LN's."""
+    """`FusedResidual.junction` between two compiled blocks: `(x, h) -> alpha*x + h`, normalised by the next block."""
 
     norms = ()  # it applies none: the next block does (`handed_norms`)
 
@@ -202,15 +163,8 @@ class NormOfSum(nn.Identity):
 
 def junctions(model: nn.Module, across_blocks: bool = True,
               stage_starts: Collection[int] = ()) -> list[tuple[Residual, Residual]]:
-    """Every pair of consecutive sub-layers where the first has a norm_out and the second a norm_in: Keel's
-    junctions (also Mix-LN's one Post-LN to Pre-LN boundary). `across_blocks=False`: only pairs in one block;
-    `stage_starts`: the blocks that begin a pipeline stage, into which no pair crosses.
-
-    In a looped model one `Residual` computes several sub-layers; it is fused only if every one of them is
-    followed by the same `Residual`, or by nothing where the model has no final norm (`StreamOfPair` then hands
-    the head the stream of the pair that ends the stack), since it hands every successor the branch input of
-    that one.
-    """
+    """Every pair of consecutive sub-layers where the first has a norm_out and the second a norm_in (Keel's
+    junctions); `across_blocks=False`: only pairs in one block; `stage_starts`: blocks no pair crosses into."""
     subs = model.sublayers()
     successors: dict[str, set[str]] = {}
     for a, b in zip(subs, [*subs[1:], None]):
@@ -229,33 +183,8 @@ def junctions(model: nn.Module, across_blocks: bool = True,
 def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, across_blocks: bool = True,
                          compiled: bool = False, checkpointed: bool = False, stage_starts: Collection[int] = (),
                          one_pass: bool = True) -> int:
-    """Fuse every junction (`junctions`); returns how many. Call before AC, compile and FSDP, on the model's
-    final device.
-
-    Where the Triton kernel (keel.kernels.junction) can run (CUDA), it computes each junction. Elsewhere, for a
-    model about to be compiled (`compiled`), the junction is fused by the compiler instead: inside a block a
-    `ComposedJunction` computes the pair (y, u) in one graph; between two blocks the first hands on its sum
-    (`SumHandoff`) and the next block's graph applies `LN_out` and its `LN_in` (a looped model hands on pairs).
-    mode: "auto" fuses where it was measured faster (`junction_impl`: the kernel for an eager model on CUDA, the
-    compiler's fusion across blocks for a compiled model; never the kernel on CPU, not even under triton's
-    interpreter), "composed" asks for the compiler's fusion, "on" fuses with the kernel or raises a ConfigError
-    saying why it cannot, "off" leaves the plain
-    composition. A model without junctions (Pre-LN, Post-LN, ...) has nothing to fuse under any mode.
-    A junction between two blocks applies a norm the other block holds: under FSDP2, keel.scale.parallel.apply_fsdp
-    gathers those norms in a unit of their own (`handed_norms`); under pipeline stages pass `stage_starts` (the
-    first block of every stage but the first), since no junction can cross to another rank's stage.
-    `checkpointed` (blocks under AC, which keep only
-    their input): the kernel's junctions stay inside blocks (a pair would be two tensors per boundary; the sum the
-    compiler's junction hands on is one). `one_pass`: the compiler's junctions run their two RMSNorms as one op
-    with a one-pass backward (`NormPair`); False composes the two norm modules. Applying again replaces what an earlier
-    call did ("off" swaps the plain `Residual`s back: tools that hook or swap single sub-layers want that).
-    `mode` is one of FUSED_JUNCTION, as keel.config checks.
-
-    Both sub-layers of each junction become `FusedResidual`s (the first computes the pair, the second takes it),
-    put in place of the plain modules by `setattr` on their parents; each holds the submodules of the one it
-    replaces, so parameters stay the same objects (an optimizer built before still holds them) under the
-    same state-dict keys. Hooks registered on a replaced module do not carry over.
-    """
+    """Fuse every junction (`junctions`) as `mode` (one of FUSED_JUNCTION) asks; returns how many. Call before AC,
+    compile and FSDP, on the model's final device (docs/internals.md#apply_fused_junction)."""
     _swap(model, _unfused)
     pairs = junctions(model, across_blocks, stage_starts)
     if mode == "off" or not pairs or (mode == "auto" and not compiled and next(model.parameters()).device.type
@@ -387,15 +316,8 @@ def hands_on_sums(run, config, device: torch.device, kernel_available: bool | No
 
 
 def junction_impl(mode: str, device_type: str, compiled: bool, problem: str | None) -> str | None:
-    """How a junction is fused: "kernel" (keel.kernels.junction), "composed" (inside the compiled block, for
-    Inductor to fuse) or None (not fused); `problem` says why the kernel cannot run here (None: it can). "on"
-    with neither raises a ConfigError.
-
-    "auto" under compile fuses the junction across blocks inside the compiled code ("composed": a block hands on
-    its sum and the next block's graph normalises it, the last block too, so two graphs to compile;
-    `apply_fused_junction`), on CUDA as on CPU; an eager model on CUDA gets the kernel, which is also what "on"
-    asks for. Both were measured faster there (the figures: docs/scale.md#performance, "Fused Keel junction").
-    """
+    """How a junction is fused: "kernel", "composed" (by the compiler) or None; `problem`: why the kernel cannot run
+    here. "on" with neither raises a ConfigError (docs/internals.md#junction_impl)."""
     if mode == "off":
         return None
     if mode == "composed":

@@ -1,15 +1,5 @@
 """How much memory a training run needs per process, from its config alone, before anything is built
-(docs/scale.md, "Memory model"): the largest of the forward, backward and optimizer phases (`estimate_memory`),
-each the sum of its parts (params, grads, optimizer, activations, autocast_cache, optimizer_temp).
-tests/test_memory.py holds the plan to torch's tracker of tensor storages (MemTracker) on a real step.
-
-Activations are counted per token from the model's own operations; with checkpointing only each checkpointed
-block's float32 input, plus the block being recomputed. Blocks are counted by keel.model.counting.block_params,
-the one layer counter (a looped model's states once, its activations for every pass). A pipeline rank (`pp` > 1)
-holds its stages' states and the micro-batches it has in flight (all of them under GPipe, at most the stages from
-its own to the last under 1F1B-like schedules), summed, not phased. Not included: allocator slack and
-fragmentation, the CUDA context, the compiler's workspace, temporaries inside one kernel: leave ~10-20%.
-"""
+(docs/scale.md, "Memory model"; what is counted: docs/internals.md#keelscalememory)."""
 
 from __future__ import annotations
 
@@ -94,7 +84,7 @@ def estimate_memory(config: ModelConfig, batch_size: int, seq_len: int, ac_every
                     pp_microbatches: int = 1, grad_accum: int = 1, bf16_autocast: bool = False,
                     optim_impl: str = "foreach", state: str = "float32", weights: str = "float32",
                     compiled: bool = False) -> dict:
-    """Bytes per process for one training step (see the module docstring): the parts, `phases` (forward,
+    """Bytes per process for one training step (docs/internals.md#keelscalememory): the parts, `phases` (forward,
     backward, optimizer: bytes each), `peak_phase`, and `total` (the peak phase's bytes). `fsdp_group` > 0 means
     FSDP2 with that many blocks per unit, `param_bytes` 2 for its bf16 mixed precision; `bf16_autocast` for a
     single process computing under bf16 autocast. `optim_impl` (foreach or fused) and `state` (STATE_BYTES) are

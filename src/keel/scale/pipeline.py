@@ -1,16 +1,6 @@
 """Pipeline parallelism: the blocks split into contiguous stages, one (or two) per rank, run by PyTorch's own
-schedules (`torch.distributed.pipelining`); docs/scale.md says what a user sees.
-
-`plan_pipeline` reads a run's settings into a `PipelinePlan`; keel.scale.parallel.parallelize builds the whole
-model on every rank (same seed, same weights), applies the junction, AC and compile, then `PipelinePlan.cut`
-keeps this rank's stages, FSDP2 shards them over their dp replicas, and `PipelinePlan.assemble` returns the
-`PipelineModel`, which holds the kept modules under the full model's names: optimiser, state dict and DCP
-checkpoints see one process's parameter names, so checkpoints move between the two.
-
-With more processes than stages the ranks form a 2-D DeviceMesh ("pp", "dp"), pp outermost (rank = pp_coord * dp
-+ dp_coord), as torchtitan composes them: each FSDP group is consecutive ranks (one node, where its collectives
-run every block), and only activations cross nodes.
-"""
+schedules (`torch.distributed.pipelining`); docs/scale.md says what a user sees, docs/internals.md#keelscalepipeline
+how it is built."""
 
 from __future__ import annotations
 

@@ -18,17 +18,8 @@ class Diverged(Exception):
 
 
 class DivergenceGuard:
-    """Judges each step's loss and gradient norm before the optimiser step is taken.
-
-    Spike rule: a loss above `spike_factor` x the median of the last `spike_window` accepted losses, and
-    at least `spike_min_rise` nats above it, once `spike_min_history` are known. The median, unlike the mean,
-    is not dragged up by one bad step; the absolute floor keeps a model that has memorised its data (loss
-    0.03, one batch at 0.1) from being called diverged.
-    Ceiling rule (with `vocab_size`): a loss above `loss_ceiling` x ln(vocab_size) from the very first step.
-    ln(V) is the loss of a uniform guess, where every run starts; a model that does several times worse has
-    blown up, and this catches it before the spike rule has any history (a too-high LR can go from 5 to 50
-    to 5000 in the first ten steps).
-    """
+    """Judges each step's loss and gradient norm before the optimiser step: a spike over the median of recent losses,
+    or a loss above a ceiling from the first step (the rules: docs/internals.md#keeltrainguarddivergenceguard)."""
 
     def __init__(self, cfg: GuardConfig, vocab_size: int | None = None):
         self.cfg = cfg

@@ -31,21 +31,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
 
 
 def torchao_adamw(groups: list[dict], cfg: OptimConfig, bf16_weights: bool = False) -> torch.optim.Optimizer:
-    """torchao's AdamW, which steps one parameter at a time (no foreach temporary) and computes each update in
-    float32. The `depth` extra installs torchao.
-
-    optim.state=8bit: its AdamW8bit, both moments block-wise quantised to 8 bits (2 bytes a parameter instead of
-    8, for tensors of at least 4,096 elements; smaller ones keep their moments in the parameter's dtype).
-    bf16 parameters (run.weights=bfloat16): the float32 result of each update is rounded to bf16 stochastically
-    (`bf16_stochastic_round`: up or down with probability by distance, so an update below bf16's spacing, which
-    round-to-nearest would drop every step, still moves the weight in expectation); with optim.state=float32
-    the moments are float32 (torchao's own AdamW would keep them in the parameter's dtype).
-
-    Its state dict holds each quantised moment as plain tensors: `<moment>` its uint8 codes (the parameter's
-    shape), `<moment>.scale` the block scales, `<moment>.qmap` the code book, `<moment>.signed`; a checkpoint then
-    loads weights-only with no tensor class of torchao's (keel.runs.untrusted.check_optimizer checks the layout),
-    at 2 bytes a parameter per moment as on the GPU, and loading rebuilds exactly the moments that were saved
-    (dequantising and quantising again would not: the signed code book moves some block scales)."""
+    """torchao's AdamW (the `depth` extra): 8-bit moments with optim.state=8bit, stochastic rounding for bf16 weights,
+    its state dict in plain tensors (docs/internals.md#keeltrainoptimtorchao_adamw)."""
     import logging  # noqa: PLC0415
 
     # torchao reports the CUDA-only extensions it cannot load, and registers an enum newer torch warns about

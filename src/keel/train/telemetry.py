@@ -1,19 +1,5 @@
-"""In-training telemetry: the per-sub-layer view the paper's argument is about, while a run is going.
-
-Every `run.telemetry_every` steps the trainer records, for each sub-layer i (0 = bottom):
-  grad_norm[i]    the gradient norm of the sub-layer's own parameters (its branch and its norms); the
-                  paper's vanishing-gradient argument says Post-LN's bottom sub-layers get almost nothing;
-  stream_rms[i]   the RMS of the residual stream leaving the sub-layer;
-  update_ratio[i] rms(F) / rms(alpha * x): how much the branch adds to what the shortcut carries. Near 0
-                  everywhere above some depth means those sub-layers are barely used ("dead depth").
-Forward hooks on the sub-layers collect the activations during the step's own forward pass (no extra
-forward); gradient norms are read after its backward pass, before the optimiser step. One JSON object per
-telemetry step goes to `telemetry.jsonl`; `keel plot` draws each quantity as a depth x step heatmap.
-
-With `run.compile=true` the forward hooks would make the compiled blocks recompile, so only gradient norms
-are recorded then. Under FSDP2 each rank holds a shard of every gradient: the squared norms are summed
-over ranks.
-"""
+"""In-training telemetry: per sub-layer, the gradient norm, the stream's RMS and rms(F) / rms(alpha * x), every
+run.telemetry_every steps, into telemetry.jsonl (docs/internals.md#keeltraintelemetry)."""
 
 from __future__ import annotations
 
