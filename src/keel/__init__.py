@@ -1,12 +1,5 @@
-"""Keel: deep Transformer language models with the Keel residual connection and its baselines.
-
-`import keel` loads nothing heavy: the names below come from `keel.model` (and torch) on first use, and
-nothing of Hugging Face loads until `keel.hf.register()` registers `KeelConfig` and `KeelForCausalLM` with
-`transformers`' Auto classes when you want them.
-
-`import keel` changes nothing process-wide (no environment variable, no thread or allocator setting); keel's own
-commands set their process's OpenMP wait policy and CUDA allocator, each only where you set none (keel.launch).
-"""
+"""Keel: deep Transformer language models with the Keel residual connection and its baselines. `import keel` loads
+nothing heavy and changes nothing process-wide (docs/internals.md#keel)."""
 
 from keel._lazy import lazy_names
 from keel._version import __version__

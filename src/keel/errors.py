@@ -1,10 +1,5 @@
-"""The errors a user can cause. The `keel` command prints a `KeelError` as one line and exits with code 2;
-any other exception is a bug and keeps its traceback.
-
-Each subclass is still a `ValueError`, so code that validated input before this module existed keeps working.
-`keel.model` raises plain `ValueError`s (it imports nothing from keel); the config layer re-raises them as
-`ConfigError`s naming the `model.` field.
-"""
+"""The errors a user can cause: the `keel` command prints a `KeelError` as one line and exits with code 2; any other
+exception is a bug and keeps its traceback. Each is still a `ValueError` (docs/internals.md#keelerrors)."""
 
 
 class KeelError(ValueError):

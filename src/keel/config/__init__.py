@@ -1,11 +1,5 @@
-"""Configuration: dataclasses for model / data / optimiser / guard / run, and the one merge every command uses.
-
-Precedence: preset (or an experiment's defaults) < YAML file < dotted `key=value` overrides. OmegaConf checks
-every key and type against the dataclasses; `ModelConfig` and `validate` then check values. A bare model
-field (`scheme=pre_ln`) is short for `model.scheme=pre_ln`; any other section-less key is refused with the
-section it probably belongs to (`steps=10`: did you mean run.steps?). Each command declares the fields it reads
-(`keel.config.reads.Reads`); the merge refuses any other a YAML file or an override sets, in one line saying why.
-"""
+"""Configuration: dataclasses for model / data / optimiser / guard / run, and the one merge every command uses
+(preset < YAML file < dotted overrides; docs/internals.md#keelconfig)."""
 
 from keel.config.merge import add_config_arguments, load_run_config, merge, to_config, to_yaml
 from keel.config.presets import DEFAULT_PRESET, PRESETS, load_config, train_preset

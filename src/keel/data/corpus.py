@@ -1,11 +1,5 @@
-"""Corpora and their train/val split.
-
-A corpus is the documents of one source: the standard library's own source ("stdlib"), a text file, a
-directory of text files, a JSONL or Parquet file, or a Hugging Face dataset ("hf:<path or name>").
-A document is in validation when the hash of its identity (its relative path, or its record index)
-falls below `val_fraction`, so the split does not move when other documents are added or removed.
-A single text file is one document; its last `val_fraction` (cut at a line end) is validation.
-"""
+"""Corpora and their train/val split, which hashes each document's identity so it does not move when documents are
+added or removed (docs/internals.md#keeldatacorpus)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Token ids ready for training, and the samplers that read batches from them.
-
-`prepare` tokenises both splits of a corpus (keel.data.corpus) once into a shard directory under
-`cache_dir/shards/<key>/`, written by keel.data.shard_writer in the layout of keel.data.shards, and reads it on
-every later call; the key changes whenever the data or the tokenizer does. A directory `keel data prepare` wrote,
-or a nanoGPT-style `.bin` of token ids, is read where it is instead. Every one is read through memory maps.
-"""
+"""Token ids ready for training (`prepare`: the token cache, a shard directory, or a `.bin` of ids), and the samplers
+that read batches from them (docs/internals.md#keeldataloader)."""
 
 from __future__ import annotations
 

@@ -177,14 +177,8 @@ def _read_stamp(stamp: Path) -> dict | None:
 # ---- reading -------------------------------------------------------------------------------------------
 
 class TokenShards:
-    """Shard files read as one sequence of token ids: `len()`, `dtype`, `filename` (for messages),
-    `windows(starts, length)`, which reads only the rows asked for, a slice (`shards[a:b]`: the same files, fewer
-    ids) and `np.asarray(shards)` (every id, read into memory).
-
-    Each call maps the shards it reads and unmaps them before it returns, as nanoGPT remaps its file every
-    batch: a map kept open would count every page it ever touched as the process's resident memory (on Linux
-    6.x a fault maps the page cache's whole folio, up to 2 MiB, so random windows made 1 GB of shards resident
-    within a thousand batches), although those pages are the kernel's to reclaim."""
+    """Shard files read as one sequence of token ids: `len()`, `windows(starts, length)`, slices and `np.asarray`; each
+    call maps and unmaps the shards it reads (why: docs/internals.md#keeldatashardstokenshards)."""
 
     def __init__(self, paths: Sequence[Path], counts: Sequence[int], dtype, filename: str, offset: int = 0):
         self.paths, self.dtype, self.filename, self.offset = list(paths), np.dtype(dtype), filename, offset

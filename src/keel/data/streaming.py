@@ -1,10 +1,5 @@
 """Streaming (data.streaming=true): documents tokenised as training reads them, each rank reading its own part of
-the stream (`datasets.distributed.split_dataset_by_node`), its position in every checkpoint. What streams, the
-validation head, the rows each rank cuts and how a resume goes on bit for bit: docs/data.md, "Streaming".
-
-A rank's position is (epoch, the dataset's state_dict before it read its last batch of documents, ids of that
-batch used); resuming reads that batch again and drops the ids used.
-"""
+the stream, its position in every checkpoint (docs/data.md, "Streaming"; docs/internals.md#keeldatastreaming)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Reading text from disk in bounded memory: directory walks without recursion, and text files read in blocks.
-
-A corpus may be a file larger than memory (a 3 GB log, an 8 GB sparse file of NUL bytes) or a tree thousands
-of directories deep, so nothing here reads a whole file or recurses per directory level. `scan` checks a file
-once, block by block (UTF-8, no NUL byte), and records where each block's characters start; `stream` then
-yields any range of its characters a block at a time, and `Text` is such a range as a document read on demand.
-"""
+"""Reading text from disk in bounded memory: directory walks without recursion, and text files read in blocks
+(docs/internals.md#keeldatatext_stream)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""lm-evaluation-harness tasks scored on the in-memory model, without exporting it.
-
-The harness talks to a model through its `LM` interface; `InMemoryLM` answers its log-likelihood requests
-with `keel.evals.scorer.Scorer`, tokenising a request the way the harness's own `HFLM` does (what
-`keel lm-eval` runs on an exported model), so the two agree. lm_eval is an optional extra: this module is
-imported only when a harness task is scored.
-"""
+"""lm-evaluation-harness tasks scored on the in-memory model, without exporting it, tokenised as the harness's own
+`HFLM` does (docs/internals.md#keelevalsin_memory_lm)."""
 
 from __future__ import annotations
 

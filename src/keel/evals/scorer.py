@@ -1,11 +1,5 @@
-"""The log-likelihood scorer on an in-memory model, shared by the probes (keel.evals.scoring) and the harness
-adapter (keel.evals.in_memory_lm).
-
-Under torch.distributed the ranks are data-parallel replicas of one model (plain, DDP or FSDP2; not pipeline
-stages): each scores every world-th item and the counts are summed, so one process and several give the same
-score. Every rank runs as many forward passes as every other (a rank short of items runs one it does not
-count), since FSDP2 all-gathers weights in each.
-"""
+"""The log-likelihood scorer on an in-memory model, shared by the probes and the harness adapter; data-parallel
+under torch.distributed (docs/internals.md#keelevalsscorer)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Task names and what they stand for: the built-in probes (items cached per corpus) and lm-evaluation-harness tasks.
-
-`resolve` turns the names of a config field into `Task`s without touching a model or the data, so a bad name
-is reported before training starts. A probe's items are generated on first use into
-`<data cache>/evals/<key>/<probe>-v<version>.jsonl`, the key hashing the corpus fingerprint and the tokenizer's
-name, like the token-shard cache (bump a probe's `version` whenever its generator's output changes).
-"""
+"""Task names and what they stand for: the built-in probes (items cached per corpus) and lm-evaluation-harness tasks,
+resolved without a model or data (docs/internals.md#keelevalstasks)."""
 
 from __future__ import annotations
 

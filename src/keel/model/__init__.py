@@ -1,11 +1,5 @@
-"""The model, and only the model: its architecture config, schemes, layers, the transformer, named sizes and counts.
-
-Its modules import nothing from keel outside this package (a test enforces it): they are exactly the code that
-`keel export-hf` ships beside the weights, so an exported model loads where keel is not installed.
-
-The names below load on first use: `architecture`, `schemes` and `sizes` need no torch, so reading or checking a
-config (`keel train model.nope=1`, `keel runs`) answers without torch's import (seconds).
-"""
+"""The model, and only the model: it imports nothing from keel outside this package, since `keel export-hf` ships it
+beside the weights (docs/internals.md#keelmodel)."""
 
 from keel._lazy import lazy_names
 

@@ -135,19 +135,10 @@ class _LayerOffset:
 class TransformerLM(nn.Module):
     """A causal language model whose residual/normalisation scheme is `config.scheme`.
 
-    `forward(idx, targets=None, cache=None)` takes token ids (B, T) and returns `(logits, loss)`; loss is
-    `lm_loss(logits, targets)` when `targets` (B, T) is given, else None. `targets` are the next tokens,
-    already shifted (forward does not shift them): position t's target is the token after idx[:, t], so for
-    a batch of sequences `seq` (B, T + 1) call `model(seq[:, :-1], targets=seq[:, 1:])`; positions set to
-    -100 are ignored. With a `KVCache` (or a `transformers` DynamicCache), `idx` continues the sequence the cache
-    holds: its keys and values are reused and `idx`'s are appended. The residual stream is float32
-    throughout, also under autocast.
-
-    Looped (`config.loop_blocks=k`): `blocks` holds k blocks, applied in order `n_blocks / k` times; the scheme
-    is built for the unrolled depth (Keel's alpha = L = 2 * n_blocks), and its first-layer rule shapes only the
-    very first pass of block 0 (see `Block`). It equals the unrolled model with the k blocks' weights copied
-    into every pass (tests/test_looped.py).
-    """
+    `forward(idx, targets=None, cache=None)` takes token ids (B, T) and returns `(logits, loss)`; `targets` (B, T) are
+    the next tokens, already shifted (`model(seq[:, :-1], targets=seq[:, 1:])`), -100 ignored. With a `KVCache` (or a
+    `transformers` DynamicCache) `idx` continues the cached sequence. The residual stream is float32 throughout, also
+    under autocast; looped models: docs/internals.md#keelmodeltransformertransformerlm."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -1,11 +1,5 @@
-"""Resuming a run: which checkpoint, and whether it holds what a resume restores.
-
-`verify` (keel.runs.checkpoint) reads each checkpoint's structure cheaply; some damage shows only once one
-is loaded into the model (weights that are NaN or inf, training state of the wrong type or shape, a field
-missing). A resume then falls back to the next older checkpoint that loads, saying so, and so do `keel eval`,
-`generate` and `export-hf` when no --checkpoint is named (RunDir.load_weights); a checkpoint named with
---checkpoint is reported in one line instead, since they were asked for it.
-"""
+"""Resuming a run: which checkpoint (the next older one that loads, when the newest does not), and whether it holds
+what a resume restores (docs/internals.md#keelrunsresume)."""
 
 from __future__ import annotations
 

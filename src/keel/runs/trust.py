@@ -1,10 +1,5 @@
-"""Which run configs keel obeys: a run directory travels, and its config.yaml names files to read
-(data.source, data.tokenizer), to write (data.cache_dir) and code to run (task files in run.eval_tasks). As
-`trust_remote_code` does for transformers, keel follows them only for a config it wrote for this user (signed
-with HMAC-SHA256, a key only this user can read), for data paths inside the run or built in, for what the user
-names on the command line, or when the user trusts the config (KEEL_TRUST_CONFIG=1, --trust-config,
-`trusting()`). Anything else is one line naming the field. The rules in full: docs/reliability.md, "Trust".
-"""
+"""Which run configs keel obeys: the paths and task files a travelling config.yaml names are followed only for a
+config keel signed for this user, or one the user trusts (docs/reliability.md, "Trust")."""
 
 from __future__ import annotations
 

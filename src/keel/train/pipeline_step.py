@@ -1,12 +1,5 @@
-"""The training step under pipeline parallelism (keel.scale.pipeline).
-
-`PipelineStep` is `TrainStep` with the forward/backward replaced by one pipeline schedule step: clipping, the
-divergence guard and the optimiser step are TrainStep's own, so they mean the same thing in both. Two things
-make them right across stages (and, with dp replicas, across shards):
-  - every rank gets its replica's loss (the last stage broadcasts it), and TrainStep's mean over all ranks
-    (`world`) is the global batch's loss, so the guard decides alike everywhere;
-  - TrainStep clips by `PipelineModel.grad_norm`, the norm over every stage's parameters and every shard.
-"""
+"""The training step under pipeline parallelism: `TrainStep` with one pipeline schedule step as its forward/backward
+(docs/internals.md#keeltrainpipeline_step)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""The one training step, and the one way a model is put on its device for training.
-
-`keel train` (keel.train.trainer), every `keel experiment` (keel.experiments.common.train_curve) and
-`keel bench` (keel.bench) all train through `TrainStep`, so device, bf16 autocast, compile,
-activation checkpointing, gradient accumulation, clipping and the divergence guard mean the same thing in
-each. As in torchtitan, the forward/backward over the micro-batches (`forward_backward`) is separate from
-the step that judges and applies it (`__call__`).
-"""
+"""The one training step (`TrainStep`: train, experiments and bench all take it), and the one way a model is put on
+its device for training (docs/internals.md#keeltrainstep)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The training loop: one run directory (keel.runs.run_dir), resumable, with divergence handling.
-
-Each step is keel.train.step.TrainStep, the same step experiments and benchmarks take. Under torchrun every
-rank runs this loop on its share of each global batch (keel.data.WindowSampler), the model sharded with
-FSDP2 (keel.scale.parallel); losses are averaged over ranks, so every rank takes the same decisions, and only
-rank 0 writes files, prints and shows progress.
-"""
+"""The training loop: one run directory (keel.runs.run_dir), resumable, with divergence handling; under torchrun
+every rank runs it on its share of each global batch, rank 0 alone writing (docs/internals.md#keeltraintrainer)."""
 
 from __future__ import annotations
 
