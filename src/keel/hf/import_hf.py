@@ -74,8 +74,7 @@ def _weight_count(files: list[Path]) -> int:
     total = 0
     for path in files:
         try:
-            with open(path, "rb") as f:
-                shapes = safetensors_shapes(f, path.name)
+            shapes = safetensors_shapes(path)
         except Damaged as err:
             raise ExportError(f"{path.parent}{os.sep}{err}") from None
         total += sum(math.prod(s) for s in shapes.values())
