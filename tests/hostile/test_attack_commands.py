@@ -25,7 +25,9 @@ import pytest
 from keel.cli import build_parser, main
 from keel.cli.support import flag_limits
 from keel.config import TrainConfig
-from keel.config.schema import limits
+from keel.config.schema import LIMITS, Limit, count
+from keel.model.architecture import FLOAT_LIMITS, SIZE_LIMITS
+from keel.model.schemes import SCHEMES
 
 ROOT = Path(__file__).resolve().parents[2]
 SECONDS = 10  # no refusal may take longer
@@ -80,6 +82,17 @@ def numeric_fields() -> list[str]:
             if ("int" in kind or "float" in kind) and "bool" not in kind:
                 out.append(f"{section.name}.{f.name}")
     return out
+
+
+def limits() -> dict[str, str]:
+    """{field: its allowed values, as an error states them} for every number a config holds: ModelConfig's sizes
+    and floats, then LIMITS."""
+    model = {f"model.{k}": count(1, v).allowed() for k, v in SIZE_LIMITS.items()}
+    model |= {f"model.{k}": Limit(0, v, open_low=True).allowed() for k, v in FLOAT_LIMITS.items()}
+    model |= {"model.dropout": Limit(0, 1, open_high=True).allowed(), "model.loop_blocks": "a divisor of n_blocks",
+              "model.alpha": f'"L", "sqrtL", or {Limit(0, SCHEMES["keel"].max_alpha, open_low=True).allowed()}',
+              "model.mix_ln_fraction": Limit(0, 1).allowed()}
+    return model | {name: limit.allowed() for name, limit in LIMITS.items()}
 
 
 def test_every_numeric_field_has_a_documented_range():

@@ -222,7 +222,7 @@ def count(low: int, high: int, note: str = "") -> Limit:
 # Every number a run reads, in its range; checked after the merge, before any data, model or torch work. Counts stop
 # far past any real run but short of overflow, and of loops (gradient accumulation, a spike window, evaluation
 # batches) that would not end; floats stop where a value means nothing (a learning rate of 100, a clip of 1e9).
-# ModelConfig's own sizes and floats are model.SIZE_LIMITS and FLOAT_LIMITS (listed by `limits()`).
+# ModelConfig's own sizes and floats are model.SIZE_LIMITS and FLOAT_LIMITS.
 # docs/training.md#allowed-values lists them all.
 LIMITS = {
     "run.steps": count(1, 2**40), "run.batch_size": count(1, 2**20), "run.grad_accum": count(1, 2**16),
@@ -255,16 +255,3 @@ def check_limits(c) -> None:
         if part is not None and hasattr(part, field_name):
             limit.check(name, getattr(part, field_name))
 
-
-def limits() -> dict[str, str]:
-    """{field: its allowed values, as an error states them} for every number a config holds: ModelConfig's sizes
-    and floats, then LIMITS. What docs/training.md#allowed-values lists."""
-    from keel.model.architecture import FLOAT_LIMITS, SIZE_LIMITS  # noqa: PLC0415
-    from keel.model.schemes import SCHEMES  # noqa: PLC0415
-
-    model = {f"model.{k}": count(1, v).allowed() for k, v in SIZE_LIMITS.items()}
-    model |= {f"model.{k}": Limit(0, v, open_low=True).allowed() for k, v in FLOAT_LIMITS.items()}
-    model |= {"model.dropout": Limit(0, 1, open_high=True).allowed(), "model.loop_blocks": "a divisor of n_blocks",
-              "model.alpha": f'"L", "sqrtL", or {Limit(0, SCHEMES["keel"].max_alpha, open_low=True).allowed()}',
-              "model.mix_ln_fraction": Limit(0, 1).allowed()}
-    return model | {name: limit.allowed() for name, limit in LIMITS.items()}

@@ -60,24 +60,12 @@ def relative_source(module: str) -> str:
     return source
 
 
-def byte_level_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, which the `tokenizers` ByteLevel steps use."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 def byte_tokenizer():
     """A `tokenizers` Tokenizer equal to keel's ByteTokenizer: token id == UTF-8 byte value, 0..255."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> printable character map
 
-    vocab = {char: b for b, char in byte_level_alphabet().items()}
+    vocab = {char: b for b, char in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: every byte stays its own token
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
