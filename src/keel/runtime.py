@@ -1,9 +1,5 @@
 """Where code runs and what ran: CPU threads, device, autocast, peak FLOP/s for MFU, and the machine/provenance
-record.
-
-Runs, experiments and benchmarks all describe themselves with `machine()`, so their results can be compared.
-Importing this module does not import torch (the `keel` command sets the thread count before torch loads).
-"""
+record; importing it does not import torch (docs/internals.md#keelruntime)."""
 
 from __future__ import annotations
 

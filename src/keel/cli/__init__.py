@@ -1,9 +1,5 @@
-"""The `keel` command: a thin dispatcher. Each sub-command parses its arguments and calls the library
-(keel.train, keel.experiments, keel.hf); nothing in the library imports this package.
-
-A `KeelError` (bad input: a config field, a file, a checkpoint) is printed as one line with exit code 2;
-any other exception is a bug and keeps its traceback.
-"""
+"""The `keel` command: a thin dispatcher over the library; a `KeelError` is one line and exit code 2, anything else
+a bug with its traceback (docs/internals.md#keelcli)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""What the `keel` command does around its sub-commands: Ctrl-C and SIGTERM as one line, argparse
-errors as one line, threads set before any work, and the checks of paths and files named on the command line.
-
-Nothing here imports torch: `keel --help`, `keel runs` and every argument error answer without it.
-"""
+"""What the `keel` command does around its sub-commands (signals, argparse errors, threads, the paths it is given),
+without importing torch (docs/internals.md#keelclisupport)."""
 
 from __future__ import annotations
 

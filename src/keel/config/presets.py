@@ -1,9 +1,5 @@
-"""`keel train`'s presets: whole TrainConfigs, one for every model preset (keel.model.sizes).
-
-`cpu-demo` (the default: the README's main job) and `tiny` (tests) with runs of their own; the paper's shapes
-with the paper's recipe. One meaning of `--preset` for every command: `keel summary` and `keel bench` read its
-model (and bench its batch shape).
-"""
+"""`keel train`'s presets: whole TrainConfigs, one for every model preset (keel.model.sizes;
+docs/internals.md#keelconfigpresets)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Data: corpora (`corpus`), tokenizers (`tokenizer`), and cached token shards with their samplers (`loader`).
-
-The names below load on first use: `corpus` (DataConfig) needs no torch, so reading or checking a config
-answers without torch's import (seconds); `loader` imports it.
-"""
+"""Data: corpora (`corpus`), tokenizers (`tokenizer`), and cached token shards with their samplers (`loader`), loaded
+on first use (docs/internals.md#keeldata)."""
 
 from keel._lazy import lazy_names
 from keel.errors import DataError

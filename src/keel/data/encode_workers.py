@@ -1,9 +1,5 @@
-"""Documents tokenised in order by worker processes, for keel.data.shard_writer.
-
-Each document is hashed, then cut into pieces (keel.data.tokenizer.text_pieces: none is held whole); the pieces go
-in batches of ENCODE_BATCH, or about BATCH_CHARS characters, to N spawned workers, and their ids come back in the
-order the batches went out, so they are the same whatever N is.
-"""
+"""Documents tokenised in order by worker processes, for keel.data.shard_writer: the same ids whatever the number of
+workers (docs/internals.md#keeldataencode_workers)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Tokenizers: raw UTF-8 bytes, or a byte-level BPE from Hugging Face `tokenizers`, trained and cached per corpus.
-
-Every tokenizer has `vocab_size`, `eos_id` (None when it has none), `name` (an identity string that
-cache keys are built from), `piece_rule` (HFTokenizer.piece_rule), `encode`, `decode`, `encode_batch` (bulk, to
-numpy), `encode_pieces` (consecutive pieces of long documents) and `save(directory)`.
-"""
+"""Tokenizers: raw UTF-8 bytes, or a byte-level BPE from Hugging Face `tokenizers`, trained and cached per corpus
+(their common interface: docs/internals.md#keeldatatokenizer)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Working without the Hugging Face Hub: one quick look whether it can be reached before anything downloads.
-
-Offline, `datasets` retries every request five times with back-off (about a minute and ten lines for one task)
-before its error; with HF_HUB_OFFLINE=1 it fails at once, or reads what it cached. `hub_offline_unless_reachable`
-sets that for this process when the Hub does not answer within a few seconds.
-"""
+"""Working without the Hugging Face Hub: one quick look whether it can be reached before anything downloads
+(docs/internals.md#keelevalsoffline)."""
 
 from __future__ import annotations
 

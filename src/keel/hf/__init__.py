@@ -1,9 +1,5 @@
-"""Hugging Face integration: `transformers` classes, export, import and lm-evaluation-harness.
-
-Nothing here imports `transformers` at import time, so `keel import-hf` works without it. Registration with
-the Auto classes is explicit: call `register()` before `AutoModelForCausalLM.from_pretrained(<export dir>)`
-to load an exported model with this package's classes and no remote code.
-"""
+"""Hugging Face integration: `transformers` classes, export, import and lm-evaluation-harness; nothing imports
+`transformers` at import time, and `register()` is explicit (docs/internals.md#keelhf)."""
 
 from __future__ import annotations
 

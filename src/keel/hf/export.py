@@ -1,9 +1,5 @@
-"""`keel export-hf`: a training run -> a `transformers` model directory (safetensors, tokenizer, model card).
-
-The directory also carries the model code (`keel_model.py`, generated from this package's own model
-modules, plus `configuration_keel.py` and `modeling_keel.py`), so it loads with `trust_remote_code=True`
-where `keel` is not installed.
-"""
+"""`keel export-hf`: a training run -> a `transformers` model directory that carries its own model code
+(docs/internals.md#keelhfexport)."""
 
 from __future__ import annotations
 

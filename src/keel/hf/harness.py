@@ -1,8 +1,4 @@
-"""`keel lm-eval`: lm-evaluation-harness on a run directory or a `transformers` model directory.
-
-A run directory is exported to a temporary `transformers` directory first, so the harness always sees
-the model the way `lm_eval --model hf --model_args pretrained=<export dir>` does.
-"""
+"""`keel lm-eval`: lm-evaluation-harness on a run directory (exported first) or a `transformers` model directory."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Fused kernels for hot spots of the model, each with a plain-PyTorch reference it is tested against.
-
-Triton is optional: every kernel falls back to its reference where triton or a GPU is missing. The names below
-load from their module on first use (PEP 562), so importing `norm_pair` (plain torch) does not import triton.
-"""
+"""Fused kernels for hot spots of the model, each with a plain-PyTorch reference it is tested against and falls back
+to; triton is optional and loads on first use."""
 
 from keel._lazy import lazy_names
 

@@ -1,25 +1,11 @@
 """Two RMSNorms in a row, one sub-layer's `LN_out` and the next one's `LN_in`, as one autograd op whose backward
-reads two independent row sums.
+reads two independent row sums, a = mean(dy * y) and b = mean(du * w_in * m), in one pass (why and the derivation:
+docs/internals.md#keelkernelsnorm_pair).
 
     y = w_out * z * r_z,   r_z = rsqrt(mean(z^2) + eps_out)      the new residual stream
     u = w_in  * y * r_y,   r_y = rsqrt(mean(y^2) + eps_in)       the next branch's input
-
-Autograd chains the two norms' backwards: LN_in's row sum `b = mean(du * w_in * m)` (m = y * r_y) gives y's
-gradient `gy`, and LN_out's row sum `mean(gy * y)` then reads `gy`, so the second reduction waits on the first.
-A compiler that will not fuse a reduction after another reduction's output (Inductor's Triton backend, whose
-mixed-order reductions end each norm backward) runs them as two kernels. Written out, the second sum splits:
-
-    mean(gy * y) = mean(dy * y) + b * (1 - r_y^2 * mean(y^2)) = a + eps_in * r_y^2 * b,    a = mean(dy * y)
-
-(using mean(m * y) = r_y * mean(y^2) and 1 - mean(y^2) / (mean(y^2) + eps_in) = eps_in * r_y^2, exact in
-the algebra, no cancellation), so both row sums, a and b, read only the forward's values and the incoming
-gradients, and one pass over a row computes both. Then
-
     gy = dy + r_y * (w_in * du - m * b)        dz = r_z * (w_out * gy - n * (a + eps_in * r_y^2 * b))
-    dw_in = sum_rows(du * m)                   dw_out = sum_rows(gy * n)                  (n = z * r_z)
-
-The op is plain torch (a `torch.autograd.Function`, which Dynamo traces forward and backward), so the compiler
-sees and fuses every line. It saves z, the gains and the two reciprocal RMSs per row, and recomputes n, y and m.
+    dw_in = sum_rows(du * m)                   dw_out = sum_rows(gy * n)          (m = y * r_y, n = z * r_z)
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Parameter and FLOP counts from a config alone, without building the model.
-
-`block_params` is the one layer counter: it counts the blocks `TransformerLM(config).blocks` holds (a looped
-model's `distinct_blocks`, with their later-pass norms), and `count_params`, keel.scale.memory (states, FSDP2
-units, pipeline stages) and keel.scale.pipeline (the split) all count blocks through it.
-"""
+"""Parameter and FLOP counts from a config alone, without building the model; `block_params` is the one layer
+counter (docs/internals.md#keelmodelcounting)."""
 
 from __future__ import annotations
 

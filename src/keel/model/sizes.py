@@ -1,9 +1,5 @@
-"""Named model sizes; every function takes field overrides as keywords.
-
-The paper's shapes follow its Table 8 (d=1024, 16 query heads, 8 KV heads, FFN 3x). The paper names
-its models by sub-layers (L), so `paper(512)` (`paper_512`) has 512 sub-layers = 256 blocks. Its vocabulary is not
-stated; 32000 (a Llama-2-sized BPE vocabulary) is the default here.
-"""
+"""Named model sizes, each taking field overrides as keywords; the paper's follow its Table 8 and are named by
+sub-layers (docs/internals.md#keelmodelsizes)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""What a run will be, before it runs: the model's layout and counts, and the memory one process needs.
-
-`keel summary` prints `describe`; `keel train --dry-run` prints both; the trainer prints `memory_line` before
-its first step. Nothing here builds the model, so the paper's 3B-parameter shapes cost no memory or time.
-"""
+"""What a run will be, before it runs: the model's layout and counts, and the memory one process needs; nothing
+here builds the model (docs/internals.md#keelreportingplan)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Optional experiment tracking with the ecosystem's own libraries: `run.log_to=[tensorboard, wandb]`.
-
-The same scalars as metrics.jsonl go to each tracker. Both are optional extras (`pip install -e ".[track]"`)
-and work offline: TensorBoard writes event files into `<run>/tensorboard/`; Weights & Biases runs in offline
-mode into `<run>/wandb/` unless `WANDB_MODE` says otherwise (`wandb sync` uploads later).
-"""
+"""Optional experiment tracking with the ecosystem's own libraries, offline by default: `run.log_to=[tensorboard,
+wandb]` (docs/internals.md#keelreportingtracking)."""
 
 from __future__ import annotations
 

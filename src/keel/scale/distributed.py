@@ -1,8 +1,5 @@
-"""The process group: started from torchrun's environment, one rank per device, gloo on CPU, NCCL on GPU.
-
-A single process (no `WORLD_SIZE` in the environment) needs none of this: every helper below then
-acts as the identity, so the training loop reads the same either way.
-"""
+"""The process group: started from torchrun's environment, one rank per device, gloo on CPU, NCCL on GPU; in a
+single process every helper is the identity."""
 
 from __future__ import annotations
 

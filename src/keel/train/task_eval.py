@@ -1,8 +1,5 @@
-"""run.eval_tasks scored during training (keel.evals), logged as one record and one line per evaluation.
-
-The model's mode and the random generators are restored by keel.evals, so training goes on exactly as if
-nothing had been scored; the seconds spent are returned so the trainer can leave them out of tokens/s.
-"""
+"""run.eval_tasks scored during training (keel.evals), logged as one record and one line per evaluation, training
+going on as if nothing had been scored (docs/internals.md#keeltraintask_eval)."""
 
 from __future__ import annotations
 
