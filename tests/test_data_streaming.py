@@ -10,6 +10,8 @@ import re
 import shutil
 import socket
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -262,13 +264,13 @@ def test_offline_a_hub_name_is_one_line_at_once(tmp_path, monkeypatch, capsys):
                  "all_proxy"):
         monkeypatch.delenv(name, raising=False)
 
-    def unreachable(address, timeout=None):
-        assert address == ("huggingface.co", 443) and timeout == streaming.HUB_TIMEOUT_S
-        raise socket.gaierror(-2, "Name or service not known")
+    def unreachable(request, timeout=None):
+        assert request.full_url == "https://huggingface.co" and timeout == streaming.HUB_TIMEOUT_S
+        raise urllib.error.URLError(socket.gaierror(-2, "Name or service not known"))
 
-    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setattr(urllib.request, "urlopen", unreachable)
     assert train(tmp_path, "data.source=hf:HuggingFaceFW/fineweb-edu") == 2
-    one_line(capsys, "https://huggingface.co cannot be reached (Name or service not known)")
+    one_line(capsys, "cannot be reached (https://huggingface.co: [Errno -2] Name or service not known)")
     assert time.time() - start < 30  # no retries (datasets' own take ~25 s each)
 
 

@@ -53,7 +53,7 @@ def _server(answer: int | None):
 def test_a_hub_that_answers_leaves_the_process_online(hub_online_by_default, answer):
     import huggingface_hub.constants
 
-    from keel.evals.offline import hub_offline_unless_reachable
+    from keel.data.hub import hub_offline_unless_reachable
 
     endpoint, stop = _server(answer)
     hub_online_by_default.setenv("HF_ENDPOINT", endpoint)
@@ -69,7 +69,7 @@ def test_a_hub_that_does_not_answer_makes_the_process_offline(hub_online_by_defa
     import huggingface_hub
     import huggingface_hub.constants
 
-    from keel.evals.offline import hub_offline_unless_reachable
+    from keel.data.hub import hub_offline_unless_reachable
 
     stop = lambda: None  # noqa: E731
     if where == "refused":
@@ -92,7 +92,7 @@ def test_a_hub_that_does_not_answer_makes_the_process_offline(hub_online_by_defa
 def test_a_chosen_hf_hub_offline_is_left_alone_and_nothing_is_asked(monkeypatch):
     import urllib.request
 
-    from keel.evals.offline import hub_offline_unless_reachable
+    from keel.data.hub import hub_offline_unless_reachable
 
     def no_network(*args, **kwargs):
         raise AssertionError("asked the network")
@@ -116,7 +116,7 @@ def test_lm_eval_offline_without_the_variable_is_one_line_and_no_retries(tmp_pat
     stop()
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
     env |= {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
-    code = ("import sys\nfrom keel.evals.offline import hub_offline_unless_reachable\nhub_offline_unless_reachable()\n"
+    code = ("import sys\nfrom keel.data.hub import hub_offline_unless_reachable\nhub_offline_unless_reachable()\n"
             "from keel.cli import main\nsys.exit(main(sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", code, "lm-eval", str(tmp_path / "r"), "--tasks", "hellaswag",
                            "--limit", "1", "--device", "cpu"], capture_output=True, text=True, env=env, timeout=600)

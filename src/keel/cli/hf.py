@@ -38,7 +38,7 @@ def cmd_lm_eval(args) -> int:
     check_device(args.device, "--device")
     needs("eval", "transformers")
     needs("eval", "lm_eval")
-    from keel.evals.offline import hub_offline_unless_reachable
+    from keel.data.hub import hub_offline_unless_reachable
 
     hub_offline_unless_reachable()  # offline: one line at once, not a minute of retries
     import torch

@@ -7,11 +7,9 @@ import copy
 import hashlib
 import os
 import re
-import socket
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -27,6 +25,7 @@ from keel.data.corpus import (
     load_saved,
     need_column,
 )
+from keel.data.hub import unreachable
 from keel.data.shards import batch_of_windows, is_count, shard_dtype
 from keel.data.tokenizer import is_bpe, load_tokenizer
 from keel.errors import DataError
@@ -117,23 +116,16 @@ def _listed(message: str) -> str:
 
 
 def check_hub(name: str) -> None:
-    """DataError at once, in one line, when the Hugging Face hub cannot be reached: offline mode is set, or its host
-    does not answer within HUB_TIMEOUT_S. A stream reads the hub as training goes, so no cache can stand in."""
+    """DataError at once, in one line, when the Hugging Face hub cannot be reached: offline mode is set, or it does
+    not answer within HUB_TIMEOUT_S. A stream reads the hub as training goes, so no cache can stand in."""
     offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
                if os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")]
     if offline:
         raise DataError(f"data.source: hf:{name} streams from the Hugging Face hub, but {offline[0]} is set "
                         "(offline); unset it, or make shards where the hub can be reached (keel data prepare)")
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return  # through a proxy: the host is not ours to connect to; `datasets` reports what happens
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    url = urlsplit(endpoint)
-    try:
-        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)),
-                                 timeout=HUB_TIMEOUT_S).close()
-    except OSError as err:
-        raise DataError(f"data.source: hf:{name} streams from the Hugging Face hub, but {endpoint} cannot be reached "
-                        f"({err.strerror or err}); connect, or make shards where it can (keel data prepare)") from None
+    if (why := unreachable(HUB_TIMEOUT_S)) is not None:
+        raise DataError(f"data.source: hf:{name} streams from the Hugging Face hub, but it cannot be reached ({why}); "
+                        "connect, or make shards where it can (keel data prepare)")
 
 
 # ---- the stream -------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Working without the Hugging Face Hub: one quick look whether it can be reached before anything downloads
-(docs/internals.md#keelevalsoffline)."""
+(docs/internals.md#keeldatahub)."""
 
 from __future__ import annotations
 
@@ -21,14 +21,16 @@ def hub_offline_unless_reachable(timeout: float = 3.0) -> str | None:
     reached: the network is there."""
     if "HF_HUB_OFFLINE" in os.environ:
         return None
-    endpoint = os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
-    reason = _unreachable(endpoint, timeout)
+    reason = unreachable(timeout)
     if reason is not None:
         _go_offline()
     return reason
 
 
-def _unreachable(endpoint: str, timeout: float) -> str | None:
+def unreachable(timeout: float) -> str | None:
+    """Why the Hub (HF_ENDPOINT, else huggingface.co) gives no answer to a HEAD request within `timeout` seconds,
+    or None when it answers."""
+    endpoint = os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
     result: list[str | None] = []
 
     def probe():
