@@ -199,12 +199,18 @@ def test_a_tokenizer_path_that_starts_like_a_builtin_is_checked(run, tmp_path, m
     unchanged(run, config)
 
 
-def test_builtin_tokenizers_are_exactly_the_loaders_specs():
+def test_builtin_tokenizers_are_exactly_the_loaders_specs(tmp_path):
+    from keel.data.corpus import DataConfig
     from keel.data.tokenizer import DEFAULT_BPE_VOCAB, planned_vocab_size
+    from keel.errors import DataError
 
+    (tmp_path / "config.yaml").write_text("{}\n")  # not signed for this user: its paths are not followed
     for spec, vocab in (("bytes", 256), ("bpe", DEFAULT_BPE_VOCAB), ("bpe:512", 512)):
-        assert trust.builtin_tokenizer(spec) and planned_vocab_size(spec) == vocab  # never read as a path
-    assert not any(map(trust.builtin_tokenizer, ["bytes.json", "bpe-vocab.json", "bpe/tokenizer.json", "bytesx"]))
+        trust.check_data_paths(tmp_path, DataConfig(tokenizer=spec))  # never read as a path
+        assert planned_vocab_size(spec) == vocab
+    for spec in ("bytes.json", "bpe-vocab.json", "bpe/tokenizer.json", "bytesx"):
+        with pytest.raises(DataError, match="data.tokenizer=" + spec):
+            trust.check_data_paths(tmp_path, DataConfig(tokenizer=spec))
 
 
 # ---- run.log_to: a closed list of trackers, never a module the config names ----------------------------------

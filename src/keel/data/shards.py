@@ -39,11 +39,10 @@ def shard_name(split: str, k: int, suffix: str) -> str:
 def sha256_file(path: Path) -> str:
     """The SHA-256 of a regular file, never read through a symlink (hashlib reads it in chunks, off the GIL)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with safe_io.open_regular(path) as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
     except OSError as err:
         raise DataError(f"{path}: cannot read ({err.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # ---- the manifest --------------------------------------------------------------------------------------

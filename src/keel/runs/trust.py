@@ -37,10 +37,8 @@ def _key(create: bool) -> bytes | None:
             if err.errno != errno.EEXIST:  # another process made it first: read theirs
                 return None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            key = f.read(64)
-    except OSError:
+        key = safe_io.read_regular(path, 64)
+    except (OSError, DataError):
         return None
     return key if len(key) == 32 else None
 
@@ -88,21 +86,16 @@ def trusted(run_path: Path) -> bool:
     return hmac.compare_digest(signature.decode("ascii", "replace").strip(), _signature(key, config))
 
 
-def builtin_tokenizer(spec: str) -> bool:
-    """Whether data.tokenizer names a built-in tokenizer, not a file: exactly what
-    keel.data.tokenizer.load_tokenizer reads as one ("bytes", "bpe", "bpe:<vocab_size>"). Any other value is a
-    path, "bytes.json" and "bpe/tokenizer.json" included."""
-    return spec in ("bytes", "bpe") or spec.startswith("bpe:")
-
-
 def check_data_paths(run_path: Path, data, trust: bool = False, tokenizer: bool = True) -> None:
     """Refuse (DataError, one line naming the field) a path in `data` (the run's DataConfig) that lies outside
     the run directory, unless the run is trusted. `tokenizer=False` leaves data.tokenizer out, for commands
     that use the run's own saved tokenizer instead."""
+    from keel.data.tokenizer import is_bpe  # noqa: PLC0415 (numpy and tokenizers: not for `keel --help`)
+
     if trust or trusted(run_path):
         return
     fields = {"data.source": "" if data.source == "stdlib" else data.source, "data.cache_dir": data.cache_dir}
-    if tokenizer and not builtin_tokenizer(data.tokenizer):
+    if tokenizer and not (data.tokenizer == "bytes" or is_bpe(data.tokenizer)):  # a built-in one, not a file
         fields["data.tokenizer"] = data.tokenizer
     root = Path(run_path).resolve()
     for field, value in fields.items():
