@@ -25,13 +25,8 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 def generate(model, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, generator: torch.Generator | None = None, eos_id: int | None = None,
              use_cache: bool = True) -> torch.Tensor:
-    """Extend `idx` (B, T) by up to `max_new_tokens` tokens; temperature 0 is greedy decoding.
-
-    With `use_cache` each step feeds only the newest token and reuses the keys and values of the others
-    (a `KVCache`); without it, each step recomputes the whole context, O(T^2) per token. Both give the
-    same tokens. Once the sequence outgrows `max_seq_len` the context is its last `max_seq_len` tokens,
-    and since every one of them then moves to a new RoPE position, the cache is rebuilt at each step.
-    """
+    """Extend `idx` (B, T) by up to `max_new_tokens` tokens; temperature 0 is greedy decoding. `use_cache` reuses keys
+    and values (a `KVCache`); both ways give the same tokens (docs/internals.md#keelgenerategenerate)."""
     model.eval()
     max_len = model.config.max_seq_len
     cache = KVCache() if use_cache else None

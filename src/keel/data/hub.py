@@ -13,12 +13,8 @@ DEFAULT_ENDPOINT = "https://huggingface.co"  # huggingface_hub's, overridden by 
 
 
 def hub_offline_unless_reachable(timeout: float = 3.0) -> str | None:
-    """Unless HF_HUB_OFFLINE is set either way, ask the Hub (HF_ENDPOINT or huggingface.co) for its front page
-    with a `timeout`-second limit; when there is no answer, work offline: HF_HUB_OFFLINE=1 and
-    HF_DATASETS_OFFLINE=1 for this process and those it starts, also in huggingface_hub and datasets when they
-    are already imported (both read the variables once, on import). Returns why the Hub was not reached, or
-    None (reached, or HF_HUB_OFFLINE already chosen). Any HTTP answer, an error status included, counts as
-    reached: the network is there."""
+    """Unless HF_HUB_OFFLINE is set either way, work offline (HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1, here and in
+    huggingface_hub and datasets) when the Hub gives no answer within `timeout` seconds; returns why, or None."""
     if "HF_HUB_OFFLINE" in os.environ:
         return None
     reason = unreachable(timeout)

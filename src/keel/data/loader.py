@@ -42,12 +42,8 @@ class Prepared:
 
 
 def prepare(cfg: DataConfig, tokenizer=None) -> Prepared:
-    """Tokenise the corpus `cfg` names into the token cache (on the first call only) and read it; `tokenizer` (a
-    run's saved one) in place of the one data.tokenizer names.
-
-    Ids are uint16 when the vocabulary fits, else uint32; each document is followed by the tokenizer's eos_id
-    when it has one. A cache is built under a temporary name and renamed into place whole, so a half-written one
-    is never read."""
+    """Tokenise the corpus `cfg` names into the token cache (on the first call only) and read it; `tokenizer` (a run's
+    saved one) in place of the one data.tokenizer names (docs/internals.md#keeldataloaderprepare)."""
     if cfg.streaming:  # nothing cached: documents are tokenised as training reads them
         from keel.data.streaming import open_stream
 

@@ -59,14 +59,8 @@ def count_param_tensors(config: ModelConfig) -> int:
 
 
 def flops_per_token(config: ModelConfig, seq_len: int | None = None) -> float:
-    """Training FLOPs per token (forward + backward): the standard `6 N + 12 n_layers d_attn T`.
-
-    N counts every parameter that takes part in a matmul (all but the input embedding table); the
-    second term is attention's scores and weighted sum (QK^T and AV, 2 * 2 * T * d_attn per token per
-    block forward, times 3 for the backward) at context length T, counted without the causal mask's
-    saving, as PaLM's MFU and nanoGPT do. A looped model computes as its unrolled twin does, so N is the
-    unrolled model's.
-    """
+    """Training FLOPs per token (forward + backward): `6 N + 12 n_layers d_attn T`, N the parameters in matmuls,
+    without the causal mask's saving, as PaLM and nanoGPT count (docs/internals.md#keelmodelcountingflops_per_token)."""
     T = config.max_seq_len if seq_len is None else seq_len
     n = count_params(replace(config, loop_blocks=None), embedding=False)
     return 6 * n + 12 * config.n_blocks * config.n_heads * config.head_dim * T

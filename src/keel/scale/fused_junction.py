@@ -79,13 +79,8 @@ class FusedJunction:
 
 
 class NormPair:
-    """`z -> (norm_out(z), next_norm_in(norm_out(z)))`: one sub-layer's `LN_out` and the next one's `LN_in`, which
-    the compiler fuses. Two RMSNorms run as keel.kernels.norm_pair's one op (`one_pass`), whose backward reads two
-    independent row sums where autograd's chain of the two norm backwards makes the second wait on the first:
-    the same numbers (tests/test_junction_norm_pair.py), one reduction pass for the compiler to fuse. It reads
-    each norm's gain at call time (FSDP2 swaps the sharded and the gathered parameter in and out) and writes u in
-    the dtype the next branch computes in, as `FusedJunction` does. Other norms (LayerNorm), or `one_pass=False`,
-    run the two modules' forwards in turn. A plain object, not an nn.Module, so no norm is registered twice."""
+    """`z -> (norm_out(z), next_norm_in(norm_out(z)))` for the compiler to fuse: RMSNorms as one op of
+    keel.kernels.norm_pair (`one_pass`), else the two modules in turn; a plain object (docs/internals.md#normpair)."""
 
     def __init__(self, norm_out: nn.Module, next_norm_in: nn.Module, one_pass: bool = True):
         self.norm_out, self.next_norm_in = norm_out, next_norm_in
@@ -104,12 +99,8 @@ class NormPair:
 
 
 class ComposedJunction:
-    """`FusedResidual.junction` for a compiled model where the Triton kernel cannot run (CPU): the same two
-    norms, `(x, h) -> (norm_out(alpha*x + h), next_norm_in(...))`, a `NormPair` of the modules themselves, so it
-    computes what the plain model does (any norm type). Its point is where it runs: inside the compiled
-    block that ends with `norm_out`, so the compiler fuses the shortcut sum, `LN_out` and the next block's
-    `LN_in` into one pass, where per-block compilation would otherwise cut the stream between two graphs at
-    every block boundary and read it back for the next `LN_in`."""
+    """`FusedResidual.junction` for a compiled model where the Triton kernel cannot run: a `NormPair` of the modules
+    themselves, inside the compiled block that ends with `norm_out` (docs/internals.md#composedjunction)."""
 
     def __init__(self, alpha: float, norm_out: nn.Module, next_norm_in: nn.Module, one_pass: bool = True):
         self.alpha, self.next_norm_in = alpha, next_norm_in
@@ -298,12 +289,9 @@ def _swap(model: nn.Module, replacement: Callable[[nn.Module], nn.Module | None]
 
 
 def hands_on_sums(run, config, device: torch.device, kernel_available: bool | None = None) -> bool:
-    """Whether `run` (a RunConfig) compiles `config`'s model with the junctions left to the compiler ("composed":
-    what `junction_impl` picks for "auto" and "composed" under compile, and for "on" where the kernel cannot run,
-    as `apply_fused_junction` finds it), so that its blocks hand on sums (`SumHandoff`). The Triton kernel and "off"
-    keep each block's junction whole. `kernel_available`: whether triton and CUDA are there (None: look here; a
-    plan for a GPU it is not run on says True). Which models then hand anything on (Keel's, unlooped, under AC)
-    is keel.scale.memory.hands_on_sum's to say."""
+    """Whether `run` (a RunConfig) compiles `config`'s model with the junctions left to the compiler, so that its
+    blocks hand on sums (`SumHandoff`); `kernel_available`: triton and CUDA there (None: look here; see
+    docs/internals.md#hands_on_sums)."""
     if not run.compile or run.fused_junction == "off":
         return False
     from keel.kernels.junction import MAX_FUSED_WIDTH, can_fuse  # noqa: PLC0415 (triton: only where fused)

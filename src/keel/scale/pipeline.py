@@ -122,14 +122,9 @@ def plan_pipeline(config: ModelConfig, run, device: torch.device) -> PipelinePla
 
 
 class PipelineModel(nn.Module):
-    """This rank's stages. Their modules are registered here under the full model's names (`embed`,
-    `blocks.<i>`, `final_norm`, `lm_head`), so parameters, optimiser state and checkpoints are named as in one
-    process. `forward(idx)` is a plain forward pass down the stages (for evaluation) that returns the logits
-    on every rank; training goes through `forward_backward`.
-
-    The pipeline runs over this rank's "pp" group of the plan's mesh; with more than one dp replica the stages
-    were sharded over the "dp" group, and the parameters are DTensors. `dp_rank` of `dp_size` says which share
-    of the global batch this rank's replica reads."""
+    """This rank's stages, registered under the full model's names; `forward(idx)` is a plain forward down the stages
+    that returns the logits on every rank, training goes through `forward_backward`
+    (docs/internals.md#keelscalepipelinepipelinemodel)."""
 
     def __init__(self, model: TransformerLM, stages: dict[int, Stage], plan: PipelinePlan):
         super().__init__()

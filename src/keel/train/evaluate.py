@@ -38,14 +38,9 @@ def nll_sum(model, x: torch.Tensor, y: torch.Tensor, autocast=contextlib.nullcon
 def evaluate(model, tokens, seq_len: int, batch_size: int, max_batches: int, device,
              autocast=contextlib.nullcontext, token_bytes: np.ndarray | None = None, world=None, replica: int = 0,
              replicas: int = 1) -> dict:
-    """Mean next-token loss over evenly spaced windows of `tokens` (the same windows every call).
-
-    The windows are `batch_size x max_batches` (keel.data.eval_batches), `batch_size` the global batch (all
-    replicas' sequences), so one process and a run of the same global batch under torchrun report the same
-    loss: data-parallel replica `replica` of `replicas` (`world`: the process group) evaluates every
-    `replicas`-th window, its share of a batch at a time, and the sums are added over all ranks. Every rank
-    gets the result. Each rank runs as many forward passes as every other (a rank short of windows runs one
-    it does not count), since FSDP2 and the pipeline's stages gather and send in each."""
+    """Mean next-token loss over `batch_size x max_batches` evenly spaced windows of `tokens` (the same every call),
+    `batch_size` the global batch split over data-parallel replicas; every rank gets the result
+    (docs/internals.md#keeltrainevaluateevaluate)."""
     # ids beyond the model's vocabulary (a cache from elsewhere) are one line naming it, not an IndexError
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     windows = list(eval_batches(tokens, seq_len, batch_size * max_batches, 1, vocab_size=vocab,
@@ -83,12 +78,8 @@ def evaluate(model, tokens, seq_len: int, batch_size: int, max_batches: int, dev
 
 def evaluate_run(run_dir, checkpoint: str | None = None, split: str = "val", batches: int = 0,
                  device: str = "auto", trust: bool = False) -> dict:
-    """`keel eval`: a run's checkpoint on its own data split, with the run's sequence length, dtype and saved
-    tokenizer. The run's data.source and data.cache_dir are followed outside the run only when the config is
-    trusted (`trust`, or keel.runs.trust's rules); the model's sizes are checked before it is built.
-
-    Under torchrun the model is built as the run trained (FSDP2, or run.pp stages by replicas) and the same
-    windows as in one process are split over the ranks, so the loss is one process's; every rank returns it."""
+    """`keel eval`: a run's checkpoint on its own data split, with the run's sequence length, dtype and saved tokenizer;
+    its data paths followed only when trusted (docs/internals.md#keeltrainevaluateevaluate_run)."""
     from keel.data import prepare
     from keel.runs.run_dir import RunDir
     from keel.runs.trust import check_data_paths

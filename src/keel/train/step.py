@@ -78,13 +78,8 @@ GC_EVERY = 50  # steps between collections of the young generations (TrainStep._
 
 
 class TrainStep:
-    """Forward and backward over `grad_accum` micro-batches, clip, ask the guard, then step the optimiser.
-
-    `after_backward(model)` sees each step's gradients before clipping (experiments measure them there).
-    `grad_norm(model)` is the norm clipping goes by, the whole model's on every rank: `total_grad_norm`, or
-    for a model split over ranks its own (keel.scale.pipeline.PipelineModel.grad_norm). A step the guard
-    rejects leaves the weights and the optimiser untouched.
-    """
+    """Forward and backward over `grad_accum` micro-batches, clip, ask the guard, then step the optimiser; a rejected
+    step leaves weights and optimiser untouched (hooks: docs/internals.md#keeltrainsteptrainstep)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, grad_accum: int = 1,
                  grad_clip: float = 1.0, autocast=contextlib.nullcontext, guard: DivergenceGuard | None = None,
