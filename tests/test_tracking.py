@@ -35,5 +35,5 @@ def test_a_tracker_that_is_not_installed_is_named_before_any_work(args, tmp_path
         return real_import(name, *a, **k)
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     assert main(["train", "--preset", "tiny", *args("run.log_to=[wandb]", name="w")]) == 2
-    assert "run.log_to: wandb is not installed" in capsys.readouterr().err
+    assert "run.log_to: wandb needs the optional package 'wandb'" in capsys.readouterr().err
     assert not (tmp_path / "runs" / "w").exists()

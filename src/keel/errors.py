@@ -1,6 +1,8 @@
 """The errors a user can cause: the `keel` command prints a `KeelError` as one line and exits with code 2; any other
 exception is a bug and keeps its traceback. Each is still a `ValueError` (docs/internals.md#keelerrors)."""
 
+import importlib
+
 
 class KeelError(ValueError):
     """Bad input: the message names the field or file and what is allowed."""
@@ -20,3 +22,12 @@ class CheckpointError(KeelError):
 
 class ExportError(KeelError):
     """A model that cannot be exported or imported."""
+
+
+def optional(module: str, extra: str, who: str, error: type[KeelError] = ConfigError, instead: str = ""):
+    """`module` imported, or one `error` line: `who` needs its package, installed with keel's `extra`."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise error(f"{who} needs the optional package {module.split('.')[0]!r}: pip install -c constraints.txt "
+                    f"-e '.[{extra}]'{instead}") from None

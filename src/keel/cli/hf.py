@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 
 from keel.cli import COMMANDS
-from keel.cli.support import needs, output_dir
-from keel.errors import ConfigError
+from keel.cli.support import output_dir
+from keel.errors import ConfigError, optional
 from keel.runtime import check_device
 
 
 def cmd_export_hf(args) -> int:
-    needs("hf", "transformers")
+    optional("transformers", "hf", "keel export-hf")
     from keel.hf import quiet_progress
     from keel.hf.export import export_run
 
@@ -36,8 +36,8 @@ def cmd_lm_eval(args) -> int:
     if not tasks:
         raise ConfigError(f"--tasks: got {args.tasks!r}; allowed: comma-separated task names, e.g. hellaswag,arc_easy")
     check_device(args.device, "--device")
-    needs("eval", "transformers")
-    needs("eval", "lm_eval")
+    optional("transformers", "eval", "keel lm-eval")
+    optional("lm_eval", "eval", "keel lm-eval")
     from keel.data.hub import hub_offline_unless_reachable
 
     hub_offline_unless_reachable()  # offline: one line at once, not a minute of retries

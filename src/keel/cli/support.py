@@ -206,16 +206,6 @@ def output_dir(value: str | None, flag: str, empty: bool = False, make: bool = T
     return out
 
 
-def needs(extra: str, module: str) -> None:
-    """Fail with the install line of the extra that provides `module` unless it imports."""
-    import importlib
-
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        raise ConfigError(f"this command needs {module.split('.')[0]}: pip install -e \".[{extra}]\"") from None
-
-
 # ---- output -----------------------------------------------------------------------------------------------
 def error_line(message) -> str:
     """`keel: error: <message>` as one line: an argument's newline or escape sequence (echoed back in the

@@ -4,7 +4,6 @@ added or removed (docs/internals.md#keeldatacorpus)."""
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 import random
@@ -16,7 +15,7 @@ from itertools import chain
 from pathlib import Path
 
 from keel.data import text_stream
-from keel.errors import DataError
+from keel.errors import DataError, optional
 from keel.safe_io import loads_json
 
 FORMAT = "keel-tokens-1"  # part of every fingerprint, so of every cache key: change it when the split rule changes
@@ -235,7 +234,7 @@ class _Parquet(_Records):
 
     def __init__(self, cfg: DataConfig, path: Path):
         super().__init__(cfg, path)
-        pq = _optional("pyarrow.parquet", "pyarrow", cfg.source)
+        pq = optional("pyarrow.parquet", "data", f"data.source {cfg.source!r}", DataError)
         try:
             self.file = pq.ParquetFile(path)
         except Exception as err:  # pyarrow raises ArrowInvalid and friends
@@ -259,7 +258,7 @@ class _HFDataset(Corpus):
 
     def __init__(self, cfg: DataConfig):
         super().__init__(cfg)
-        datasets = _optional("datasets", "datasets", cfg.source)
+        datasets = optional("datasets", "data", f"data.source {cfg.source!r}", DataError)
         name, local = cfg.source.removeprefix("hf:"), Path(cfg.source.removeprefix("hf:")).expanduser()
         if local.exists():
             ds = load_saved(cfg, local, datasets)
@@ -390,14 +389,6 @@ def _as_text(value, where: str, field: str) -> str | None:
     if value is not None and not isinstance(value, str):
         raise DataError(f"{where}: field {field!r} is {type(value).__name__}, not text (data.text_field)")
     return value
-
-
-def _optional(module: str, package: str, source: str):
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise DataError(f"data.source {source!r} needs the optional package {package!r}: "
-                        "pip install -c constraints.txt -e '.[data]'") from None
 
 
 def _first_line(err: Exception) -> str:

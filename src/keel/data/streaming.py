@@ -20,7 +20,6 @@ from keel.data.corpus import (
     _as_text,
     _first_line,
     _has_text,
-    _optional,
     cache_root,
     load_saved,
     need_column,
@@ -28,7 +27,7 @@ from keel.data.corpus import (
 from keel.data.hub import unreachable
 from keel.data.shards import batch_of_windows, is_count, shard_dtype
 from keel.data.tokenizer import is_bpe, load_tokenizer
-from keel.errors import DataError
+from keel.errors import DataError, optional
 
 VAL_TOKENS = 1 << 20  # ids of the held-out head: the eval windows of a small run, not of paper-512's
 DOC_BATCH = 64  # documents tokenised together
@@ -39,7 +38,7 @@ LOCAL_SHARDS = 64  # a saved dataset's rows cut into this many shards, so that r
 def open_stream(cfg: DataConfig, tokenizer=None) -> tuple[TokenStream, np.ndarray, object, dict]:
     """The training stream `cfg` names, its held-out validation ids, the tokenizer (`tokenizer`, a run's saved
     one, else data.tokenizer's), and what the stream is, as a run records it."""
-    datasets = _optional("datasets", "datasets", cfg.source)
+    datasets = optional("datasets", "data", f"data.source {cfg.source!r}", DataError)
     if tokenizer is None:
         if is_bpe(cfg.tokenizer):
             raise DataError(f"data.tokenizer: {cfg.tokenizer} trains a BPE on the corpus, which a stream never "

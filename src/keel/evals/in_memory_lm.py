@@ -9,11 +9,9 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from keel.errors import ConfigError
+from keel.errors import ConfigError, optional
 from keel.evals.scorer import Scorer, world
 from keel.evals.tasks import HarnessTask
-
-INSTALL = "pip install -e \".[eval]\""
 
 
 def find_tasks(tasks: list[str], include_path: str | None):
@@ -51,18 +49,10 @@ def fetch_message(field: str, tasks, reason: str) -> str:
             "(docs/ecosystem.md#hugging-face-transformers-and-lm-evaluation-harness)")
 
 
-def _lm_base():
-    try:
-        from lm_eval.api.model import LM
-    except ImportError:
-        raise ConfigError(f"lm_eval tasks need lm-evaluation-harness: {INSTALL}") from None
-    return LM
-
-
 def score_harness(scorer: Scorer, task: HarnessTask, max_items: int) -> dict:
     """The harness's accuracy on `task` (at most `max_items` documents); `chance` is the mean of 1 / (number
     of choices) over its documents when every document is multiple choice, else None."""
-    LM = _lm_base()
+    LM = optional("lm_eval.api.model", "eval", "run.eval_tasks (lm_eval tasks)").LM
     from lm_eval import simple_evaluate
 
     class InMemoryLM(LM):

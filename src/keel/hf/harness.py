@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from keel import safe_io
-from keel.errors import ExportError
+from keel.errors import ExportError, optional
 from keel.evals.in_memory_lm import fetch_failure, fetch_message, find_tasks
 from keel.hf import register
 from keel.hf.export import export_run
@@ -18,11 +18,9 @@ from keel.hf.import_hf import read_json
 
 def _evaluate(hf_dir: Path, tasks: list[str], include_path: str | None, device: str, batch_size: int,
               num_fewshot: int | None, limit: float | None) -> dict:
-    try:
-        from lm_eval import simple_evaluate
-        from lm_eval.models.huggingface import HFLM
-    except ImportError:
-        raise ExportError("keel lm-eval needs lm-evaluation-harness: pip install -e \".[eval]\"") from None
+    optional("lm_eval", "eval", "keel lm-eval", ExportError)
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
 
     register()  # KeelForCausalLM with the Auto classes HFLM uses
 

@@ -3,12 +3,11 @@ wandb]` (docs/internals.md#keelreportingtracking)."""
 
 from __future__ import annotations
 
-import importlib
 import os
 from dataclasses import asdict
 from pathlib import Path
 
-from keel.errors import ConfigError
+from keel.errors import optional
 from keel.safe_io import check_dir
 
 MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}
@@ -17,11 +16,7 @@ MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}
 def check(names) -> None:
     """Fail before any work if a requested tracker's library is not installed."""
     for name in names:
-        try:
-            importlib.import_module(MODULES[name])
-        except ImportError:
-            raise ConfigError(f"run.log_to: {name} is not installed; pip install -e \".[track]\" "
-                              f"(or pip install {name})") from None
+        optional(MODULES[name], "track", f"run.log_to: {name}")
 
 
 class Trackers:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from keel.config import OptimConfig, optimizer_implementation
-from keel.errors import ConfigError
+from keel.errors import optional
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
@@ -38,14 +38,11 @@ def torchao_adamw(groups: list[dict], cfg: OptimConfig, bf16_weights: bool = Fal
     # torchao reports the CUDA-only extensions it cannot load, and registers an enum newer torch warns about
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        from torchao.optim import AdamW8bit, _AdamW  # noqa: PLC0415
-        from torchao.optim.subclass_8bit import OptimState8bit  # noqa: PLC0415
-    except ImportError:
-        need = "optim.state=8bit" if cfg.state == "8bit" else "run.weights=bfloat16"
-        raise ConfigError(f"{need} needs the optional package torchao: pip install -c constraints.txt -e '.[depth]' "
-                          "(or set "
-                          + ("optim.state=float32)" if cfg.state == "8bit" else "run.weights=float32)")) from None
+    field = "optim.state=8bit" if cfg.state == "8bit" else "run.weights=bfloat16"
+    instead = " (or set optim.state=float32)" if cfg.state == "8bit" else " (or set run.weights=float32)"
+    optional("torchao.optim", "depth", field, instead=instead)
+    from torchao.optim import AdamW8bit, _AdamW  # noqa: PLC0415
+    from torchao.optim.subclass_8bit import OptimState8bit  # noqa: PLC0415
 
     class Float32MomentsAdamW(_AdamW):  # torchao's AdamW with its moments in float32 whatever the weights' dtype
         def _new_buffer(self, p, signed):
