@@ -81,18 +81,8 @@ def keel_junction(x: torch.Tensor, f: torch.Tensor, alpha: float, w_out: torch.T
     return y, u
 
 
-# The fused path is a pair of custom operators (forward, backward) with an autograd formula, not a bare
-# autograd.Function: torch.compile then keeps each as one opaque node in the graph of a compiled block
-# (no graph break, and AOTAutograd traces the backward through `_backward` below) and only needs their
-# shapes (`register_fake`). They stay opaque custom ops rather than torch.library.triton_op (which lets Inductor
-# launch the kernel from its own generated code) because:
-# - by default the kernel is not in a compiled graph at all: under compile on CUDA, run.fused_junction=auto
-#   leaves the junction to Inductor, measured faster (keel.scale.fused_junction.junction_impl); only "on" puts it there;
-# - Inductor would still not fuse into it (it fuses its own kernels only), and the measured gap to Inductor's
-#   junction (945 vs 638 us forward+backward at d=1024 on an H100) lies inside the kernel, not around it;
-# - under triton's interpreter, which the CPU tests rely on, a triton_op cannot be compiled: torch 2.13's
-#   wrap_triton hands back the interpreted kernel, which AOTAutograd's fake tensors cannot run ("Cannot access
-#   data pointer of Tensor"), so the compiled case of tests/test_fused_junction_model.py would lose its check.
+# A pair of opaque custom operators with an autograd formula, not an autograd.Function nor a triton_op (why:
+# docs/internals.md#keelkernelsjunction): a compiled block keeps each as one node, with `register_fake` shapes
 @torch.library.custom_op("keel::junction", mutates_args=())
 def _junction(x: torch.Tensor, f: torch.Tensor, alpha: float, w_out: torch.Tensor, w_in: torch.Tensor,
               eps: float, u_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
