@@ -107,10 +107,8 @@ class TrainConfig:
 
 
 def optimizer_implementation(cfg: OptimConfig, device) -> str:
-    """torch's AdamW kernel: "fused" (one kernel over all parameters, no temporaries: 16 bytes a parameter at
-    the step) or "foreach" (a few multi-tensor ops, with one float32 temporary per parameter: 20 bytes a
-    parameter, keel.scale.memory). optim.implementation=auto takes the fused one on CUDA and keeps foreach on a
-    CPU, where every committed result was trained with it (the two agree to float32 rounding, not bit for bit)."""
+    """torch's AdamW kernel, "fused" or "foreach"; optim.implementation=auto takes the fused one on CUDA and foreach
+    on a CPU (docs/internals.md#keelconfigschemaoptimizer_implementation)."""
     if cfg.implementation == "auto":
         return "fused" if device.type == "cuda" else "foreach"
     return cfg.implementation

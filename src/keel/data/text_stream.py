@@ -29,10 +29,9 @@ class NotText(Exception):
 
 
 def walk(root: Path, suffixes, prune=()) -> list[tuple[str, int, int]]:
-    """(path relative to `root`, size, mtime_ns) of every regular file under `root` whose suffix is in
-    `suffixes`, in the order os.walk gives (sorted, top-down), hidden entries and `prune` names left out.
-    An explicit stack, not recursion: a tree 1,500 levels deep is walked, not a RecursionError. Links to
-    directories are not followed (as os.walk), so a link back to an ancestor is no cycle."""
+    """(path relative to `root`, size, mtime_ns) of every regular file under `root` whose suffix is in `suffixes`,
+    in os.walk's order, hidden entries and `prune` names left out, without recursion (see
+    docs/internals.md#keeldatatext_streamwalk)."""
     found, stack = [], [root]
     while stack:
         here = stack.pop()

@@ -102,10 +102,8 @@ class HFTokenizer:
 
     @cached_property
     def piece_rule(self) -> str | None:
-        """None when the post-processor adds no ids, so a long document's pieces (`text_pieces`) join to the ids of
-        the whole whatever is done with them; else PIECE_RULE (encode_pieces adds them once a document). A token
-        cache's key and a shard manifest carry it: an older keel added them to every piece, and its ids are not
-        mixed with these."""
+        """None when the post-processor adds no ids, else PIECE_RULE: encode_pieces adds them once a document
+        (docs/internals.md#keeldatatokenizerhftokenizerpiece_rule)."""
         post = self._tok.post_processor
         return None if post is None or post.num_special_tokens_to_add(False) == 0 else PIECE_RULE
 
@@ -178,21 +176,15 @@ _LONG_RUN = re.compile(rf"[^\W_]{{{WORD_CHARS},}}|(?:[^\w\s]|_){{{WORD_CHARS},}}
 
 
 def bounded_pieces(chunks: Iterable[str]) -> Iterator[str]:
-    """The text of one document, given as consecutive `chunks`, in pieces the trainer can take: at most
-    PIECE_CHARS each, and no run of one kind of character longer than WORD_CHARS. Where a piece ends is a
-    place the pre-tokenizer splits anyway (before a space or after a line end, with text on both sides), so
-    the pieces train the same BPE as the whole text did, unless the text has runs cut by the bounds.
-    Pieces of spaces only are left out, as documents of spaces only are."""
+    """The text of one document, given as consecutive `chunks`, in pieces the BPE trainer can take: at most PIECE_CHARS,
+    no run of one kind longer than WORD_CHARS (docs/internals.md#keeldatatokenizerbounded_pieces)."""
     for piece in text_pieces(chunks):
         yield from _short_runs(piece)
 
 
 def text_pieces(chunks: Iterable[str]) -> Iterator[str]:
-    """The text of one document, given as consecutive `chunks`, in pieces of at most PIECE_CHARS that join to
-    exactly the text, for encoding a document larger than memory. A piece ends where GPT-2's pre-tokenizer splits
-    anyway, so bytes and a byte-level BPE give the same ids piece by piece as for the whole text (`encode_pieces`
-    puts a post-processor's BOS and EOS on the first and last piece only); a document of up to PIECE_CHARS is one
-    piece."""
+    """The text of one document, given as consecutive `chunks`, in pieces of at most PIECE_CHARS that join to exactly
+    the text, cut where GPT-2's pre-tokenizer splits anyway (docs/internals.md#keeldatatokenizertext_pieces)."""
     text, start = "", 0
     for chunk in chunks:
         text = text[start:] + chunk

@@ -127,10 +127,8 @@ def memory_plan(config, world_size: int = 1, device: torch.device | None = None)
 
 
 def gpu_fit_lines(config) -> list[str]:
-    """For one process on each GPU of GPU_MEMORY, by the memory plan (bf16 autocast, the run's batch, sequence
-    and checkpointing): whether the run fits as configured, else the first of the optimiser options (fused AdamW,
-    then 8-bit moments), activation checkpointing and bf16 weights with which it would. Predictions, not
-    measurements."""
+    """For one process on each GPU of GPU_MEMORY, by the memory plan: whether the run fits as configured, else the
+    first options with which it would (PREDICTED; docs/internals.md#keelreportingplangpu_fit_lines)."""
     r, o = config.run, config.optim
     w = r.weights
     steps = [("as configured", o.implementation if o.implementation != "auto" else "fused", o.state, r.ac_every, w)]

@@ -222,10 +222,8 @@ def _full_disk(root: Path, model: nn.Module) -> str:
 
 def save_sharded(run_dir: Path, step: int, model: nn.Module, optimizer, state: dict, meta: dict, keep: int,
                  main: bool) -> Path:
-    """Collective: every rank calls this. Model and optimiser go through DCP (each rank writes its own
-    shards); rank 0 (`main`) adds `state` and `meta`, the manifest, and renames the directory into place.
-    The temporary name carries no pid, so that every rank writes into the same one. A failure on any rank
-    raises on every rank (a CheckpointError when it was the disk), so none is left waiting for the others."""
+    """Collective: every rank calls this, and a failure on any rank raises on every rank
+    (docs/internals.md#keelrunscheckpointsave_sharded)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -271,10 +269,8 @@ def _raise_on_every_rank(failed: BaseException | None, final: Path) -> None:
 
 
 def _write_failure(err: BaseException) -> str | None:
-    """Why writing failed, in one line, when the disk or filesystem failed (full, read-only, quota, I/O);
-    None for anything else, which is a bug and keeps its traceback. The libraries report I/O failure in
-    their own ways: torch.save as a RuntimeError from its zip writer, safetensors as a SafetensorError,
-    DCP as a CheckpointException carrying each rank's exception."""
+    """Why writing failed, in one line, when the disk or filesystem failed; None for anything else, which is a bug and
+    keeps its traceback (docs/internals.md#keelrunscheckpoint_write_failure)."""
     if isinstance(err, OSError):
         return err.strerror or one_line(err)
     if isinstance(err, SafetensorError) and ("I/O error" in str(err) or "IoError" in str(err)):

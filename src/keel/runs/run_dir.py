@@ -280,11 +280,8 @@ class RunDir(os.PathLike):
         return config, model, self.tokenizer(), path
 
     def load_weights(self, config: TrainConfig, checkpoint_path=None) -> tuple[TransformerLM, dict, Path]:
-        """(model, the checkpoint's meta, checkpoint) on CPU, from `checkpoint_path` or else the newest checkpoint
-        that loads. A newest one damaged past its checksums (NaN weights, training state of the wrong shape)
-        falls back to the next older one, saying so, as a resume does. A run still training writes new
-        checkpoints and prunes old ones (run.keep_checkpoints), so the one chosen can vanish while it is read:
-        then the newest is chosen again."""
+        """(model, the checkpoint's meta, checkpoint) on CPU, from `checkpoint_path` or else the newest checkpoint that
+        loads, falling back past damaged ones (docs/internals.md#keelrunsrun_dirrundirload_weights)."""
         from keel.runs import checkpoint
         from keel.runs.resume import load_older
 
@@ -463,10 +460,8 @@ def load_model(path, checkpoint_path=None):
 
 
 def steps_done(run) -> int:
-    """The last step the run `run` (a keel.runs.run_dir.RunDir) completed, as `keel runs` shows it: the later of
-    its last metrics record and its summary's step. A run stopped by Ctrl-C stops between two records (written
-    every run.log_every steps): interrupted at step 16 with log_every=10, its last record says 10 while its
-    summary and checkpoint say 16. A checkpoint's name alone does not count: a damaged one is no step to go on from."""
+    """The last step the run `run` (a RunDir) completed, as `keel runs` shows it: the later of its last metrics record
+    and its summary's step (docs/internals.md#keelrunsrun_dirsteps_done)."""
     logged = max((r["step"] for r in run.metrics() if "loss" in r and "event" not in r), default=0)
     stopped = (run.summary() or {}).get("steps")
     if isinstance(stopped, int) and not isinstance(stopped, bool) and stopped >= 0:

@@ -239,11 +239,8 @@ def apply_fused_junction(model: nn.Module, mode: str = FUSED_JUNCTION_DEFAULT, a
 
 
 def handed_norms(module: nn.Module) -> list[nn.Module]:
-    """The norms of `module` (a model, or a pipeline stage) that a junction applies outside the block holding
-    them: a block's first sub-layer applies the previous block's norm_out to the sum that block handed on
-    (`SumHandoff`), a pair handed across blocks carries the next block's norm_in, and the final norm applies the
-    last block's norm_out (`NormOfSum`). Sharding each block's parameters on their own (FSDP2) must keep these
-    gathered while the block using them runs: keel.scale.parallel.apply_fsdp makes them a unit of their own."""
+    """The norms of `module` (a model, or a pipeline stage) that a junction applies outside the block holding them,
+    which FSDP2 must keep gathered (docs/internals.md#keelscalefused_junctionhanded_norms)."""
     blocks = module.blocks.values() if isinstance(module.blocks, nn.ModuleDict) else module.blocks
     registered = set(module.modules())  # not the unregistered copy the stack's last pair may hold
     handed: dict[int, nn.Module] = {}

@@ -52,10 +52,8 @@ def build_model(config: ModelConfig, run, device: torch.device, fsdp: bool = Fal
 
 
 def hold_bf16_weights(model: nn.Module, run, device: torch.device, fsdp: bool = False) -> None:
-    """run.weights=bfloat16: every parameter becomes bf16 in place (the same Parameter objects, so tied weights
-    stay tied; buffers such as RoPE's tables keep their dtype), and the residual stream is still summed in
-    float32 (keel.model.numerics). The optimizer then rounds its float32 update stochastically
-    (keel.train.optim.build_optimizer sees the bf16 parameters)."""
+    """run.weights=bfloat16: every parameter becomes bf16 in place, the residual stream still summed in float32
+    (docs/internals.md#keeltrainstephold_bf16_weights)."""
     from keel.errors import ConfigError  # noqa: PLC0415
 
     if fsdp:
