@@ -22,11 +22,8 @@ def quiet_progress() -> None:
     import os
 
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # also for what loads huggingface_hub later
+    from huggingface_hub.utils import disable_progress_bars  # transformers' own dependency
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    try:
-        from huggingface_hub.utils import disable_progress_bars
-    except ImportError:
-        return
     disable_progress_bars()
