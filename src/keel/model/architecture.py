@@ -106,15 +106,12 @@ FLOAT_LIMITS = {"rope_theta": 1e12, "norm_eps": 1.0, "init_std": 10.0}
 
 
 def _validate(c: ModelConfig) -> None:
-    for name in ("vocab_size", "d_model", "n_blocks", "n_heads", "max_seq_len"):
+    for name, most in SIZE_LIMITS.items():
         value = getattr(c, name)
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= SIZE_LIMITS[name]:
-            _fail(name, f"got {value!r}", f"an integer in [1, {SIZE_LIMITS[name]:,}]")
-    for name in ("n_kv_heads", "d_ffn"):
-        value = getattr(c, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or not 1 <= value <= SIZE_LIMITS[name]):
-            _fail(name, f"got {value!r}", f"an integer in [1, {SIZE_LIMITS[name]:,}], or None for the default")
+        default = ", or None for the default" if name in ("n_kv_heads", "d_ffn") else ""
+        if not (default and value is None) and (isinstance(value, bool) or not isinstance(value, int)
+                                                or not 1 <= value <= most):
+            _fail(name, f"got {value!r}", f"an integer in [1, {most:,}]{default}")
     if c.d_model % c.n_heads:
         _fail("d_model", f"{c.d_model} is not divisible by n_heads={c.n_heads}", "a multiple of n_heads")
     if c.n_heads % c.kv_heads:
