@@ -13,11 +13,7 @@ NORM_TYPES = ("rmsnorm", "layernorm")
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only causal LM. Depth is counted in blocks (one attention + one FFN sub-layer);
-    the paper's L is `n_sublayers = 2 * n_blocks`.
-
-    Looped (weight-shared) models: `loop_blocks=k` builds k distinct blocks and applies them in order
-    `n_blocks / k` times, so depth stays `n_blocks` (alpha and every depth rule count the unrolled
-    sub-layers) while the blocks' parameters are those of k. See `keel.model.transformer.TransformerLM`.
+    the paper's L is `n_sublayers = 2 * n_blocks`, also for a looped model (`loop_blocks`: TransformerLM).
 
     Scheme-specific fields default to None ("the scheme's default") and are rejected when set for a
     scheme that does not read them.
