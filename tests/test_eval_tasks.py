@@ -13,7 +13,7 @@ from keel import evals
 from keel.cli import main
 from keel.config import load_config
 from keel.reporting import plot
-from keel.reporting.tables import flat_scores, last_task_scores, task_columns, task_scores
+from keel.reporting.tables import flat_scores, task_columns, task_scores
 from keel.runs.run_dir import RunDir
 from keel.train.trainer import Trainer
 
@@ -75,7 +75,6 @@ def test_flat_keys_round_trip_also_for_a_task_path_with_slashes():
     assert task_scores(flat) == {"brackets": {"acc": 0.5, "acc_norm": 0.25, "n": 8, "chance": 0.25},
                                  "lm_eval:tasks/x.yaml": {"acc": 1.0, "n": 2}}
     records_ = [{"step": 1, **flat}, {"step": 2, "loss": 3.0}]
-    assert last_task_scores(records_) == task_scores(flat)
     assert task_columns(records_) == {"task_acc": 0.75, "task_scores": {"brackets": 0.5, "lm_eval:tasks/x.yaml": 1.0}}
     assert task_columns([{"step": 1, "loss": 3.0}]) == {"task_acc": None, "task_scores": {}}
 

@@ -67,19 +67,10 @@ def task_scores(record: dict) -> dict[str, dict]:
     return out
 
 
-def last_task_scores(records: list[dict]) -> dict[str, dict]:
-    """The scores of the last record that holds any (`{}` if none does)."""
-    for record in reversed(records):
-        scores = task_scores(record)
-        if scores:
-            return scores
-    return {}
-
-
 def task_columns(records: list[dict]) -> dict:
     """`keel runs`' task column: the mean accuracy over the tasks last scored (one narrow column however many
     tasks there are), and each task's in `task_scores` for --json."""
-    scores = last_task_scores(records)
+    scores = next((s for s in map(task_scores, reversed(records)) if s), {})  # of the last record holding any
     accs = {name: s["acc"] for name, s in scores.items() if "acc" in s}
     return {"task_acc": round(sum(accs.values()) / len(accs), 4) if accs else None, "task_scores": accs}
 
