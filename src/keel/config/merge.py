@@ -45,7 +45,8 @@ def merge(base, config_file: str | None = None, overrides=(), reads: Reads | Non
     given = list(_leaves(loaded, "")) if config_file else []
     for item in overrides:
         if "=" not in item or item.startswith("="):
-            raise ConfigError(f"override {item!r}: expected key=value, e.g. {_example(base)}")
+            example = "model.n_blocks=8" if isinstance(base, TrainConfig) else "run.steps=100"
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. {example}")
         if not item.isprintable():
             raise ConfigError(f"{item.split('=', 1)[0]}: the value holds control characters; allowed: printable text")
     short = getattr(base, declared.shorthand, None)  # a bare field of that section: `scheme=pre_ln`
@@ -136,10 +137,6 @@ def _as_list(base, item: str) -> str:
     if kind in ("str", "<class 'str'>") and value.strip().lower() in YAML_WORDS:
         return f"{key}='{value.strip()}'"
     return item
-
-
-def _example(base) -> str:
-    return "model.n_blocks=8" if isinstance(base, TrainConfig) else "run.steps=100"
 
 
 def _node(root, parts):

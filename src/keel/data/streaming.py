@@ -63,7 +63,7 @@ def _open(cfg: DataConfig, datasets):
     if cfg.source.startswith("hf:"):
         name = cfg.source.removeprefix("hf:")
         local = Path(name).expanduser()
-        if local.exists() and _saved(local):
+        if local.is_dir() and any((local / f).is_file() for f in ("state.json", "dataset_dict.json")):  # save_to_disk
             ds = load_saved(cfg, local, datasets)
             ds = ds.to_iterable_dataset(num_shards=max(1, min(LOCAL_SHARDS, len(ds))))
         else:
@@ -87,10 +87,6 @@ def _open(cfg: DataConfig, datasets):
         return ds
     need_column(cfg.source, cfg.text_field, ds.column_names)
     return ds.select_columns([cfg.text_field])
-
-
-def _saved(path: Path) -> bool:
-    return path.is_dir() and any((path / f).is_file() for f in ("state.json", "dataset_dict.json"))
 
 
 def _load(cfg: DataConfig, datasets, path: str, config, split: str, **kwargs):

@@ -143,8 +143,10 @@ def _harness_task(name: str, field: str) -> HarnessTask:
                               "lm_eval:<task>, lm_eval:<task.yaml>")
         return HarnessTask(name, None, f"lm-evaluation-harness task {spec}", task=spec)
     path = Path(spec).expanduser()
-    try:  # a regex, not a YAML parser: harness files use tags (!function) that safe_load refuses
-        found = re.search(r"^task:[ \t]*['\"]?([\w.-]+)", _read_task_file(path), re.M)
+    try:  # a run's config names it, so it is read whenever that config is loaded (`keel runs` too): never waited on
+        text = safe_io.read_regular(path, TASK_FILE_CAP, follow_links=True).decode("utf-8")
+        # a regex, not a YAML parser: harness files use tags (!function) that safe_load refuses
+        found = re.search(r"^task:[ \t]*['\"]?([\w.-]+)", text, re.M)
     except (OSError, UnicodeDecodeError, ValueError) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err) or type(err).__name__
         raise ConfigError(f"{field}: {name!r}: cannot read the task file ({reason})") from None
@@ -152,8 +154,3 @@ def _harness_task(name: str, field: str) -> HarnessTask:
         raise ConfigError(f"{field}: {path} has no 'task: <name>' line")
     return HarnessTask(name, None, f"lm-evaluation-harness task {found[1]} from {path}", task=found[1],
                        include_path=str(path.resolve().parent))
-
-
-def _read_task_file(path: Path) -> str:
-    # a run's config names it, so it is read whenever that config is loaded (`keel runs` too): never waited on
-    return safe_io.read_regular(path, TASK_FILE_CAP, follow_links=True).decode("utf-8")

@@ -103,11 +103,6 @@ def _public_name(spec: str) -> str:
     return Path(spec).name if ("/" in spec or "\\" in spec) and not spec.startswith("hf:") else spec
 
 
-def _effective_options(m) -> str:
-    """The scheme's options as they took effect, as `keel summary` shows them: `alpha = L = 32 (default)`."""
-    return ", ".join(f"{name} = {text}" for name, text in m.scheme_options_shown().items()) or "none"
-
-
 def _checkpoint_step(checkpoint: Path):
     """meta.json's step ("?" if unreadable): a regular file, bounded in size, depth and numbers, since the
     checkpoint loaded may have been swapped since it was checked."""
@@ -130,7 +125,8 @@ def model_card(config, model, run_dir: Path, checkpoint: Path) -> str:
 
     corpus = RunDir(run_dir).provenance().get("data")  # a planted link or damaged file: noted, not followed
     equation = type(model.scheme).__doc__.strip().splitlines()[0]
-    scheme_options = _effective_options(m)
+    # the scheme's options as they took effect, as `keel summary` shows them: `alpha = L = 32 (default)`
+    scheme_options = ", ".join(f"{name} = {text}" for name, text in m.scheme_options_shown().items()) or "none"
     data = ""
     if isinstance(corpus, dict):  # what the data was, without this machine's paths
         parts = [f"{k} {corpus[k]:,}" if isinstance(corpus[k], int) else f"{k} {corpus[k]}"

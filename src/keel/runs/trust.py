@@ -19,14 +19,10 @@ SIGNATURE = ".config.sig"  # beside config.yaml in a run directory
 TRUST_HINT = "--trust-config (or KEEL_TRUST_CONFIG=1)"
 
 
-def _key_path() -> Path:
-    base = os.environ.get("KEEL_CONFIG_DIR") or Path(os.environ.get("XDG_CONFIG_HOME") or "~/.config") / "keel"
-    return Path(base).expanduser() / "trust.key"
-
-
 def _key(create: bool) -> bytes | None:
     """This user's signing key (created, readable by the user only, when `create`); None when there is none."""
-    path = _key_path()
+    base = os.environ.get("KEEL_CONFIG_DIR") or Path(os.environ.get("XDG_CONFIG_HOME") or "~/.config") / "keel"
+    path = Path(base).expanduser() / "trust.key"
     if create and not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
