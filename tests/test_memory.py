@@ -10,7 +10,7 @@ from keel.config import OptimConfig
 from keel.model import lm_loss
 from keel.model.architecture import ModelConfig
 from keel.model.transformer import TransformerLM
-from keel.scale.memory import activation_bytes, estimate_memory, pipeline_memory
+from keel.scale.memory import activation_bytes, estimate_memory, measured_bytes, pipeline_memory
 from keel.scale.parallel import apply_ac
 from keel.train.optim import build_optimizer
 from keel.train.step import TrainStep
@@ -89,14 +89,6 @@ def one_step(cfg: ModelConfig) -> tuple[TransformerLM, torch.optim.Optimizer]:
     model(ids, ids)[1].backward()
     optimizer.step()
     return model, optimizer
-
-
-def measured_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """What `model` and `optimizer` hold now: parameter and optimiser-state bytes."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    tensors = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    state = sum(t.numel() * t.element_size() for t in tensors)
-    return {"params": params, "optimizer": state}
 
 
 @pytest.mark.parametrize("kw", SCHEMES)

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
 from keel.model.architecture import ModelConfig
 from keel.model.counting import block_params, count_param_tensors, root_params
 from keel.model.transformer import build_scheme
@@ -159,6 +162,19 @@ def pipeline_memory(config: ModelConfig, batch_size: int, seq_len: int, ac_every
         m["total"] = sum(m.values())
         out.append(m)
     return out
+
+
+def measured_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """What `model` and `optimizer` hold now: parameter and optimiser-state bytes (local shards)."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = sum(local(p).numel() * p.element_size() for p in model.parameters())
+    state = 0
+    if optimizer is not None:
+        for s in optimizer.state.values():
+            state += sum(local(t).numel() * t.element_size() for t in s.values() if torch.is_tensor(t))
+    return {"params": params, "optimizer": state}
 
 
 def format_bytes(n: float) -> str:
