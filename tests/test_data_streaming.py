@@ -274,6 +274,31 @@ def test_offline_a_hub_name_is_one_line_at_once(tmp_path, monkeypatch, capsys):
     assert time.time() - start < 30  # no retries (datasets' own take ~25 s each)
 
 
+@pytest.mark.parametrize("proxy,asked", [({"ALL_PROXY": "http://127.0.0.1:9"}, False),
+                                         ({"https_proxy": "socks5://127.0.0.1:9"}, False),
+                                         ({"HTTPS_PROXY": "http://127.0.0.1:9"}, True)])
+def test_the_hub_is_asked_only_through_a_proxy_urllib_can_take(proxy, asked, monkeypatch):
+    """urllib takes neither ALL_PROXY nor SOCKS, which huggingface_hub's requests take: behind those the stream is
+    not refused on urllib's word; behind an HTTP(S) proxy urllib goes through it."""
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in proxy.items():
+        monkeypatch.setenv(name, value)
+    tried = []
+
+    def refused(request, timeout=None):
+        tried.append(request.full_url)
+        raise urllib.error.URLError(ConnectionRefusedError(111, "Connection refused"))
+
+    monkeypatch.setattr(urllib.request, "urlopen", refused)
+    if asked:
+        with pytest.raises(DataError, match="cannot be reached"):
+            streaming.check_hub("HuggingFaceFW/fineweb-edu")
+    else:
+        streaming.check_hub("HuggingFaceFW/fineweb-edu")
+    assert bool(tried) == asked
+
+
 def test_a_missing_local_path_is_not_looked_up_on_the_hub(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(streaming, "check_hub", lambda name: pytest.fail("the hub was tried"))
     assert train(tmp_path, f"data.source=hf:{tmp_path / 'nothing'}") == 2

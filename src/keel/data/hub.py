@@ -25,7 +25,12 @@ def hub_offline_unless_reachable(timeout: float = 3.0) -> str | None:
 
 def unreachable(timeout: float) -> str | None:
     """Why the Hub (HF_ENDPOINT, else huggingface.co) gives no answer to a HEAD request within `timeout` seconds,
-    or None when it answers."""
+    or None when it answers, or when the way to it is a proxy urllib cannot take (ALL_PROXY alone, or SOCKS), which
+    huggingface_hub's own requests do take: they report what happens there."""
+    proxies = urllib.request.getproxies()
+    via = proxies.get("https") or proxies.get("all")
+    if via and (not proxies.get("https") or via.lower().startswith("socks")):
+        return None
     endpoint = os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
     result: list[str | None] = []
 
