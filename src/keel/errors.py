@@ -25,9 +25,11 @@ class ExportError(KeelError):
 
 
 def optional(module: str, extra: str, who: str, error: type[KeelError] = ConfigError, instead: str = ""):
-    """`module` imported, or one `error` line: `who` needs its package, installed with keel's `extra`."""
+    """`module` imported, or one `error` line: `who` needs the package that is missing (the one the import names:
+    `torch.utils.tensorboard` needs `tensorboard`), installed with keel's `extra`."""
     try:
         return importlib.import_module(module)
-    except ImportError:
-        raise error(f"{who} needs the optional package {module.split('.')[0]!r}: pip install -c constraints.txt "
+    except ImportError as err:
+        missing = (err.name or module).split(".")[0]
+        raise error(f"{who} needs the optional package {missing!r}: pip install -c constraints.txt "
                     f"-e '.[{extra}]'{instead}") from None

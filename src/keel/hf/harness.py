@@ -18,7 +18,7 @@ from keel.hf.import_hf import read_json
 
 def _evaluate(hf_dir: Path, tasks: list[str], include_path: str | None, device: str, batch_size: int,
               num_fewshot: int | None, limit: float | None) -> dict:
-    optional("lm_eval", "eval", "keel lm-eval", ExportError)
+    optional("lm_eval.models.huggingface", "eval", "keel lm-eval", ExportError)  # it also needs accelerate
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 

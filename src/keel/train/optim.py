@@ -40,7 +40,7 @@ def torchao_adamw(groups: list[dict], cfg: OptimConfig, bf16_weights: bool = Fal
         logging.getLogger(name).setLevel(logging.ERROR)
     field = "optim.state=8bit" if cfg.state == "8bit" else "run.weights=bfloat16"
     instead = " (or set optim.state=float32)" if cfg.state == "8bit" else " (or set run.weights=float32)"
-    optional("torchao.optim", "depth", field, instead=instead)
+    optional("torchao.optim.subclass_8bit", "depth", field, instead=instead)
     from torchao.optim import AdamW8bit, _AdamW  # noqa: PLC0415
     from torchao.optim.subclass_8bit import OptimState8bit  # noqa: PLC0415
 
