@@ -303,3 +303,26 @@ def test_sharded_optimiser_state_of_the_wrong_content_is_refused_at_load(tmp_pat
     good_run, _ = sharded_run(tmp_path / "good", steps=(1,))  # an undamaged one still loads: no false refusal
     intact = small_model(3)
     checkpoint.load_sharded(ckpt(good_run, 1), intact, torch.optim.AdamW(intact.parameters(), lr=1e-3))
+
+
+def test_the_weights_read_are_the_file_checked_not_one_swapped_in_after(tmp_path, monkeypatch):
+    """The weights' shapes are read from the file checked to be regular, not from whatever its name holds a moment
+    later (a FIFO put there would block the reader for ever; here another weights file stands in, so the test
+    fails rather than hangs)."""
+    from safetensors.torch import save_file
+
+    from keel.runs import untrusted
+
+    run_dir, models = single_run(tmp_path, steps=(1,))
+    save_file({"other": torch.zeros(1)}, tmp_path / "other.safetensors")
+    checked = untrusted.open_regular
+
+    def check_then_swap(path):
+        file = checked(path)
+        if Path(path).name == "model.safetensors":
+            os.replace(tmp_path / "other.safetensors", path)
+        return file
+
+    monkeypatch.setattr(untrusted, "open_regular", check_then_swap)
+    shapes = untrusted.weight_shapes(ckpt(run_dir, 1))
+    assert shapes == {name: tuple(p.shape) for name, p in models[1].state_dict().items()}

@@ -347,17 +347,22 @@ def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         items = dcp_metadata(path, manifest).state_dict_metadata.items()
         return {k.removeprefix("model."): tuple(v.size) for k, v in items
                 if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-    open_regular(path / "model.safetensors").close()  # a link or a FIFO is refused before safetensors opens it
-    return safetensors_shapes(path / "model.safetensors")
+    # a link or a FIFO is refused; safetensors then reads the file checked, by its descriptor where the system names
+    # one, not what the name holds a moment later (a FIFO swapped in would hang it)
+    with open_regular(path / "model.safetensors") as file:
+        by_descriptor = Path(f"/proc/self/fd/{file.fileno()}")
+        return safetensors_shapes(by_descriptor if by_descriptor.exists() else path / "model.safetensors",
+                                  "model.safetensors")
 
 
-def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape from the header of the safetensors file at `path`, which safetensors reads and checks."""
+def safetensors_shapes(path: Path, name: str | None = None) -> dict[str, tuple[int, ...]]:
+    """Name -> shape from the header of the safetensors file at `path` (`name` in messages), which safetensors
+    reads and checks."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
     except (SafetensorError, OSError) as err:
-        raise Damaged(f"{path.name} has a malformed header ({one_line(err)})") from None
+        raise Damaged(f"{name or path.name} has a malformed header ({one_line(err)})") from None
 
 
 def check_model_memory(config, shapes: dict, memory: int | None) -> None:
