@@ -6,7 +6,7 @@ import sys
 
 
 def launcher_environment() -> None:
-    """The `keel` command's process settings (above), each only where the user set none."""
+    """The `keel` command's process settings (docs/internals.md#keellaunch), each only where the user set none."""
     if "torch" not in sys.modules:
         os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     expandable_segments()

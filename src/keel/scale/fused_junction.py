@@ -67,6 +67,8 @@ class FusedJunction:
     def __init__(self, alpha: float, norm_out: RMSNorm, next_norm_in: RMSNorm):
         from keel.kernels.junction import keel_junction  # noqa: PLC0415 (triton: only when fusing)
 
+        # the norm modules, not their weights: each weight is read at call time, as FSDP2 swaps the sharded and the
+        # gathered parameter in and out
         self.alpha, self.norm_out, self.next_norm_in, self.op = alpha, norm_out, next_norm_in, keel_junction
         self.norms = (norm_out, next_norm_in)  # what it applies (`handed_norms`)
 
