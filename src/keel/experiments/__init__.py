@@ -1,8 +1,4 @@
-"""The engine the studies run on: a study declared as data (`study_file`, `declared`), points trained through the
-one training step (`common`), sweeps kept point by point and shared by processes (`sweep`, `store`, `partial`),
-grids grown past an edge (`grid`), the measurements (`budget`, `maxlr`, `detect`, `stream`, `redundancy`), `stats`.
-The studies are research: the study files in a Keel checkout's `results/` folder, and the `keel_studies` package in
-its `research/` folder (`studies()`, `study_files()`; `EXPERIMENTS`: the studies still written as code)."""
+"""The engine studies run on (docs/experiments.md#the-engine-module-by-module); the studies live in research/."""
 
 import importlib
 import re

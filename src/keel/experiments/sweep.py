@@ -1,5 +1,4 @@
-"""Sweep bookkeeping: each point of an experiment trained once, kept on disk as soon as it is done, shared by
-several processes running the same sweep (two points at a time), never mixed with points of another configuration."""
+"""Sweep bookkeeping: each point trained once, kept on disk, shared by processes, never mixed with others."""
 
 from __future__ import annotations
 
