@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import validate_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from keel.bench import perf_model as pm
-from keel.bench import perf_report as pr
 from keel.cli import main
 from keel.config import load_config
 from keel.model import ModelConfig, TransformerLM, flops_per_token
@@ -252,12 +252,12 @@ def test_validation_reports_predicted_against_measured(monkeypatch):
     def fake_compare(config, run, schemes, steps, warmup):
         return {s: {"step_time_s": measured[s]} for s in schemes} | {"keel_over_pre_ln_step_time": 1.25}
     monkeypatch.setattr("keel.bench.core.compare", fake_compare)
-    result = pr.validate(steps=1, warmup=0, shapes=((32, 2, 2, 16),))
+    result = validate_model.validate(steps=1, warmup=0, shapes=((32, 2, 2, 16),))
     row = result["rows"][0]
     for s in ("keel", "pre_ln"):
         assert row[s]["error"] == pytest.approx(row[s]["predicted_s"] / measured[s] - 1)
     assert result["max_abs_error"] == max(abs(row[s]["error"]) for s in ("keel", "pre_ln"))
-    assert row["device"]["bandwidth_GBps"] > 0 and "Largest |error|" in pr.validation_markdown(result)
+    assert row["device"]["bandwidth_GBps"] > 0 and "Largest |error|" in validate_model.validation_markdown(result)
 
 
 def test_the_mfu_peak_is_the_exact_devices_not_a_name_fragments():

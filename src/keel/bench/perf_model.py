@@ -1,7 +1,7 @@
 """A roofline model of one training step: FLOPs and bytes moved per op group, for Keel and Pre-LN, as keel runs it
 (eager, compiled per block, compiled with the fused Triton junction), on a GPU from its datasheet or on this CPU
 from measured rates. Every figure it gives is a PREDICTION; `benchmarks/gpu/predicted.md` is its output with the
-formulas (`python benchmarks/gpu/predicted.py`), `keel bench --validate-model` checks it here.
+formulas (`python benchmarks/gpu/predicted.py`), `python benchmarks/gpu/validate_model.py` checks it on a CPU.
 
 Time of an op group = max(FLOPs / effective peak, bytes / effective bandwidth). Sums over the step: forward,
 backward, activation-checkpoint recompute, clipping and AdamW (fused on CUDA). The host (Python, dispatch, kernel
