@@ -30,13 +30,14 @@ if __name__ == "__main__":  # as keel's own commands do, before torch loads (kee
     launcher_environment()
 
 import torch  # noqa: E402
+from calibrate import modelled  # noqa: E402
 from cold_compile import cold_warmup  # noqa: E402
 from flatness import flatness_markdown, flatness_series  # noqa: E402
 from junction_timing import copy_bandwidth, junction_bandwidth  # noqa: E402
 
 from keel import runtime  # noqa: E402
 from keel.bench.core import Bench, attempt, compare  # noqa: E402
-from keel.bench.perf_model import DEVICES, gpu_spec, modelled, predict_pair  # noqa: E402
+from keel.bench.perf_model import DEVICES, gpu_spec, predict_pair  # noqa: E402
 from keel.cli.bench import writer  # noqa: E402
 from keel.config import RunConfig, add_config_arguments, load_config  # noqa: E402
 from keel.config.reads import Reads  # noqa: E402
@@ -131,7 +132,7 @@ class GpuSuite:
 # variant -> (run.compile, run.fused_junction). "compiled+composed" (Keel's junction fused across blocks by Inductor)
 # is the default under compile (keel.scale.fused_junction.junction_impl), measured fastest on one H200 (2026-11-26);
 # "compiled" leaves the junction to Inductor inside each block. The performance model's view of each:
-# perf_model.modelled.
+# calibrate.modelled.
 VARIANTS = {"eager": (False, "off"), "compiled": (True, "off"), "compiled+composed": (True, "composed"),
             "compiled+fused": (True, "on")}
 

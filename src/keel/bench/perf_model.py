@@ -195,14 +195,6 @@ class Code:
     fused_adamw: bool = True  # AdamW on CUDA is torch's fused kernel (keel.train.optim); foreach in the oldest run
 
 
-def modelled(variant: str, code: Code = Code()) -> tuple[str, Code]:
-    """The model's impl and code for a bench variant (the GPU campaign's VARIANTS): "compiled+composed" is "compiled"
-    with the sum handoff; "compiled" is the junction inside each block, so under AC a Keel block ends with LN_out
-    (no handoff)."""
-    composed = variant == "compiled+composed"
-    return ("compiled" if composed else variant), replace(code, sum_handoff=composed)
-
-
 def _boundary(config, prev, nxt, cons, c, bf16, mode, code: Code = Code()):
     """Bytes per token and launches between sub-layers: `y = norm_out(alpha*x + h)` of `prev` (None: the
     embedding) and `u = norm_in(y)` cast for the `cons` linears of `nxt` (None: the final norm and head).
