@@ -153,11 +153,11 @@ class Code:
     calibrated with the model of the code it ran (measured_gpu.json's "code"), and predictions use today's."""
 
     cast_once: bool = True  # under autocast a branch casts its float32 input once (keel.model.layers.compute_dtype),
-    # not once per matmul (before 2026-11-25)
+    # not once per matmul (as older code did)
     fused_u_compute_dtype: bool = True  # the fused kernel writes u in the compute dtype, not float32 plus a cast
     sum_handoff: bool = True  # compiled under AC, a Keel block hands on alpha*x + h
     # (keel.scale.fused_junction.SumHandoff) and its recomputation skips the block's last matmul, as Pre-LN's does;
-    # it ended with LN_out, whose input its backward needs, and ran that matmul again (before 2026-11-26)
+    # older code ended it with LN_out, whose input its backward needs, and ran that matmul again
     one_pass_norms: bool = True  # a compiled junction's two RMSNorms are one op whose backward reads two independent
     # row sums (keel.kernels.norm_pair): one backward kernel (PREDICTED, not measured); chained, as every measured
     # run had them, two (Inductor does not fuse a norm's backward after the one whose output it reads)

@@ -14,7 +14,7 @@ def prediction_markdown(config: ModelConfig, batch: int, seq: int, device: Devic
     checkpointing as configured); without it, float32 weights and AdamW moments."""
     pairs = {impl: predict_pair(config, batch, seq, device, impl, bf16, ac_every) for impl in IMPLS}
     basis = ("its efficiencies calibrated on the measured run " + device.calibrated + ", whose step times were "
-             "taken at batch 1 x 4096 (and, on the 2026-11-26 H100, at 8 x 4096): at another batch the split "
+             "taken at batch 1 x 4096 (and, in the later runs, at 8 x 4096): at another batch the split "
              "between host time and matmul efficiency is "
              "extrapolated" if device.calibrated else "datasheet peaks and assumed efficiencies, not calibrated")
     lines = [f"# PREDICTED (keel.bench.perf_model, not measured): {device.name}, d={config.d_model}, "
