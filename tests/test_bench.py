@@ -109,7 +109,8 @@ def test_an_override_bench_does_not_read_is_refused_in_one_line(override, capsys
     (["--toy"], "python benchmarks/gpu/campaign.py --toy"),
     (["--sections", "flatness"], "python benchmarks/cpu/suite.py"),
     (["--idle-wait", "0"], "python benchmarks/cpu/suite.py --idle-wait"),
-    (["--idle-load", "1"], "python benchmarks/cpu/suite.py --idle-load")])
+    (["--idle-load", "1"], "python benchmarks/cpu/suite.py --idle-load"),
+    (["--validate-model"], "python benchmarks/gpu/validate_model.py")])
 def test_the_flags_of_the_suites_that_moved_say_in_one_line_where_they_went(flags, where, capsys):
     assert main(["bench", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -12,7 +12,8 @@ from scipy import stats as scipy_stats
 
 from keel.cli.experiment import build
 from keel.errors import ConfigError
-from keel.experiments import EXPERIMENTS, store
+from keel.experiments import store
+from keel_studies import EXPERIMENTS
 from keel_studies.downstream_end import DownstreamEndConfig, judge, reference_points, search
 
 COMMITTED = Path(__file__).parent.parent / "results" / "downstream"

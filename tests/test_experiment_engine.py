@@ -217,7 +217,7 @@ def test_committed_sweeps_are_this_configuration_in_todays_spelling(folder):
     from the one the sweep recorded: so more seeds can be added to it, and today's defaults are the ones its
     points ran with."""
     from keel.cli.experiment import read_study
-    from keel.experiments.sweep import ADDS_POINTS, EXECUTION_FIELDS, _differences
+    from keel.experiments.sweep import EXECUTION_FIELDS, _differences, adds_points
 
     name, overrides = read_study(str(RESULTS / folder / "study.yaml"))
     cfg = build(name, False, overrides)
@@ -227,7 +227,7 @@ def test_committed_sweeps_are_this_configuration_in_todays_spelling(folder):
     defaults = json.loads(json.dumps(asdict(type(cfg)())))
     # every sweep committed so far ran eager; today's experiments compile, which is how, not what, a point computes;
     # more seeds or a grid grown further (a rule running now, e.g. frontier grow=2) only add points
-    assert [k for k in _differences(mine, recorded, defaults) if k not in ADDS_POINTS + EXECUTION_FIELDS] == []
+    assert [k for k in _differences(mine, recorded, defaults) if k not in adds_points(cfg) + EXECUTION_FIELDS] == []
     changed = build(name, False, [*overrides, "run.batch_size=3"])
     assert "run.batch_size" in _differences(json.loads(json.dumps(asdict(changed))), recorded, defaults)
 

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel.cli.experiment import build
+from keel.cli.experiment import build, study_files
 from keel.data import DataConfig
 from keel.errors import ConfigError
-from keel.experiments import EXPERIMENTS, store, study_files
+from keel.experiments import store
 from keel.experiments.budget import budget_point
+from keel_studies import EXPERIMENTS
 
 TINY = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16", "run.batch_size=2"]
 QUICK = {

@@ -60,7 +60,6 @@ COMMANDS = {
     "tokenizer": ["tokenizer", "--out", "TMP/tok.json"],
     "bench": ["bench", "--preset", "tiny", "--depths", ""],
     "bench-model-gpu": ["bench", "--preset", "tiny", "--model-gpu", "H100"],
-    "bench-validate": ["bench", "--validate-model"],
     "experiment": ["experiment", "frontier"],
     "experiment-pilot": ["experiment", "depth-pilot"],
     "experiment-ablations": ["experiment", "ablations"],
@@ -102,8 +101,6 @@ CASES = [
                                                     "keel and pre_ln)"),
     ("bench-model-gpu", {"optim.lr": 0.1}, "optim.lr: not used by keel bench (it reads model.* and "
                                            "run.{batch_size,seq_len,dtype,ac_every})"),
-    ("bench-validate", {"run.threads": 1}, None),
-    ("bench-validate", {"run.seq_len": 8}, "run.seq_len: not used by keel bench (--validate-model runs fixed shapes)"),
     ("experiment", {"run.steps": 5}, None),
     ("experiment", {"run.threads": 1}, None),  # accepted, and applied (below): not only recorded
     ("experiment", {"model.d_model": 32}, None),
@@ -197,9 +194,6 @@ def test_a_preset_is_refused_where_a_runs_own_config_is_used(run_dir, capsys, st
                                        "its own config)\n")
     assert main(["summary", str(run_dir), "--preset", "tiny"]) == 2
     assert "--preset: not used" in capsys.readouterr().err
-    assert main(["bench", "--validate-model", "--preset", "tiny"]) == 2  # the CPU suite's: test_cpu_suite.py
-    assert capsys.readouterr().err == ("keel: error: --preset: not used by keel bench (--validate-model runs fixed "
-                                       "shapes)\n")
 
 
 def test_the_tokenizer_takes_keel_trains_data_spelling(tmp_path, stop_after_merge):

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import calibrate as cal
 import pytest
+from calibrate import modelled
 
 from keel.bench import perf_model as pm
 from keel.bench.core import scheme_config
-from keel.bench.perf_model import DEVICES, Code, calibrated, modelled, paper_config, predict
+from keel.bench.perf_model import DEVICES, Code, calibrated, paper_config, predict
 from keel.model import flops_per_token
 
 REPO = Path(__file__).resolve().parents[1]

@@ -111,11 +111,12 @@ def test_profile_counts_device_kernels_once_on_cuda():
 @pytest.mark.slow
 def test_profile_counts_the_matmuls_a_dispatch_counter_counts_and_keels_extra_norm():
     """Profiled on CPU (eager, host operators), a step's matrix products are as many as a dispatch-level counter
-    (keel.bench.core.OpCounter) sees in the same step, the same for Keel and Pre-LN; Keel runs more norm operators
+    (tests/op_count.py) sees in the same step, the same for Keel and Pre-LN; Keel runs more norm operators
     (its LN_out); the table has a row per category."""
     from kernel_profile import NAMES, profile_markdown, profile_schemes
 
-    from keel.bench.core import Bench, OpCounter
+    from keel.bench.core import Bench
+    from op_count import OpCounter
 
     suite = GpuSuite.toy()
     bench = Bench(suite.model(4), suite.run(), device=torch.device("cpu"))

@@ -304,8 +304,8 @@ def test_keels_extra_operators_per_sub_layer_are_its_second_norm_and_nothing_els
     """Host cost at depth: Keel's eager step runs more ATen ops per sub-layer than Pre-LN's by exactly the ops of
     one more RMSNorm forward and backward (the norm the equation has; Pre-LN's shortcut is multiplied by its
     alpha = 1 too), counted independently on a lone RMSNorm."""
-    from keel.bench.core import OpCounter, aten_ops_per_sublayer
     from keel.model.layers import RMSNorm
+    from op_count import OpCounter, aten_ops_per_sublayer
 
     x = torch.randn(2, 8, 32, requires_grad=True)
     norm = RMSNorm(32, 1e-5)

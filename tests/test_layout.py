@@ -220,8 +220,7 @@ assert sys.meta_path == finders and "transformers" not in sys.modules, "import k
 
 def test_one_training_step_implementation():
     """Backward passes, clipping and optimiser steps live in keel/train/step.py; the only other backwards are
-    the performance model's timing of single ops (bench/perf_report.py) and the
-    count of operators a sub-layer adds (bench/core.py), which take no optimiser step."""
+    the count of operators a sub-layer adds (bench/core.py), which takes no optimiser step."""
     found = {}
     for path in SRC.rglob("*.py"):
         text = path.read_text()
@@ -233,7 +232,7 @@ def test_one_training_step_implementation():
     assert found.get("clip_grad_norm_(", set()) | found.get("clip_grads_with_norm_(", set()) <= {"train/step.py"}
     assert found["optimizer.step()"] == {"train/step.py"} and "opt.step()" not in found
     assert found[".backward("] <= {"train/step.py", "research/keel_studies/gradflow.py", "kernels/junction.py",
-                                   "bench/perf_report.py", "bench/core.py"}
+                                   "bench/core.py"}
 
 
 def test_public_api_still_at_the_top():

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import validate_model
+from campaign import gpu_spec
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from keel.bench import perf_model as pm
-from keel.bench import perf_report as pr
 from keel.cli import main
 from keel.config import load_config
 from keel.model import ModelConfig, TransformerLM, flops_per_token
@@ -169,13 +170,13 @@ def test_the_junctions_second_norm_backward_is_a_kernel_of_its_own_unless_the_pa
 
 
 def test_the_gpu_is_its_exact_part_not_a_fragment_of_its_name():
-    assert pm.gpu_spec("NVIDIA H100 80GB HBM3").name == "H100"
-    pcie = pm.gpu_spec("NVIDIA H100 PCIe")
+    assert gpu_spec("NVIDIA H100 80GB HBM3").name == "H100"
+    pcie = gpu_spec("NVIDIA H100 PCIe")
     assert pcie.name == "H100 PCIe" and pcie.bf16_flops == 756e12 and pcie.bandwidth == 2.0e12
-    assert pm.gpu_spec("NVIDIA H100 NVL").bf16_flops == 835e12
-    assert pm.gpu_spec("NVIDIA H200").bf16_flops == 989e12 and pm.gpu_spec("NVIDIA H200 NVL").bf16_flops == 835e12
-    assert pm.gpu_spec("NVIDIA A100-SXM4-80GB").name == "A100"
-    assert pm.gpu_spec("H100") is None and pm.gpu_spec("NVIDIA H100 SOMETHING") is None
+    assert gpu_spec("NVIDIA H100 NVL").bf16_flops == 835e12
+    assert gpu_spec("NVIDIA H200").bf16_flops == 989e12 and gpu_spec("NVIDIA H200 NVL").bf16_flops == 835e12
+    assert gpu_spec("NVIDIA A100-SXM4-80GB").name == "A100"
+    assert gpu_spec("H100") is None and gpu_spec("NVIDIA H100 SOMETHING") is None
 
 
 def test_the_optimizer_is_fused_adamw_on_cuda_a_pass_over_each_state_once():
@@ -204,7 +205,7 @@ def test_mfu_is_bench_convention_and_peaks_are_runtimes():
     assert p["tokens_per_s"] == pytest.approx(4096 / p["step_time_s"])
     assert p["step_time_s"] == pytest.approx(sum(g["time_s"] for g in p["groups"].values()))
     assert all(pm.DEVICES[g].bf16_flops == PEAK_BF16[g] for g in pm.DEVICES)
-    assert pm.gpu_spec("Tesla T4") is None
+    assert gpu_spec("Tesla T4") is None
 
 
 @pytest.mark.slow
@@ -252,12 +253,12 @@ def test_validation_reports_predicted_against_measured(monkeypatch):
     def fake_compare(config, run, schemes, steps, warmup):
         return {s: {"step_time_s": measured[s]} for s in schemes} | {"keel_over_pre_ln_step_time": 1.25}
     monkeypatch.setattr("keel.bench.core.compare", fake_compare)
-    result = pr.validate(steps=1, warmup=0, shapes=((32, 2, 2, 16),))
+    result = validate_model.validate(steps=1, warmup=0, shapes=((32, 2, 2, 16),))
     row = result["rows"][0]
     for s in ("keel", "pre_ln"):
         assert row[s]["error"] == pytest.approx(row[s]["predicted_s"] / measured[s] - 1)
     assert result["max_abs_error"] == max(abs(row[s]["error"]) for s in ("keel", "pre_ln"))
-    assert row["device"]["bandwidth_GBps"] > 0 and "Largest |error|" in pr.validation_markdown(result)
+    assert row["device"]["bandwidth_GBps"] > 0 and "Largest |error|" in validate_model.validation_markdown(result)
 
 
 def test_the_mfu_peak_is_the_exact_devices_not_a_name_fragments():
@@ -272,5 +273,5 @@ def test_the_mfu_peak_is_the_exact_devices_not_a_name_fragments():
     assert {name: peak_of(name) for name in datasheet} == datasheet
     assert peak_of("NVIDIA H100 SOMETHING NEW") is None and peak_of("Tesla T4") is None
     for name in CUDA_NAMES:
-        spec = pm.gpu_spec(name)
+        spec = gpu_spec(name)
         assert spec is None or spec.bf16_flops == peak_of(name), name

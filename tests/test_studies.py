@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from keel.cli import main
-from keel.cli.experiment import read_study
-from keel.experiments import store, study_files
+from keel.cli.experiment import read_study, study_files
+from keel.experiments import store
 
 RESULTS = Path(__file__).parent.parent / "results"
 STUDIES = sorted(p.parent.name for p in RESULTS.glob("*/study.yaml"))

@@ -21,7 +21,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from keel.launch import launcher_environment
@@ -30,20 +30,21 @@ if __name__ == "__main__":  # as keel's own commands do, before torch loads (kee
     launcher_environment()
 
 import torch  # noqa: E402
+from calibrate import modelled  # noqa: E402
 from cold_compile import cold_warmup  # noqa: E402
 from flatness import flatness_markdown, flatness_series  # noqa: E402
 from junction_timing import copy_bandwidth, junction_bandwidth  # noqa: E402
 
 from keel import runtime  # noqa: E402
 from keel.bench.core import Bench, attempt, compare  # noqa: E402
-from keel.bench.perf_model import DEVICES, gpu_spec, modelled, predict_pair  # noqa: E402
+from keel.bench.perf_model import DEVICES, TB, DeviceSpec, predict_pair  # noqa: E402
 from keel.cli.bench import writer  # noqa: E402
 from keel.config import RunConfig, add_config_arguments, load_config  # noqa: E402
 from keel.config.reads import Reads  # noqa: E402
 from keel.errors import ConfigError, KeelError  # noqa: E402
 from keel.kernels.junction import can_fuse  # noqa: E402
 from keel.model import ModelConfig, count_params  # noqa: E402
-from keel.runtime import machine, resolve_device, use_bf16  # noqa: E402
+from keel.runtime import CUDA_NAMES, machine, resolve_device, use_bf16  # noqa: E402
 
 GPU_SECTIONS = ("tests", "kernel", "warmup", "compare", "depth", "max_depth")
 # the campaign in parts of at most 8 minutes each (their sections' time boxes add up to 420-480 s), for the short
@@ -131,7 +132,7 @@ class GpuSuite:
 # variant -> (run.compile, run.fused_junction). "compiled+composed" (Keel's junction fused across blocks by Inductor)
 # is the default under compile (keel.scale.fused_junction.junction_impl), measured fastest on one H200 (2026-11-26);
 # "compiled" leaves the junction to Inductor inside each block. The performance model's view of each:
-# perf_model.modelled.
+# calibrate.modelled.
 VARIANTS = {"eager": (False, "off"), "compiled": (True, "off"), "compiled+composed": (True, "composed"),
             "compiled+fused": (True, "on")}
 
@@ -218,6 +219,32 @@ def _section_warmup(suite, device, out, deadline, save):
     save()
     if any(r["n"] + len(r.get("failed", [])) < suite.warmup_repeats for r in schemes.values()) or len(schemes) < 2:
         return "time box reached"
+
+
+# The other parts of those families, by the same datasheets (dense peaks): the PCIe and NVL cards share the name
+# "H100" with the SXM part but not its clocks, power or memory, so a CUDA name is matched part by part (`gpu_spec`)
+PARTS = {
+    # H100 PCIe: BF16 756 TFLOPS dense, FP32 51 TFLOPS, HBM2e 2.0 TB/s, 80 GB
+    "H100 PCIe": replace(DEVICES["H100"], name="H100 PCIe", bf16_flops=756 * TB, fp32_flops=51 * TB,
+                         bandwidth=2.0 * TB, source="NVIDIA H100 datasheet (PCIe)"),
+    # H100 NVL: BF16 835 TFLOPS dense, FP32 60 TFLOPS, HBM3 3.9 TB/s, 94 GB (memory: no usable figure measured,
+    # so `fits` does not answer for it)
+    "H100 NVL": replace(DEVICES["H100"], name="H100 NVL", bf16_flops=835 * TB, fp32_flops=60 * TB,
+                        bandwidth=3.9 * TB, memory=float("nan"), source="NVIDIA H100 datasheet (NVL)"),
+    # H200 NVL: BF16 835 TFLOPS dense, FP32 60 TFLOPS, HBM3e 4.8 TB/s, 141 GB
+    "H200 NVL": replace(DEVICES["H200"], name="H200 NVL", bf16_flops=835 * TB, fp32_flops=60 * TB,
+                        source="NVIDIA H200 datasheet (NVL)"),
+    # A100 80GB PCIe: the SXM part's compute, HBM2e 1,935 GB/s
+    "A100 PCIe": replace(DEVICES["A100"], name="A100 PCIe", bandwidth=1.935 * TB,
+                         source="NVIDIA A100 datasheet (80GB PCIe)"),
+}
+
+
+def gpu_spec(name: str) -> DeviceSpec | None:
+    """The spec of the part with this CUDA device name (e.g. "NVIDIA H100 80GB HBM3": the SXM part, "NVIDIA H100
+    PCIe": the PCIe card), matched whole; None for a name not in CUDA_NAMES (no guess from a part of the name)."""
+    key = CUDA_NAMES.get(name.strip())
+    return None if key is None else DEVICES.get(key) or PARTS.get(key)
 
 
 def predicted(suite: GpuSuite, device: torch.device, n_sublayers: int, variant: str, ac_every: int,

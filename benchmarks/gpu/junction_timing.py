@@ -12,8 +12,8 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+from validate_model import time_call
 
-from keel.bench.perf_report import time_call
 from keel.kernels.junction import can_fuse, junction_reference, keel_junction
 
 

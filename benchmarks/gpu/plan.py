@@ -23,10 +23,10 @@ allowance per model and a compile allowance per compiled model. Stated assumptio
 
 from __future__ import annotations
 
-from calibrate import fitted_runs
+from calibrate import fitted_runs, modelled
 from campaign import GPU_PARTS, VARIANTS, GpuSuite, compare_points
 
-from keel.bench.perf_model import calibrated, modelled, predict
+from keel.bench.perf_model import calibrated, predict
 from keel.model.architecture import with_scheme
 
 BUILD_S = 3.0  # assumed seconds to build a model on the GPU and free it again (initialised on the device)

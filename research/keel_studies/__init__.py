@@ -3,7 +3,10 @@ research this project does with the library (keel.experiments is the engine they
 searches, the statistics). They live beside the package, not in it: a Keel checkout has them, `pip install`
 does not.
 
-`STUDIES` needs no torch, so the command's usage errors answer at once."""
+`STUDIES` needs no torch, so the command's usage errors answer at once; `EXPERIMENTS` (name -> (config class, run
+function)) imports the modules on first use."""
+
+import importlib
 
 # name -> (module, config class, run function); each run writes results.json, PNG plots and report.md
 STUDIES = {
@@ -13,3 +16,12 @@ STUDIES = {
     "depth-sweep": ("depth_sweep", "DepthSweepConfig", "run"),
     "equal-tuning": ("equal_tuning", "EqualTuningConfig", "run"),
 }
+
+
+def __getattr__(name: str):
+    if name == "EXPERIMENTS":  # loaded once
+        modules = {m: importlib.import_module(f"keel_studies.{m}") for m, _, _ in STUDIES.values()}
+        experiments = {n: (getattr(modules[m], c), getattr(modules[m], r)) for n, (m, c, r) in STUDIES.items()}
+        globals()["EXPERIMENTS"] = experiments
+        return experiments
+    raise AttributeError(f"module 'keel_studies' has no attribute {name!r}")

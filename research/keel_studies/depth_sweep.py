@@ -44,6 +44,8 @@ MARGINAL_BELOW = 0.20  # an adjusted p in [ALPHA, this) is marginal (so is a raw
 
 @dataclass
 class DepthSweepConfig(ExperimentConfig):
+    # fields that only add points (warm-ups, where LR grids start: points named by their values; keel.experiments.sweep)
+    ADDS_POINTS: ClassVar[tuple] = ("warmups", "warmups_below", "warmups_above", "lrs_from_previous")
     schemes: list[str] = field(default_factory=lambda: ["keel", "pre_ln", "post_ln", "deepnorm"])
     depths: list[int] = field(default_factory=lambda: [16, 64, 32, 128, 256])  # sub-layers, run in this order
     lrs: list[float] = field(default_factory=lambda: [1e-3, 3e-3, 1e-2])  # the starting LR grid of every arm

@@ -34,6 +34,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -55,6 +56,9 @@ def _grids() -> dict[str, list[float]]:
 
 @dataclass
 class FrontierConfig(ExperimentConfig):
+    # fields that only add points (grid growth, tuned warm-ups: points named by their values; keel.experiments.sweep)
+    ADDS_POINTS: ClassVar[tuple] = ("grow", "warmup_schemes", "warmup_from", "warmups", "warmups_below",
+                                   "warmups_above")
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(warmup_steps=30))
     run: RunConfig = field(default_factory=lambda: experiment_run(steps=300, batch_size=4, eval_batches=128))
     schemes: list[str] = field(default_factory=lambda: ["post_ln", "deepnorm", "pre_ln", "keel"])

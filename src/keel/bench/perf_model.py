@@ -1,17 +1,5 @@
-"""A roofline model of one training step: FLOPs and bytes moved per op group, for Keel and Pre-LN, as keel runs it
-(eager, compiled per block, compiled with the fused Triton junction), on a GPU from its datasheet or on this CPU
-from measured rates. Every figure it gives is a PREDICTION; `benchmarks/gpu/predicted.md` is its output with the
-formulas (`python benchmarks/gpu/predicted.py`), `keel bench --validate-model` checks it here.
-
-Time of an op group = max(FLOPs / effective peak, bytes / effective bandwidth). Sums over the step: forward,
-backward, activation-checkpoint recompute, clipping and AdamW (fused on CUDA). The host (Python, dispatch, kernel
-launches: a time per kernel and per sub-layer pass) runs ahead of a GPU within a pass, so each pass of a GPU step
-(forward, backward with the recompute, optimizer step) takes the larger of the device's time and the host's; on a
-CPU the two add. Bytes are what the code does (keel.model.layers/schemes,
-numerics): the residual stream and every norm are float32, matmuls run in the compute dtype (bf16 autocast: each
-fp32 input of a linear is cast, weights cast once per step); elementwise FLOPs are not counted (a few per byte,
-far below every ridge point). MFU is keel's own: `flops_per_token` (6N + attention) x tokens/s / bf16 peak.
-"""
+"""A roofline model of one training step of Keel and Pre-LN, as keel runs it; every figure it gives is a PREDICTION
+(docs/scale.md#performance: how it counts; benchmarks/gpu/: its output with the formulas, its fit and its checks)."""
 
 from __future__ import annotations
 
@@ -29,7 +17,7 @@ from keel.model import ModelConfig, count_params, flops_per_token
 from keel.model.counting import count_param_tensors
 from keel.model.sizes import paper
 from keel.model.transformer import build_scheme
-from keel.runtime import CUDA_NAMES, GPU_MEMORY, PEAK_BF16
+from keel.runtime import GPU_MEMORY, PEAK_BF16
 
 IMPLS = ("eager", "compiled", "compiled+fused")
 S = 4  # bytes of a residual-stream element: always float32 (keel.model.numerics)
@@ -84,25 +72,6 @@ DEVICES = {  # vendor datasheets, SXM parts; bf16 peaks are keel.runtime.PEAK_BF
                        "NVIDIA A100 datasheet (80GB SXM)"),
 }
 assert tuple(DEVICES) == MODELLED_GPUS  # one list of names: the one `keel bench --model-gpu` offers
-# The other parts of those families, by the same datasheets (dense peaks): the PCIe and NVL cards share the name
-# "H100" with the SXM part but not its clocks, power or memory, so a CUDA name is matched part by part (`gpu_spec`)
-VARIANTS = {
-    # H100 PCIe: BF16 756 TFLOPS dense, FP32 51 TFLOPS, HBM2e 2.0 TB/s, 80 GB
-    "H100 PCIe": replace(DEVICES["H100"], name="H100 PCIe", bf16_flops=756 * TB, fp32_flops=51 * TB,
-                         bandwidth=2.0 * TB, source="NVIDIA H100 datasheet (PCIe)"),
-    # H100 NVL: BF16 835 TFLOPS dense, FP32 60 TFLOPS, HBM3 3.9 TB/s, 94 GB (memory: no usable figure measured,
-    # so `fits` does not answer for it)
-    "H100 NVL": replace(DEVICES["H100"], name="H100 NVL", bf16_flops=835 * TB, fp32_flops=60 * TB,
-                        bandwidth=3.9 * TB, memory=float("nan"), source="NVIDIA H100 datasheet (NVL)"),
-    # H200 NVL: BF16 835 TFLOPS dense, FP32 60 TFLOPS, HBM3e 4.8 TB/s, 141 GB
-    "H200 NVL": replace(DEVICES["H200"], name="H200 NVL", bf16_flops=835 * TB, fp32_flops=60 * TB,
-                        source="NVIDIA H200 datasheet (NVL)"),
-    # A100 80GB PCIe: the SXM part's compute, HBM2e 1,935 GB/s
-    "A100 PCIe": replace(DEVICES["A100"], name="A100 PCIe", bandwidth=1.935 * TB,
-                         source="NVIDIA A100 datasheet (80GB PCIe)"),
-}
-# CUDA's device name (torch.cuda.get_device_name) of each part, matched whole: "NVIDIA H100 PCIe" contains "H100"
-# but is not the SXM part
 # each measured GPU's efficiencies fitted to its newest measured run: the measurements and the fit are the project's
 # (benchmarks/gpu/measured_gpu.json, benchmarks/gpu/calibrate.py); only the fitted numbers ship with the package
 FITS = Path(__file__).with_name("calibrated_gpu.json")
@@ -184,23 +153,15 @@ class Code:
     calibrated with the model of the code it ran (measured_gpu.json's "code"), and predictions use today's."""
 
     cast_once: bool = True  # under autocast a branch casts its float32 input once (keel.model.layers.compute_dtype),
-    # not once per matmul (before 2026-11-25)
+    # not once per matmul (as older code did)
     fused_u_compute_dtype: bool = True  # the fused kernel writes u in the compute dtype, not float32 plus a cast
     sum_handoff: bool = True  # compiled under AC, a Keel block hands on alpha*x + h
     # (keel.scale.fused_junction.SumHandoff) and its recomputation skips the block's last matmul, as Pre-LN's does;
-    # it ended with LN_out, whose input its backward needs, and ran that matmul again (before 2026-11-26)
+    # older code ended it with LN_out, whose input its backward needs, and ran that matmul again
     one_pass_norms: bool = True  # a compiled junction's two RMSNorms are one op whose backward reads two independent
     # row sums (keel.kernels.norm_pair): one backward kernel (PREDICTED, not measured); chained, as every measured
     # run had them, two (Inductor does not fuse a norm's backward after the one whose output it reads)
     fused_adamw: bool = True  # AdamW on CUDA is torch's fused kernel (keel.train.optim); foreach in the oldest run
-
-
-def modelled(variant: str, code: Code = Code()) -> tuple[str, Code]:
-    """The model's impl and code for a bench variant (the GPU campaign's VARIANTS): "compiled+composed" is "compiled"
-    with the sum handoff; "compiled" is the junction inside each block, so under AC a Keel block ends with LN_out
-    (no handoff)."""
-    composed = variant == "compiled+composed"
-    return ("compiled" if composed else variant), replace(code, sum_handoff=composed)
 
 
 def _boundary(config, prev, nxt, cons, c, bf16, mode, code: Code = Code()):
@@ -442,13 +403,6 @@ def predict_pair(config: ModelConfig, batch: int, seq: int, device: DeviceSpec, 
            for s in ("keel", "pre_ln")}
     out["keel_over_pre_ln_step_time"] = out["keel"]["step_time_s"] / out["pre_ln"]["step_time_s"]
     return out
-
-
-def gpu_spec(name: str) -> DeviceSpec | None:
-    """The spec of the part with this CUDA device name (e.g. "NVIDIA H100 80GB HBM3": the SXM part, "NVIDIA H100
-    PCIe": the PCIe card), matched whole; None for a name not in CUDA_NAMES (no guess from a part of the name)."""
-    key = CUDA_NAMES.get(name.strip())
-    return None if key is None else DEVICES.get(key) or VARIANTS.get(key)
 
 
 def paper_config(d_model: int, n_sublayers: int, scheme: str = "keel") -> ModelConfig:

@@ -35,8 +35,6 @@ MODEL_RUN_FIELDS = ("batch_size", "seq_len", "dtype", "ac_every")
 def reads(args) -> Reads:
     """What this `keel bench` reads of the merged config, by mode: a field set in --config or an override that
     it does not read is refused by the merge. Every mode reads run.threads (applied before it times anything)."""
-    if args.validate_model:
-        return Reads("keel bench", ("run.threads",), "--validate-model runs fixed shapes")
     if args.model_gpu:
         return Reads("keel bench", ("model", "run.threads", *(f"run.{f}" for f in MODEL_RUN_FIELDS)),
                      f"it reads model.* and run.{{{','.join(MODEL_RUN_FIELDS)}}}",
@@ -59,38 +57,29 @@ def bench_config(args):
 
 
 def run_model(args) -> str:
-    """`--model-gpu`: the performance model's PREDICTED step at the merged config's shape; `--validate-model`: its
-    CPU twin against measured eager steps at three fixed shapes."""
+    """`--model-gpu`: the performance model's PREDICTED step at the merged config's shape."""
+    import torch  # noqa: PLC0415
+
     from keel.bench.perf_model import DEVICES, calibrated
-    from keel.bench.perf_report import prediction_markdown, validate, validation_markdown
+    from keel.bench.perf_report import prediction_markdown
+    from keel.reporting.plan import memory_plan  # noqa: PLC0415
 
     config = bench_config(args)
-    if args.validate_model:
-        result = validate(args.steps, args.warmup)
-        text, name = validation_markdown(result), "validation"
-    else:
-        import torch  # noqa: PLC0415
-
-        from keel.reporting.plan import memory_plan  # noqa: PLC0415
-
-        r, result, name = config.run, None, f"predicted-{args.model_gpu}"
-        memory = memory_plan(config, device=torch.device("cuda"))["total"]
-        spec = calibrated(args.model_gpu) or DEVICES[args.model_gpu]  # the dry run's model: one prediction
-        text = prediction_markdown(config.model, r.batch_size, r.seq_len, spec, bf16=r.dtype != "float32",
-                                   ac_every=r.ac_every, memory=memory)
+    r, name = config.run, f"predicted-{args.model_gpu}"
+    memory = memory_plan(config, device=torch.device("cuda"))["total"]
+    spec = calibrated(args.model_gpu) or DEVICES[args.model_gpu]  # the dry run's model: one prediction
+    text = prediction_markdown(config.model, r.batch_size, r.seq_len, spec, bf16=r.dtype != "float32",
+                               ac_every=r.ac_every, memory=memory)
     print(text)
     if args.out:
-        out = Path(args.out)
-        write_out(out, f"{name}.md", text)
-        if result is not None:
-            write_out(out, f"{name}.json", json.dumps(result, indent=1))
-        print(f"written: {out / f'{name}.md'}")
+        write_out(Path(args.out), f"{name}.md", text)
+        print(f"written: {Path(args.out) / f'{name}.md'}")
     return text
 
 
 def run(args) -> dict:
     """The comparison at the merged config's shape, then the depth series of the first scheme."""
-    if args.model_gpu or args.validate_model:
+    if args.model_gpu:
         return run_model(args)
     config = bench_config(args)  # a bad field answers at once, before torch loads
     from keel.bench.core import check_schemes, compare, depth_series, to_markdown
@@ -156,7 +145,8 @@ SUITES = "python benchmarks/cpu/suite.py (was --suite cpu) or python benchmarks/
 MOVED = {"suite": f"the project's suites run from a clone of the repository: {SUITES}",
          "toy": "python benchmarks/gpu/campaign.py --toy", "sections": f"a flag of {SUITES}",
          "idle_load": "python benchmarks/cpu/suite.py --idle-load",
-         "idle_wait": "python benchmarks/cpu/suite.py --idle-wait"}
+         "idle_wait": "python benchmarks/cpu/suite.py --idle-wait",
+         "validate_model": "the model's CPU twin is python benchmarks/gpu/validate_model.py"}
 
 
 def check_moved(args) -> None:
@@ -218,7 +208,4 @@ def register(subparsers) -> None:
                    help="print the performance model's PREDICTED step (keel.bench.perf_model) of Keel and Pre-LN at "
                         "the merged config's shape on this GPU, eager / compiled / compiled+fused (run.dtype auto "
                         "means bf16, as on a GPU)")
-    p.add_argument("--validate-model", action="store_true",
-                   help="the model's CPU twin: measure this machine's bandwidth and GEMM FLOP/s, predict eager "
-                        "float32 steps at three shapes, time them (--steps/--warmup) and print the error")
     p.set_defaults(func=cmd_bench, sets_threads=True)

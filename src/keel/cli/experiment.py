@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
 import shlex
+import sys
 from pathlib import Path
 
 from keel.cli import COMMANDS
@@ -11,7 +14,42 @@ from keel.cli.support import output_dir
 from keel.config import merge
 from keel.config.merge import load_yaml
 from keel.errors import ConfigError
-from keel.experiments import WHERE, studies, study_files
+
+WHERE = ("the studies live beside the library in a Keel checkout's research/ folder (research/keel_studies): run "
+         "keel experiment / keel sweep from inside a clone of the Keel repository")
+
+
+def _checkout(near: str | Path | None = None) -> Path | None:  # at or above `near`, the working directory or here
+    starts = [Path(near).resolve() if near else None, Path.cwd(), Path(__file__).resolve()]
+    for start in filter(None, starts):
+        for folder in (start, *start.parents):
+            if (folder / "research" / "keel_studies" / "__init__.py").is_file():
+                return folder
+    return None
+
+
+def studies(near: str | Path | None = None):
+    """The `keel_studies` package (its `STUDIES`, and `EXPERIMENTS`: the studies written as code): importable
+    already, or found in a `research/` folder at or above `near` (a study file), the working directory or this
+    package's checkout. One ConfigError when there is none."""
+    try:
+        return importlib.import_module("keel_studies")
+    except ModuleNotFoundError as err:
+        if err.name != "keel_studies":
+            raise
+    folder = _checkout(near)
+    if folder is None:
+        raise ConfigError(WHERE)
+    sys.path.insert(0, str(folder / "research"))
+    return importlib.import_module("keel_studies")
+
+
+def study_files() -> dict[str, Path]:
+    """The checkout's studies declared as data: {name: results/<name>/study.yaml} for each study file that names
+    `arms:` (`keel experiment NAME` runs it); empty outside a checkout."""
+    folder = _checkout()
+    files = sorted(folder.glob("results/*/study.yaml")) if folder else []
+    return {f.parent.name: f for f in files if re.search(r"^arms:", f.read_text(), re.M)}
 
 
 def register(subparsers) -> None:
@@ -80,15 +118,11 @@ def read_study(path: str) -> tuple[str, list[str]]:
     return kind, [f"{k}={json.dumps(v)}" for k, v in _dotted(fields).items()]
 
 
-def _dotted(fields: dict, prefix: str = "") -> dict:
-    """{"run": {"steps": 2}} as {"run.steps": 2}; a study's own mapping fields (arms, lrs, ...) stay whole."""
-    out = {}
-    for k, v in fields.items():
-        if isinstance(v, dict) and k in ("model", "data", "optim", "guard", "run"):
-            out |= _dotted(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+def _dotted(fields: dict) -> dict:  # keel train's sections dotted; a study's own mappings (arms, lrs, ...) whole
+    from keel.experiments.study_file import dotted  # torch: after the command line's checks
+
+    sections = ("model", "data", "optim", "guard", "run")
+    return {f: x for k, v in fields.items() for f, x in (dotted({k: v}) if k in sections else {k: v}).items()}
 
 
 def cmd_sweep(args) -> int:
@@ -114,12 +148,11 @@ def _command(words: list[str], out: str | None, overrides: list[str]) -> str:  #
 
 def _run_kind(kind: str, cfg, out: Path, where: str, command: str, around) -> None:
     from keel import runtime
-    from keel.experiments import EXPERIMENTS
 
     runtime.set_threads(cfg.run.threads)  # once, from the merged config (a YAML file's run.threads too)
     output_dir(str(out), where)
     with around:
-        EXPERIMENTS[kind][1](cfg, out, command)
+        studies().EXPERIMENTS[kind][1](cfg, out, command)
 
 
 def _wrote(out: Path, report: bool = False) -> int:
@@ -149,9 +182,7 @@ def run_declared(path: str, doc: dict, overrides: list[str], out: Path, where: s
 
 def build(name: str, quick: bool, overrides: list[str], config_file: str | None = None):
     """The experiment's defaults (or its --quick version) < --config YAML < overrides: keel's one merge."""
-    from keel.experiments import EXPERIMENTS  # every experiment, and torch: after the command line's checks
-
-    cls, _ = EXPERIMENTS[name]
+    cls, _ = studies().EXPERIMENTS[name]  # every experiment, and torch: after the command line's checks
     try:
         cfg = merge(cls.quick() if quick else cls(), config_file, overrides)
         cfg.check_fields()

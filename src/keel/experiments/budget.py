@@ -1,9 +1,4 @@
-"""The budget measurement (`measure: loss`): one point trained from scratch with the paper's recipe (AdamW, linear
-warm-up, cosine decay) for `run.steps` steps of `run.batch_size x run.seq_len` tokens; its loss on the *select* half
-of the validation split (where settings are chosen) and on the *report* half (every reported number); its training
-loss every step and the report-half loss every `curve_every` steps; with `probe`, the trained model probed
-(keel.evals.surgery): the loss when every branch above sub-layer k is switched off (the effective-depth probe),
-and per-sub-layer rms(F) / rms(alpha x)."""
+"""The budget measurement (`measure: loss`): one point's losses on both halves, its curves and probes."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""What every study shares: the experiments' base model, guard and run, one point trained through
-keel.train.step.TrainStep exactly as `keel train` would train `point_config` (device, dtype, compile, activation
-checkpointing, accumulation, divergence guard), and its output (results.json, PNG plots, report.md).
-
-Held-out data: the validation split is cut in two disjoint halves by position (`splits`): "select", where a learning
-rate (or any other setting) is chosen, and "report", where every reported number is measured; a window never
-straddles the cut, so no token of the report half is seen while choosing."""
+"""What every study shares: a point trained as `keel train` would, held-out halves, outputs and plots."""
 
 from __future__ import annotations
 

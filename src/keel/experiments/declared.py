@@ -1,10 +1,4 @@
-"""A declared study run (`run`), each cell whole in turn, and its report. Its measurement (`point`): `loss`
-(keel.experiments.budget, each `tune` step choosing its field per arm and cell on the select half:
-keel.experiments.grid; optionally the bf16 stream, keel.experiments.stream), `max_lr` (keel.experiments.maxlr),
-`redundancy` (keel.experiments.redundancy) or `downstream` (keel.experiments.downstream). Each pair is a paired two-
-sided t-test per cell, Holm over every test of the study; a marginal one gets `marginal_seeds` on both arms and every
-test runs again on all seeds. The study file is read and checked by keel.experiments.study_file; points are kept by
-keel.experiments.sweep."""
+"""A declared study run (`run`), each cell whole in turn: its points, choices, tests and report."""
 
 from __future__ import annotations
 

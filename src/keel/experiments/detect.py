@@ -1,24 +1,4 @@
-"""Failure of a training run under a rising learning rate, judged on a validation curve (paper Table 1).
-
-The curve is the loss on fixed held-out batches every few steps while the LR rises; v_k is its trailing running
-median over `window` evaluations (one noisy evaluation is no event; an onset found in v is moved back by
-window // 2, the median's lag). The rules (thresholds in `FailureRules`; the tests measure false-positive and miss
-rates on noisy synthetic curves), the failure being the earliest, the max LR the LR at the evaluation before it:
-  - non-finite: the first evaluation (or training step) whose loss is NaN or infinite.
-  - collapse: back at the unigram level U (the training split's token frequencies, whatever the input; ~3.29 nats
-    for stdlib bytes): once below U - margin, the first k with v_k >= U - margin, confirmed. A run never below
-    U - margin fails at the first evaluation reaching U + margin if it then stays >= U - margin for `stall`
-    evaluations (long, so that the plateau every run crosses early is not one).
-  - unrecovered rise: the first k with v_k > b_k + rise (b_k = min(v_0..v_{k-1})), the next `confirm` evaluations
-    all above b_k + rise / 2.
-  - stagnation (the paper's "early loss plateau" and "anomalously slow convergence"; `stagnation`), once every
-    scheme of the depth and seed has run: r_k = the lowest running median of the other schemes' curves at k (same
-    step, same LR; each cut where its own failure starts; never an arm of the judged scheme); the first k with
-    v_k > r_k + stagnation_gap for `stagnation_hold` evaluations in a row, unless the curve later comes within
-    stagnation_recover of r for as long (a scheme that only starts slower has not failed; the search goes on
-    after the recovery). No r where no other scheme is healthy; no end-of-curve shortcut.
-"Confirmed": held for `confirm` evaluations, or to the end of the curve if that comes first (then for at least 2).
-"""
+"""Failure of a run under a rising LR, judged on its validation curve (docs/experiments.md: `detect`)."""
 
 from __future__ import annotations
 

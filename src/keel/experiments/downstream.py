@@ -1,11 +1,4 @@
-"""The downstream measurement (`measure: downstream`, the paper's Appendix B): each point trained as `keel train`
-would, its report-half loss on `run.eval_batches` fixed batches and its accuracy on every task of `run.eval_tasks`
-(`run.eval_tasks_items` items each) at step 0, every `run.eval_tasks_every` steps and at the end; its score is the
-mean accuracy over the tasks. Each compare pair is read at equal loss: l* is the highest final loss among both arms'
-seeds, each run's score where its curve first reaches l* (`score_at`), a paired two-sided t-test of the per-seed
-difference (its verdict moot when neither arm's mean score at l* is CHANCE_MARGIN above chance); `untested` pairs
-the same, without a verdict. `rank` arms: per pair, paired tests of the final loss and of the final score, and
-whether the two order it oppositely (both at p < 0.05)."""
+"""The downstream measurement (`measure: downstream`, Appendix B): probe scores at equal loss, rankings."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Interior optima by construction: a value chosen at the edge of its grid is a bound, not a choice, so the grid
-grows past that edge (by the factor between the edge and its neighbour, or through written-out values: `LadderGrid`)
-until the choice is interior or `max_extensions` values were added on that side (the bound is reported). `extend`
-says which value to add next; `search_grid` writes that loop as a generator of the points to run, and
-`run_searches` runs several arms' generators side by side."""
+"""Interior optima by construction: a grid grows past an edge choice until the choice is interior or bound."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""The max-LR measurement (paper Table 1): the LR rises linearly from 0 to `optim.lr` over all `run.steps` (`ramp`);
-the select half is scored every `eval_every` steps and the point stops once keel.experiments.detect confirms a
-failure (non-finite, collapse, rise); `judge` adds stagnation against the arms of the other schemes that clip, at the
-same cell and seed. The max LR is the LR at the last evaluation before the earliest failure (never failed: the peak,
-a lower bound)."""
+"""The max-LR measurement (`measure: max_lr`, Table 1): the LR before the first failure on the paper's ramp."""
 
 from __future__ import annotations
 

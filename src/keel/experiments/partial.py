@@ -1,12 +1,4 @@
-"""A point's progress while it trains, so that a sweep killed mid-point continues that point where it was.
-
-`Sweep` gives each point `<out>/points/<key>.partial` (`partial_dir()`) and removes it once the point's file is
-written. A point that opts in (`budget_point`) passes a `Partial` to `train_curve`, which writes one keel checkpoint
-there (keel.runs.checkpoint) at most every `EVERY_SECONDS` and where SIGINT/SIGTERM stops it: weights, optimiser,
-sampler, RNG, guard, losses and LRs so far, seconds trained and the caller's own state. A process that later runs
-the point trains on from that step, bit for bit the uninterrupted point on a CPU (tests/test_point_resume.py); a
-partial of another configuration or computed otherwise (`identity`), or one that does not load, is discarded with
-one line and the point starts over."""
+"""A point's progress while it trains, so that a sweep killed mid-point continues that point where it was."""
 
 from __future__ import annotations
 

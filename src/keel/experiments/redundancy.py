@@ -1,11 +1,4 @@
-"""The redundancy measurement (`measure: redundancy`, the paper's Appendix A): how much the report-half loss of a
-trained model rises when one sub-layer is taken out (keel.evals.surgery), each sub-layer in turn, two ways:
-  - "sublayer": the whole sub-layer is the identity, x' = x (its norm_out goes too);
-  - "branch": only its branch F is zero, x' = norm_out(alpha * x) (norms and alpha kept).
-For Keel the two differ by norm_out (for the last sub-layer that is the whole effect); for Pre-LN, which has no
-norm_out and alpha = 1, they are the same. Delta loss = loss without it - loss of the whole model, in nats (exp(delta)
-is the PPL ratio, so models of different base loss compare), summarised per point as sub-layers 0 and 1 and the means
-over the lower half (2..L/2-1) and the upper half (L/2..L-1)."""
+"""The redundancy measurement (`measure: redundancy`, Appendix A): the loss without each sub-layer."""
 
 from __future__ import annotations
 

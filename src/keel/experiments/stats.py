@@ -1,6 +1,4 @@
-"""The statistics every verdict uses: a paired two-sided t-test on per-seed differences (a seed fixes the init and
-the batch order, so two arms differ only by what the arm changes; with 3 seeds a difference needs |t| > 4.30 for
-p < 0.05), Holm's adjustment, and two arms' loss curves compared (`crossing`)."""
+"""The statistics every verdict uses: paired two-sided t-tests, Holm's adjustment, curves compared."""
 
 from __future__ import annotations
 

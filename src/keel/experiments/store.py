@@ -1,6 +1,4 @@
-"""A study's points on disk: one gzip-compressed JSON file per point, `points/<key>.json.gz`. Scalars are kept exactly;
-per-step training losses (`STEP_SERIES`), which no report reads, to `SERIES_DIGITS` significant digits, far below
-their step-to-step noise. No gzip timestamp: the same point, the same bytes."""
+"""A study's points on disk: one gzip-compressed JSON file per point, `points/<key>.json.gz`."""
 
 from __future__ import annotations
 

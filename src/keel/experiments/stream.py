@@ -1,8 +1,4 @@
-"""The stream-precision measurement (the paper's numerics note): with alpha = L in the hundreds, one sub-layer
-changes Keel's normalised stream by about |F| / (alpha |x|), below bf16's resolution (2^-8), so keel.model.numerics
-keeps the stream in float32. Measured here: per sub-layer, the share of the branch update that survives a bf16 sum
-and its relative error, on real activations at init and after training (`survival_profile`); and a model trained
-with its stream rounded to bf16 (`round_stream`) beside the same model in float32."""
+"""The stream-precision measurement: how much of each branch update survives a bf16 sum of the stream."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""A study file declared as data (`keel sweep STUDY.yaml` with `arms:`), read and checked whole before any point
-trains (`read`: every arm, axis and grid value through keel's one merge, one line naming the field); its keys (`KEYS`;
-a tune step's `STEP`, `MAX_LR`) are documented in docs/experiments.md#your-own-study; `key` names its points."""
+"""A study file declared as data, read and checked whole before any point trains; `key` names its points."""
 
 from __future__ import annotations
 

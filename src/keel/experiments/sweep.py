@@ -1,5 +1,4 @@
-"""Sweep bookkeeping: each point of an experiment trained once, kept on disk as soon as it is done, shared by
-several processes running the same sweep (two points at a time), never mixed with points of another configuration."""
+"""Sweep bookkeeping: each point trained once, kept on disk, shared by processes, never mixed with others."""
 
 from __future__ import annotations
 
@@ -26,10 +25,14 @@ from keel.experiments.partial import discard, keeping_progress_in
 # how a point is computed, not what: compiled and eager agree to float32 tolerance (tests/test_experiments.py), so a
 # sweep recorded with one may be continued with the other (every point records its own: `Sweep.execution`)
 EXECUTION_FIELDS = ("run.compile", "run.threads")
-# fields that only add points (seeds; frontier's grid growth and tuned warm-ups, depth-sweep's warm-ups and where its
-# LR grid starts: points named by their values): a sweep recorded with other values is continued, its points reused
-ADDS_POINTS = ("seeds", "grow", "warmup_schemes", "warmup_from", "warmups", "warmups_below", "warmups_above",
-               "lrs_from_previous")
+# fields that only add points (points are named by their values; a config's class may name more: `ADDS_POINTS`): a
+# sweep recorded with other values is continued, its points reused
+ADDS_POINTS = ("seeds",)
+
+
+def adds_points(config) -> tuple[str, ...]:
+    """The fields of `config` that only add points: ADDS_POINTS and its class's own `ADDS_POINTS`."""
+    return (*ADDS_POINTS, *getattr(type(config), "ADDS_POINTS", ()))
 
 
 def _eager_fallbacks() -> int:  # frames Dynamo gave up compiling (recompile limit) in the point just run
@@ -65,7 +68,7 @@ def report_only(on: bool = True):
 @dataclass
 class Sweep:
     """Runs named points once each, each kept on disk as soon as it is done. The directory records the config, so
-    points of another configuration are never reused; the seeds alone may differ (points are named by their seed:
+    points of another configuration are never reused; only `ADDS_POINTS` may differ (points are named by their seed:
     added seeds run only the new points) and `EXECUTION_FIELDS` (each point records its own `execution`). Several
     processes may run one sweep: each point is claimed by one (`_claim`), the others wait for it; a running point may
     keep its progress in `<key>.partial` (keel.experiments.partial) for the process that next claims it."""
@@ -91,14 +94,14 @@ class Sweep:
         theirs = json.loads(recorded.read_text()) if recorded.exists() else None
         if theirs is not None:
             changed = [k for k in _differences(mine, theirs, json.loads(json.dumps(asdict(type(self.config)()))))
-                       if k not in ADDS_POINTS and k not in EXECUTION_FIELDS]
+                       if k not in adds_points(self.config) + EXECUTION_FIELDS]
             if changed:
                 raise ConfigError(f"{self.out}: holds points of another configuration (differs in "
                                   f"{', '.join(changed)}); use another --out or delete that directory")
             if "seeds" in mine:
                 mine["seeds"] = sorted(set(theirs.get("seeds", [])) | set(mine["seeds"]))
         if mine != theirs:
-            _write_atomic(recorded, json.dumps(mine, indent=1))
+            safe_io.write_text(recorded.parent, recorded, json.dumps(mine, indent=1), fsync=True)  # never via a link
         # the points already on disk first: with `enough`, an arm whose points are all saved is handed back before
         # this process starts an hour-long point of another
         on_disk = {key for key in points if store.exists(self.out / "points", key)}
@@ -142,10 +145,6 @@ class Sweep:
             pending = elsewhere
         bar.close()
         return {key: results[key] for key in points}
-
-
-def _write_atomic(path: Path, text: str) -> None:  # a fresh temporary name per write, never through a link
-    safe_io.write_text(path.parent, path, text, fsync=True)
 
 
 def _claim(path: Path) -> bool:
