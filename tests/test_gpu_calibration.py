@@ -6,6 +6,7 @@ package ships (keel.bench.perf_model.calibrated) are the fit of each device's ne
 
 import json
 import math
+import re
 from pathlib import Path
 
 import calibrate as cal
@@ -208,9 +209,21 @@ def test_predict_is_the_op_by_op_loop_to_the_last_bit_on_every_measured_point():
 WORST_FIT_ERROR = {("H200", "2026-11-26", "1a77768"): 0.01, ("H100", "2026-11-26", "6167e3a"): 0.24}
 
 
+NUMBER = re.compile(r"-?\d+(?:\.(\d+))?")
+
+
+def assert_same_report(committed: str, generated: str) -> None:
+    """The same text, each number within one unit of its last printed digit: a least-squares fit's last bits move
+    with the BLAS numpy links, and a figure on a rounding boundary can print one unit apart (2907.2 / 2907.3)."""
+    assert NUMBER.sub("#", committed) == NUMBER.sub("#", generated)
+    for a, b in zip(NUMBER.finditer(committed), NUMBER.finditer(generated)):
+        unit = 10.0 ** -len(a[1] or "")
+        assert abs(float(a[0]) - float(b[0])) <= 1.001 * unit, (a[0], b[0])
+
+
 @pytest.mark.slow  # fits every device's newest run
 def test_the_committed_calibration_is_what_the_code_generates_and_each_fit_stays_within_its_bound():
-    assert (REPO / "benchmarks" / "gpu" / "calibrated.md").read_text() == cal.report()
+    assert_same_report((REPO / "benchmarks" / "gpu" / "calibrated.md").read_text(), cal.report())
     for device in ("H100", "H200"):
         run = cal.fitted_runs(device)[-1]
         worst = max(abs(r["error"]) for r in cal.calibrate(run)[1])
