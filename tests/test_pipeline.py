@@ -194,7 +194,8 @@ def test_pp_outside_torchrun_is_refused():
 
 def common(tmp_path: Path, corpus: Path) -> list[str]:
     return [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"run.out_dir={tmp_path / 'runs'}",
-            "run.batch_size=4", "run.steps=6", "run.ckpt_every=3", "run.eval_every=3", "run.pp_microbatches=2"]
+            "run.batch_size=4", "run.steps=6", "run.ckpt_every=3", "run.eval_every=3", "run.pp_microbatches=2",
+            "run.curves=false"]
 
 
 def losses(run_dir: Path, key: str = "loss") -> list[float]:

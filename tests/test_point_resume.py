@@ -230,9 +230,9 @@ def test_a_killed_compiled_point_continues_to_the_uninterrupted_points_numbers(c
     assert numbers(resumed) == numbers(whole)
 
 
-# a point long enough that a process seen past step 100 is still training when it is stopped (a few seconds of
-# steps left at 1 thread), and no longer: each test trains it about three times
-POINT_STEPS = 600
+# a point long enough that a process seen past step STOP_AT is still training when it is stopped (170 steps left,
+# about 3 s at load 5; the signal follows within 50 ms), and no longer: each test trains it about three times
+POINT_STEPS, STOP_AT = 200, 30
 
 
 def experiment_command(corpus, tmp_path, out):
@@ -248,10 +248,10 @@ def the_point(out):
 
 
 def started_mid_point(command, out, env, stderr=subprocess.DEVNULL):
-    """The process of `command`, once its point has saved progress past step 100."""
+    """The process of `command`, once its point has saved progress past step STOP_AT."""
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
     deadline = time.monotonic() + 300
-    while not any(int(p.name[5:]) >= 100 for p in out.glob("points/*.partial/checkpoints/step_*")):
+    while not any(int(p.name[5:]) >= STOP_AT for p in out.glob("points/*.partial/checkpoints/step_*")):
         assert process.poll() is None and time.monotonic() < deadline, "the point ended before it could be stopped"
         time.sleep(0.05)
     return process
@@ -283,7 +283,7 @@ def test_a_sweep_process_killed_with_sigkill_continues_its_point_in_the_next_one
     again = subprocess.run(experiment_command(corpus, base, killed), env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
     resumed = the_point(killed)
-    assert len(resumed["resumed_at"]) == 1 and 100 <= resumed["resumed_at"][0] < POINT_STEPS
+    assert len(resumed["resumed_at"]) == 1 and STOP_AT <= resumed["resumed_at"][0] < POINT_STEPS
     assert f"continued from step {resumed['resumed_at'][0]}" in again.stderr
     assert numbers(resumed) == numbers(uninterrupted)
     assert not list(killed.glob("points/*.partial")) and not list(killed.glob("points/*.claim"))

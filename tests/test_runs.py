@@ -16,11 +16,12 @@ from keel.runs.run_dir import RunDir
 def test_two_runs_listed_compared_plotted_and_watched(args, tmp_path, capsys):
     common = ("run.steps=6", "run.telemetry_every=2", "run.eval_every=3", "run.log_every=1")
     assert main(["train", "--preset", "tiny", *args(*common, name="keel")]) == 0
-    assert main(["train", "--preset", "tiny", *args(*common, "scheme=pre_ln", name="pre")]) == 0
+    assert main(["train", "--preset", "tiny", *args(*common, "scheme=pre_ln", "run.curves=false", name="pre")]) == 0
     out = capsys.readouterr().out
     assert "final_val_loss" in out and "{" not in out  # an aligned summary, not raw JSON
     runs = tmp_path / "runs"
     assert (runs / "keel" / "curves.png").stat().st_size > 0  # drawn at the end of training
+    assert not (runs / "pre" / "curves.png").exists() and out.count("keel: curves: ") == 1  # run.curves=false
     telemetry = RunDir(runs / "keel").telemetry()
     assert [t["step"] for t in telemetry] == [2, 4, 6]
     assert all(len(t["grad_norm"]) == 4 and len(t["update_ratio"]) == 4 for t in telemetry)

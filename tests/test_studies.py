@@ -41,9 +41,20 @@ def test_every_results_folder_is_a_study_and_nothing_else_runs_it():
             assert kind == store.read_results(RESULTS / study)["experiment"], study
 
 
+@pytest.fixture
+def figures_not_rendered(monkeypatch):
+    """Each figure is built from the points but not laid out or rendered (half of these tests' CPU seconds):
+    this file compares report.md and the numbers, not the PNGs (the copy leaves them out); the figures themselves are
+    tests/test_plot_readable.py's and tests/test_experiments.py's."""
+    from matplotlib.figure import Figure
+
+    monkeypatch.setattr(Figure, "tight_layout", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kwargs: None)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("study", STUDIES)
-def test_a_committed_study_reproduces_from_its_points_without_training(study, tmp_path, capsys):
+def test_a_committed_study_reproduces_from_its_points_without_training(study, tmp_path, capsys, figures_not_rendered):
     committed = RESULTS / study
     if not (committed / "results.json").exists():
         pytest.skip(f"{study}: no report yet (its first points are running)")

@@ -59,7 +59,7 @@ TRAIN = Reads("keel train")
 # what a resumed run may change; anything else must keep the run's value. run.batch_size may change when the
 # number of processes does: the trainer checks that the global batch (batch_size x processes) stays what the
 # checkpoint was written with
-RESUMABLE = ("resume", "run.steps", "run.batch_size", "run.progress", "run.log_every", "run.eval_every",
+RESUMABLE = ("resume", "run.steps", "run.batch_size", "run.progress", "run.curves", "run.log_every", "run.eval_every",
              "run.eval_batches", "run.ac_every", "run.fsdp_group", "run.ckpt_every", "run.keep_checkpoints",
              "run.device", "run.compile", "run.fused_junction", "run.out_dir", "run.name", "run.telemetry_every",
              "run.log_to", "run.eval_tasks", "run.eval_tasks_every", "run.eval_tasks_items",  # scoring never trains

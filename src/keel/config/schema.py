@@ -90,6 +90,7 @@ class RunConfig:
     ckpt_every: int = 200  # 0: only at the end
     keep_checkpoints: int = 3
     progress: bool = True
+    curves: bool = True  # curves.png at the end (what `keel plot RUN` draws)
     deterministic: bool = False  # torch.use_deterministic_algorithms
     # CPU threads (torch's intra-op pool); 0: OMP_NUM_THREADS if set, else one per physical core this process may
     # use (keel.runtime.default_threads). On a machine other jobs share, fewer is faster: see the README

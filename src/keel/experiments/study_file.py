@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import json
@@ -35,6 +36,9 @@ PER_POINT = {"run.seed": "set per point from seeds", "run.out_dir": "a study poi
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
 
 
+_CONFIGS: dict = {}  # DeclaredStudy.config's merged configs, by study and fields
+
+
 @dataclass
 class DeclaredStudy:
     """A declared study, as read and checked (`read`); recorded in points/config.json, so a study file changed in
@@ -65,7 +69,16 @@ class DeclaredStudy:
         return self.config({}).run
 
     def config(self, fields: dict) -> TrainConfig:
-        """The base with `fields` ({dotted field: value}) set, through keel's one merge."""
+        """The base with `fields` ({dotted field: value}) set, through keel's one merge; each distinct one merged once
+        (a study asks for the same few configs hundreds of times, a merge each), a copy returned."""
+        key = (repr(self), json.dumps(fields, default=repr))
+        if key not in _CONFIGS:
+            if len(_CONFIGS) >= 4096:
+                _CONFIGS.clear()
+            _CONFIGS[key] = self._merged(fields)
+        return copy.deepcopy(_CONFIGS[key])
+
+    def _merged(self, fields: dict) -> TrainConfig:
         base = TrainConfig(model=science(), data=DataConfig(), optim=OptimConfig(warmup_steps=40),
                            guard=common.experiment_guard(), run=common.experiment_run())
         refuse = PER_POINT | ({f: "the max-LR ramp sets it (0 -> optim.lr over run.steps)" for f in maxlr.RAMP_FIELDS}

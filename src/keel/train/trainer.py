@@ -414,7 +414,8 @@ class Trainer:
             self.run_dir.write_summary(summary)
             if self.trackers is not None:
                 self.trackers.close()
-            self.draw_curves(quiet=outcome["interrupted"])  # after Ctrl-C, its one line has been said
+            if c.run.curves:
+                self.draw_curves(quiet=outcome["interrupted"])  # after Ctrl-C, its one line has been said
         return summary
 
     def _leave_group(self) -> None:
