@@ -71,6 +71,7 @@ def test_a_reports_command_parses_and_merges_to_the_configuration_its_points_rec
     assert store.read_results(RESULTS / folder)["experiment"] == seen["kind"]
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_the_one_minute_depth_table_is_the_depth_sweeps_results():
     """Each depth row of the one-minute per-depth table: the scheme with the lowest mean report loss over seeds 0-2
     and Keel's mean, as depth-sweep/results.json has them; a depth the sweep has finished is not left out."""
