@@ -465,6 +465,40 @@ def test_a_document_in_pieces_gets_the_tokenizers_bos_and_eos_once(tmp_path, mon
     assert np.asarray(prepare(cfg).train).tolist() == want
 
 
+def test_a_tokenizer_that_ends_each_text_with_its_eos_gets_it_once_a_document(tmp_path, monkeypatch):
+    """A Llama-style post-processor ("<s> $A </s>") already ends every text with the end-of-text id keel puts after a
+    document: the shards, the token cache and a stream hold each document's own encoding with that id once, and the
+    manifest records the rule, so shards made by a keel that doubled it are not appended to."""
+    import argparse
+
+    from tokenizers import Tokenizer, processors
+
+    import keel.data.tokenizer as tokenizer
+    from keel.data.streaming import TokenStream
+
+    texts = paragraphs(argparse)[:40]
+    long, short = "\n\n".join(texts[:30]), texts[30]
+    built = _bos_eos_tokenizer(long, tmp_path / "built.json")
+    bos, eos = built.token_to_id("[BOS]"), built.token_to_id("<|endoftext|>")
+    built.post_processor = processors.TemplateProcessing(single="[BOS] $A <|endoftext|>", special_tokens=[
+        ("[BOS]", bos), ("<|endoftext|>", eos)])
+    built.save(str(tmp_path / "tok.json"))
+    whole = Tokenizer.from_file(str(tmp_path / "tok.json"))
+    want = [i for doc in (long, short) for i in whole.encode(doc).ids]
+    assert want.count(eos) == 2 and want[-1] == eos and want.count(bos) == 2
+    write_jsonl(tmp_path / "docs.jsonl", [long, short])
+    monkeypatch.setattr(tokenizer, "PIECE_CHARS", 1000)
+    cfg = DataConfig(source=str(tmp_path / "docs.jsonl"), tokenizer=str(tmp_path / "tok.json"), val_fraction=0,
+                     cache_dir=str(tmp_path / "cache"))
+    shard_writer.prepare_shards(cfg, tmp_path / "shards", workers=1, shard_tokens=SHARD_TOKENS, progress=False)
+    assert split_ids(tmp_path / "shards", "train").tolist() == want
+    assert np.asarray(prepare(cfg).train).tolist() == want
+    loaded = tokenizer.HFTokenizer(tmp_path / "tok.json")
+    assert TokenStream([], loaded, "text", "docs").encode([long, short]).tolist() == want
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    assert manifest["tokenizer"]["piece_rule"] == tokenizer.EOS_ONCE
+
+
 def _strip_piece_rule(manifest_path: Path) -> None:
     """The manifest as an older keel wrote it, which gave a post-processor's BOS/EOS to every piece of a long
     document and recorded nothing of it."""

@@ -67,12 +67,12 @@ def _start_worker(tokenizer: str, dtype: str, quiet: bool = True) -> None:
 
 def _encode(pieces: list[tuple[str, bool, bool]]) -> list[np.ndarray]:
     """Each (piece, first piece of its document?, last piece?)'s ids in the shard dtype, a document's last followed
-    by eos_id when the tokenizer has one."""
+    by the tokenizer's document end (`doc_end`) when it has one."""
     tok, dtype = _WORKER["tokenizer"], _WORKER["dtype"]
     out = []
     for (_, _, last), ids in zip(pieces, tok.encode_pieces(pieces)):
-        if last and tok.eos_id is not None:
-            ids = np.append(ids, tok.eos_id)
+        if last and tok.doc_end is not None:
+            ids = np.append(ids, tok.doc_end)
         out.append(ids.astype(dtype))
     return out
 

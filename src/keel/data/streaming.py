@@ -152,8 +152,8 @@ class TokenStream:
                 yield text
 
     def encode(self, texts: list[str]) -> np.ndarray:
-        """The ids of `texts`, each followed by eos_id when the tokenizer has one, as one array."""
-        eos = self.tokenizer.eos_id
+        """The ids of `texts`, each followed by the tokenizer's document end (`doc_end`) if any, as one array."""
+        eos = self.tokenizer.doc_end
         parts = [ids if eos is None else np.append(ids, eos) for ids in self.tokenizer.encode_batch(texts)]
         return np.concatenate(parts).astype(self.dtype) if parts else np.empty(0, self.dtype)
 

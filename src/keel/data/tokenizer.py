@@ -21,6 +21,7 @@ from keel.errors import DataError
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>")
 DEFAULT_BPE_VOCAB = 4096
 PIECE_RULE = "post-processor-once-per-document"  # what encode_pieces does with a post-processor's BOS/EOS
+EOS_ONCE = PIECE_RULE + ", its eos-id ending the document"  # ... when that EOS is eos_id: keel adds no second one
 SPEC_HELP = "'bytes', 'bpe', 'bpe:<vocab_size>' or a path to a tokenizer.json"
 
 
@@ -28,7 +29,7 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens: 256 ids, no training, nothing unknown."""
 
     vocab_size = 256
-    eos_id = None
+    eos_id = doc_end = None
     name = "bytes"
     piece_rule = None
 
@@ -105,7 +106,16 @@ class HFTokenizer:
         """None when the post-processor adds no ids, else PIECE_RULE: encode_pieces adds them once a document
         (docs/internals.md#keeldatatokenizerhftokenizerpiece_rule)."""
         post = self._tok.post_processor
-        return None if post is None or post.num_special_tokens_to_add(False) == 0 else PIECE_RULE
+        if post is None or post.num_special_tokens_to_add(False) == 0:
+            return None
+        return PIECE_RULE if self.doc_end is not None or self.eos_id is None else EOS_ONCE
+
+    @cached_property
+    def doc_end(self) -> int | None:
+        """The id keel puts after each document: eos_id, unless the post-processor already ends every text with it
+        (a Llama-style "<s> $A </s>"), which would make it two."""
+        after = self._around[1]
+        return None if after and after[-1] == self.eos_id else self.eos_id
 
     @cached_property
     def _around(self) -> tuple[list[int], list[int]]:
