@@ -22,10 +22,10 @@ from keel.train import step as step_module
 from keel.train.trainer import Trainer
 
 
-def experiment_point(corpus, tmp_path, **run):
+def experiment_point(corpus, tmp_path, *size, n_sublayers=8, **run):
     cfg = build("frontier", True, [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "run.steps=12",
-                                   "optim.warmup_steps=3", *(f"run.{k}={v}" for k, v in run.items())])
-    return point_config(cfg, cfg.point_model("keel", 8), 7, lr=3e-3)
+                                   "optim.warmup_steps=3", *size, *(f"run.{k}={v}" for k, v in run.items())])
+    return point_config(cfg, cfg.point_model("keel", n_sublayers), 7, lr=3e-3)
 
 
 @pytest.mark.slow
@@ -94,11 +94,14 @@ def test_compile_true_runs_the_compiled_step(corpus, tmp_path):
     from torch._dynamo.utils import counters
 
     counters.clear()
-    config = experiment_point(corpus, tmp_path, compile=True)
+    # 4 sub-layers at the size tests/test_experiments.py's compiled sweeps train (d=16, 2 x 16 tokens): the same
+    # compiled blocks, which a CI run then compiles once and loads from Inductor's on-disk caches here
+    size = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16", "run.batch_size=2"]
+    config = experiment_point(corpus, tmp_path, *size, n_sublayers=4, compile=True)
     curve, model = train_curve(config, eval_batches=0)
     assert all(block._compiled_call_impl is not None for block in model.blocks)
     assert counters["stats"]["unique_graphs"] >= 1  # dynamo traced the blocks during training
-    eager, _ = train_curve(experiment_point(corpus, tmp_path), eval_batches=0)
+    eager, _ = train_curve(experiment_point(corpus, tmp_path, *size, n_sublayers=4), eval_batches=0)
     assert curve.losses == pytest.approx(eager.losses, rel=1e-4, abs=1e-4)
 
 

@@ -16,6 +16,7 @@ from keel.experiments import store
 from keel.experiments.budget import budget_point
 from keel_studies import EXPERIMENTS
 
+# tests/test_point_resume.py compiles at this size too: one set of compiled graphs, in Inductor's on-disk caches
 TINY = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16", "run.batch_size=2"]
 QUICK = {
     "gradflow": ["schemes=[post_ln,keel]", "depths=[4]", "run.steps=3"],

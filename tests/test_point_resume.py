@@ -217,10 +217,15 @@ def test_a_finished_point_never_reads_or_leaves_progress(cfg, tmp_path):
     assert run_point(cfg, tmp_path / "s") == point and not partial_of(tmp_path / "s").exists()
 
 
+# the size tests/test_experiments.py's compiled sweeps train at (d=16, 2 x 16 tokens): the compiled blocks are the
+# same graphs, so whichever test runs second loads them from Inductor's on-disk caches instead of compiling its own
+COMPILED_SIZE = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "run.seq_len=16", "run.batch_size=2"]
+
+
 @pytest.mark.slow  # compiles the model three times
 def test_a_killed_compiled_point_continues_to_the_uninterrupted_points_numbers(corpus, tmp_path):
     """As the depth sweep runs its points: compiled per block."""
-    cfg = build("frontier", True, [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+    cfg = build("frontier", True, [f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", *COMPILED_SIZE,
                                    "run.compile=true", f"run.steps={STEPS}", "curve_every=2", "curve_batches=1"])
     whole = run_point(cfg, tmp_path / "whole")
     with pytest.raises(Killed):

@@ -3,6 +3,7 @@ results/rejudge.md is a paired t-test and a Holm adjustment recomputed here (sci
 below), and every verdict cell of the claim table (results/HISTORY.md), and every "p=..., Holm ..." results/README.md,
 PROTOCOL.md and HISTORY.md quote, follows from those tests. Reads JSON only; trains nothing."""
 
+import functools
 import importlib.util
 import math
 import re
@@ -28,6 +29,10 @@ def rejudge():
     return module
 
 
+# The committed files do not change while the tests read them, and nothing here writes into what it read: each
+# study's results (every point of it decoded) and each point are read once, not once per row that quotes them (the
+# rebuilt rejudge inputs asked for results 100 times, three quarters of that test's time)
+@functools.cache
 def point(folder: str, name: str) -> dict:
     """A point file of `folder`, or of the companion folder its seed ran in (`-s1`, `-s2`) before being merged."""
     for where in (folder, f"{folder}-s1", f"{folder}-s2"):
@@ -94,6 +99,7 @@ def test_a_declared_studys_choices_and_losses_are_its_point_files_at_the_lr_its_
 SCHEME = {"Keel": "keel", "Pre-LN": "pre_ln", "Post-LN": "post_ln", "DeepNorm": "deepnorm"}
 
 
+@functools.cache
 def res(folder: str) -> dict:
     return store.read_results(RESULTS / folder)
 
