@@ -394,6 +394,26 @@ def test_a_tune_step_of_some_arms_grows_through_written_out_values_and_may_give_
     assert {lr for a, lr, wu in ran if a == "post_ln" and wu == 5} == {1e-5, 2e-5, 4e-5} == set(again["values"])
 
 
+def test_a_grid_grown_past_what_its_field_allows_is_a_bound_not_an_error(tmp_path, monkeypatch):
+    """beta1 from [0.5, 0.9], the higher always better: the edge's factor would grow it to 1.62, which AdamW's beta1
+    (< 1) refuses; the search stops there with 0.9 a bound at the high edge, and no point runs at 1.62."""
+    from keel.experiments import declared
+
+    ran = []
+
+    def fake_point(study, arm, cell, hp, seed):
+        study.config({**study.arms[arm], **cell, **hp})  # as a real point: a value the config refuses raises
+        ran.append(hp["optim.beta1"])
+        return {"seed": seed, "diverged": False, "select_loss": -hp["optim.beta1"], "report_loss": 1.0 + 0.1 * seed}
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = study(axes={}, tune=[{"field": "optim.beta1", "grid": [0.5, 0.9], "grow": 2}])
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    assert set(ran) == {0.5, 0.9}
+    assert results["choices"][""]["keel"]["grids"] == [{"field": "optim.beta1", "values": [0.5, 0.9], "added": [],
+                                                        "bound": "high"}]
+    assert "optim.beta1 from 0.5, 0.9; bound at the high edge" in (tmp_path / "report.md").read_text()
+
+
 @pytest.mark.slow  # over a CPU second in the fast tier
 def test_a_side_that_is_a_pair_is_its_difference_seed_by_seed(tmp_path, monkeypatch):
     """(keel - pre_ln at 2 blocks) - (at 1 block), per seed: the growth of a gap with depth, one test across cells,

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from keel.config import TrainConfig
+from keel.errors import ConfigError
 from keel.experiments import common, downstream, maxlr, redundancy, stats, stream
 from keel.experiments.budget import BudgetConfig, budget_point
 from keel.experiments.grid import Grid, LadderGrid, _finite, grid_note, run_searches, search_grid
@@ -127,10 +128,11 @@ def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, bas
         for step in (s for s in study.tune if arm in s.get("arms", study.arms)):
             f, ties = step["field"], step.get("ties", "low")
             number = int if isinstance(_get(base, f), int) else float
-            values = [number(v) for v in step["grid"]]
+            values, ok = [number(v) for v in step["grid"]], lambda v, f=f: _builds(study, {
+                **study.arms[arm], **cell, **now, f: v})
             grid = LadderGrid(values, step["grow"], ties=ties, below=step.get("below", []), above=step.get(
-                "above", [])) if {"below", "above"} & set(step) else (_Grid if number is int else Grid)(
-                values, step["grow"], ties=ties)
+                "above", []), allowed=ok) if {"below", "above"} & set(step) else (_Grid if number is int else Grid)(
+                values, step["grow"], ties=ties, allowed=ok)
             now[f] = yield from search_grid(grid, lambda v, f=f: tuple({**now, f: v}[g] for g in fields),
                                             lambda *v, arm=arm: score(arm, *v))
             steps.append({"field": f, **grid.describe()})
@@ -151,6 +153,14 @@ def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, bas
     points |= sweep.run({key(a, cell, c["hp"], s): _job(study, a, cell, c["hp"], s) for a, c in chosen.items()
                          for s in rest}, f"{desc} (seeds at the choices)") if rest else {}
     return {arm: {"hp": c["hp"], "grids": c["grids"]} for arm, c in chosen.items()}
+
+
+def _builds(study: DeclaredStudy, fields: dict) -> bool:  # whether a grown value is one the config takes
+    try:
+        study.config(fields)
+        return True
+    except ConfigError:
+        return False
 
 
 def _best_of(study: DeclaredStudy, points: dict, choices: dict, cell_name: str, among: list) -> dict:
