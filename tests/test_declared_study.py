@@ -96,6 +96,8 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
      "arms.keel: ModelConfig.scheme: unknown scheme"),
     ({"arms": {"keel": {"model.scheme": "keel"}}}, "arms: at least two arms"),
     ({"arms": {"keel": {"model.nope": 1}, "pre_ln": {}}}, "arms.keel: model.nope"),
+    ({"arms": {"keel": {}, "pre_ln": {"model.scheme": "pre_ln", "data.source": "/nonexistent/corpus.txt"}}},
+     "arms.pre_ln: /nonexistent/corpus.txt: no such file or directory (data.source)"),  # read before keel's points
     ({"axes": {"model.n_blocks": [0]}}, "axes.model.n_blocks: "),
     ({"axes": {"model.n_blocks": []}}, "axes.model.n_blocks: a list of distinct values"),
     ({"tune": [{"field": "optim.lr", "grid": [1e-3]}]}, "tune[0].grid: at least two"),

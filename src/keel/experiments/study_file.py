@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, replace
 
 from keel.config import OptimConfig, RunConfig, TrainConfig, merge, validate
 from keel.config.reads import Reads
-from keel.data.corpus import DataConfig
-from keel.errors import ConfigError
+from keel.data.corpus import DataConfig, build_corpus
+from keel.errors import ConfigError, KeelError
 from keel.experiments import common, maxlr, redundancy
 from keel.experiments.detect import FailureRules
 from keel.model.sizes import science
@@ -271,10 +271,17 @@ def _ladder(values, edge: float, sign: int) -> bool:  # positive values moving a
 
 def _check_configs(study: DeclaredStudy, bad) -> None:
     # every arm, axis value and grid value through the merge, alone and then together, before any point trains
+    read_sources = set()  # a local data source read once here: a wrong path is one line, not a failure mid-study
+
     def check(where: str, fields: dict) -> TrainConfig:
         try:
-            return study.config(fields)
-        except ConfigError as err:
+            config = study.config(fields)
+            source = config.data.source
+            if source not in read_sources and source != "stdlib" and not source.startswith("hf:"):
+                build_corpus(config.data)
+                read_sources.add(source)
+            return config
+        except KeelError as err:
             raise bad(f"{where}: {err}") from None
     for name in study.tuned():
         owners = [f"axes.{name}"] * (name in study.axes) + [f"arms.{a}" for a, f in study.arms.items() if name in f]
