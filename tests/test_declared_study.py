@@ -213,6 +213,23 @@ def test_the_documented_study_is_a_valid_one():
     assert [c.model.n_blocks for c in (study.config({"model.n_blocks": n}) for n in (4, 8))] == [4, 8]
 
 
+def test_report_only_with_points_missing_writes_nothing(tmp_path, monkeypatch, capsys):
+    """--report-only refuses a study whose points are not all there, and leaves the folder as it was: no points/ for
+    a study never run, and no added seed recorded in points/config.json (written-out points, no training)."""
+    from keel.experiments import declared
+
+    monkeypatch.setattr(declared, "point", lambda study, arm, cell, hp, seed: {
+        "seed": seed, "diverged": False, "select_loss": 1.0, "report_loss": 1.0 + 0.1 * seed + 0.01 * len(arm)})
+    path = write(tmp_path, study(axes={}, tune=[], seeds=[0, 1]))
+    assert main(["sweep", str(path), "--report-only"]) == 2
+    assert "point(s) not there" in capsys.readouterr().err and not (path.parent / "points").exists()
+    assert main(["sweep", str(path)]) == 0
+    recorded = (path.parent / "points" / "config.json").read_text()
+    path.write_text(yaml.safe_dump(study(axes={}, tune=[], seeds=[0, 1, 2]), sort_keys=False))
+    assert main(["sweep", str(path), "--report-only"]) == 2
+    assert (path.parent / "points" / "config.json").read_text() == recorded
+
+
 @pytest.mark.slow  # over a second in tests/durations.json
 def test_a_marginal_test_gets_the_marginal_seeds_on_both_arms_and_all_tests_run_again(tmp_path, monkeypatch):
     """Points with written-out losses (no training): keel - pre_ln on seeds 0-2 is marginal (raw p 0.037 < 0.05,
