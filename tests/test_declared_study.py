@@ -114,6 +114,7 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     ({"curve_batches": 0}, "curve_batches: an integer >= 1"),
     ({"measure": "accuracy"}, "measure: 'accuracy'; allowed: loss"),
     ({"base": {"run": {"seed": 3}}}, "base: run.seed: not used here (set per point from seeds)"),
+    ({"base": TINY | {"model": {"max_seq_len": 64}}}, "base: model.max_seq_len: not used here (set per point from run"),
     ({"nope": 1}, "unknown key 'nope'"),
     ({"best_of": {"best": ["keel"]}}, "best_of: a mapping of new names -> lists of two or more distinct arms"),
     ({"best_of": {"keel": ["keel", "pre_ln"]}}, "best_of: a mapping of new names"),
@@ -228,6 +229,18 @@ def test_report_only_with_points_missing_writes_nothing(tmp_path, monkeypatch, c
     path.write_text(yaml.safe_dump(study(axes={}, tune=[], seeds=[0, 1, 2]), sort_keys=False))
     assert main(["sweep", str(path), "--report-only"]) == 2
     assert (path.parent / "points" / "config.json").read_text() == recorded
+
+
+def test_a_study_may_set_any_seq_len_and_its_model_takes_that_length():
+    """run.seq_len above the science model's 64 positions, in the base or an arm: each point's model is built for
+    its own run.seq_len (a study never sets model.max_seq_len itself)."""
+    from keel.experiments import declared
+
+    doc = study(base=TINY | {"run": {**TINY["run"], "seq_len": 128}}, axes={}, tune=[],
+                arms={"keel": {}, "pre_ln": {"model.scheme": "pre_ln", "run.seq_len": 256}})
+    got = declared.read(doc, "test")
+    assert [(c.run.seq_len, c.model.max_seq_len) for c in map(got.config, got.arms.values())] == [(128, 128),
+                                                                                                  (256, 256)]
 
 
 @pytest.mark.slow  # over a second in tests/durations.json

@@ -32,7 +32,7 @@ MAX_LR = {"eval_every": "select-half evaluations every this many steps (an integ
           "counts", "scale": "lr or log: what the compare pairs' t-tests compare (default lr)", "published": "arm/arm "
           "-> a published ratio of their max LRs (a positive number)"}
 PER_POINT = {"run.seed": "set per point from seeds", "run.out_dir": "a study point writes no run directory",
-             "run.name": "a study point writes no run directory"}
+             "run.name": "a study point writes no run directory", "model.max_seq_len": "set per point from run.seq_len"}
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
 
 
@@ -79,7 +79,8 @@ class DeclaredStudy:
         return copy.deepcopy(_CONFIGS[key])
 
     def _merged(self, fields: dict) -> TrainConfig:
-        base = TrainConfig(model=science(), data=DataConfig(), optim=OptimConfig(warmup_steps=40),
+        # the model's max_seq_len is set to run.seq_len below: until then, room for any run.seq_len
+        base = TrainConfig(model=science(max_seq_len=2**24), data=DataConfig(), optim=OptimConfig(warmup_steps=40),
                            guard=common.experiment_guard(), run=common.experiment_run())
         refuse = PER_POINT | ({f: "the max-LR ramp sets it (0 -> optim.lr over run.steps)" for f in maxlr.RAMP_FIELDS}
                               if self.measure == "max_lr" else {})
