@@ -104,6 +104,11 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     ({"tune": [{"field": "optim.lr", "grid": [1e-3, -1e-3]}]}, "tune[0].grid: at least two distinct positive"),
     ({"tune": [{"field": "optim.lr", "grid": [1e-3, 2e-3], "grow": -1}]}, "tune[0].grow"),
     ({"tune": [{"field": "model.n_blocks", "grid": [1, 2]}]}, "tune: model.n_blocks is chosen per arm and cell"),
+    ({"arms": {"keel": {"model.n_blocks": 4}, "pre_ln": {"model.scheme": "pre_ln"}}},
+     "axes: model.n_blocks is set per cell, so arms.keel may not set it"),
+    ({"arms": {"keel": {"optim.lr": 1e-3}, "pre_ln": {"model.scheme": "pre_ln"}}, "tune": [
+        {"field": "optim.lr", "grid": [1e-5, 2e-5], "arms": ["keel"]}]},
+     "optim.lr is chosen per arm and cell, so arms.keel"),
     ({"tune": [{"field": "optim.schedule", "grid": [1, 2]}]}, "tune[0]: optim.schedule"),
     ({"seeds": []}, "seeds: empty"),
     ({"seeds": [0, 0]}, "seeds: distinct integers"),
@@ -444,6 +449,25 @@ def test_a_grid_grown_past_what_its_field_allows_is_a_bound_not_an_error(tmp_pat
     assert results["choices"][""]["keel"]["grids"] == [{"field": "optim.beta1", "values": [0.5, 0.9], "added": [],
                                                         "bound": "high"}]
     assert "optim.beta1 from 0.5, 0.9; bound at the high edge" in (tmp_path / "report.md").read_text()
+
+
+def test_an_arm_a_tune_step_leaves_out_may_set_that_field_and_keeps_it(tmp_path, monkeypatch):
+    """Keel's LR tuned, Pre-LN at the LR its arm sets (3e-5, no step tunes it there): Pre-LN runs at 3e-5 alone."""
+    from keel.experiments import declared
+
+    ran = []
+
+    def fake_point(study, arm, cell, hp, seed):
+        ran.append((arm, hp["optim.lr"]))
+        return {"seed": seed, "diverged": False, "select_loss": 1.0 + abs(math.log(hp["optim.lr"] / 2e-5)),
+                "report_loss": 1.0 + 0.1 * seed}
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = study(axes={}, arms={"keel": {}, "pre_ln": {"model.scheme": "pre_ln", "optim.lr": 3e-5}},
+                tune=[{"field": "optim.lr", "grid": [1e-5, 2e-5, 4e-5], "grow": 1, "arms": ["keel"]}])
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    assert {lr for a, lr in ran if a == "pre_ln"} == {3e-5} and {lr for a, lr in ran if a == "keel"} == {1e-5, 2e-5,
+                                                                                                        4e-5}
+    assert results["choices"][""]["pre_ln"] == {"hp": {"optim.lr": 3e-5}, "grids": []}
 
 
 @pytest.mark.slow  # over a CPU second in the fast tier

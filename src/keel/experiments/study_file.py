@@ -284,10 +284,14 @@ def _check_configs(study: DeclaredStudy, bad) -> None:
             return config
         except KeelError as err:
             raise bad(f"{where}: {err}") from None
-    for name in study.tuned():
-        owners = [f"axes.{name}"] * (name in study.axes) + [f"arms.{a}" for a, f in study.arms.items() if name in f]
+    for name in study.tuned():  # an arm a step leaves out keeps its own value
+        tuning = {a for s in study.tune if s["field"] == name for a in s.get("arms", study.arms)}
+        owners = [f"axes.{name}"] * (name in study.axes) + [f"arms.{a}" for a, f in study.arms.items()
+                                                            if name in f and a in tuning]
         if owners:
             raise bad(f"tune: {name} is chosen per arm and cell, so {owners[0]} may not set it")
+    if owner := next(((a, n) for a, f in study.arms.items() for n in f if n in study.axes), None):
+        raise bad(f"axes: {owner[1]} is set per cell, so arms.{owner[0]} may not set it (the cell's value would win)")
     if not check("base", {}).run.eval_tasks and study.measure == "downstream":
         raise bad("run.eval_tasks: measure downstream scores tasks; name at least one (e.g. [brackets, indent])")
     for arm, fields in study.arms.items():
