@@ -200,6 +200,14 @@ def test_a_bad_declared_study_is_one_line_before_any_point(change, needle, tmp_p
     assert not (path.parent / "points").exists()
 
 
+@pytest.mark.parametrize("doc,needle", [({}, "arms: at least two arms to compare"), (
+    {"question": "q", "arm": {"keel": {}}}, "unknown key 'arm' (allowed: question, answer, rule, base, arms,")])
+def test_a_study_file_naming_no_study_kind_is_checked_as_a_declared_study(doc, needle, tmp_path, capsys):
+    """An empty file, or `arms:` misspelt: the declared study's own message, not 'study: None is not a study kind'."""
+    assert main(["sweep", str(write(tmp_path, doc))]) == 2
+    assert needle in capsys.readouterr().err
+
+
 def test_a_declared_study_takes_no_overrides(tmp_path, capsys):
     path = write(tmp_path, study())
     assert main(["sweep", str(path), "seeds=[0]"]) == 2
