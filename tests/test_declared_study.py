@@ -121,6 +121,7 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     ({"base": {"run": {"seed": 3}}}, "base: run.seed: not used here (set per point from seeds)"),
     ({"base": TINY | {"model": {"max_seq_len": 64}}}, "base: model.max_seq_len: not used here (set per point from run"),
     ({"nope": 1}, "unknown key 'nope'"),
+    ({"question": ["does keel", "beat pre_ln?"]}, "question: text, quoted if"),
     ({"best_of": {"best": ["keel"]}}, "best_of: a mapping of new names -> lists of two or more distinct arms"),
     ({"best_of": {"keel": ["keel", "pre_ln"]}}, "best_of: a mapping of new names"),
     ({"best_of": {"best": ["keel", "nope"]}}, "best_of: a mapping of new names"),

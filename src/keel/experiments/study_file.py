@@ -138,6 +138,8 @@ def read(doc: dict, where: str) -> DeclaredStudy:
     for key in ("base", "arms", "axes"):
         if not isinstance(doc.get(key) or {}, dict):
             raise bad(f"{key}: a mapping")
+    if text := next((k for k in ("question", "answer", "rule") if not isinstance(doc.get(k) or "", str)), None):
+        raise bad(f"{text}: text, quoted if it holds a ': ' or starts with '[' or '{{' (got {doc[text]!r})")
     arms = {str(k): dotted(v or {}) if isinstance(v, dict) else v for k, v in (doc.get("arms") or {}).items()}
     if len(arms) < 2:
         raise bad("arms: at least two arms to compare (name -> the fields it sets)")
