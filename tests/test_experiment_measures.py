@@ -16,7 +16,7 @@ from keel import TransformerLM, tiny
 from keel.config import TrainConfig
 from keel.data import DataConfig
 from keel.evals.surgery import branches_off, removed, residual_sizes
-from keel.experiments.common import fixed_batches, mean_sd, splits, unigram_loss
+from keel.experiments.common import fixed_batches, mean_sd, pm, splits, unigram_loss
 from keel.experiments.detect import FailureRules
 from keel.experiments.maxlr import judge, ratio_verdict, references, verdict
 from keel.experiments.stats import crossing
@@ -237,3 +237,5 @@ def test_crossing_regimes_rule():
 def test_mean_sd():
     assert mean_sd([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
     assert mean_sd([1.0, None, float("nan")]) == (1.0, 0.0)
+    # a table cell: one value is shown without an SD (0.000 would claim no spread)
+    assert (pm([1.0, 3.0]), pm([1.0, None]), pm([None])) == ("2.000 ± 1.414 (n=2)", "1.000 (n=1)", "-")
