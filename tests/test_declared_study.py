@@ -538,6 +538,23 @@ def test_crossing_compares_the_seed_mean_curves_early_and_where_one_stays_below(
     assert "| - | keel vs post_ln | 10 | +0.005 (tol 0.010) | tie | never | +0.050 (tol 0.010) |" in report
 
 
+def test_crossing_with_an_arm_whose_every_seed_diverged_says_so(tmp_path, monkeypatch):
+    """Post-LN diverged on every seed: its pair has no curve to compare, a row that says so; keel vs pre_ln as usual."""
+    from keel.experiments import declared
+
+    def fake_point(study, arm, cell, hp, seed):
+        gone = arm == "post_ln"
+        return {"seed": seed, "diverged": gone, "select_loss": None if gone else 1.0, "report_loss": None if gone
+                else 1.0 + 0.1 * seed + 0.01 * len(arm), "evals": {"step": [4] if gone else [4, 9],
+                                                                    "loss": [9.0] if gone else [2.0, 1.0 + seed]}}
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = study(axes={}, tune=[], curve_every=5, crossing=0.1, compare=[["keel", "pre_ln"], ["keel", "post_ln"]])
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    assert results["crossings"][1] == {"cell": "", "pair": ["keel", "post_ln"], "diverged": True}
+    report = (tmp_path / "report.md").read_text()
+    assert "| - | keel vs post_ln | - | no curve: every seed of an arm diverged |" in report
+
+
 def ramp(**fields) -> dict:
     """A max-LR study of TINY (its warm-up left to the ramp): keel, pre_ln and pre_ln without clipping."""
     base = {k: v for k, v in TINY.items() if k != "optim"} | {"optim": {"lr": 0.5}}

@@ -102,7 +102,8 @@ def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", ques
         results["crossings"] = []
         for (c, choice), pair in itertools.product(choices.items(), study.compare):
             (steps, a), (_, b) = (_curves(study, points, c, choice, arm, seeds) for arm in pair)
-            results["crossings"].append({"cell": c, "pair": pair, **stats.crossing(a, b, steps, study.crossing)})
+            results["crossings"].append({"cell": c, "pair": pair, **(stats.crossing(a, b, steps, study.crossing) if len(
+                a) and len(b) else {"diverged": True})})  # no curve where every seed of an arm diverged
     results |= ({"picks": picks} if study.best_of else {}) | ({"untested": _tests(
         study, points, choices, picks, seeds, study.untested, tested=False)} if study.untested else {})
     _report(study, out, command, name, results, question, rule)
@@ -176,7 +177,7 @@ def _best_of(study: DeclaredStudy, points: dict, choices: dict, cell_name: str, 
 def _curves(study, points, cell_name, choice, arm, seeds) -> tuple[list[int], np.ndarray]:  # seeds not diverged
     runs = [points[key(arm, _cell(study, cell_name), choice[arm]["hp"], s)] for s in seeds]
     runs = [r for r in runs if not r["diverged"]]
-    return runs[0]["evals"]["step"], np.array([r["evals"]["loss"] for r in runs])
+    return runs[0]["evals"]["step"] if runs else [], np.array([r["evals"]["loss"] for r in runs])
 
 
 def _marginal(t: dict) -> bool:
@@ -378,10 +379,11 @@ def _profiles(study: DeclaredStudy, results: dict) -> dict:
 
 
 def _crossing_table(crossings: list[dict]) -> str:
-    rows = [[c["cell"] or "-", f"{c['pair'][0]} vs {c['pair'][1]}", c["early_step"] + 1,
-             f"{c['early_diff']:+.3f} (tol {c['early_tol']:.3f})", c["starts_slower"],
+    rows = [[c["cell"] or "-", f"{c['pair'][0]} vs {c['pair'][1]}", *(["-", "no curve: every seed of an arm diverged",
+                                                                        "-", "-", "-"] if c.get("diverged") else [
+             c["early_step"] + 1, f"{c['early_diff']:+.3f} (tol {c['early_tol']:.3f})", c["starts_slower"],
              "never" if c["cross_step"] is None else c["cross_step"] + 1,
-             f"{c['final_diff']:+.3f} (tol {c['final_tol']:.3f})"] for c in crossings]
+             f"{c['final_diff']:+.3f} (tol {c['final_tol']:.3f})"])] for c in crossings]
     return ("The curves (report half, seed means; tol: the larger seed SD of the two): the first arm against the "
             "second at the first evaluation past the study's crossing fraction, the step from which it stays below, "
             "and at the end.\n\n" + common.markdown_table(["cell", "comparison", "early step", "difference, early",
