@@ -114,6 +114,10 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
     ({"seeds": [0, 0]}, "seeds: distinct integers"),
     ({"marginal_seeds": [0]}, "marginal_seeds: must be new seeds"),
     ({"compare": [["keel", "nope"]]}, "compare: pairs of two different arms"),
+    ({"compare": [["keel", "pre_ln"], ["keel", "post_lm"]]}, "; 'post_lm' is none of them)"),
+    ({"untested": ["keel", "pre_ln"]}, "untested: pairs of two different arms out of keel, pre_ln, post_ln (or of "
+                                       "two such pairs), or of arm@cell on both sides (a cell of n_blocks1, n_blocks2) "
+                                       "(got ['keel', 'pre_ln']; a list of pairs: [[a, b]])"),
     ({"select_seeds": [5]}, "select_seeds: some of seeds [0, 1, 2]"),
     ({"select_seeds": []}, "select_seeds: some of seeds"),
     ({"curve_batches": 0}, "curve_batches: an integer >= 1"),

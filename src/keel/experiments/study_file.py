@@ -212,8 +212,13 @@ def read(doc: dict, where: str) -> DeclaredStudy:
     for key_, pairs in (("compare", arm_pairs), ("untested", doc.get("untested") or [])):
         if not isinstance(pairs, list) or not all(pair(p) and len({_pinned(best_of, a) for a in _leaves(p)}) == 1
                                                   for p in pairs):
+            flat = isinstance(pairs, list) and all(isinstance(p, str) for p in pairs)  # [a, b] for [[a, b]]
+            stray = [x for p in pairs if isinstance(p, list) for x in _leaves(p) if isinstance(x, str) and x not in {
+                *names, *pinned}] if isinstance(pairs, list) else []
             raise bad(f"{key_}: pairs of two different arms out of {', '.join(names)} (or of two such pairs), or of "
-                      f"arm@cell on both sides (a cell of {', '.join(cells) or 'none: no axes'}) (got {pairs!r})")
+                      f"arm@cell on both sides (a cell of {', '.join(cells) or 'none: no axes'}) (got {pairs!r}"
+                      + (f"; {stray[0]!r} is none of them)" if stray else "; a list of pairs: [[a, b]])" if flat
+                         else ")"))
     if measure == "max_lr":
         _check_max_lr(doc, arms, bad)
     elif "max_lr" in doc:
