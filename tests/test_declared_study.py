@@ -213,6 +213,21 @@ def test_a_study_file_naming_no_study_kind_is_checked_as_a_declared_study(doc, n
     assert needle in capsys.readouterr().err
 
 
+def test_a_corpus_too_small_for_a_validation_window_is_one_line_before_any_point(tmp_path, capsys):
+    """Pre-LN's own corpus of 60 one-line files: its validation halves hold fewer tokens than one window of
+    run.seq_len + 1, which its first point would find only after keel's points trained."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(60):
+        (corpus / f"f{i}.txt").write_text(f"x = {i}\n")
+    path = write(tmp_path, study(axes={}, tune=[], arms={"keel": {}, "pre_ln": {"model.scheme": "pre_ln",
+                                                                                "data.source": str(corpus)}}))
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "arms.pre_ln: data.source: " in err and "not one window of run.seq_len + 1 (33); add text" in err, err
+    assert not (path.parent / "points").exists()
+
+
 def test_a_declared_study_takes_no_overrides(tmp_path, capsys):
     path = write(tmp_path, study())
     assert main(["sweep", str(path), "seeds=[0]"]) == 2

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from keel.config import OptimConfig, RunConfig, TrainConfig, merge, validate
 from keel.config.reads import Reads
-from keel.data.corpus import DataConfig, build_corpus
+from keel.data.corpus import DataConfig
 from keel.errors import ConfigError, KeelError
 from keel.experiments import common, maxlr, redundancy
 from keel.experiments.detect import FailureRules
@@ -279,15 +279,18 @@ def _ladder(values, edge: float, sign: int) -> bool:  # positive values moving a
 
 def _check_configs(study: DeclaredStudy, bad) -> None:
     # every arm, axis value and grid value through the merge, alone and then together, before any point trains
-    read_sources = set()  # a local data source read once here: a wrong path is one line, not a failure mid-study
+    halves = {}  # a local data source's shortest validation half, prepared here as its first point would
 
     def check(where: str, fields: dict) -> TrainConfig:
         try:
             config = study.config(fields)
             source = config.data.source
-            if source not in read_sources and source != "stdlib" and not source.startswith("hf:"):
-                build_corpus(config.data)
-                read_sources.add(source)
+            if source != "stdlib" and not source.startswith("hf:"):
+                if source not in halves:
+                    halves[source] = min(map(len, common.splits(config.data).values()))
+                if halves[source] <= config.run.seq_len:
+                    raise ConfigError(f"data.source: {source}: half its validation split is {halves[source]} tokens, "
+                                      f"not one window of run.seq_len + 1 ({config.run.seq_len + 1}); add text")
             return config
         except KeelError as err:
             raise bad(f"{where}: {err}") from None
