@@ -498,6 +498,27 @@ def test_an_arm_a_tune_step_leaves_out_may_set_that_field_and_keeps_it(tmp_path,
     assert results["choices"][""]["pre_ln"] == {"hp": {"optim.lr": 3e-5}, "grids": []}
 
 
+def test_a_field_of_one_scheme_is_tuned_for_the_arms_of_that_scheme_alone(tmp_path, monkeypatch):
+    """Keel's alpha tuned (arms: [keel]) beside Pre-LN, which has no alpha, and a Keel arm left at alpha = L: the
+    study reads, Pre-LN's and keel_L's points carry no alpha (neither None nor 'L' in a key) and run as their arms."""
+    from keel.experiments import declared
+
+    ran = []
+
+    def fake_point(study, arm, cell, hp, seed):
+        study.config({**study.arms[arm], **cell, **hp})  # as a real point: a field its scheme has not would raise
+        ran.append((arm, hp))
+        return {"seed": seed, "diverged": False, "select_loss": abs(hp.get("model.alpha", 2) - 2),
+                "report_loss": 1.0 + 0.1 * seed + 0.01 * len(arm)}
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = study(axes={}, arms={"keel": {}, "keel_L": {}, "pre_ln": {"model.scheme": "pre_ln"}},
+                tune=[{"field": "model.alpha", "grid": [1, 2, 4], "grow": 1, "arms": ["keel"]}])
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    assert {arm: c["hp"] for arm, c in results["choices"][""].items()} == {"keel": {"model.alpha": 2.0}, "keel_L": {},
+                                                                          "pre_ln": {}}
+    assert {(a, tuple(hp.items())) for a, hp in ran if a != "keel"} == {("keel_L", ()), ("pre_ln", ())}
+
+
 @pytest.mark.slow  # over a CPU second in the fast tier
 def test_a_side_that_is_a_pair_is_its_difference_seed_by_seed(tmp_path, monkeypatch):
     """(keel - pre_ln at 2 blocks) - (at 1 block), per seed: the growth of a gap with depth, one test across cells,

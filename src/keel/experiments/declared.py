@@ -116,7 +116,8 @@ def _job(study, arm, cell, hp, seed):
 
 def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, base: TrainConfig, desc: str) -> dict:
     fields = study.tuned()
-    hp_of = lambda values: dict(zip(fields, values))
+    # a field a step leaves this arm at is its own; one its scheme has not (alpha: None) or a name ("L") is left out
+    hp_of = lambda values: {f: v for f, v in zip(fields, values) if isinstance(v, int | float)}
 
     def score(arm: str, *values) -> float:
         runs = [points[key(arm, cell, hp_of(values), s)] for s in study.choosers()]
@@ -139,7 +140,7 @@ def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, bas
             steps.append({"field": f, **grid.describe()})
         if not steps:  # nothing tuned for this arm: its point at the values it has
             yield [tuple(now[g] for g in fields)]
-        return {"hp": dict(now), "grids": steps}
+        return {"hp": hp_of(tuple(now[g] for g in fields)), "grids": steps}
 
     def run_round(asked: dict) -> set:
         jobs = {a: {key(a, cell, hp_of(v), s): _job(study, a, cell, hp_of(v), s) for v in hps

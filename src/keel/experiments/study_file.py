@@ -310,15 +310,18 @@ def _check_configs(study: DeclaredStudy, bad) -> None:
     for name, values in study.axes.items():
         for value in values:
             check(f"axes.{name}", {name: value})
-    for i, step in enumerate(study.tune):
+    tunes = lambda arm: [(i, s) for i, s in enumerate(study.tune) if arm in s.get("arms", study.arms)]
+    for i, step in enumerate(study.tune):  # on the first arm it tunes (a field such as alpha is one scheme's)
+        first = study.arms[next(a for a in study.arms if (i, step) in tunes(a))]
         for value in [*step["grid"], *step.get("below", []), *step.get("above", [])]:
-            if isinstance(_get(check(f"tune[{i}]", {step["field"]: value}), step["field"]), bool | str):
+            if isinstance(_get(check(f"tune[{i}]", {**first, step["field"]: value}), step["field"]), bool | str):
                 raise bad(f"tune[{i}]: {step['field']} is not a number")
     for arm, fields in study.arms.items():
         for cell in study.cells():
-            for step in study.tune or [{"field": None, "grid": [None]}]:
+            for i, step in tunes(arm) or [(None, {"field": None, "grid": [None]})]:
                 for value in step["grid"]:
-                    check(f"arms.{arm} at {_cell_name(cell) or 'the base'}",
+                    check(f"arms.{arm} at {_cell_name(cell) or 'the base'}" + (f", tune[{i}] {step['field']}={value}"
+                                                                               if step["field"] else ""),
                           {**fields, **cell, **({} if step["field"] is None else {step["field"]: value})})
 
 
