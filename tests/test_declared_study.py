@@ -96,23 +96,36 @@ def test_a_declared_study_chooses_tests_and_reports_as_its_points_say(tmp_path):
      "arms.keel: ModelConfig.scheme: unknown scheme"),
     ({"arms": {"keel": {"model.scheme": "keel"}}}, "arms: at least two arms"),
     ({"arms": {"keel": {"model.nope": 1}, "pre_ln": {}}}, "arms.keel: model.nope"),
+    ({"arms": {"keel": {}, "pre_ln": {"model.scheme": "pre_ln", "data.source": "/nonexistent/corpus.txt"}}},
+     "arms.pre_ln: /nonexistent/corpus.txt: no such file or directory (data.source)"),  # read before keel's points
     ({"axes": {"model.n_blocks": [0]}}, "axes.model.n_blocks: "),
     ({"axes": {"model.n_blocks": []}}, "axes.model.n_blocks: a list of distinct values"),
     ({"tune": [{"field": "optim.lr", "grid": [1e-3]}]}, "tune[0].grid: at least two"),
     ({"tune": [{"field": "optim.lr", "grid": [1e-3, -1e-3]}]}, "tune[0].grid: at least two distinct positive"),
     ({"tune": [{"field": "optim.lr", "grid": [1e-3, 2e-3], "grow": -1}]}, "tune[0].grow"),
     ({"tune": [{"field": "model.n_blocks", "grid": [1, 2]}]}, "tune: model.n_blocks is chosen per arm and cell"),
+    ({"arms": {"keel": {"model.n_blocks": 4}, "pre_ln": {"model.scheme": "pre_ln"}}},
+     "axes: model.n_blocks is set per cell, so arms.keel may not set it"),
+    ({"arms": {"keel": {"optim.lr": 1e-3}, "pre_ln": {"model.scheme": "pre_ln"}}, "tune": [
+        {"field": "optim.lr", "grid": [1e-5, 2e-5], "arms": ["keel"]}]},
+     "optim.lr is chosen per arm and cell, so arms.keel"),
     ({"tune": [{"field": "optim.schedule", "grid": [1, 2]}]}, "tune[0]: optim.schedule"),
     ({"seeds": []}, "seeds: empty"),
     ({"seeds": [0, 0]}, "seeds: distinct integers"),
     ({"marginal_seeds": [0]}, "marginal_seeds: must be new seeds"),
     ({"compare": [["keel", "nope"]]}, "compare: pairs of two different arms"),
+    ({"compare": [["keel", "pre_ln"], ["keel", "post_lm"]]}, "; 'post_lm' is none of them)"),
+    ({"untested": ["keel", "pre_ln"]}, "untested: pairs of two different arms out of keel, pre_ln, post_ln (or of "
+                                       "two such pairs), or of arm@cell on both sides (a cell of n_blocks1, n_blocks2) "
+                                       "(got ['keel', 'pre_ln']; a list of pairs: [[a, b]])"),
     ({"select_seeds": [5]}, "select_seeds: some of seeds [0, 1, 2]"),
     ({"select_seeds": []}, "select_seeds: some of seeds"),
     ({"curve_batches": 0}, "curve_batches: an integer >= 1"),
     ({"measure": "accuracy"}, "measure: 'accuracy'; allowed: loss"),
     ({"base": {"run": {"seed": 3}}}, "base: run.seed: not used here (set per point from seeds)"),
+    ({"base": TINY | {"model": {"max_seq_len": 64}}}, "base: model.max_seq_len: not used here (set per point from run"),
     ({"nope": 1}, "unknown key 'nope'"),
+    ({"question": ["does keel", "beat pre_ln?"]}, "question: text, quoted if"),
     ({"best_of": {"best": ["keel"]}}, "best_of: a mapping of new names -> lists of two or more distinct arms"),
     ({"best_of": {"keel": ["keel", "pre_ln"]}}, "best_of: a mapping of new names"),
     ({"best_of": {"best": ["keel", "nope"]}}, "best_of: a mapping of new names"),
@@ -192,6 +205,29 @@ def test_a_bad_declared_study_is_one_line_before_any_point(change, needle, tmp_p
     assert not (path.parent / "points").exists()
 
 
+@pytest.mark.parametrize("doc,needle", [({}, "arms: at least two arms to compare"), (
+    {"question": "q", "arm": {"keel": {}}}, "unknown key 'arm' (allowed: question, answer, rule, base, arms,")])
+def test_a_study_file_naming_no_study_kind_is_checked_as_a_declared_study(doc, needle, tmp_path, capsys):
+    """An empty file, or `arms:` misspelt: the declared study's own message, not 'study: None is not a study kind'."""
+    assert main(["sweep", str(write(tmp_path, doc))]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_a_corpus_too_small_for_a_validation_window_is_one_line_before_any_point(tmp_path, capsys):
+    """Pre-LN's own corpus of 60 one-line files: its validation halves hold fewer tokens than one window of
+    run.seq_len + 1, which its first point would find only after keel's points trained."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(60):
+        (corpus / f"f{i}.txt").write_text(f"x = {i}\n")
+    path = write(tmp_path, study(axes={}, tune=[], arms={"keel": {}, "pre_ln": {"model.scheme": "pre_ln",
+                                                                                "data.source": str(corpus)}}))
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "arms.pre_ln: data.source: " in err and "not one window of run.seq_len + 1 (33); add text" in err, err
+    assert not (path.parent / "points").exists()
+
+
 def test_a_declared_study_takes_no_overrides(tmp_path, capsys):
     path = write(tmp_path, study())
     assert main(["sweep", str(path), "seeds=[0]"]) == 2
@@ -209,6 +245,35 @@ def test_the_documented_study_is_a_valid_one():
     study = declared.read(yaml.safe_load(block), "docs/experiments.md")
     assert list(study.arms) == ["keel", "pre_ln"] and study.axes == {"model.n_blocks": [4, 8]}
     assert [c.model.n_blocks for c in (study.config({"model.n_blocks": n}) for n in (4, 8))] == [4, 8]
+
+
+def test_report_only_with_points_missing_writes_nothing(tmp_path, monkeypatch, capsys):
+    """--report-only refuses a study whose points are not all there, and leaves the folder as it was: no points/ for
+    a study never run, and no added seed recorded in points/config.json (written-out points, no training)."""
+    from keel.experiments import declared
+
+    monkeypatch.setattr(declared, "point", lambda study, arm, cell, hp, seed: {
+        "seed": seed, "diverged": False, "select_loss": 1.0, "report_loss": 1.0 + 0.1 * seed + 0.01 * len(arm)})
+    path = write(tmp_path, study(axes={}, tune=[], seeds=[0, 1]))
+    assert main(["sweep", str(path), "--report-only"]) == 2
+    assert "point(s) not there" in capsys.readouterr().err and not (path.parent / "points").exists()
+    assert main(["sweep", str(path)]) == 0
+    recorded = (path.parent / "points" / "config.json").read_text()
+    path.write_text(yaml.safe_dump(study(axes={}, tune=[], seeds=[0, 1, 2]), sort_keys=False))
+    assert main(["sweep", str(path), "--report-only"]) == 2
+    assert (path.parent / "points" / "config.json").read_text() == recorded
+
+
+def test_a_study_may_set_any_seq_len_and_its_model_takes_that_length():
+    """run.seq_len above the science model's 64 positions, in the base or an arm: each point's model is built for
+    its own run.seq_len (a study never sets model.max_seq_len itself)."""
+    from keel.experiments import declared
+
+    doc = study(base=TINY | {"run": {**TINY["run"], "seq_len": 128}}, axes={}, tune=[],
+                arms={"keel": {}, "pre_ln": {"model.scheme": "pre_ln", "run.seq_len": 256}})
+    got = declared.read(doc, "test")
+    assert [(c.run.seq_len, c.model.max_seq_len) for c in map(got.config, got.arms.values())] == [(128, 128),
+                                                                                                  (256, 256)]
 
 
 @pytest.mark.slow  # over a second in tests/durations.json
@@ -394,6 +459,66 @@ def test_a_tune_step_of_some_arms_grows_through_written_out_values_and_may_give_
     assert {lr for a, lr, wu in ran if a == "post_ln" and wu == 5} == {1e-5, 2e-5, 4e-5} == set(again["values"])
 
 
+def test_a_grid_grown_past_what_its_field_allows_is_a_bound_not_an_error(tmp_path, monkeypatch):
+    """beta1 from [0.5, 0.9], the higher always better: the edge's factor would grow it to 1.62, which AdamW's beta1
+    (< 1) refuses; the search stops there with 0.9 a bound at the high edge, and no point runs at 1.62."""
+    from keel.experiments import declared
+
+    ran = []
+
+    def fake_point(study, arm, cell, hp, seed):
+        study.config({**study.arms[arm], **cell, **hp})  # as a real point: a value the config refuses raises
+        ran.append(hp["optim.beta1"])
+        return {"seed": seed, "diverged": False, "select_loss": -hp["optim.beta1"], "report_loss": 1.0 + 0.1 * seed}
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = study(axes={}, tune=[{"field": "optim.beta1", "grid": [0.5, 0.9], "grow": 2}])
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    assert set(ran) == {0.5, 0.9}
+    assert results["choices"][""]["keel"]["grids"] == [{"field": "optim.beta1", "values": [0.5, 0.9], "added": [],
+                                                        "bound": "high"}]
+    assert "optim.beta1 from 0.5, 0.9; bound at the high edge" in (tmp_path / "report.md").read_text()
+
+
+def test_an_arm_a_tune_step_leaves_out_may_set_that_field_and_keeps_it(tmp_path, monkeypatch):
+    """Keel's LR tuned, Pre-LN at the LR its arm sets (3e-5, no step tunes it there): Pre-LN runs at 3e-5 alone."""
+    from keel.experiments import declared
+
+    ran = []
+
+    def fake_point(study, arm, cell, hp, seed):
+        ran.append((arm, hp["optim.lr"]))
+        return {"seed": seed, "diverged": False, "select_loss": 1.0 + abs(math.log(hp["optim.lr"] / 2e-5)),
+                "report_loss": 1.0 + 0.1 * seed}
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = study(axes={}, arms={"keel": {}, "pre_ln": {"model.scheme": "pre_ln", "optim.lr": 3e-5}},
+                tune=[{"field": "optim.lr", "grid": [1e-5, 2e-5, 4e-5], "grow": 1, "arms": ["keel"]}])
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    assert {lr for a, lr in ran if a == "pre_ln"} == {3e-5} and {lr for a, lr in ran if a == "keel"} == {1e-5, 2e-5,
+                                                                                                        4e-5}
+    assert results["choices"][""]["pre_ln"] == {"hp": {"optim.lr": 3e-5}, "grids": []}
+
+
+def test_a_field_of_one_scheme_is_tuned_for_the_arms_of_that_scheme_alone(tmp_path, monkeypatch):
+    """Keel's alpha tuned (arms: [keel]) beside Pre-LN, which has no alpha, and a Keel arm left at alpha = L: the
+    study reads, Pre-LN's and keel_L's points carry no alpha (neither None nor 'L' in a key) and run as their arms."""
+    from keel.experiments import declared
+
+    ran = []
+
+    def fake_point(study, arm, cell, hp, seed):
+        study.config({**study.arms[arm], **cell, **hp})  # as a real point: a field its scheme has not would raise
+        ran.append((arm, hp))
+        return {"seed": seed, "diverged": False, "select_loss": abs(hp.get("model.alpha", 2) - 2),
+                "report_loss": 1.0 + 0.1 * seed + 0.01 * len(arm)}
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = study(axes={}, arms={"keel": {}, "keel_L": {}, "pre_ln": {"model.scheme": "pre_ln"}},
+                tune=[{"field": "model.alpha", "grid": [1, 2, 4], "grow": 1, "arms": ["keel"]}])
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    assert {arm: c["hp"] for arm, c in results["choices"][""].items()} == {"keel": {"model.alpha": 2.0}, "keel_L": {},
+                                                                          "pre_ln": {}}
+    assert {(a, tuple(hp.items())) for a, hp in ran if a != "keel"} == {("keel_L", ()), ("pre_ln", ())}
+
+
 @pytest.mark.slow  # over a CPU second in the fast tier
 def test_a_side_that_is_a_pair_is_its_difference_seed_by_seed(tmp_path, monkeypatch):
     """(keel - pre_ln at 2 blocks) - (at 1 block), per seed: the growth of a gap with depth, one test across cells,
@@ -451,6 +576,23 @@ def test_crossing_compares_the_seed_mean_curves_early_and_where_one_stays_below(
     report = (tmp_path / "report.md").read_text()
     assert "| - | keel vs pre_ln | 10 | +0.300 (tol 0.010) | True | 70 | -0.100 (tol 0.010) |" in report
     assert "| - | keel vs post_ln | 10 | +0.005 (tol 0.010) | tie | never | +0.050 (tol 0.010) |" in report
+
+
+def test_crossing_with_an_arm_whose_every_seed_diverged_says_so(tmp_path, monkeypatch):
+    """Post-LN diverged on every seed: its pair has no curve to compare, a row that says so; keel vs pre_ln as usual."""
+    from keel.experiments import declared
+
+    def fake_point(study, arm, cell, hp, seed):
+        gone = arm == "post_ln"
+        return {"seed": seed, "diverged": gone, "select_loss": None if gone else 1.0, "report_loss": None if gone
+                else 1.0 + 0.1 * seed + 0.01 * len(arm), "evals": {"step": [4] if gone else [4, 9],
+                                                                    "loss": [9.0] if gone else [2.0, 1.0 + seed]}}
+    monkeypatch.setattr(declared, "point", fake_point)
+    doc = study(axes={}, tune=[], curve_every=5, crossing=0.1, compare=[["keel", "pre_ln"], ["keel", "post_ln"]])
+    results = declared.run(declared.read(doc, "test"), tmp_path, "test")
+    assert results["crossings"][1] == {"cell": "", "pair": ["keel", "post_ln"], "diverged": True}
+    report = (tmp_path / "report.md").read_text()
+    assert "| - | keel vs post_ln | - | no curve: every seed of an arm diverged |" in report
 
 
 def ramp(**fields) -> dict:

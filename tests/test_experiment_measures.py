@@ -3,6 +3,7 @@ held-out split, the unigram level, max-lr's rules and the curves' crossing (regi
 own tests, with false-positive and miss rates, are in test_detect.py; a study file's choices and Holm,
 test_declared_study.py.)"""
 
+import contextlib
 import math
 from collections import Counter
 from dataclasses import replace
@@ -15,7 +16,7 @@ from keel import TransformerLM, tiny
 from keel.config import TrainConfig
 from keel.data import DataConfig
 from keel.evals.surgery import branches_off, removed, residual_sizes
-from keel.experiments.common import fixed_batches, mean_sd, splits, unigram_loss
+from keel.experiments.common import fixed_batches, mean_sd, pm, splits, unigram_loss
 from keel.experiments.detect import FailureRules
 from keel.experiments.maxlr import judge, ratio_verdict, references, verdict
 from keel.experiments.stats import crossing
@@ -100,6 +101,21 @@ def test_all_keel_branches_off_is_the_head_on_the_normalised_embedding():
     with torch.no_grad(), removed(model, 5):
         whole, _ = model(x)
     assert not torch.allclose(one_off, whole)
+
+
+def test_the_probe_measures_the_lower_half_on_at_any_depth():
+    """At 6 sub-layers (not a power of two) the probe also cuts at k = 3, the lower half on, which a declared study's
+    probe table reads: the loss with branches 3..5 switched off."""
+    from keel.experiments.budget import probe
+    from keel.experiments.common import loss_on
+
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(n_blocks=3, scheme="keel"))
+    batches = [(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16)))]
+    off = probe(model, batches, contextlib.nullcontext)["loss_branches_above_k_off"]
+    assert sorted(map(int, off)) == [0, 1, 2, 3, 4, 6]
+    with branches_off(model, range(3, 6)):
+        assert off["3"] == pytest.approx(loss_on(model, batches), rel=1e-6)
 
 
 def test_select_and_report_halves_split_the_validation_tokens(corpus, tmp_path):
@@ -221,3 +237,5 @@ def test_crossing_regimes_rule():
 def test_mean_sd():
     assert mean_sd([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
     assert mean_sd([1.0, None, float("nan")]) == (1.0, 0.0)
+    # a table cell: one value is shown without an SD (0.000 would claim no spread)
+    assert (pm([1.0, 3.0]), pm([1.0, None]), pm([None])) == ("2.000 ± 1.414 (n=2)", "1.000 (n=1)", "-")

@@ -132,7 +132,7 @@ def cmd_sweep(args) -> int:
     where = "--out" if args.out else "the study file's folder"
     command = _command(["keel sweep", shlex.quote(args.study)], args.out, args.overrides)
     doc = load_study(args.study)
-    if "arms" in doc and "study" not in doc:  # a study declared as data (keel.experiments.declared)
+    if "study" not in doc:  # a study declared as data (keel.experiments.declared): `arms:` and the rest
         with report_only(args.report_only):
             run_declared(args.study, doc, args.overrides, out, where, command,
                          out.resolve().name or Path(args.study).stem)

@@ -85,10 +85,10 @@ def budget_point(cfg: BudgetConfig, model_cfg, lr: float, seed: int,
 
 
 def probe(model, batches: list, autocast) -> dict:
-    """Effective depth: loss with every branch above sub-layer k switched off, for k = 0, 1, 2, 4, ..., L;
-    and per-sub-layer rms(F) / rms(alpha x) on the first batch."""
+    """Effective depth: loss with every branch above sub-layer k switched off, for k = 0, 1, 2, 4, ..., L and L // 2
+    (the lower half on, whatever L); and per-sub-layer rms(F) / rms(alpha x) on the first batch."""
     n = model.n_sublayers
-    cuts = sorted({0, 1, 2, *(2 ** i for i in range(2, int(math.log2(n)) + 1)), n})
+    cuts = sorted({0, 1, 2, *(2 ** i for i in range(2, int(math.log2(n)) + 1)), n // 2, n})
     loss_above_off = {}
     for k in cuts:
         with branches_off(model, range(k, n)):

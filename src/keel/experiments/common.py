@@ -179,10 +179,10 @@ def mean_sd(values: list[float]) -> tuple[float, float]:
 
 
 def pm(values: list[float], digits: int = 3) -> str:
-    """"mean ± SD (n)" for a table cell."""
+    """"mean ± SD (n)" for a table cell; one value has no SD."""
     m, s = mean_sd(values)
     n = sum(1 for v in values if v is not None and math.isfinite(v))
-    return f"{m:.{digits}f} ± {s:.{digits}f} (n={n})" if n else "-"
+    return "-" if not n else f"{m:.{digits}f} (n=1)" if n == 1 else f"{m:.{digits}f} ± {s:.{digits}f} (n={n})"
 
 
 SMOKE_TEST_BANNER = "SMOKE TEST, NOT A RESULT"

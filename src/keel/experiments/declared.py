@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from keel.config import TrainConfig
+from keel.errors import ConfigError
 from keel.experiments import common, downstream, maxlr, redundancy, stats, stream
 from keel.experiments.budget import BudgetConfig, budget_point
 from keel.experiments.grid import Grid, LadderGrid, _finite, grid_note, run_searches, search_grid
@@ -101,7 +102,8 @@ def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", ques
         results["crossings"] = []
         for (c, choice), pair in itertools.product(choices.items(), study.compare):
             (steps, a), (_, b) = (_curves(study, points, c, choice, arm, seeds) for arm in pair)
-            results["crossings"].append({"cell": c, "pair": pair, **stats.crossing(a, b, steps, study.crossing)})
+            results["crossings"].append({"cell": c, "pair": pair, **(stats.crossing(a, b, steps, study.crossing) if len(
+                a) and len(b) else {"diverged": True})})  # no curve where every seed of an arm diverged
     results |= ({"picks": picks} if study.best_of else {}) | ({"untested": _tests(
         study, points, choices, picks, seeds, study.untested, tested=False)} if study.untested else {})
     _report(study, out, command, name, results, question, rule)
@@ -114,7 +116,8 @@ def _job(study, arm, cell, hp, seed):
 
 def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, base: TrainConfig, desc: str) -> dict:
     fields = study.tuned()
-    hp_of = lambda values: dict(zip(fields, values))
+    # a field a step leaves this arm at is its own; one its scheme has not (alpha: None) or a name ("L") is left out
+    hp_of = lambda values: {f: v for f, v in zip(fields, values) if isinstance(v, int | float)}
 
     def score(arm: str, *values) -> float:
         runs = [points[key(arm, cell, hp_of(values), s)] for s in study.choosers()]
@@ -127,16 +130,17 @@ def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, bas
         for step in (s for s in study.tune if arm in s.get("arms", study.arms)):
             f, ties = step["field"], step.get("ties", "low")
             number = int if isinstance(_get(base, f), int) else float
-            values = [number(v) for v in step["grid"]]
+            values, ok = [number(v) for v in step["grid"]], lambda v, f=f: _builds(study, {
+                **study.arms[arm], **cell, **now, f: v})
             grid = LadderGrid(values, step["grow"], ties=ties, below=step.get("below", []), above=step.get(
-                "above", [])) if {"below", "above"} & set(step) else (_Grid if number is int else Grid)(
-                values, step["grow"], ties=ties)
+                "above", []), allowed=ok) if {"below", "above"} & set(step) else (_Grid if number is int else Grid)(
+                values, step["grow"], ties=ties, allowed=ok)
             now[f] = yield from search_grid(grid, lambda v, f=f: tuple({**now, f: v}[g] for g in fields),
                                             lambda *v, arm=arm: score(arm, *v))
             steps.append({"field": f, **grid.describe()})
         if not steps:  # nothing tuned for this arm: its point at the values it has
             yield [tuple(now[g] for g in fields)]
-        return {"hp": dict(now), "grids": steps}
+        return {"hp": hp_of(tuple(now[g] for g in fields)), "grids": steps}
 
     def run_round(asked: dict) -> set:
         jobs = {a: {key(a, cell, hp_of(v), s): _job(study, a, cell, hp_of(v), s) for v in hps
@@ -153,6 +157,14 @@ def _tune_cell(study: DeclaredStudy, sweep: Sweep, cell: dict, points: dict, bas
     return {arm: {"hp": c["hp"], "grids": c["grids"]} for arm, c in chosen.items()}
 
 
+def _builds(study: DeclaredStudy, fields: dict) -> bool:  # whether a grown value is one the config takes
+    try:
+        study.config(fields)
+        return True
+    except ConfigError:
+        return False
+
+
 def _best_of(study: DeclaredStudy, points: dict, choices: dict, cell_name: str, among: list) -> dict:
     # the arm of `among` with the lowest mean select-half loss over the choosing seeds (ties: the first listed)
     select = {}
@@ -166,7 +178,7 @@ def _best_of(study: DeclaredStudy, points: dict, choices: dict, cell_name: str, 
 def _curves(study, points, cell_name, choice, arm, seeds) -> tuple[list[int], np.ndarray]:  # seeds not diverged
     runs = [points[key(arm, _cell(study, cell_name), choice[arm]["hp"], s)] for s in seeds]
     runs = [r for r in runs if not r["diverged"]]
-    return runs[0]["evals"]["step"], np.array([r["evals"]["loss"] for r in runs])
+    return runs[0]["evals"]["step"] if runs else [], np.array([r["evals"]["loss"] for r in runs])
 
 
 def _marginal(t: dict) -> bool:
@@ -368,10 +380,11 @@ def _profiles(study: DeclaredStudy, results: dict) -> dict:
 
 
 def _crossing_table(crossings: list[dict]) -> str:
-    rows = [[c["cell"] or "-", f"{c['pair'][0]} vs {c['pair'][1]}", c["early_step"] + 1,
-             f"{c['early_diff']:+.3f} (tol {c['early_tol']:.3f})", c["starts_slower"],
+    rows = [[c["cell"] or "-", f"{c['pair'][0]} vs {c['pair'][1]}", *(["-", "no curve: every seed of an arm diverged",
+                                                                        "-", "-", "-"] if c.get("diverged") else [
+             c["early_step"] + 1, f"{c['early_diff']:+.3f} (tol {c['early_tol']:.3f})", c["starts_slower"],
              "never" if c["cross_step"] is None else c["cross_step"] + 1,
-             f"{c['final_diff']:+.3f} (tol {c['final_tol']:.3f})"] for c in crossings]
+             f"{c['final_diff']:+.3f} (tol {c['final_tol']:.3f})"])] for c in crossings]
     return ("The curves (report half, seed means; tol: the larger seed SD of the two): the first arm against the "
             "second at the first evaluation past the study's crossing fraction, the step from which it stays below, "
             "and at the end.\n\n" + common.markdown_table(["cell", "comparison", "early step", "difference, early",

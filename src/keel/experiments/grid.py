@@ -26,6 +26,8 @@ class Grid:
     # values already run in this grid's place (depth-sweep: the arm's grid a depth before): growth past an edge takes
     # the nearest of them first, keeping their spacing (3.33e-4, 1e-3, 3e-3 grows to 1e-2, not 9e-3)
     known: list[float] = field(default_factory=list)
+    # whether a value may run at all: one past it (a beta of 1, an LR above the config's limit) is a bound, not an error
+    allowed: Callable[[float], bool] | None = None
 
     def __post_init__(self):
         if self.ties not in ("low", "high"):
@@ -45,7 +47,7 @@ class Grid:
             return None
         grown = sum((v < self.start[0]) if edge == "low" else (v > self.start[1]) for v in self.added)
         new = self.beyond(edge, grown) if grown < self.max_extensions else None
-        if new is None:
+        if new is None or (self.allowed is not None and not self.allowed(new)):
             self.bound = edge
             return None
         self.values = sorted([*self.values, new])

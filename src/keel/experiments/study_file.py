@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from keel.config import OptimConfig, RunConfig, TrainConfig, merge, validate
 from keel.config.reads import Reads
 from keel.data.corpus import DataConfig
-from keel.errors import ConfigError
+from keel.errors import ConfigError, KeelError
 from keel.experiments import common, maxlr, redundancy
 from keel.experiments.detect import FailureRules
 from keel.model.sizes import science
@@ -32,7 +32,7 @@ MAX_LR = {"eval_every": "select-half evaluations every this many steps (an integ
           "counts", "scale": "lr or log: what the compare pairs' t-tests compare (default lr)", "published": "arm/arm "
           "-> a published ratio of their max LRs (a positive number)"}
 PER_POINT = {"run.seed": "set per point from seeds", "run.out_dir": "a study point writes no run directory",
-             "run.name": "a study point writes no run directory"}
+             "run.name": "a study point writes no run directory", "model.max_seq_len": "set per point from run.seq_len"}
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
 
 
@@ -79,7 +79,8 @@ class DeclaredStudy:
         return copy.deepcopy(_CONFIGS[key])
 
     def _merged(self, fields: dict) -> TrainConfig:
-        base = TrainConfig(model=science(), data=DataConfig(), optim=OptimConfig(warmup_steps=40),
+        # the model's max_seq_len is set to run.seq_len below: until then, room for any run.seq_len
+        base = TrainConfig(model=science(max_seq_len=2**24), data=DataConfig(), optim=OptimConfig(warmup_steps=40),
                            guard=common.experiment_guard(), run=common.experiment_run())
         refuse = PER_POINT | ({f: "the max-LR ramp sets it (0 -> optim.lr over run.steps)" for f in maxlr.RAMP_FIELDS}
                               if self.measure == "max_lr" else {})
@@ -137,6 +138,8 @@ def read(doc: dict, where: str) -> DeclaredStudy:
     for key in ("base", "arms", "axes"):
         if not isinstance(doc.get(key) or {}, dict):
             raise bad(f"{key}: a mapping")
+    if text := next((k for k in ("question", "answer", "rule") if not isinstance(doc.get(k) or "", str)), None):
+        raise bad(f"{text}: text, quoted if it holds a ': ' or starts with '[' or '{{' (got {doc[text]!r})")
     arms = {str(k): dotted(v or {}) if isinstance(v, dict) else v for k, v in (doc.get("arms") or {}).items()}
     if len(arms) < 2:
         raise bad("arms: at least two arms to compare (name -> the fields it sets)")
@@ -209,8 +212,13 @@ def read(doc: dict, where: str) -> DeclaredStudy:
     for key_, pairs in (("compare", arm_pairs), ("untested", doc.get("untested") or [])):
         if not isinstance(pairs, list) or not all(pair(p) and len({_pinned(best_of, a) for a in _leaves(p)}) == 1
                                                   for p in pairs):
+            flat = isinstance(pairs, list) and all(isinstance(p, str) for p in pairs)  # [a, b] for [[a, b]]
+            stray = [x for p in pairs if isinstance(p, list) for x in _leaves(p) if isinstance(x, str) and x not in {
+                *names, *pinned}] if isinstance(pairs, list) else []
             raise bad(f"{key_}: pairs of two different arms out of {', '.join(names)} (or of two such pairs), or of "
-                      f"arm@cell on both sides (a cell of {', '.join(cells) or 'none: no axes'}) (got {pairs!r})")
+                      f"arm@cell on both sides (a cell of {', '.join(cells) or 'none: no axes'}) (got {pairs!r}"
+                      + (f"; {stray[0]!r} is none of them)" if stray else "; a list of pairs: [[a, b]])" if flat
+                         else ")"))
     if measure == "max_lr":
         _check_max_lr(doc, arms, bad)
     elif "max_lr" in doc:
@@ -271,15 +279,29 @@ def _ladder(values, edge: float, sign: int) -> bool:  # positive values moving a
 
 def _check_configs(study: DeclaredStudy, bad) -> None:
     # every arm, axis value and grid value through the merge, alone and then together, before any point trains
+    halves = {}  # a local data source's shortest validation half, prepared here as its first point would
+
     def check(where: str, fields: dict) -> TrainConfig:
         try:
-            return study.config(fields)
-        except ConfigError as err:
+            config = study.config(fields)
+            source = config.data.source
+            if source != "stdlib" and not source.startswith("hf:"):
+                if source not in halves:
+                    halves[source] = min(map(len, common.splits(config.data).values()))
+                if halves[source] <= config.run.seq_len:
+                    raise ConfigError(f"data.source: {source}: half its validation split is {halves[source]} tokens, "
+                                      f"not one window of run.seq_len + 1 ({config.run.seq_len + 1}); add text")
+            return config
+        except KeelError as err:
             raise bad(f"{where}: {err}") from None
-    for name in study.tuned():
-        owners = [f"axes.{name}"] * (name in study.axes) + [f"arms.{a}" for a, f in study.arms.items() if name in f]
+    for name in study.tuned():  # an arm a step leaves out keeps its own value
+        tuning = {a for s in study.tune if s["field"] == name for a in s.get("arms", study.arms)}
+        owners = [f"axes.{name}"] * (name in study.axes) + [f"arms.{a}" for a, f in study.arms.items()
+                                                            if name in f and a in tuning]
         if owners:
             raise bad(f"tune: {name} is chosen per arm and cell, so {owners[0]} may not set it")
+    if owner := next(((a, n) for a, f in study.arms.items() for n in f if n in study.axes), None):
+        raise bad(f"axes: {owner[1]} is set per cell, so arms.{owner[0]} may not set it (the cell's value would win)")
     if not check("base", {}).run.eval_tasks and study.measure == "downstream":
         raise bad("run.eval_tasks: measure downstream scores tasks; name at least one (e.g. [brackets, indent])")
     for arm, fields in study.arms.items():
@@ -288,15 +310,18 @@ def _check_configs(study: DeclaredStudy, bad) -> None:
     for name, values in study.axes.items():
         for value in values:
             check(f"axes.{name}", {name: value})
-    for i, step in enumerate(study.tune):
+    tunes = lambda arm: [(i, s) for i, s in enumerate(study.tune) if arm in s.get("arms", study.arms)]
+    for i, step in enumerate(study.tune):  # on the first arm it tunes (a field such as alpha is one scheme's)
+        first = study.arms[next(a for a in study.arms if (i, step) in tunes(a))]
         for value in [*step["grid"], *step.get("below", []), *step.get("above", [])]:
-            if isinstance(_get(check(f"tune[{i}]", {step["field"]: value}), step["field"]), bool | str):
+            if isinstance(_get(check(f"tune[{i}]", {**first, step["field"]: value}), step["field"]), bool | str):
                 raise bad(f"tune[{i}]: {step['field']} is not a number")
     for arm, fields in study.arms.items():
         for cell in study.cells():
-            for step in study.tune or [{"field": None, "grid": [None]}]:
+            for i, step in tunes(arm) or [(None, {"field": None, "grid": [None]})]:
                 for value in step["grid"]:
-                    check(f"arms.{arm} at {_cell_name(cell) or 'the base'}",
+                    check(f"arms.{arm} at {_cell_name(cell) or 'the base'}" + (f", tune[{i}] {step['field']}={value}"
+                                                                               if step["field"] else ""),
                           {**fields, **cell, **({} if step["field"] is None else {step["field"]: value})})
 
 

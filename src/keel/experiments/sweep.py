@@ -89,7 +89,9 @@ class Sweep:
         returns once `enough(done so far)` holds, the rest left to a later call (grid.run_searches: arms advance
         independently)."""
         # a `points` link (or file) planted in the output directory is refused, never written through
-        safe_io.check_dir(self.out, self.out / "points").mkdir(parents=True, exist_ok=True)
+        folder = safe_io.check_dir(self.out, self.out / "points")
+        if not _REPORT_ONLY.get():  # --report-only writes nothing, not even the config it would record
+            folder.mkdir(parents=True, exist_ok=True)
         recorded, mine = self.out / "points" / "config.json", json.loads(json.dumps(asdict(self.config)))
         theirs = json.loads(recorded.read_text()) if recorded.exists() else None
         if theirs is not None:
@@ -100,7 +102,7 @@ class Sweep:
                                   f"{', '.join(changed)}); use another --out or delete that directory")
             if "seeds" in mine:
                 mine["seeds"] = sorted(set(theirs.get("seeds", [])) | set(mine["seeds"]))
-        if mine != theirs:
+        if mine != theirs and not _REPORT_ONLY.get():
             safe_io.write_text(recorded.parent, recorded, json.dumps(mine, indent=1), fsync=True)  # never via a link
         # the points already on disk first: with `enough`, an arm whose points are all saved is handed back before
         # this process starts an hour-long point of another
