@@ -228,6 +228,54 @@ def test_a_corpus_too_small_for_a_validation_window_is_one_line_before_any_point
     assert not (path.parent / "points").exists()
 
 
+def _one_line_files(folder, n: int = 60):
+    folder.mkdir()
+    for i in range(n):
+        (folder / f"f{i}.txt").write_text(f"x = {i}\n")
+    return folder
+
+
+def test_each_arms_corpus_is_counted_as_that_arm_tokenises_and_splits_it(tmp_path, capsys):
+    """Two arms on one corpus, split otherwise (data.val_fraction): Keel's halves hold a window, Pre-LN's do not.
+    Counted once per source, Pre-LN's check read Keel's count and passed, and its first point failed mid-study."""
+    corpus = _one_line_files(tmp_path / "corpus")
+    path = write(tmp_path, study(axes={}, tune=[], arms={
+        "keel": {"data.source": str(corpus), "data.val_fraction": 0.5},
+        "pre_ln": {"model.scheme": "pre_ln", "data.source": str(corpus), "data.val_fraction": 0.02}}))
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "arms.pre_ln: data.source: " in err and "not one window of run.seq_len + 1 (33)" in err, err
+
+
+def test_a_quick_study_checks_its_corpus_at_the_size_it_trains(tmp_path):
+    """A corpus with a window's worth at the smoke size (run.seq_len 32) but not at the study's own (160): refused
+    as the study, read at its smoke size (`keel experiment NAME --quick`)."""
+    from keel.errors import ConfigError
+    from keel.experiments import declared
+
+    corpus = _one_line_files(tmp_path / "corpus")
+    doc = study(axes={}, tune=[], base={**TINY, "run": {**TINY.get("run", {}), "seq_len": 160}},
+                arms={"keel": {"data.source": str(corpus), "data.val_fraction": 0.5}, "pre_ln": {
+                    "model.scheme": "pre_ln", "data.source": str(corpus), "data.val_fraction": 0.5}})
+    with pytest.raises(ConfigError, match=r"not one window of run.seq_len \+ 1 \(161\)"):
+        declared.read(doc, "test")
+    assert declared.read(doc, "test", quick=True).config({}).run.seq_len == 32
+
+
+def test_a_study_kinds_file_with_its_study_key_misspelt_is_told_that_key(tmp_path, capsys):
+    path = write(tmp_path, {"stduy": "gradflow", "fields": {}})
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'stduy' (allowed: study, fields" in err, err
+
+
+def test_report_only_into_a_new_out_makes_no_folder(tmp_path, capsys):
+    path = write(tmp_path, study())
+    assert main(["sweep", str(path), "--out", str(tmp_path / "new"), "--report-only"]) == 2
+    assert "--report-only trains nothing" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_declared_study_takes_no_overrides(tmp_path, capsys):
     path = write(tmp_path, study())
     assert main(["sweep", str(path), "seeds=[0]"]) == 2
@@ -511,12 +559,15 @@ def test_a_field_of_one_scheme_is_tuned_for_the_arms_of_that_scheme_alone(tmp_pa
         return {"seed": seed, "diverged": False, "select_loss": abs(hp.get("model.alpha", 2) - 2),
                 "report_loss": 1.0 + 0.1 * seed + 0.01 * len(arm)}
     monkeypatch.setattr(declared, "point", fake_point)
-    doc = study(axes={}, arms={"keel": {}, "keel_L": {}, "pre_ln": {"model.scheme": "pre_ln"}},
+    doc = study(axes={}, arms={"keel": {}, "keel_L": {"model.alpha": "L"}, "keel_2": {"model.alpha": "2"},
+                               "pre_ln": {"model.scheme": "pre_ln"}},
                 tune=[{"field": "model.alpha", "grid": [1, 2, 4], "grow": 1, "arms": ["keel"]}])
     results = declared.run(declared.read(doc, "test"), tmp_path, "test")
     assert {arm: c["hp"] for arm, c in results["choices"][""].items()} == {"keel": {"model.alpha": 2.0}, "keel_L": {},
-                                                                          "pre_ln": {}}
-    assert {(a, tuple(hp.items())) for a, hp in ran if a != "keel"} == {("keel_L", ()), ("pre_ln", ())}
+                                                                          "keel_2": {}, "pre_ln": {}}
+    assert {(a, tuple(hp.items())) for a, hp in ran if a != "keel"} == {("keel_L", ()), ("keel_2", ()), ("pre_ln", ())}
+    assert {declared.key(a, {}, hp, 0) for a, hp in ran if a != "keel"} == {"keel_L-seed0", "keel_2-seed0",
+                                                                            "pre_ln-seed0"}
 
 
 @pytest.mark.slow  # over a CPU second in the fast tier
@@ -590,9 +641,9 @@ def test_crossing_with_an_arm_whose_every_seed_diverged_says_so(tmp_path, monkey
     monkeypatch.setattr(declared, "point", fake_point)
     doc = study(axes={}, tune=[], curve_every=5, crossing=0.1, compare=[["keel", "pre_ln"], ["keel", "post_ln"]])
     results = declared.run(declared.read(doc, "test"), tmp_path, "test")
-    assert results["crossings"][1] == {"cell": "", "pair": ["keel", "post_ln"], "diverged": True}
+    assert results["crossings"][1] == {"cell": "", "pair": ["keel", "post_ln"], "no_curve": ["post_ln"]}
     report = (tmp_path / "report.md").read_text()
-    assert "| - | keel vs post_ln | - | no curve: every seed of an arm diverged |" in report
+    assert "| - | keel vs post_ln | - | no curve: every seed of post_ln diverged |" in report
 
 
 def ramp(**fields) -> dict:

@@ -49,7 +49,7 @@ def test_a_reports_command_parses_and_merges_to_the_configuration_its_points_rec
 
     def merge_only(args):
         doc = experiment_cli.load_study(args.study)
-        if "arms" in doc:  # a study declared as data: what the sweep records is the study as read
+        if experiment_cli.declared_file(doc):  # a study declared as data: what the sweep records is the study as read
             seen["cfg"], seen["kind"] = declared.read(doc, args.study), folder
             return 0
         kind, fields = experiment_cli.read_study(args.study)

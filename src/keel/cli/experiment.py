@@ -101,6 +101,12 @@ def load_study(path: str) -> dict:
     return doc
 
 
+def declared_file(doc: dict) -> bool:
+    """Whether a study file's mapping is a study declared as data (`arms:` and the rest; an empty or misspelt one
+    too, so its message lists the declared keys), not one naming a study kind (`study:` and `fields:`)."""
+    return "arms" in doc or not {"study", "fields"} & set(map(str, doc))
+
+
 def read_study(path: str) -> tuple[str, list[str]]:
     """(kind, overrides) from a study file that names a study kind, checked whole: one ConfigError naming the file
     and the key."""
@@ -132,13 +138,14 @@ def cmd_sweep(args) -> int:
     where = "--out" if args.out else "the study file's folder"
     command = _command(["keel sweep", shlex.quote(args.study)], args.out, args.overrides)
     doc = load_study(args.study)
-    if "study" not in doc:  # a study declared as data (keel.experiments.declared): `arms:` and the rest
+    if declared_file(doc):  # a study declared as data (keel.experiments.declared): `arms:` and the rest
         with report_only(args.report_only):
             run_declared(args.study, doc, args.overrides, out, where, command,
-                         out.resolve().name or Path(args.study).stem)
+                         out.resolve().name or Path(args.study).stem, make=not args.report_only)
         return _wrote(out)
     kind, fields = read_study(args.study)
-    _run_kind(kind, build(kind, False, [*fields, *args.overrides]), out, where, command, report_only(args.report_only))
+    _run_kind(kind, build(kind, False, [*fields, *args.overrides]), out, where, command, report_only(args.report_only),
+              make=not args.report_only)
     return _wrote(out)
 
 
@@ -146,11 +153,11 @@ def _command(words: list[str], out: str | None, overrides: list[str]) -> str:  #
     return " ".join([*words, *([f"--out {shlex.quote(out)}"] if out else []), *map(shlex.quote, overrides)])
 
 
-def _run_kind(kind: str, cfg, out: Path, where: str, command: str, around) -> None:
+def _run_kind(kind: str, cfg, out: Path, where: str, command: str, around, make: bool = True) -> None:
     from keel import runtime
 
     runtime.set_threads(cfg.run.threads)  # once, from the merged config (a YAML file's run.threads too)
-    output_dir(str(out), where)
+    output_dir(str(out), where, make=make)
     with around:
         studies().EXPERIMENTS[kind][1](cfg, out, command)
 
@@ -163,19 +170,18 @@ def _wrote(out: Path, report: bool = False) -> int:
 
 
 def run_declared(path: str, doc: dict, overrides: list[str], out: Path, where: str, command: str, name: str,
-                 quick: bool = False) -> None:
+                 quick: bool = False, make: bool = True) -> None:
     """A study declared as data, read and checked whole (one line naming the field), then run; with `quick` at its
-    smoke-test size (keel.experiments.declared.smoke)."""
+    smoke-test size (keel.experiments.declared.smoke); `make=False` (--report-only) makes no output folder."""
     from keel import runtime
     from keel.experiments import declared
 
     if overrides:
         raise ConfigError(f"{path}: a declared study takes no key=value overrides (got {overrides[0]!r}); its fields "
                           "are in its file")
-    study = declared.read(doc, path)
-    study = declared.smoke(study) if quick else study
+    study = declared.read(doc, path, quick)
     runtime.set_threads(study.run.threads)
-    output_dir(str(out), where)  # a link, a file, read-only: one line before any point trains
+    output_dir(str(out), where, make=make)  # a link, a file, read-only: one line before any point trains
     declared.run(study, out, command, name=name, question=str(doc.get("question") or ""),
                  rule=str(doc.get("rule") or ""))
 

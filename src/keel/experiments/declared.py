@@ -101,9 +101,11 @@ def run(study: DeclaredStudy, out: Path, command: str, name: str = "study", ques
     if study.crossing:
         results["crossings"] = []
         for (c, choice), pair in itertools.product(choices.items(), study.compare):
-            (steps, a), (_, b) = (_curves(study, points, c, choice, arm, seeds) for arm in pair)
-            results["crossings"].append({"cell": c, "pair": pair, **(stats.crossing(a, b, steps, study.crossing) if len(
-                a) and len(b) else {"diverged": True})})  # no curve where every seed of an arm diverged
+            curves = [_curves(study, points, c, choice, arm, seeds) for arm in pair]
+            (steps, a), (_, b) = curves
+            none = [arm for arm, (_, curve) in zip(pair, curves) if not len(curve)]  # every seed of it diverged
+            results["crossings"].append({"cell": c, "pair": pair, **({"no_curve": none} if none else stats.crossing(
+                a, b, steps, study.crossing))})
     results |= ({"picks": picks} if study.best_of else {}) | ({"untested": _tests(
         study, points, choices, picks, seeds, study.untested, tested=False)} if study.untested else {})
     _report(study, out, command, name, results, question, rule)
@@ -380,8 +382,9 @@ def _profiles(study: DeclaredStudy, results: dict) -> dict:
 
 
 def _crossing_table(crossings: list[dict]) -> str:
-    rows = [[c["cell"] or "-", f"{c['pair'][0]} vs {c['pair'][1]}", *(["-", "no curve: every seed of an arm diverged",
-                                                                        "-", "-", "-"] if c.get("diverged") else [
+    rows = [[c["cell"] or "-", f"{c['pair'][0]} vs {c['pair'][1]}", *(["-", f"no curve: every seed of "
+                                                                        f"{' and '.join(c['no_curve'])} diverged",
+                                                                        "-", "-", "-"] if c.get("no_curve") else [
              c["early_step"] + 1, f"{c['early_diff']:+.3f} (tol {c['early_tol']:.3f})", c["starts_slower"],
              "never" if c["cross_step"] is None else c["cross_step"] + 1,
              f"{c['final_diff']:+.3f} (tol {c['final_tol']:.3f})"])] for c in crossings]

@@ -128,9 +128,10 @@ def dotted(fields: dict, prefix: str = "") -> dict:
     return out
 
 
-def read(doc: dict, where: str) -> DeclaredStudy:
+def read(doc: dict, where: str, quick: bool = False) -> DeclaredStudy:
     """The study in `doc` (a study file's mapping), checked whole: every arm, axis value and grid value merged
-    into the base; one ConfigError naming `where` and the field."""
+    into the base; one ConfigError naming `where` and the field. `quick`: at its smoke-test size (`smoke`), checked
+    at that size."""
     bad = lambda what: ConfigError(f"{where}: {what}")
     unknown = sorted(set(map(str, doc)) - set(KEYS))
     if unknown:
@@ -138,7 +139,7 @@ def read(doc: dict, where: str) -> DeclaredStudy:
     for key in ("base", "arms", "axes"):
         if not isinstance(doc.get(key) or {}, dict):
             raise bad(f"{key}: a mapping")
-    if text := next((k for k in ("question", "answer", "rule") if not isinstance(doc.get(k) or "", str)), None):
+    if text := next((k for k in ("question", "answer", "rule") if not isinstance(doc.get(k, ""), str | None)), None):
         raise bad(f"{text}: text, quoted if it holds a ': ' or starts with '[' or '{{' (got {doc[text]!r})")
     arms = {str(k): dotted(v or {}) if isinstance(v, dict) else v for k, v in (doc.get("arms") or {}).items()}
     if len(arms) < 2:
@@ -246,6 +247,7 @@ def read(doc: dict, where: str) -> DeclaredStudy:
         for s in tune], seeds=seeds, marginal_seeds=marginal, compare=compare, measure=measure, curve_every=curve_every,
         curve_batches=curve_batches, select_seeds=select or [], best_of=best_of, untested=doc.get("untested") or [],
         probe=doc.get("probe", False), max_lr=doc.get("max_lr") or {}, crossing=crossing, stream=got, rank=rank)
+    study = smoke(study) if quick else study
     _check_configs(study, bad)
     return study
 
@@ -284,13 +286,14 @@ def _check_configs(study: DeclaredStudy, bad) -> None:
     def check(where: str, fields: dict) -> TrainConfig:
         try:
             config = study.config(fields)
-            source = config.data.source
+            source, data = config.data.source, repr(config.data)  # tokens: by tokenizer, split and field too
             if source != "stdlib" and not source.startswith("hf:"):
-                if source not in halves:
-                    halves[source] = min(map(len, common.splits(config.data).values()))
-                if halves[source] <= config.run.seq_len:
-                    raise ConfigError(f"data.source: {source}: half its validation split is {halves[source]} tokens, "
-                                      f"not one window of run.seq_len + 1 ({config.run.seq_len + 1}); add text")
+                if data not in halves:
+                    halves[data] = min(map(len, common.splits(config.data).values()))
+                if halves[data] <= config.run.seq_len:
+                    raise ConfigError(f"data.source: {source}: half its validation split is {halves[data]} tokens "
+                                      f"of data.tokenizer {config.data.tokenizer}, not one window of run.seq_len + 1 "
+                                      f"({config.run.seq_len + 1}); add text")
             return config
         except KeelError as err:
             raise bad(f"{where}: {err}") from None
