@@ -497,6 +497,11 @@ def test_a_tokenizer_that_ends_each_text_with_its_eos_gets_it_once_a_document(tm
     assert TokenStream([], loaded, "text", "docs").encode([long, short]).tolist() == want
     manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
     assert manifest["tokenizer"]["piece_rule"] == tokenizer.EOS_ONCE
+    manifest["tokenizer"]["piece_rule"] = tokenizer.PIECE_RULE  # as a keel that doubled the id recorded it
+    (tmp_path / "shards" / "manifest.json").write_text(json.dumps(manifest))
+    write_jsonl(tmp_path / "docs.jsonl", texts[31:33], mode="a")
+    with pytest.raises(DataError, match="put the end-of-text id twice after each document"):
+        shard_writer.prepare_shards(cfg, tmp_path / "shards", workers=1, shard_tokens=SHARD_TOKENS, progress=False)
 
 
 def _strip_piece_rule(manifest_path: Path) -> None:

@@ -19,7 +19,7 @@ import torch
 from keel.data import shards
 from keel.data.corpus import SPLITS, Corpus, DataConfig, build_corpus, cache_root
 from keel.data.shard_writer import directory_bpe, write_shards
-from keel.data.tokenizer import is_bpe, load_tokenizer
+from keel.data.tokenizer import EOS_ONCE, PIECE_RULE, is_bpe, load_tokenizer
 from keel.errors import DataError
 
 CACHE = "shards"  # cache_dir/shards/<key>: the token cache, a shard directory
@@ -55,11 +55,11 @@ def prepare(cfg: DataConfig, tokenizer=None) -> Prepared:
     corpus = build_corpus(cfg)
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer, root, corpus)
     plain = hashlib.sha256((corpus.fingerprint + tokenizer.name).encode()).hexdigest()[:16]  # also an older keel's
-    key = plain if tokenizer.piece_rule is None else hashlib.sha256(
-        f"{corpus.fingerprint}{tokenizer.name}\0{tokenizer.piece_rule}".encode()).hexdigest()[:16]
+    ruled = lambda rule: hashlib.sha256(f"{corpus.fingerprint}{tokenizer.name}\0{rule}".encode()).hexdigest()[:16]
+    key = plain if tokenizer.piece_rule is None else ruled(tokenizer.piece_rule)
     path = root / CACHE / key
     if _whole(path) is None:
-        _note_older(root, plain, path)
+        _note_older(root, plain, path, ruled(PIECE_RULE) if tokenizer.piece_rule == EOS_ONCE else None)
         _build(corpus, tokenizer, path)
     return _open_shards(path, tokenizer, root, f"the token cache is damaged: delete {path} to rebuild it")
 
@@ -118,12 +118,15 @@ def _whole(path: Path) -> dict | None:
     return manifest if all(manifest["splits"][s]["complete"] for s in SPLITS) else None
 
 
-def _note_older(root: Path, plain: str, final: Path) -> None:
+def _note_older(root: Path, plain: str, final: Path, doubled: str | None = None) -> None:
     """One line naming the token cache an older keel made of this corpus and tokenizer, which is never read (and
     left as it is: that keel may still read it): one in its layout (train.bin, val.bin), or, where the tokenizer's
-    post-processor adds ids (`piece_rule`), one whose long documents got them on every piece."""
+    post-processor adds ids (`piece_rule`), one whose long documents got them on every piece, or (`doubled`, its
+    key) one whose documents ended with the end-of-text id twice."""
     if os.path.lexists(root / OLD_CACHE / plain / "meta.json"):
         old, how = root / OLD_CACHE / plain, "in the layout of an older keel (train.bin, val.bin)"
+    elif doubled and _whole(root / CACHE / doubled) is not None:
+        old, how = root / CACHE / doubled, "an older keel made, which put the end-of-text id twice after each document"
     elif final.name != plain and _whole(root / CACHE / plain) is not None:
         old, how = root / CACHE / plain, "an older keel made, whose long documents got the BOS/EOS on every piece"
     else:

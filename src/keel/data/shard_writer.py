@@ -32,6 +32,8 @@ from keel.data.shards import (
     shard_name,
 )
 from keel.data.tokenizer import (
+    EOS_ONCE,
+    PIECE_RULE,
     HFTokenizer,
     is_bpe,
     load_tokenizer,
@@ -206,10 +208,14 @@ def directory_bpe(spec: str, directory: Path, manifest: dict, exact: bool = Fals
 def _check_piece_rule(out: Path, manifest: dict, tokenizer) -> None:
     """Refuse to add to shards whose long documents got a post-processor's BOS/EOS on every piece (an older keel):
     new ids would be counted otherwise than those kept."""
-    if manifest["tokenizer"].get("piece_rule") != tokenizer.piece_rule:
-        raise DataError(f"{out / MANIFEST}: the shards were made by an older keel, which gave each million-character "
-                        f"piece of a long document the BOS/EOS {tokenizer.name!r} adds, not each document once; "
-                        "prepare into a new --out")
+    recorded = manifest["tokenizer"].get("piece_rule")
+    if recorded != tokenizer.piece_rule:
+        how = ("put the end-of-text id twice after each document (the post-processor's and its own)"
+               if recorded == PIECE_RULE and tokenizer.piece_rule == EOS_ONCE else
+               f"gave each million-character piece of a long document the BOS/EOS {tokenizer.name!r} adds, not each "
+               "document once")
+        raise DataError(f"{out / MANIFEST}: the shards were made by an older keel, which {how}; prepare into a new "
+                        "--out")
 
 
 def _keep(tok, out: Path):

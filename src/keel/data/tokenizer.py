@@ -103,8 +103,8 @@ class HFTokenizer:
 
     @cached_property
     def piece_rule(self) -> str | None:
-        """None when the post-processor adds no ids, else PIECE_RULE: encode_pieces adds them once a document
-        (docs/internals.md#keeldatatokenizerhftokenizerpiece_rule)."""
+        """None when the post-processor adds no ids, else PIECE_RULE (encode_pieces adds them once a document), or
+        EOS_ONCE when they end with eos_id (docs/internals.md#keeldatatokenizerhftokenizerpiece_rule)."""
         post = self._tok.post_processor
         if post is None or post.num_special_tokens_to_add(False) == 0:
             return None
