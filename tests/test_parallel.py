@@ -65,12 +65,14 @@ def test_compiling_blocks_compiles_a_constant_number_of_graphs_whatever_the_dept
 
 
 @pytest.mark.slow  # Inductor's C++ build: 15 s on a cold cache (a fresh machine), on a loaded 2-core one
-def test_inductor_compiled_blocks_match_eager():
+@pytest.mark.parametrize("n_kv_heads", [1, None], ids=["one-kv-head", "multi-head"])
+def test_inductor_compiled_blocks_match_eager(n_kv_heads):
+    """One K/V head: the shape of tests/test_compile.py's later Keel blocks (4 blocks, alpha 8, 2 x 16 tokens), so
+    in one test session the second to compile them loads them from Inductor's caches. Multi-head (the default,
+    attention without enable_gqa): a graph of its own, compiled here."""
     if shutil.which("gcc") is None and shutil.which("cc") is None:
         pytest.skip("no C compiler for inductor's CPU backend")
-    # every block the shape of tests/test_compile.py's later Keel blocks (4 blocks, alpha 8, one K/V head, 2 x 16
-    # tokens): the same graphs, so in one test session the second to compile them loads them from Inductor's caches
-    cfg = config(4, first_layer="none", n_kv_heads=1)
+    cfg = config(4, first_layer="none", n_kv_heads=n_kv_heads)
     eager_loss, eager = loss_and_grads(model(cfg))
     compiled = model(cfg)
     apply_compile(compiled)

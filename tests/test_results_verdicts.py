@@ -41,6 +41,13 @@ def point(folder: str, name: str) -> dict:
     raise FileNotFoundError(f"{folder}: {name}")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _read_once_per_module():  # the caches below last this file's tests, not the whole session's memory
+    yield
+    point.cache_clear()
+    res.cache_clear()
+
+
 # experiment -> how its LR was chosen: "mean" (over every seed)
 LOSS_EXPERIMENTS = {"frontier": "mean"}
 
