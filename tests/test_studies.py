@@ -28,6 +28,7 @@ def numbers(folder: Path) -> str:
     return json.dumps(store.read_results(folder)["results"], sort_keys=True)  # NaN and inf compare as text
 
 
+@pytest.mark.slow  # 1.09 s on a core of its own in tests/durations.json (638530e's CI run)
 def test_every_results_folder_is_a_study_and_nothing_else_runs_it():
     folders = sorted(p.name for p in RESULTS.iterdir() if p.is_dir())
     assert folders == STUDIES
