@@ -60,12 +60,13 @@ def fenced_blocks(path: Path) -> list[Block]:
 
 def run_block(block: Block, cwd: Path, server: tuple[Path, Path] | None = None) -> subprocess.CompletedProcess:
     """The block as a script in `cwd`, with this interpreter's `keel`/`torchrun` first on PATH, offline; with a
-    `server` (keel_server below: its client's folder and socket), `keel` is that client."""
+    `server` (keel_server below: its clients' folder and socket), `keel` and a Python block's interpreter are its
+    clients."""
     script = cwd / ("block.py" if block.lang == "python" else "block.sh")
     script.write_text(block.code)
     argv = [*RUNNERS[block.lang], script.name]
     if argv[0] == "python":
-        argv[0] = sys.executable
+        argv[0] = sys.executable if server is None else str(server[0] / "python-block")
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     env = os.environ | {"PATH": path, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "MPLBACKEND": "Agg",
                         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -81,12 +82,15 @@ def run_block(block: Block, cwd: Path, server: tuple[Path, Path] | None = None) 
 # with the blocks' environment, which forks and runs keel.cli.main() there, as the console script does
 # (`sys.exit(main())`), and answers with its exit status. What a fresh process would read from the environment
 # as torch loads (OMP_NUM_THREADS, OMP_WAIT_POLICY, MPLBACKEND) is the server's, which is the blocks' own: the
-# pages set none. The installed console script itself is run by test_a_block_that_drifted_fails (no server).
+# pages set none. A ```python block is served the same way (the client `python-block`): the forked child runs the
+# script as `python block.py` would, as __main__ with its folder first on sys.path. The installed console script and
+# a fresh interpreter are run by test_a_block_that_drifted_fails (no server).
 CLIENT = """\
 import json, os, socket, sys
 s = socket.socket(socket.AF_UNIX)
 s.connect(os.environ["KEEL_DOCS_SERVER"])
-request = json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+request = json.dumps({"mode": os.path.basename(sys.argv[0]), "argv": sys.argv[1:], "cwd": os.getcwd(),
+                      "env": dict(os.environ)}).encode()
 socket.send_fds(s, [request], [0, 1, 2])
 s.shutdown(socket.SHUT_WR)
 reply = b"".join(iter(lambda: s.recv(64), b""))
@@ -136,7 +140,9 @@ def serve(path: str) -> None:
 
 def _command(request: dict, fds: list[int]) -> int:
     """In the forked child: the client's streams, directory, environment and arguments, then the console script's
-    `sys.exit(main())`; returns the exit status the interpreter would give."""
+    `sys.exit(main())` (client `keel`) or the script as __main__ (client `python-block`); returns the exit status
+    the interpreter would give."""
+    import runpy
     import traceback
 
     for target, fd in enumerate(fds):
@@ -145,8 +151,13 @@ def _command(request: dict, fds: list[int]) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.argv = ["keel", *request["argv"]]
     try:
+        if request["mode"] == "python-block":  # `python SCRIPT ARGS...`: its folder first on the path
+            sys.argv = list(request["argv"])
+            sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+            runpy.run_path(sys.argv[0], run_name="__main__")
+            sys.exit(0)
+        sys.argv = ["keel", *request["argv"]]
         sys.exit(sys.modules["keel.cli"].main())
     except SystemExit as stop:  # as the interpreter turns sys.exit's argument into a status
         code = stop.code
@@ -167,8 +178,9 @@ def keel_server(directory: Path):
     """A server for one page's blocks (in their environment); yields its `keel` client's folder and its socket."""
     bin_dir, log = directory / "bin", directory / "keel-server.log"
     bin_dir.mkdir()
-    (bin_dir / "keel").write_text(f"#!{sys.executable} -S\n{CLIENT}")
-    (bin_dir / "keel").chmod(0o755)
+    for client in ("keel", "python-block"):  # one client, told apart by its name
+        (bin_dir / client).write_text(f"#!{sys.executable} -S\n{CLIENT}")
+        (bin_dir / client).chmod(0o755)
     env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "MPLBACKEND": "Agg",
                         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with tempfile.TemporaryDirectory(prefix="keel-") as short, log.open("w") as err:  # a socket path: < 108 bytes
@@ -208,7 +220,7 @@ def test_every_page_runs_in_order_as_written(page, tmp_path):
             if block.not_run:
                 print(f"{block.where}: not run: {block.not_run}")
                 continue
-            if server is None and block.lang == "bash" and re.search(r"^keel ", block.code, flags=re.M):
+            if server is None and (block.lang == "python" or re.search(r"^keel ", block.code, flags=re.M)):
                 server = stack.enter_context(keel_server(tmp_path))
             proc = run_block(block, work, server)
             assert proc.returncode == 0, (f"{block.where} ({block.lang}) exited {proc.returncode}, after the "
@@ -242,22 +254,33 @@ def test_a_block_that_drifted_fails(tmp_path):
 
 @pytest.mark.slow  # a server importing torch
 def test_keel_through_the_server_answers_as_the_console_script(tmp_path):
-    """The pages' `keel` (a client of keel_server) exits, prints and fails as the installed command does: a refused
-    option stops the block with the command's one error line, output reaches a pipe."""
-    blocks = {"refused": "keel train --preset tiny run.no_such_field=1\necho not reached\n",
-              "version": "keel --version | tr a-z A-Z\n",
-              "missing": "keel eval no-such-run-dir\n"}
+    """The pages' `keel` and Python blocks (clients of keel_server) exit, print and fail as the installed command
+    and a fresh interpreter do: a refused option stops the block with the command's one error line, output reaches
+    a pipe; a script runs as __main__ beside its folder's modules, its exception's last line and exit status and
+    its sys.exit code are the interpreter's."""
+    blocks = {"refused": ("bash", "keel train --preset tiny run.no_such_field=1\necho not reached\n"),
+              "version": ("bash", "keel --version | tr a-z A-Z\n"),
+              "missing": ("bash", "keel eval no-such-run-dir\n"),
+              "script": ("python", "import os, sys\nimport helper\nprint(__name__, os.path.basename(sys.argv[0]), "
+                                   "helper.X, os.path.basename(os.getcwd()), os.environ['HF_HUB_OFFLINE'])\n"),
+              "raises": ("python", "print('before', flush=True)\nraise ValueError('from the block')\n"),
+              "exits": ("python", "import sys\nprint('out')\nsys.exit(3)\n")}
     work = tmp_path / "work"
     work.mkdir()
-    real = {name: run_block(Block(README, 0, "bash", code, None), work) for name, code in blocks.items()}
+    (work / "helper.py").write_text("X = 'imported beside the script'\n")  # the script's folder is on its path
+    real = {name: run_block(Block(README, 0, lang, code, None), work) for name, (lang, code) in blocks.items()}
     with keel_server(tmp_path) as server:
-        served = {name: run_block(Block(README, 0, "bash", code, None), work, server)
-                  for name, code in blocks.items()}
+        served = {name: run_block(Block(README, 0, lang, code, None), work, server)
+                  for name, (lang, code) in blocks.items()}
     for name in blocks:
         assert (served[name].returncode, served[name].stdout) == (real[name].returncode, real[name].stdout), name
         assert served[name].stderr.splitlines()[-1:] == real[name].stderr.splitlines()[-1:], name
     assert real["refused"].returncode == 2 and "no_such_field" in real["refused"].stderr
     assert real["version"].stdout.startswith("KEEL ") and real["missing"].returncode == 2
+    assert real["script"].stdout == "__main__ block.py imported beside the script work 1\n"
+    assert (real["raises"].returncode, real["raises"].stdout) == (1, "before\n")
+    assert real["raises"].stderr.splitlines()[-1] == "ValueError: from the block"
+    assert (real["exits"].returncode, real["exits"].stdout) == (3, "out\n")
 
 
 # ---- the README's Python API, checked against independent numbers ---------------------------------------
