@@ -156,18 +156,44 @@ def _traced(rank: int, worker, port: int, *args) -> None:
     worker(rank, port, *args)
 
 
+def _traced_in(rank: int, env: dict, worker, port: int, *args) -> None:
+    """`_traced` in a process forked from the forkserver, with the environment the test has now (a spawned process
+    gets it at its start; the forkserver's children would have the one of the test that started the server)."""
+    os.environ.clear()
+    os.environ.update(env)
+    _traced(rank, worker, port, *args)
+
+
+# what the forkserver imports once, before it forks: what each rank would otherwise import again (about 3.5 CPU s a
+# rank). Nothing here reads the test's environment at import beyond what conftest fixes for the whole session.
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor",
+                      "torch.distributed.checkpoint", "torch.distributed.pipelining"]
+
+
 @pytest.fixture(scope="session")
 def spawn():
     """`spawn(worker, *args, nprocs=2)`: run `worker(rank, port, *args)` in `nprocs` fresh processes (a free
-    local port for their process group) and wait for all of them; a hung worker is killed at `timeout`."""
+    local port for their process group) and wait for all of them; a hung worker is killed at `timeout`.
+
+    `forkserver=True`: the processes are forked from multiprocessing's forkserver (a fresh interpreter, started once
+    per test process, that has imported torch and its distributed packages: FORKSERVER_PRELOAD) instead of each
+    starting a new interpreter that imports them again; each is still a process of its own, with the test's
+    environment at the call."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    def run(worker, *args, nprocs: int = 2, timeout: float = 300):
+    def run(worker, *args, nprocs: int = 2, timeout: float = 300, forkserver: bool = False):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        context = mp.start_processes(_traced, args=(worker, port, *args), nprocs=nprocs, join=False,
-                                     start_method="spawn")
+        if forkserver:
+            multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+            context = mp.start_processes(_traced_in, args=(dict(os.environ), worker, port, *args), nprocs=nprocs,
+                                         join=False, start_method="forkserver")
+        else:
+            context = mp.start_processes(_traced, args=(worker, port, *args), nprocs=nprocs, join=False,
+                                         start_method="spawn")
         deadline = time.monotonic() + timeout
         try:  # each join returns when some worker ends (raising if it failed): wait for all, up to the deadline
             while not context.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -901,17 +901,20 @@ def test_reading_a_1gb_shard_set_keeps_memory_bounded(tmp_path):
     out, rng, chunk = tmp_path / "big", np.random.default_rng(0), 64 << 20  # ids per shard: 128 MB of uint16
     out.mkdir()
     splits = {"train": [], "val": []}
+    # one shard's random ids, written to each of the 8 files (what is read, checked and resident is the same as
+    # with 8 different draws; drawing and hashing 128 MB once, not 8 times)
+    ids = rng.integers(0, 256, chunk, dtype=np.uint16)
+    sha = lambda data: hashlib.sha256(data).hexdigest()  # noqa: E731
+    ids_sha, index_sha = sha(ids.tobytes()), sha(np.zeros(1, "<u4").tobytes())
     for k in range(8):
         split, index = ("train", k) if k < 7 else ("val", 0)
         name = f"{split}-{index:06d}"
-        ids = rng.integers(0, 256, chunk, dtype=np.uint16)
         ids.tofile(out / f"{name}.bin")
         np.zeros(1, "<u4").tofile(out / f"{name}.idx")
-        sha = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
-        splits[split].append({"file": f"{name}.bin", "tokens": chunk, "sha256": sha(out / f"{name}.bin"),
-                              "index": f"{name}.idx", "index_sha256": sha(out / f"{name}.idx"), "documents": 1,
+        splits[split].append({"file": f"{name}.bin", "tokens": chunk, "sha256": ids_sha,
+                              "index": f"{name}.idx", "index_sha256": index_sha, "documents": 1,
                               "end": {"document": 1, "offset": 0, "digest": "0" * 64}})
-        del ids
+    del ids
     manifest = {"format": "keel-shards-1", "dtype": "uint16", "shard_tokens": chunk,
                 "tokenizer": {"name": "bytes", "vocab_size": 256, "eos_id": None}, "bpe_sample": None,
                 "corpus": {"source": "random", "kind": "test", "fingerprint": "0" * 64},

@@ -81,7 +81,7 @@ def _worker(rank: int, port: int, world: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, spawn):
     out = tmp_path_factory.mktemp("two_ranks")
-    spawn(_worker, 2, str(out), nprocs=2, timeout=TIMEOUT)
+    spawn(_worker, 2, str(out), nprocs=2, timeout=TIMEOUT, forkserver=True)
     return out, torch.load(out / "rank0.pt", weights_only=False)
 
 

@@ -49,7 +49,7 @@ def test_two_processes_give_the_score_of_one(tmp_path, spawn):
                       cache_dir=str(tmp_path / "cache"))
     tasks = evals.resolve(names(task_yaml))
     one = evals.score(tiny(), tasks, data, ByteTokenizer(), max_items=MAX_ITEMS, device="cpu")
-    spawn(_worker, vars(data), task_yaml, str(tmp_path))
+    spawn(_worker, vars(data), task_yaml, str(tmp_path), forkserver=True)
     two = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     print(f"one process {one}\ntwo processes {two[0]}")
     assert two[0] == two[1] == json.loads(json.dumps(one))

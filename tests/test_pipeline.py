@@ -84,7 +84,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def two_stages(tmp_path_factory, spawn):
     out = tmp_path_factory.mktemp("two_stages")
-    spawn(_worker, str(out), nprocs=2, timeout=TIMEOUT)
+    spawn(_worker, str(out), nprocs=2, timeout=TIMEOUT, forkserver=True)
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -297,7 +297,7 @@ def _dp_worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def stages_and_replicas(tmp_path_factory, spawn):
     out = tmp_path_factory.mktemp("stages_and_replicas")
-    spawn(_dp_worker, str(out), nprocs=4, timeout=TIMEOUT)
+    spawn(_dp_worker, str(out), nprocs=4, timeout=TIMEOUT, forkserver=True)
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
 
 

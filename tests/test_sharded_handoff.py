@@ -72,7 +72,7 @@ def test_fsdp2_on_two_ranks_keeps_the_handoff_and_trains_as_one_process(spawn, t
     """The norms a block applies to the sum the block before it handed on (and the final norm's) are one FSDP2 unit
     of their own, gathered for the step: two ranks give the losses of one plain process over 20 steps, and the
     same weights at the end, those norms' gains included (their gradients reduced over the ranks)."""
-    spawn(_worker, str(tmp_path / "rank0.pt"), nprocs=2, timeout=300)
+    spawn(_worker, str(tmp_path / "rank0.pt"), nprocs=2, timeout=300, forkserver=True)
     got = torch.load(tmp_path / "rank0.pt")
     # every junction fused, the 3 between blocks as sums, and the last sub-layer's sum normalised at the root
     assert got["layout"] == {"fused": 2 * CONFIG.n_blocks - 2, "final": "NormOfSum", "handed": CONFIG.n_blocks,
