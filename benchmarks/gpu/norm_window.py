@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import gc
 import json
 import os
 import queue
@@ -53,7 +52,7 @@ if __name__ == "__main__":  # before torch loads, in the driver and in each work
     launcher_environment()
 
 import torch  # noqa: E402
-from campaign import VARIANTS, GpuSuite  # noqa: E402
+from campaign import VARIANTS, GpuSuite, freeze_imports  # noqa: E402
 
 MIX_ENV = "TORCHINDUCTOR_MIX_ORDER_REDUCTION"
 SETTINGS = {"mix_on": "1", "mix_off": "0"}  # worker -> the variable's value (1: torch's default outside fbcode)
@@ -194,8 +193,7 @@ def worker(toy: bool) -> None:
     if toy:
         # release() collects in full after every command: at toy size, walking what the imports made (about 400,000
         # objects) was a third of the window's CPU time; frozen out, each collection walks the models' own objects
-        gc.collect()
-        gc.freeze()
+        freeze_imports()
     reply({"machine": machine(device), "env": os.environ.get(MIX_ENV),
            "mix_order_reduction": getattr(inductor_config.triton, "mix_order_reduction", "not in this torch")})
     for line in sys.stdin:
