@@ -186,9 +186,11 @@ def main() -> None:
             result["status"]["profile"] = "no time left"
             return
         n, batch = base.tokens_points[0]
+        # toy: one warm-up and one profiled step (a GPU: profile_schemes' two of each)
+        steps = {"steps": 1, "warmup": 1} if args.toy else {}
         try:
             result["profile"] = profile_schemes(base.model(n), base.run(ac_every=1, compile=True, batch_size=batch),
-                                                ["keel", "pre_ln"], **base.bench_options(device))
+                                                ["keel", "pre_ln"], **steps, **base.bench_options(device))
             result["status"]["profile"] = "done"
         except Exception as err:  # recorded, the window goes on
             result["status"]["profile"] = f"failed: {type(err).__name__}: {err}"[:500]
