@@ -105,10 +105,12 @@ class GpuSuite:
         # compiled variants through Dynamo alone ("eager" backend): the graphs, recompiles and fused-junction counts
         # the toy runs check are Dynamo's and the model's; AOTAutograd's trace of the same model (with the fused
         # junction, under AC) is tests/test_fused_junction_model.py's and
-        # test_compile.py's, and costs the toy campaign a fifth more CPU time
-        return cls(d_model=32, n_heads=2, n_kv_heads=1, vocab_size=256, seq_len=16, batch_size=2, dtype="auto",
-                   compile_backend="eager", steps=2, warmup=1, compare_sublayers=(4, 8), ac_from=8,
-                   together_upto=4, tokens_points=((4, 4),), kernel_rows=64, kernel_widths=(32, 48), kernel_calls=1,
+        # test_compile.py's, and costs the toy campaign a fifth more CPU time. The fused junction runs in triton's
+        # interpreter here, one program a row (its backward 4 programs, each looping over its rows): seq_len 8 and
+        # kernel_rows 16 keep the rows few, one timed step after the warm-up one still alternates the order
+        return cls(d_model=32, n_heads=2, n_kv_heads=1, vocab_size=256, seq_len=8, batch_size=2, dtype="auto",
+                   compile_backend="eager", steps=1, warmup=1, compare_sublayers=(4, 8), ac_from=8,
+                   together_upto=4, tokens_points=((4, 4),), kernel_rows=16, kernel_widths=(32, 48), kernel_calls=1,
                    kernel_repeats=1, warmup_sublayers=4, warmup_repeats=1, depth_d_model=32,
                    depth_sublayers=(4, 8, 16), depth_steps=1, max_depth_from=4,
                    max_depth_upto=16, max_depth_resolution=4, test_args=("-m", "gpu", "tests/test_junction.py"),
@@ -453,6 +455,19 @@ def gpu_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def freeze_imports() -> None:
+    """For toy runs: what the imports made, out of Python's full collections (each model's release, keel.bench.core's
+    `free`, collects in full). At toy size, walking those objects (about 400,000) was a tenth of the campaign's CPU
+    time. Dynamo's own imports (sympy, networkx by way of functorch's partitioner: about 160,000 objects more) come
+    with the first compile, after a freeze at start, so they are imported first: the toy runs compile anyway, and a
+    GPU run never freezes."""
+    import torch._dynamo  # noqa: F401, PLC0415
+    import torch._functorch.partitioners  # noqa: F401, PLC0415
+
+    gc.collect()
+    gc.freeze()
+
+
 COMMAND = "benchmarks/gpu/campaign.py"
 # what the campaign reads of keel's merged config (a file or key=value overrides): its sizes are its own
 READS = Reads(COMMAND, ("run.threads", "run.device"), "a fixed campaign; it takes run.device")
@@ -482,10 +497,7 @@ def run(args) -> dict:
     if device.type != "cuda" and not args.toy:
         raise ConfigError("needs a CUDA device (its sizes are a GPU's); --toy runs it at toy size here")
     if args.toy:
-        # each model's release collects in full: at toy size, walking what the imports made (about 400,000 objects)
-        # was a tenth of the run's CPU time; frozen out, each collection walks the models' own objects
-        gc.collect()
-        gc.freeze()
+        freeze_imports()
     result = gpu_suite(GpuSuite.toy() if args.toy else GpuSuite(), device,
                        writer(Path(args.out) if args.out else None, gpu_markdown), sections)
     print(gpu_markdown(result))

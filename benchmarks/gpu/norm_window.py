@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import gc
 import json
 import os
 import queue
@@ -53,7 +52,7 @@ if __name__ == "__main__":  # before torch loads, in the driver and in each work
     launcher_environment()
 
 import torch  # noqa: E402
-from campaign import VARIANTS, GpuSuite  # noqa: E402
+from campaign import VARIANTS, GpuSuite, freeze_imports  # noqa: E402
 
 MIX_ENV = "TORCHINDUCTOR_MIX_ORDER_REDUCTION"
 SETTINGS = {"mix_on": "1", "mix_off": "0"}  # worker -> the variable's value (1: torch's default outside fbcode)
@@ -63,6 +62,7 @@ ROUNDS_2048, STEPS_2048 = 3, 2  # d=2048: per partner
 # model's steps on a CPU)
 TOY_ROUNDS, TOY_STEPS = 2, 2
 WARMUP, PROFILE_STEPS = 2, 2
+TOY_PROFILE_STEPS = 1  # --toy: each model's kernels by name over one profiled step (and one for its phases)
 # seconds; the parts run in this order, each box plus what earlier parts left; with SLACK for starting and ending,
 # within the 8 minutes a command is given
 BOXES = {"build": 170, "rounds": 70, "profile": 60, "d2048": 150}
@@ -194,8 +194,7 @@ def worker(toy: bool) -> None:
     if toy:
         # release() collects in full after every command: at toy size, walking what the imports made (about 400,000
         # objects) was a third of the window's CPU time; frozen out, each collection walks the models' own objects
-        gc.collect()
-        gc.freeze()
+        freeze_imports()
     reply({"machine": machine(device), "env": os.environ.get(MIX_ENV),
            "mix_order_reduction": getattr(inductor_config.triton, "mix_order_reduction", "not in this torch")})
     for line in sys.stdin:
@@ -329,7 +328,8 @@ def run_window(out: Path, seconds: float, toy: bool) -> dict:
     result = {"command": sys.argv, "seconds": seconds, "toy": toy, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "plan": planned(), "settings": {"rounds": TOY_ROUNDS if toy else ROUNDS, "steps": TOY_STEPS if toy
               else STEPS, "rounds_2048": TOY_ROUNDS if toy else ROUNDS_2048, "steps_2048": TOY_STEPS if toy else
-              STEPS_2048, "warmup": WARMUP, "profile_steps": PROFILE_STEPS, "boxes": BOXES},
+              STEPS_2048, "warmup": WARMUP, "profile_steps": TOY_PROFILE_STEPS if toy else PROFILE_STEPS,
+              "boxes": BOXES},
               "status": {}, "workers": {}, "models": {}, "rounds": {},
               "profile": {}, "summary": {}, "part_s": {}}
 
@@ -399,7 +399,7 @@ def run_window(out: Path, seconds: float, toy: bool) -> dict:
             if over():
                 return "time box reached"
             if "error" not in result["models"].get("1024", {}).get(m.key, {"error": 1}):
-                result["profile"][m.key] = ask(m, {"op": "profile", "n": PROFILE_STEPS})
+                result["profile"][m.key] = ask(m, {"op": "profile", "n": counts["profile_steps"]})
                 save()
 
     def d2048(over) -> str | None:

@@ -31,7 +31,6 @@ writes OUT/window.json and OUT/window.md after every cell. `--toy` runs it at CP
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 import traceback
@@ -39,7 +38,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from campaign import GpuSuite, gpu_markdown, gpu_suite
+from campaign import GpuSuite, freeze_imports, gpu_markdown, gpu_suite
 from kernel_profile import profile_markdown, profile_schemes
 
 from keel.bench.core import Bench, attempt
@@ -134,8 +133,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     base = GpuSuite.toy() if args.toy else GpuSuite()
     if args.toy:  # as campaign.py's toy run: each release's full collection walks the models' objects alone
-        gc.collect()
-        gc.freeze()
+        freeze_imports()
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "status": {},
               "seconds": args.seconds}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -188,9 +186,11 @@ def main() -> None:
             result["status"]["profile"] = "no time left"
             return
         n, batch = base.tokens_points[0]
+        # toy: one warm-up and one profiled step (a GPU: profile_schemes' two of each)
+        steps = {"steps": 1, "warmup": 1} if args.toy else {}
         try:
             result["profile"] = profile_schemes(base.model(n), base.run(ac_every=1, compile=True, batch_size=batch),
-                                                ["keel", "pre_ln"], **base.bench_options(device))
+                                                ["keel", "pre_ln"], **steps, **base.bench_options(device))
             result["status"]["profile"] = "done"
         except Exception as err:  # recorded, the window goes on
             result["status"]["profile"] = f"failed: {type(err).__name__}: {err}"[:500]
