@@ -38,9 +38,12 @@ CONTENT = st.one_of(st.binary(max_size=300), st.lists(JSON.map(json.dumps), max_
 
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory) -> Path:
-    """A tiny run of 4 steps: checkpoints at 2 and 4, telemetry, an evaluation result."""
-    run = tiny_run(tmp_path_factory.mktemp("trained"), corpus, "run.steps=4", "run.ckpt_every=2", "run.eval_every=2",
-                   "run.telemetry_every=2", evaluate=True)
+    """A tiny run of 4 steps: checkpoints at 2 and 4, telemetry, an evaluation result. Its curves.png is not drawn
+    (a second or two of CPU): no fuzzed file is it, and the commands that draw (plot, resume) write it anew."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("keel.train.trainer.Trainer.draw_curves", lambda self, quiet=False: None)
+        run = tiny_run(tmp_path_factory.mktemp("trained"), corpus, "run.steps=4", "run.ckpt_every=2",
+                       "run.eval_every=2", "run.telemetry_every=2", evaluate=True)
     (run / ".lock").unlink()
     return run
 

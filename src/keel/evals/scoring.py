@@ -73,14 +73,15 @@ def prepare(tasks: list[Task], data_config: DataConfig, tokenizer) -> dict[str, 
 
 
 def score(model, tasks: list[Task], data_config: DataConfig, tokenizer, *, max_items: int = 200, device,
-          autocast=contextlib.nullcontext) -> dict[str, dict]:
+          autocast=contextlib.nullcontext, items: dict[str, list[dict]] | None = None) -> dict[str, dict]:
     """Score `model` on `tasks` (from `resolve`): per task `{"acc", "n", "chance", ...}` (probes add
     `acc_norm` and `version`; harness tasks add the harness's own `metrics`).
 
     At most `max_items` items per task; contexts cut from the left to the model's max_seq_len. Under
     torch.distributed every rank must call this (ranks split the items) and every rank gets the result. The
-    model's mode, weights and the random generators are as they were afterwards."""
-    items = prepare(tasks, data_config, tokenizer)
+    model's mode, weights and the random generators are as they were afterwards. `items`: what `prepare(tasks,
+    data_config, tokenizer)` returned, for a caller that scores the same tasks again (read once, not at every call)."""
+    items = prepare(tasks, data_config, tokenizer) if items is None else items
     scorer = Scorer(model, tokenizer, device, autocast)
     out = {}
     with untouched(model, device):

@@ -23,7 +23,7 @@ def point(config: TrainConfig) -> dict:
     steps, the end)."""
     run, data, tokenizer = config.run, config.data, common.corpus(config.data).tokenizer
     tasks = evals.resolve(run.eval_tasks)
-    evals.prepare(tasks, data, tokenizer)
+    items = evals.prepare(tasks, data, tokenizer)  # generated now if need be, read once for every measurement
     batches = common.fixed_batches(common.splits(data)["report"], run.seq_len, run.batch_size, run.eval_batches)
     curve = {"step": [], "loss": [], "acc": {t.name: [] for t in tasks}, "score": [], "chance": {}}
 
@@ -33,7 +33,7 @@ def point(config: TrainConfig) -> dict:
         curve["step"].append(step)
         curve["loss"].append(common.loss_on(model, batches, auto))
         scores = evals.score(model, tasks, data, tokenizer, max_items=run.eval_tasks_items, device=device,
-                             autocast=auto)
+                             autocast=auto, items=items)
         for name, s in scores.items():
             curve["acc"][name].append(s["acc"])
             curve["chance"][name] = s["chance"]
