@@ -164,6 +164,7 @@ def test_a_damaged_save_is_discarded_with_one_line_and_the_point_starts_over(cfg
     assert numbers(point) == numbers(uninterrupted)
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_progress_computed_with_another_thread_count_is_discarded(cfg, tmp_path, monkeypatch, capsys):
     """CPU reductions differ with the number of threads: such progress would not continue the same point."""
     with pytest.raises(Killed):
