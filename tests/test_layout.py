@@ -273,6 +273,7 @@ def test_the_paths_contributing_names_exist():
     assert named and [p for p in named if not (repo / p).exists()] == []
 
 
+@pytest.mark.slow  # over a second in tests/durations.json
 def test_every_test_that_starts_the_triton_interpreter_is_slow():
     """A child process under TRITON_INTERPRET=1 takes minutes on a small machine: not for the fast tier.
     Checked from the test files: a test that starts one, itself or through a fixture of its file, is slow."""
